@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv if missing, install torch pinned (the CPU build on these machines) and then the
+# package with its extras. An unpinned torch would pull a multi-GB CUDA build.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+DEMO_DIR ?= .demo-model
+
+.PHONY: demo test lint bench-offline clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdserve demo --model-dir $(DEMO_DIR)
+
+lint: $(STAMP)
+	$(BIN)/ruff check pdserve tests
+	$(BIN)/ruff format --check pdserve tests
+
+test: lint
+	$(BIN)/python -m pytest -q -x --durations=15
+
+bench-offline: $(STAMP)
+	$(BIN)/pdserve bench offline
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

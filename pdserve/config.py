@@ -1,0 +1,245 @@
+"""Frozen configuration, passed explicitly (no globals).
+
+`ModelConfig` is read from a Hugging Face `config.json`; `EngineConfig` holds the serving knobs. Both
+are pure Python so that scheduler-side code can hold them without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unsupported or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of one decoder-only transformer, as its HF `config.json` describes it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    # Per-layer sliding window in tokens (None = full attention). Length num_layers.
+    sliding_windows: tuple[int | None, ...]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+
+    @staticmethod
+    def from_dir(path: str | os.PathLike) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"no config.json in model directory {str(path)!r}")
+        raw = json.loads(cfg_path.read_text())
+        gen_path = Path(path) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return ModelConfig.from_dict(raw, gen)
+
+    @staticmethod
+    def from_dict(raw: dict, generation: dict | None = None) -> ModelConfig:
+        from pdserve.model.registry import arch_traits  # torch-free
+
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        traits = arch_traits(arch)
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        num_layers = raw["num_hidden_layers"]
+        windows = _sliding_windows(raw, num_layers, traits.sliding_from_layer_types)
+        eos: list[int] = []
+        for src in (generation or {}, raw):
+            val = src.get("eos_token_id")
+            for tok in [val] if isinstance(val, int) else (val or []):
+                if tok not in eos:
+                    eos.append(tok)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope=_rope(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=traits.qkv_bias or bool(raw.get("attention_bias", False)),
+            o_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=traits.qk_norm,
+            sliding_windows=windows,
+            eos_token_ids=tuple(eos),
+            bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes of K plus V for one token of one layer at 2 bytes/element (bf16/fp16)."""
+        return 2 * self.num_kv_heads * self.head_dim * 2
+
+
+def _rope(raw: dict) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files write rope_theta and
+    # rope_scaling at the top level. Accept both.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_windows(raw: dict, num_layers: int, from_layer_types: bool) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if not window:
+        return (None,) * num_layers
+    if from_layer_types:
+        # Qwen2/Qwen3: only layers marked "sliding_attention" (and only if use_sliding_window).
+        if not raw.get("use_sliding_window", False):
+            return (None,) * num_layers
+        types = raw.get("layer_types") or ["full_attention"] * num_layers
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (int(window),) * num_layers
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_pages` pages of `page_size` tokens, all layers."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 0.5
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 4096  # prompt + generated tokens of one request
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ConfigError("max_num_seqs, max_num_batched_tokens >= 1 and max_model_len >= 2 required")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    model_config: ModelConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    served_model_name: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @staticmethod
+    def create(
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory_gib: float = 0.5,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        served_model_name: str | None = None,
+    ) -> EngineConfig:
+        mc = ModelConfig.from_dir(model)
+        if dtype == "auto":
+            dtype = "float32" if device in ("auto", "cpu") and not _cuda_available() else "bfloat16"
+        if device == "auto":
+            device = "cuda" if _cuda_available() else "cpu"
+        max_len = max_model_len or min(mc.max_position_embeddings, 4096)
+        return EngineConfig(
+            model=str(model),
+            model_config=mc,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            served_model_name=served_model_name,
+            cache=CacheConfig(
+                page_size=page_size,
+                num_pages=num_pages,
+                kv_cache_memory_gib=kv_cache_memory_gib,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_len,
+            ),
+        )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

@@ -1,0 +1,201 @@
+"""`LLMEngine`: validation, tokenization, the step loop and output processing (stops, text).
+
+Single-threaded: the offline `LLM` calls `step()` directly; the server runs it in one engine thread
+(`pdserve.engine.async_engine`). One step = schedule -> run the model -> append sampled tokens ->
+publish full pages to the prefix cache -> check stops -> release finished requests' pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from pdserve.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.kv_manager import KVManager
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer, TokenizerError
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given (too long, empty, bad values). No state was changed."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(config.model)
+        except TokenizerError:
+            self.tokenizer = None  # token-id prompts still work
+        mc = config.model_config
+        self.eos_token_ids = mc.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
+        )
+        layout = self.runner.kv_cache.layout
+        self.kv = KVManager(self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching,
+                            namespace=f"{mc.architecture}:{layout.fingerprint()}")
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._counter = itertools.count()
+        self.num_generated_tokens = 0
+
+    # ---- intake --------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequest("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.config.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    tokenized: tuple[str | None, list[int]] | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequest without changing any state.
+
+        `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
+        `tokenized` (from `tokenize_prompt`) skips tokenizing it again.
+        """
+        text, ids = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already active")
+        max_len = self.config.scheduler.max_model_len
+        num_prompt = len(ids)
+        if num_prompt >= max_len:
+            raise InvalidRequest(
+                f"prompt has {num_prompt} tokens; this model's maximum context length is {max_len} tokens"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
+        if num_prompt + max_tokens > max_len:
+            raise InvalidRequest(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
+                f"length of {max_len} tokens"
+            )
+        if self.kv.num_pages_for(num_prompt + max_tokens) > self.kv.pool.num_pages:
+            raise InvalidRequest("request needs more KV pages than this engine has in total")
+        req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
+        self.requests[request_id] = req
+        self._prompts[request_id] = text
+        self.runner.add_request(req)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._release(req)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        sampled_reqs, result = self.runner.execute(sched)
+        now = time.monotonic()
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+        outputs: list[RequestOutput] = []
+        for i, req in enumerate(sampled_reqs):
+            token = result.token_ids[i]
+            req.append_output(token)
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if result.logprobs[i] is not None:
+                chosen, top = result.logprobs[i]
+                req.logprobs.append(TokenLogprob(token, chosen, top))
+            status = self._check_stop(req)
+            self.kv.cache_computed_pages(req)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                outputs.append(self._release(req))
+            else:
+                outputs.append(self._output(req))
+        for req in sched.requests:  # prefill chunks that did not sample still publish full pages
+            if req.status == RequestStatus.RUNNING and req not in sampled_reqs:
+                self.kv.cache_computed_pages(req)
+        return outputs
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token = req.output_token_ids[-1]
+        params = req.sampling_params
+        if token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop and self.tokenizer is not None:
+            text = self._text(req)
+            tail_from = max(0, len(text) - max(len(s) for s in params.stop) - 16)
+            for s in params.stop:
+                if text.find(s, tail_from) >= 0:
+                    req.stop_reason = s
+                    return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def _text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids, req.sampling_params.skip_special_tokens)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self._text(req)
+        if isinstance(req.stop_reason, str) and req.status.finished:
+            cut = text.find(req.stop_reason)
+            if cut >= 0:
+                text = text[: cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)]
+        finish = req.status.value if req.status.finished else None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=self._prompts.get(req.request_id),
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, list(req.output_token_ids),
+                                      list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+                                      finish, req.stop_reason)],
+            finished=req.status.finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                     "last_token_time": req.last_token_time, "num_preemptions": req.num_preemptions},
+        )
+
+    def _release(self, req: Request) -> RequestOutput:
+        out = self._output(req)
+        del self.requests[req.request_id]
+        self._prompts.pop(req.request_id, None)
+        self.runner.remove_request(req.request_id)
+        return out
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: with no request active, no page is in use."""
+        self.kv.check_integrity()
+        if not self.requests:
+            assert self.kv.pool.num_used_pages == 0, f"{self.kv.pool.num_used_pages} pages leaked"

@@ -1,0 +1,125 @@
+"""Worker side of one engine step: scheduler output (page ids) -> tensors -> forward -> samples.
+
+The scheduler never sees a tensor; this is where page ids become slots. For a request computing
+tokens [start, start + n):
+    positions  start .. start+n-1
+    slots      page_ids[p // page_size] * page_size + p % page_size
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvcache.kv_cache import KVCache
+from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.loader import DTYPES, load_model
+from pdserve.model.sampler import SampleResult, Sampler
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.device = config.device
+        self.dtype = DTYPES[config.dtype]
+        self.page_size = config.cache.page_size
+        max_positions = max(config.scheduler.max_model_len, 1)
+        self.model = load_model(config.model, mc, config.dtype, config.device, max_positions)
+        num_pages = config.cache.num_pages or KVCache.num_pages_for_memory(
+            mc, self.page_size, self.dtype, config.cache.kv_cache_memory_gib
+        )
+        self.kv_cache = KVCache(mc, num_pages, self.page_size, self.dtype, config.device)
+        self._kv_views = self.kv_cache.flat_views()
+        self._windows = sorted({w for w in mc.sliding_windows if w is not None})
+        self.sampler = Sampler(config.device, config.seed)
+        self.generators: dict[str, torch.Generator] = {}  # request_id -> its own RNG (seeded requests)
+
+    def add_request(self, req: Request) -> None:
+        if req.sampling_params.seed is not None:
+            self.generators[req.request_id] = self.sampler.new_generator(req.sampling_params.seed)
+
+    def remove_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.layout.num_pages
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict, list[int]]:
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_rows: list[int] = []
+        decode_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            row = len(input_ids)
+            pages = req.page_ids
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, start + n))
+            if start + n == req.num_tokens:
+                sample_rows.append(row + n - 1)
+            if n == 1 and start > 0:
+                decode_rows.append(row)
+                decode_reqs.append(req)
+            elif start == 0:
+                prefills.append(PrefillChunk(row, n, 0, None, None))
+            else:
+                ctx = start + n
+                kv_slots = self._tensor([pages[p // ps] * ps + p % ps for p in range(ctx)])
+                q_pos = torch.arange(start, ctx, device=self.device)[:, None]
+                mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos
+                prefills.append(PrefillChunk(row, n, start, kv_slots, mask))
+        meta = AttentionMetadata(self._tensor(slots), prefills, None, None, None)
+        if decode_reqs:
+            ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in decode_reqs])
+            max_ctx = int(ctx_lens.max())
+            max_pages = -(-max_ctx // ps)
+            table = self._tensor([r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages]))
+                                  for r in decode_reqs])
+            offsets = torch.arange(ps, device=self.device)
+            meta.decode_slots = (table[:, :, None] * ps + offsets).view(len(decode_reqs), -1)[:, :max_ctx]
+            key_pos = torch.arange(max_ctx, device=self.device)[None, :]
+            meta.decode_mask = (key_pos < ctx_lens[:, None])[:, None, None, :]
+            meta.decode_rows = self._tensor(decode_rows)
+        window_masks = {w: self._window_masks(meta, w, positions) for w in self._windows}
+        return self._tensor(input_ids), self._tensor(positions), meta, window_masks, sample_rows
+
+    def _window_masks(self, meta: AttentionMetadata, window: int, positions: list[int]):
+        """Sliding-window variants of the step's masks: key j visible to query at q iff q - j < window."""
+        chunk_masks = []
+        for c in meta.prefills:
+            ctx = c.pos_start + c.num_tokens
+            q_pos = torch.arange(c.pos_start, ctx, device=self.device)[:, None]
+            k_pos = torch.arange(ctx, device=self.device)[None, :]
+            chunk_masks.append((k_pos <= q_pos) & (q_pos - k_pos < window))
+        decode_mask = None
+        if meta.decode_mask is not None:
+            last = meta.decode_mask.shape[-1]
+            k_pos = torch.arange(last, device=self.device)
+            q_pos = meta.decode_mask.sum(-1, keepdim=True) - 1  # [B,1,1,1] position of the query
+            decode_mask = meta.decode_mask & (q_pos - k_pos < window)
+        return chunk_masks, decode_mask
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SampleResult]:
+        """Run one step. Returns the requests that reached their newest token, and their samples."""
+        input_ids, positions, meta, window_masks, sample_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, self._kv_views, meta, window_masks)
+        reqs = [r for r, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+                if r.num_computed_tokens + n == r.num_tokens]
+        if not reqs:
+            return [], SampleResult([], [])
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
+        gens = [self.generators.get(r.request_id) for r in reqs]
+        return reqs, self.sampler(logits, [r.sampling_params for r in reqs], gens)

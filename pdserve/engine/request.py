@@ -1,0 +1,81 @@
+"""`Request`: the one object that follows a request through the engine (nano-vllm's `Sequence`).
+
+Token accounting, the same for prefill, chunked prefill, decode and recompute after preemption:
+
+    all_token_ids  = prompt_token_ids + output_token_ids
+    [0, num_computed_tokens)            KV is in the pool (page_ids cover these tokens)
+    [num_computed_tokens, num_tokens)   still to compute; a step computes a prefix of this range
+    when num_computed_tokens reaches num_tokens, the step samples the next token
+
+The page table maps token position p to slot page_ids[p // page_size] * page_size + p % page_size.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.kvcache.hashing import PageKey
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass(eq=False)  # identity semantics: queues remove by `is`, not by field equality
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    page_ids: list[int] = field(default_factory=list)
+    page_keys: list[PageKey] = field(default_factory=list)  # chained keys of full computed pages
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

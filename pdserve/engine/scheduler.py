@@ -1,0 +1,109 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python.
+
+One step has a token budget (`max_num_batched_tokens`). Running requests are served first, in
+admission order: a decode takes 1 token, an unfinished prefill takes as much of its remaining prompt
+as the budget allows (so prefill chunks and decodes share a step). Waiting requests are then admitted
+FIFO while budget, `max_num_seqs` and pages last; admission first matches the prefix cache.
+
+When a running request cannot grow, the most recently admitted running request is preempted: its
+pages are released and it goes back to the head of the waiting queue with its generated tokens kept,
+to be recomputed (mostly from the prefix cache) when it is readmitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvcache.kv_manager import KVManager
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step: for each request, tokens [start, start + n)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.requests.append(req)
+                out.num_new_tokens.append(num_new)
+                scheduled.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing behind it is left
+
+        # A request is never scheduled twice: preempted ones wait for the next step.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hit_pages, hit_keys = self.kv.match_prefix(req)
+            num_hit_tokens = len(hit_pages) * self.kv.page_size
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate(req, num_new, hit_pages, hit_keys):
+                break
+            self.kv.record_admission(req, num_hit_tokens)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request from whichever queue holds it and release its pages."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status

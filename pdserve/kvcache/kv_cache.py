@@ -1,0 +1,66 @@
+"""The engine's pre-allocated KV pool tensors (the only torch code under kvcache/).
+
+Layout, per layer l:  K[l], V[l] each a contiguous buffer [num_pages, page_size, num_kv_heads, head_dim].
+Page p of layer l's K starts at byte `K[l].data_ptr() + p * bytes_per_page`, so the transfer layer can
+register the 2 * num_layers buffers as memory regions and address any page by its id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    element_bytes: int
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def bytes_per_page_all_layers(self) -> int:
+        return 2 * self.num_layers * self.bytes_per_page
+
+    def fingerprint(self) -> str:
+        """Two engines can exchange pages only if their fingerprints are equal."""
+        return (f"L{self.num_layers}-ps{self.page_size}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}")
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str) -> None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.layout = KVLayout(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                               str(dtype).removeprefix("torch."), elem)
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    def flat_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) as [num_pages * page_size, num_kv_heads, head_dim] views (slot-indexed)."""
+        n = self.layout.num_pages * self.layout.page_size
+        return [(k.view(n, *k.shape[2:]), v.view(n, *v.shape[2:])) for k, v in zip(self.k, self.v, strict=True)]
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, length in bytes) of every K and V buffer, layer by layer: K0, V0, K1, V1, ..."""
+        out = []
+        for k, v in zip(self.k, self.v, strict=True):
+            out += [(k.data_ptr(), k.numel() * k.element_size()), (v.data_ptr(), v.numel() * v.element_size())]
+        return out
+
+    @staticmethod
+    def num_pages_for_memory(cfg: ModelConfig, page_size: int, dtype: torch.dtype, gib: float) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return max(2, int(gib * (1 << 30)) // per_page)

@@ -1,0 +1,101 @@
+"""Per-request page tables on top of `PagePool`: prefix matching, growth, publishing, release.
+
+Pure Python; called only by the scheduler (admission, growth, preemption, finish) and, after each
+model step, by the engine (`cache_computed_pages`). A request's KV index ranges:
+
+    tokens   0 ........ cached ........ computed ............ num_tokens
+    pages    [ shared (ref>1) ][ own, full, registered ][ own, partial ][ reserved for this step ]
+             └ prefix-cache hit ┘
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.request import Request
+from pdserve.kvcache.hashing import PageKey, page_keys, root_key
+from pdserve.kvcache.page_pool import PagePool
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 namespace: str = "") -> None:
+        self.pool = PagePool(num_pages)
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root = root_key(namespace)
+        # Metrics: prompt tokens looked up / found in the prefix cache (first admission only).
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, req: Request) -> tuple[list[int], list[PageKey]]:
+        """Longest run of cached full pages that prefixes the request's tokens (no state change).
+
+        At least one token is always left to compute: the step that computes the last token is the
+        one that produces logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        max_pages = (req.num_tokens - 1) // self.page_size
+        keys = page_keys(req.all_token_ids[: max_pages * self.page_size], self.page_size, self.root)
+        hits: list[int] = []
+        for key in keys:
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            hits.append(page)
+        return hits, keys[: len(hits)]
+
+    def allocate(self, req: Request, num_new_tokens: int, hit_page_ids: list[int] = (),
+                 hit_keys: list[PageKey] = ()) -> bool:
+        """Make room for `num_new_tokens` more computed tokens. All or nothing; False if short.
+
+        `hit_page_ids` (from `match_prefix`, only on admission) are shared into the request first.
+        """
+        num_hit_tokens = len(hit_page_ids) * self.page_size
+        needed = self.num_pages_for(req.num_computed_tokens + num_hit_tokens + num_new_tokens)
+        num_fresh = needed - len(req.page_ids) - len(hit_page_ids)
+        # Hit pages that sit in the LRU stop being allocatable once acquired.
+        num_hits_evictable = sum(1 for p in hit_page_ids if self.pool.ref_count(p) == 0)
+        if num_fresh > self.pool.num_free_pages - num_hits_evictable:
+            return False
+        if hit_page_ids:
+            self.pool.acquire(hit_page_ids)
+            req.page_ids.extend(hit_page_ids)
+            req.page_keys.extend(hit_keys)
+            req.num_computed_tokens += num_hit_tokens
+        if num_fresh > 0:
+            req.page_ids.extend(self.pool.allocate(num_fresh))
+        return True
+
+    def record_admission(self, req: Request, num_hit_tokens: int) -> None:
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+            self.num_query_tokens += req.num_prompt_tokens
+            self.num_hit_tokens += num_hit_tokens
+
+    def cache_computed_pages(self, req: Request) -> None:
+        """Publish the request's newly completed full pages in the prefix cache."""
+        num_full = req.num_computed_tokens // self.page_size
+        start = len(req.page_keys)
+        if num_full <= start:
+            return
+        new_keys = page_keys(
+            req.all_token_ids[: num_full * self.page_size], self.page_size, self.root,
+            start_key=req.page_keys[-1] if start else None, start_page=start,
+        )
+        for i, key in enumerate(new_keys, start=start):
+            if self.enable_prefix_caching:
+                self.pool.register(req.page_ids[i], key)
+            req.page_keys.append(key)
+
+    def free(self, req: Request) -> None:
+        """Release all of the request's pages (tail first, so its tail is evicted first)."""
+        self.pool.release(reversed(req.page_ids))
+        req.page_ids = []
+        req.page_keys = []
+        req.num_computed_tokens = 0
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()

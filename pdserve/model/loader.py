@@ -1,0 +1,94 @@
+"""Load a Hugging Face checkpoint directory (`*.safetensors`, sharded or not) into `CausalLM`.
+
+HF stores q/k/v and gate/up as separate matrices; we fuse them (one matmul each), so their rows are
+concatenated here in the order the forward splits them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.config import ModelConfig
+from pdserve.model.decoder import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# HF suffix -> (our parameter suffix, index of this part inside the fused tensor)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {str(model_dir)!r}")
+    return files
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int) -> CausalLM:
+    torch_dtype = DTYPES[dtype]
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to_empty(device=device)
+    # Buffers (RoPE tables) were created on meta; rebuild them for real on the target device.
+    with torch.device(device):
+        from pdserve.model.layers import RotaryEmbedding
+
+        model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+    params = dict(model.named_parameters())
+    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                name = hf_name.removeprefix("model.")
+                if "rotary_emb" in name:
+                    continue
+                tensor = f.get_tensor(hf_name)
+                for hf_suffix, (ours, idx) in _FUSED.items():
+                    if f".{hf_suffix}." in f".{name}":
+                        kind = name.rsplit(".", 1)[1]  # weight | bias
+                        target = name.replace(hf_suffix, ours).rsplit(".", 1)[0] + "." + kind
+                        fused_parts.setdefault(target, {})[idx] = tensor
+                        break
+                else:
+                    if name not in params:
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue
+                        raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
+                    _copy(params[name], tensor, hf_name)
+                    loaded.add(name)
+    for target, parts in fused_parts.items():
+        ordered = [parts[i] for i in sorted(parts)]
+        _copy(params[target], torch.cat(ordered, dim=0), target)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return model.to(torch_dtype).eval()
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,37 @@
+"""Architectures by name (`config.json` "architectures"). Pure Python: the traits are data.
+
+All four supported families share one decoder (`pdserve.model.decoder`); they differ only in the
+traits below, which is how HF's own modeling files differ for them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v projections (never on o_proj)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_from_layer_types: bool = False  # Qwen: window only on "sliding_attention" layers
+
+
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "LlamaForCausalLM": ArchTraits(),
+    "MistralForCausalLM": ArchTraits(),
+    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, sliding_from_layer_types=True),
+    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, sliding_from_layer_types=True),
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def arch_traits(name: str) -> ArchTraits:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {name!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        ) from None

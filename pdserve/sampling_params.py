@@ -1,0 +1,58 @@
+"""Per-request sampling settings, shaped like vLLM's `SamplingParams`. Pure Python.
+
+Invalid values raise `ValueError` at construction, so a bad request is refused before it touches any
+engine state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: up to max_model_len
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
+        _check(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+            self.logprobs,
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "bad stop_token_ids",
+               self.stop_token_ids)
+        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+def _check(ok: bool, message: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")
