@@ -44,8 +44,11 @@ class SamplingParams:
             self.logprobs,
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "bad stop_token_ids",
-               self.stop_token_ids)
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "bad stop_token_ids",
+            self.stop_token_ids,
+        )
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer", self.seed)
 
     @property

@@ -54,7 +54,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
 
         def raise_exception(message):
             raise TokenizerError(f"chat template error: {message}")

@@ -34,11 +34,17 @@ class LLMEngine:
             self.tokenizer = None  # token-id prompts still work
         mc = config.model_config
         self.eos_token_ids = mc.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
+            (self.tokenizer.eos_token_id,)
+            if self.tokenizer and self.tokenizer.eos_token_id is not None
+            else ()
         )
         layout = self.runner.kv_cache.layout
-        self.kv = KVManager(self.runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching,
-                            namespace=f"{mc.architecture}:{layout.fingerprint()}")
+        self.kv = KVManager(
+            self.runner.num_pages,
+            config.cache.page_size,
+            config.cache.enable_prefix_caching,
+            namespace=f"{mc.architecture}:{layout.fingerprint()}",
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
         self._prompts: dict[str, str | None] = {}
@@ -66,9 +72,15 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    tokenized: tuple[str | None, list[int]] | None = None) -> str:
-        """Validate and queue a request. Raises InvalidRequest without changing any state.
+    def make_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tokenized: tuple[str | None, list[int]] | None = None,
+    ) -> Request:
+        """Validate and build a request without queueing it; raises InvalidRequest. Read-only, so the
+        server calls it on its own thread and answers 400 before the engine thread sees anything.
 
         `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
         `tokenized` (from `tokenize_prompt`) skips tokenizing it again.
@@ -76,9 +88,7 @@ class LLMEngine:
         text, ids = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
         if not ids:
             raise InvalidRequest("prompt is empty")
-        request_id = request_id if request_id is not None else str(next(self._counter))
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already active")
+        request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         max_len = self.config.scheduler.max_model_len
         num_prompt = len(ids)
         if num_prompt >= max_len:
@@ -94,11 +104,29 @@ class LLMEngine:
         if self.kv.num_pages_for(num_prompt + max_tokens) > self.kv.pool.num_pages:
             raise InvalidRequest("request needs more KV pages than this engine has in total")
         req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
-        self.requests[request_id] = req
-        self._prompts[request_id] = text
+        return req
+
+    def add(self, req: Request, prompt_text: str | None = None) -> None:
+        """Queue a request built by `make_request` (engine thread only)."""
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"request id {req.request_id!r} is already active")
+        self.requests[req.request_id] = req
+        self._prompts[req.request_id] = prompt_text
         self.runner.add_request(req)
         self.scheduler.add(req)
-        return request_id
+
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tokenized: tuple[str | None, list[int]] | None = None,
+    ) -> str:
+        """`make_request` + `add`. Raises InvalidRequest without changing any state."""
+        tokenized = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
+        req = self.make_request(prompt, params, request_id, tokenized)
+        self.add(req, tokenized[0])
+        return req.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -172,19 +200,32 @@ class LLMEngine:
         if isinstance(req.stop_reason, str) and req.status.finished:
             cut = text.find(req.stop_reason)
             if cut >= 0:
-                text = text[: cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)]
+                text = text[
+                    : cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)
+                ]
         finish = req.status.value if req.status.finished else None
         return RequestOutput(
             request_id=req.request_id,
             prompt=self._prompts.get(req.request_id),
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(req.output_token_ids),
-                                      list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-                                      finish, req.stop_reason)],
+            outputs=[
+                CompletionOutput(
+                    0,
+                    text,
+                    list(req.output_token_ids),
+                    list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+                    finish,
+                    req.stop_reason,
+                )
+            ],
             finished=req.status.finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                     "last_token_time": req.last_token_time, "num_preemptions": req.num_preemptions},
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_token_time": req.first_token_time,
+                "last_token_time": req.last_token_time,
+                "num_preemptions": req.num_preemptions,
+            },
         )
 
     def _release(self, req: Request) -> RequestOutput:

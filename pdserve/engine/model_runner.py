@@ -16,7 +16,7 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.kv_cache import KVCache
 from pdserve.model.attention import AttentionMetadata, PrefillChunk
 from pdserve.model.loader import DTYPES, load_model
-from pdserve.model.sampler import SampleResult, Sampler
+from pdserve.model.sampler import Sampler, SampleResult
 
 
 class ModelRunner:
@@ -51,7 +51,9 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict, list[int]]:
+    def prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict, list[int]]:
         ps = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -85,8 +87,12 @@ class ModelRunner:
             ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in decode_reqs])
             max_ctx = int(ctx_lens.max())
             max_pages = -(-max_ctx // ps)
-            table = self._tensor([r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages]))
-                                  for r in decode_reqs])
+            table = self._tensor(
+                [
+                    r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages]))
+                    for r in decode_reqs
+                ]
+            )
             offsets = torch.arange(ps, device=self.device)
             meta.decode_slots = (table[:, :, None] * ps + offsets).view(len(decode_reqs), -1)[:, :max_ctx]
             key_pos = torch.arange(max_ctx, device=self.device)[None, :]
@@ -116,8 +122,11 @@ class ModelRunner:
         """Run one step. Returns the requests that reached their newest token, and their samples."""
         input_ids, positions, meta, window_masks, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self._kv_views, meta, window_masks)
-        reqs = [r for r, n in zip(sched.requests, sched.num_new_tokens, strict=True)
-                if r.num_computed_tokens + n == r.num_tokens]
+        reqs = [
+            r
+            for r, n in zip(sched.requests, sched.num_new_tokens, strict=True)
+            if r.num_computed_tokens + n == r.num_tokens
+        ]
         if not reqs:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()

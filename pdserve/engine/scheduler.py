@@ -76,7 +76,9 @@ class Scheduler:
             break  # `req` itself was preempted: nothing behind it is left
 
         # A request is never scheduled twice: preempted ones wait for the next step.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+        ):
             req = self.waiting[0]
             hit_pages, hit_keys = self.kv.match_prefix(req)
             num_hit_tokens = len(hit_pages) * self.kv.page_size

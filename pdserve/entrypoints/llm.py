@@ -1,9 +1,9 @@
 """Offline batch API, shaped like vLLM's `LLM`.
 
-    from pdserve import LLM, SamplingParams
-    llm = LLM(model="path/to/hf-dir", page_size=16, dtype="float32")
-    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
-    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+from pdserve import LLM, SamplingParams
+llm = LLM(model="path/to/hf-dir", page_size=16, dtype="float32")
+outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
 """
 
 from __future__ import annotations

@@ -25,8 +25,13 @@ def chain_key(parent: PageKey, token_ids: Sequence[int]) -> PageKey:
     return h.digest()
 
 
-def page_keys(token_ids: Sequence[int], page_size: int, root: PageKey, start_key: PageKey | None = None,
-              start_page: int = 0) -> list[PageKey]:
+def page_keys(
+    token_ids: Sequence[int],
+    page_size: int,
+    root: PageKey,
+    start_key: PageKey | None = None,
+    start_page: int = 0,
+) -> list[PageKey]:
     """Keys of the full pages of `token_ids` from `start_page` on (partial last page excluded).
 
     `start_key` is the key of page `start_page - 1` (or `root` when start_page == 0), so callers can

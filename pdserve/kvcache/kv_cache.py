@@ -35,14 +35,23 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         """Two engines can exchange pages only if their fingerprints are equal."""
-        return (f"L{self.num_layers}-ps{self.page_size}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}")
+        return f"L{self.num_layers}-ps{self.page_size}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}"
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str
+    ) -> None:
         elem = torch.empty((), dtype=dtype).element_size()
-        self.layout = KVLayout(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                               str(dtype).removeprefix("torch."), elem)
+        self.layout = KVLayout(
+            cfg.num_layers,
+            num_pages,
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            str(dtype).removeprefix("torch."),
+            elem,
+        )
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -50,13 +59,18 @@ class KVCache:
     def flat_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) as [num_pages * page_size, num_kv_heads, head_dim] views (slot-indexed)."""
         n = self.layout.num_pages * self.layout.page_size
-        return [(k.view(n, *k.shape[2:]), v.view(n, *v.shape[2:])) for k, v in zip(self.k, self.v, strict=True)]
+        return [
+            (k.view(n, *k.shape[2:]), v.view(n, *v.shape[2:])) for k, v in zip(self.k, self.v, strict=True)
+        ]
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, length in bytes) of every K and V buffer, layer by layer: K0, V0, K1, V1, ..."""
         out = []
         for k, v in zip(self.k, self.v, strict=True):
-            out += [(k.data_ptr(), k.numel() * k.element_size()), (v.data_ptr(), v.numel() * v.element_size())]
+            out += [
+                (k.data_ptr(), k.numel() * k.element_size()),
+                (v.data_ptr(), v.numel() * v.element_size()),
+            ]
         return out
 
     @staticmethod

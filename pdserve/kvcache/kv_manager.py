@@ -16,8 +16,9 @@ from pdserve.kvcache.page_pool import PagePool
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 namespace: str = "") -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, namespace: str = ""
+    ) -> None:
         self.pool = PagePool(num_pages)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -47,8 +48,9 @@ class KVManager:
             hits.append(page)
         return hits, keys[: len(hits)]
 
-    def allocate(self, req: Request, num_new_tokens: int, hit_page_ids: list[int] = (),
-                 hit_keys: list[PageKey] = ()) -> bool:
+    def allocate(
+        self, req: Request, num_new_tokens: int, hit_page_ids: list[int] = (), hit_keys: list[PageKey] = ()
+    ) -> bool:
         """Make room for `num_new_tokens` more computed tokens. All or nothing; False if short.
 
         `hit_page_ids` (from `match_prefix`, only on admission) are shared into the request first.
@@ -82,8 +84,11 @@ class KVManager:
         if num_full <= start:
             return
         new_keys = page_keys(
-            req.all_token_ids[: num_full * self.page_size], self.page_size, self.root,
-            start_key=req.page_keys[-1] if start else None, start_page=start,
+            req.all_token_ids[: num_full * self.page_size],
+            self.page_size,
+            self.root,
+            start_key=req.page_keys[-1] if start else None,
+            start_page=start,
         )
         for i, key in enumerate(new_keys, start=start):
             if self.enable_prefix_caching:

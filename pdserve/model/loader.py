@@ -44,7 +44,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int) -> CausalLM:
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int
+) -> CausalLM:
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)

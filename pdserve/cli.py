@@ -1,0 +1,135 @@
+"""`pdserve` command line: serve | make-demo-model | demo | bench | simulate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local HF model directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from --kv-cache-gib)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.5)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(a: argparse.Namespace):
+    from pdserve.config import EngineConfig
+
+    return EngineConfig.create(
+        a.model,
+        dtype=a.dtype,
+        device=a.device,
+        page_size=a.page_size,
+        num_pages=a.num_pages,
+        kv_cache_memory_gib=a.kv_cache_gib,
+        enable_prefix_caching=not a.no_prefix_caching,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        served_model_name=a.served_model_name,
+    )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    if a.role != "colocated":
+        print(f"error: --role {a.role} is not available yet; only colocated engines exist", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.server.api import build_app
+
+    engine = LLMEngine(engine_config_from_args(a))
+    app = build_app(engine)
+    print(
+        f"pdserve: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
+        f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
+        flush=True,
+    )
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def cmd_make_demo_model(a: argparse.Namespace) -> int:
+    from pdserve.model.demo import make_demo_model
+
+    out = make_demo_model(a.dir, seed=a.seed)
+    print(f"demo checkpoint written to {out}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from pdserve.demo import run_demo
+
+    return run_demo(a.model_dir, port=a.port)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.what == "offline":
+        from pdserve.bench.offline import run_offline_bench
+
+        return run_offline_bench(a)
+    print(f"unknown benchmark {a.what!r}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run an engine with an OpenAI-compatible HTTP API")
+    _engine_args(s)
+    s.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="warning")
+    s.set_defaults(fn=cmd_serve)
+
+    m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")
+    m.add_argument("dir")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_make_demo_model)
+
+    d = sub.add_parser("demo", help="build the demo checkpoint if needed, serve it, send a few requests")
+    d.add_argument("--model-dir", default=".demo-model")
+    d.add_argument("--port", type=int, default=0, help="0 = pick a free port")
+    d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks (offline: pdserve vs transformers generate)")
+    b.add_argument("what", choices=["offline"])
+    b.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", default=None, help="write the figures to this file")
+    b.set_defaults(fn=cmd_bench)
+
+    sim = sub.add_parser("simulate", help="DualPath cluster simulator")
+    try:
+        from pdserve.sim.cli import add_arguments, run
+    except ImportError:
+        sim.set_defaults(fn=lambda _a: print("simulator not available", file=sys.stderr) or 2)
+    else:
+        add_arguments(sim)
+        sim.set_defaults(fn=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Runs an `LLMEngine` on one dedicated thread and streams its outputs to asyncio callers.
+
+Who calls what: HTTP handlers (event-loop thread) call `validate()` (read-only) and then iterate
+`generate()`; only the engine thread ever mutates the engine. Commands cross over through `_inbox`;
+outputs come back through per-request asyncio queues (`call_soon_threadsafe`). When the engine goes
+idle it runs `check_integrity()` (mini-sglang's habit), so a leak is caught right after it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request
+from pdserve.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+        check_integrity_when_idle: bool = True,
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._check_idle = check_integrity_when_idle
+        self._inbox: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def validate(self, prompt, params, request_id: str | None = None) -> tuple[Request, str | None]:
+        tokenized = self.engine.tokenize_prompt(prompt)
+        return self.engine.make_request(prompt, params, request_id, tokenized), tokenized[0]
+
+    async def generate(self, req: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating."""
+        if not self.alive:
+            raise EngineDeadError("engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        self._send(("add", req, prompt_text))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self._send(("abort", req.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, cmd: tuple) -> None:
+        self._inbox.append(cmd)
+        self._wake.set()
+
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        idle_checked = True
+        try:
+            while not self._stopped:
+                while self._inbox:
+                    cmd = self._inbox.popleft()
+                    if cmd[0] == "add":
+                        _, req, text = cmd
+                        try:
+                            engine.add(req, text)
+                        except Exception as e:  # duplicate id: report to that caller only
+                            self._deliver(e, req.request_id)
+                    else:
+                        engine.abort(cmd[1])
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    for out in outputs:
+                        self._deliver(out, out.request_id)
+                    if self._on_step:
+                        self._on_step(engine, outputs)
+                    idle_checked = False
+                    continue
+                if not idle_checked:
+                    if self._check_idle:
+                        engine.check_integrity()
+                    if self._on_step:
+                        self._on_step(engine, [])
+                    idle_checked = True
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+        except BaseException as e:  # the engine is broken: fail every waiter, never hang them
+            log.exception("engine thread died")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(EngineDeadError(f"engine failed: {e!r}"), rid)

@@ -1,0 +1,297 @@
+"""HTTP API of one engine: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, native
+`/generate`, `/health`, `/metrics`.
+
+Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
+request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.metrics import EngineMetrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
+from pdserve.tokenizer import TokenizerError
+
+
+class APIError(Exception):
+    def __init__(
+        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
+def build_app(engine: LLMEngine) -> FastAPI:
+    metrics = EngineMetrics()
+    aengine = AsyncEngine(engine, on_step=metrics.on_step)
+    metrics.on_step(engine, [])
+    model_name = engine.config.model_name
+    tokenizer = engine.tokenizer
+    app = FastAPI(title="pdserve")
+    app.state.engine = aengine
+    app.state.metrics = metrics
+
+    @app.on_event("shutdown")
+    def _shutdown() -> None:
+        aengine.shutdown()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return JSONResponse(error_body("; ".join(parts) or "invalid request body", 400), status_code=400)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+
+    def validate(prompt, make_params):
+        try:
+            params: SamplingParams = make_params()
+            return aengine.validate(prompt, params, f"cmpl-{uuid.uuid4().hex}")
+        except (InvalidRequest, TokenizerError, ValueError) as e:
+            raise APIError(str(e)) from None
+
+    def usage(out: RequestOutput) -> dict:
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        }
+
+    def token_str(tid: int) -> str:
+        return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
+
+    def completion_logprobs(lps, start: int) -> dict | None:
+        if lps is None:
+            return None
+        items = lps[start:]
+        return {
+            "tokens": [token_str(lp.token_id) for lp in items],
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{token_str(t): v for t, v in lp.top} for lp in items],
+            "text_offset": [],
+        }
+
+    def chat_logprobs(lps, start: int) -> dict | None:
+        if lps is None:
+            return None
+        content = []
+        for lp in lps[start:]:
+            s = token_str(lp.token_id)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp.logprob,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": token_str(t), "logprob": v, "bytes": list(token_str(t).encode())}
+                        for t, v in lp.top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    async def run_to_end(req, text) -> RequestOutput:
+        final = None
+        async for out in aengine.generate(req, text):
+            final = out
+        return final
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream(req, text, chunk_fn, include_usage: bool, head: list[dict] = ()) -> AsyncIterator[str]:
+        """Turn the engine's cumulative outputs into SSE deltas; hold back a trailing partial UTF-8 char."""
+        for h in head:
+            yield sse(h)
+        sent_text, sent_tokens, last = 0, 0, None
+        async for out in aengine.generate(req, text):
+            last = out
+            o = out.outputs[0]
+            upto = len(o.text)
+            if not out.finished:
+                while upto > sent_text and o.text[upto - 1] == "\ufffd":
+                    upto -= 1
+            delta = o.text[sent_text:upto]
+            if delta or out.finished or (o.logprobs and len(o.logprobs) > sent_tokens):
+                yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
+                sent_text, sent_tokens = upto, len(o.token_ids)
+        if include_usage and last is not None:
+            yield sse(chunk_fn(None, None, 0, None) | {"choices": [], "usage": usage(last)})
+        yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    async def health():
+        if not aengine.alive:
+            return JSONResponse({"status": "dead", "error": repr(aengine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": engine.config.scheduler.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        req, text = validate(
+            body.single_prompt(), lambda: body.sampling_params(body.max_tokens, body.logprobs)
+        )
+        created, rid = int(time.time()), req.request_id
+
+        def chunk(delta, o, start, finish):
+            choice = {
+                "index": 0,
+                "text": delta,
+                "finish_reason": finish,
+                "logprobs": completion_logprobs(o.logprobs, start) if o is not None else None,
+            }
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+            }
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(req, text, chunk, include), media_type="text/event-stream")
+        out = await run_to_end(req, text)
+        o = out.outputs[0]
+        resp = chunk(o.text, o, 0, o.finish_reason)
+        return resp | {"usage": usage(out)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer; chat is unavailable")
+        try:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages], body.add_generation_prompt
+            )
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)  # the template has the BOS
+        except TokenizerError as e:
+            raise APIError(str(e)) from None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        req, _ = validate({"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top))
+        created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
+
+        def chunk(delta, o, start, finish):
+            choice = {
+                "index": 0,
+                "delta": {} if delta is None else {"content": delta},
+                "finish_reason": finish,
+                "logprobs": chat_logprobs(o.logprobs, start) if o is not None else None,
+            }
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+            }
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            head = chunk("", None, 0, None)
+            head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            return StreamingResponse(
+                stream(req, prompt, chunk, include, [head]), media_type="text/event-stream"
+            )
+        out = await run_to_end(req, prompt)
+        o = out.outputs[0]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": chat_logprobs(o.logprobs, 0),
+                    "finish_reason": o.finish_reason,
+                }
+            ],
+            "usage": usage(out),
+        }
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest):
+        if (body.input_ids is None) == (body.text is None):
+            raise APIError("give exactly one of input_ids or text")
+        prompt = body.text if body.text is not None else {"prompt_token_ids": body.input_ids}
+        sp = dict(body.sampling_params)
+        if "max_new_tokens" in sp:
+            sp["max_tokens"] = sp.pop("max_new_tokens")
+        unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
+        if unknown:
+            raise APIError(f"unknown sampling params: {sorted(unknown)}")
+        req, text = validate(prompt, lambda: SamplingParams(**sp))
+        if body.rid:
+            req.request_id = body.rid
+
+        def native(out: RequestOutput) -> dict:
+            o = out.outputs[0]
+            meta = {
+                "id": out.request_id,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(o.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                "finish_reason": o.finish_reason,
+            }
+            if o.logprobs is not None:
+                meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in o.logprobs]
+                meta["output_top_logprobs"] = [lp.top for lp in o.logprobs]
+            return {"output_ids": o.token_ids, "text": o.text, "meta_info": meta}
+
+        if body.stream:
+
+            async def events():
+                async for out in aengine.generate(req, text):
+                    yield sse(native(out))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return native(await run_to_end(req, text))
+
+    return app

@@ -1,0 +1,100 @@
+"""OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and error bodies."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are ignored
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def single_prompt(self) -> str | dict:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            p = p[0]
+        return {"prompt_token_ids": p} if isinstance(p, list) else p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class GenerateRequest(BaseModel):
+    """Native endpoint (SGLang-like): token ids in, token ids out."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    rid: str | None = None
+
+
+def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+Role = Literal["colocated", "prefill", "decode"]
