@@ -29,8 +29,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        self.stop = self.stop if self.stop is not None else []
+        _check(
+            isinstance(self.stop_token_ids, list | tuple | type(None)),
+            "stop_token_ids must be a list",
+            self.stop_token_ids,
+        )
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                f"{name} must be an integer",
+                value,
+            )
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool),
+                f"{name} must be a number",
+                value,
+            )
+        _check(isinstance(self.stop, list), "stop must be a string or a list of strings", self.stop)
         if self.top_k == -1:
             self.top_k = 0
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)

@@ -30,10 +30,12 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+        on_abort: Callable[[RequestOutput], None] | None = None,
         check_integrity_when_idle: bool = True,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
+        self._on_abort = on_abort
         self._check_idle = check_integrity_when_idle
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
@@ -105,7 +107,9 @@ class AsyncEngine:
                         except Exception as e:  # duplicate id: report to that caller only
                             self._deliver(e, req.request_id)
                     else:
-                        engine.abort(cmd[1])
+                        aborted = engine.abort(cmd[1])
+                        if aborted is not None and self._on_abort:
+                            self._on_abort(aborted)
                 if engine.has_unfinished():
                     outputs = engine.step()
                     for out in outputs:

@@ -78,11 +78,11 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, 0, None, None))
             else:
                 ctx = start + n
-                kv_slots = self._tensor([pages[p // ps] * ps + p % ps for p in range(ctx)])
+                kv_pages = self._tensor(pages[: -(-ctx // ps)])
                 q_pos = torch.arange(start, ctx, device=self.device)[:, None]
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos
-                prefills.append(PrefillChunk(row, n, start, kv_slots, mask))
-        meta = AttentionMetadata(self._tensor(slots), prefills, None, None, None)
+                prefills.append(PrefillChunk(row, n, start, kv_pages, mask))
+        meta = AttentionMetadata(self._tensor(slots), prefills, None, None, None, ps)
         if decode_reqs:
             ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in decode_reqs])
             max_ctx = int(ctx_lens.max())
@@ -93,9 +93,8 @@ class ModelRunner:
                     for r in decode_reqs
                 ]
             )
-            offsets = torch.arange(ps, device=self.device)
-            meta.decode_slots = (table[:, :, None] * ps + offsets).view(len(decode_reqs), -1)[:, :max_ctx]
-            key_pos = torch.arange(max_ctx, device=self.device)[None, :]
+            meta.decode_pages = table
+            key_pos = torch.arange(max_pages * ps, device=self.device)[None, :]
             meta.decode_mask = (key_pos < ctx_lens[:, None])[:, None, None, :]
             meta.decode_rows = self._tensor(decode_rows)
         window_masks = {w: self._window_masks(meta, w, positions) for w in self._windows}

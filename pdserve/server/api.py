@@ -7,6 +7,7 @@ request, so a bad request gets a 4xx with an OpenAI-style error body and changes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -36,7 +37,7 @@ class APIError(Exception):
 
 def build_app(engine: LLMEngine) -> FastAPI:
     metrics = EngineMetrics()
-    aengine = AsyncEngine(engine, on_step=metrics.on_step)
+    aengine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.observe_finished)
     metrics.on_step(engine, [])
     model_name = engine.config.model_name
     tokenizer = engine.tokenizer
@@ -64,11 +65,12 @@ def build_app(engine: LLMEngine) -> FastAPI:
         if name is not None and name != model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
-    def validate(prompt, make_params):
+    def validate(make_prompt, make_params):
+        """Build and check everything; any bad value becomes a 400 before the engine sees it."""
         try:
             params: SamplingParams = make_params()
-            return aengine.validate(prompt, params, f"cmpl-{uuid.uuid4().hex}")
-        except (InvalidRequest, TokenizerError, ValueError) as e:
+            return aengine.validate(make_prompt(), params, f"cmpl-{uuid.uuid4().hex}")
+        except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
 
     def usage(out: RequestOutput) -> dict:
@@ -113,11 +115,22 @@ def build_app(engine: LLMEngine) -> FastAPI:
             )
         return {"content": content}
 
-    async def run_to_end(req, text) -> RequestOutput:
-        final = None
-        async for out in aengine.generate(req, text):
-            final = out
-        return final
+    async def run_to_end(req, text, http: Request) -> RequestOutput:
+        """Collect a non-streamed result; abort the request if the client goes away meanwhile."""
+
+        async def consume():
+            final = None
+            async for out in aengine.generate(req, text):
+                final = out
+            return final
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()  # the generator's `finally` aborts the request in the engine
+                raise APIError("client disconnected", 499, "ClientClosedRequest")
+        return task.result()
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -168,11 +181,9 @@ def build_app(engine: LLMEngine) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         check_model(body.model)
-        req, text = validate(
-            body.single_prompt(), lambda: body.sampling_params(body.max_tokens, body.logprobs)
-        )
+        req, text = validate(body.single_prompt, lambda: body.sampling_params(body.max_tokens, body.logprobs))
         created, rid = int(time.time()), req.request_id
 
         def chunk(delta, o, start, finish):
@@ -193,13 +204,13 @@ def build_app(engine: LLMEngine) -> FastAPI:
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream(req, text, chunk, include), media_type="text/event-stream")
-        out = await run_to_end(req, text)
+        out = await run_to_end(req, text, http)
         o = out.outputs[0]
         resp = chunk(o.text, o, 0, o.finish_reason)
         return resp | {"usage": usage(out)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")
@@ -211,8 +222,10 @@ def build_app(engine: LLMEngine) -> FastAPI:
         except TokenizerError as e:
             raise APIError(str(e)) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        req, _ = validate({"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top))
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        req, _ = validate(
+            lambda: {"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top)
+        )
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
 
         def chunk(delta, o, start, finish):
@@ -237,7 +250,7 @@ def build_app(engine: LLMEngine) -> FastAPI:
             return StreamingResponse(
                 stream(req, prompt, chunk, include, [head]), media_type="text/event-stream"
             )
-        out = await run_to_end(req, prompt)
+        out = await run_to_end(req, prompt, http)
         o = out.outputs[0]
         return {
             "id": rid,
@@ -256,7 +269,7 @@ def build_app(engine: LLMEngine) -> FastAPI:
         }
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
+    async def generate(body: GenerateRequest, http: Request):
         if (body.input_ids is None) == (body.text is None):
             raise APIError("give exactly one of input_ids or text")
         prompt = body.text if body.text is not None else {"prompt_token_ids": body.input_ids}
@@ -266,7 +279,7 @@ def build_app(engine: LLMEngine) -> FastAPI:
         unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise APIError(f"unknown sampling params: {sorted(unknown)}")
-        req, text = validate(prompt, lambda: SamplingParams(**sp))
+        req, text = validate(lambda: prompt, lambda: SamplingParams(**sp))
         if body.rid:
             req.request_id = body.rid
 
@@ -292,6 +305,6 @@ def build_app(engine: LLMEngine) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        return native(await run_to_end(req, text))
+        return native(await run_to_end(req, text, http))
 
     return app

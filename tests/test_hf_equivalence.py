@@ -1,0 +1,177 @@
+"""Greedy tokens and logits of pdserve == Hugging Face `transformers` on the same checkpoint.
+
+Prompts are served concurrently, with chunked prefill (a 32-token step budget), prefix-cache hits
+(a second batch that extends prompts of the first) and, in one test, preemption (a pool too small
+for the batch). HF runs each prompt alone, unpadded, so its result is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from tests.conftest import ARCHS, tiny_hf_model
+
+MAX_NEW = 12
+
+
+def hf_greedy(model, prompt: list[int], n: int = MAX_NEW) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts_for(seed: int, lengths=(3, 9, 16, 17, 40, 64, 77, 130)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_with_chunking_and_prefix_hits(arch, hf_checkpoints):
+    path, hf = hf_checkpoints[arch]
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=400, max_num_batched_tokens=32, max_model_len=512)
+    first = prompts_for(1)
+    # Second batch: extensions of first-batch prompts (prefix hits) mixed with fresh prompts.
+    second = [first[4] + [5, 6, 7], first[7][:100] + [1] * 9, first[5] + first[6]] + prompts_for(
+        2, (5, 33, 70)
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    for batch, expect_hits in ((first, False), (second, True)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        for prompt, out in zip(batch, outs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt), (
+                f"{arch}: prompt of {len(prompt)} tokens"
+            )
+            assert out.outputs[0].finish_reason == "length"
+        if expect_hits:
+            cached = [o.num_cached_tokens for o in outs]
+            assert cached[:3] == [40, 100, 64], cached  # whole pages of the shared prefix
+            assert cached[3:] == [0, 0, 0]
+        llm.engine.check_integrity()
+    assert llm.engine.kv.pool.num_used_pages == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_token_logprobs_match_hf(arch, hf_checkpoints):
+    """Top-20 log-probs of the first generated token (computed after chunked prefill) vs HF."""
+    path, hf = hf_checkpoints[arch]
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=400, max_num_batched_tokens=16, max_model_len=512)
+    prompts = prompts_for(3, (7, 50, 90))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        lp = out.outputs[0].logprobs[0]
+        ids = [t for t, _ in lp.top]
+        ours = torch.tensor([v for _, v in lp.top])
+        assert ids == ref.topk(20).indices.tolist()
+        torch.testing.assert_close(ours, ref[ids], rtol=1e-4, atol=1e-5)
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_position_logits_match_hf(arch, hf_checkpoints):
+    """The model's raw logits through the paged path (prefix in the pool, then the rest) vs HF."""
+    path, hf = hf_checkpoints[arch]
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=64, max_model_len=512)
+    prompt = prompts_for(4, (45,))[0]
+    engine = llm.engine
+    req = engine.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    engine.add(req)
+    # Compute the first 30 tokens, then run the last 15 by hand to capture the logits.
+    assert engine.kv.allocate(req, 30)
+    from pdserve.engine.scheduler import SchedulerOutput
+
+    engine.runner.execute(SchedulerOutput([req], [30]))
+    req.num_computed_tokens = 30
+    assert engine.kv.allocate(req, 15)
+    ids, pos, meta, wmasks, rows = engine.runner.prepare(SchedulerOutput([req], [15]))
+    with torch.no_grad():
+        hidden = engine.runner.model(ids, pos, engine.runner._kv_views, meta, wmasks)
+        ours = engine.runner.model.compute_logits(hidden[-1:])[0]
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    engine.abort(req.request_id)
+    engine.check_integrity()
+
+
+def test_preemption_keeps_greedy_outputs(hf_checkpoints):
+    """A pool too small for the batch forces preemption by recompute; tokens must not change."""
+    path, hf = hf_checkpoints["llama"]
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=40, max_num_batched_tokens=64, max_model_len=256)
+    prompts = prompts_for(5, (30, 41, 52, 35, 44))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30)
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(o.metrics["num_preemptions"] > 0 for o in outs)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 30)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("variant", ["tied", "sharded"])
+def test_tied_embeddings_and_sharded_checkpoints(variant, tmp_path):
+    hf = tiny_hf_model("qwen2", tie=variant == "tied", seed=3)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB" if variant == "sharded" else "5GB")
+    if variant == "sharded":
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+        assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    llm = LLM(str(tmp_path), page_size=8, dtype="float32", num_pages=64, max_model_len=512)
+    prompts = prompts_for(6, (11, 37))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_close_to_hf(dtype, tmp_path):
+    """bf16/fp16: same checkpoint, HF in the same dtype; logits agree to half-precision tolerance."""
+    hf = tiny_hf_model("llama", seed=4).to(getattr(torch, dtype))
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), page_size=4, dtype=dtype, num_pages=64, max_model_len=512)
+    assert llm.engine.runner.kv_cache.k[0].dtype == getattr(torch, dtype)
+    prompt = prompts_for(7, (33,))[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, logprobs=5))[
+        0
+    ]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    top = out.outputs[0].logprobs[0].top
+    assert top[0][0] == int(ref.argmax())
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in top]), ref[[t for t, _ in top]], rtol=0.05, atol=0.05
+    )
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_window_matches_hf(arch, tmp_path):
+    """A window (8 tokens) much shorter than the context, in prefill chunks and decode."""
+    extra = {"sliding_window": 8}
+    if arch == "qwen2":
+        extra |= {
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+            "layer_types": ["full_attention", "sliding_attention"],
+        }
+    hf = tiny_hf_model(arch, seed=8, **extra)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        page_size=4,
+        dtype="float32",
+        num_pages=128,
+        max_num_batched_tokens=16,
+        max_model_len=512,
+    )
+    assert any(w == 8 for w in llm.engine.config.model_config.sliding_windows)
+    prompts = prompts_for(9, (6, 29, 51))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt)

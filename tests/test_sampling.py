@@ -1,0 +1,159 @@
+"""Sampling, stop conditions, logprobs and request validation through the offline API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import InvalidRequest
+from pdserve.model.sampler import _truncated_probs
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM(demo_model_dir, page_size=16, dtype="float32", num_pages=256, max_model_len=512)
+
+
+PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser("
+
+
+def gen(llm, prompt=PROMPT, **kw):
+    return llm.generate(prompt, SamplingParams(**kw))[0].outputs[0]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    alone = gen(llm, temperature=1.0, seed=7, max_tokens=24).token_ids
+    assert gen(llm, temperature=1.0, seed=7, max_tokens=24).token_ids == alone
+    batch = llm.generate(
+        ["other prompt", PROMPT, "x = 1"],
+        [
+            SamplingParams(temperature=1.0, max_tokens=24),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=24),
+            SamplingParams(temperature=0.7, seed=1, max_tokens=5),
+        ],
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    assert gen(llm, temperature=1.0, seed=8, max_tokens=24).token_ids != alone
+
+
+def test_truncation_that_keeps_one_token_equals_greedy(llm):
+    greedy = gen(llm, temperature=0, max_tokens=16).token_ids
+    assert gen(llm, temperature=1.0, top_k=1, seed=3, max_tokens=16).token_ids == greedy
+    assert gen(llm, temperature=1.0, top_p=1e-6, seed=3, max_tokens=16).token_ids == greedy
+    assert gen(llm, temperature=1.0, min_p=1.0, seed=3, max_tokens=16).token_ids == greedy
+
+
+def test_truncated_probs_exact():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]] * 4)
+    params = [
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.8),
+        SamplingParams(min_p=0.5),
+        SamplingParams(temperature=0.5),
+    ]
+    probs = _truncated_probs(logits, params)
+    full = logits[0].softmax(-1)
+    assert (probs[0] > 0).tolist() == [True, True, False, False, False]
+    torch.testing.assert_close(probs[0, :2], full[:2] / full[:2].sum())
+    # top_p 0.8: cumulative mass before token i: 0, .55, .75, .89 -> keep the first three.
+    assert (probs[1] > 0).tolist() == [True, True, True, False, False]
+    # min_p 0.5: keep tokens with p >= 0.5 * p_max: only exp(-1) = .37 < .5 fails for token 1.
+    assert (probs[2] > 0).tolist() == [True, False, False, False, False]
+    torch.testing.assert_close(probs[3], (logits[0] / 0.5).softmax(-1))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    greedy = gen(llm, temperature=0, max_tokens=16)
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 16
+    stop_tok = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_tok)
+    out = gen(llm, temperature=0, max_tokens=16, stop_token_ids=[stop_tok])
+    assert out.token_ids == greedy.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_stop_strings_truncate_text(llm):
+    greedy = gen(llm, temperature=0, max_tokens=24)
+    text = greedy.text
+    stop = text[10:14]
+    assert stop and text.find(stop) >= 0
+    out = gen(llm, temperature=0, max_tokens=24, stop=[stop])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    kept = gen(llm, temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[: text.find(stop) + len(stop)]
+    assert len(out.token_ids) < 24
+
+
+def test_eos_and_ignore_eos(llm):
+    greedy = gen(llm, temperature=0, max_tokens=16)
+    eos = greedy.token_ids[3]
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (eos,)
+    try:
+        stopped = gen(llm, temperature=0, max_tokens=16)
+        assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
+        assert len(stopped.token_ids) == greedy.token_ids.index(eos) + 1
+        assert gen(llm, temperature=0, max_tokens=16, ignore_eos=True).token_ids == greedy.token_ids
+    finally:
+        engine.eos_token_ids = saved
+
+
+def test_logprobs_chosen_and_top_n(llm):
+    out = gen(llm, temperature=0, max_tokens=4, logprobs=20)
+    assert len(out.logprobs) == 4
+    for lp, tok in zip(out.logprobs, out.token_ids, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 20
+        assert lp.top[0][0] == tok and lp.logprob == pytest.approx(lp.top[0][1])
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    sampled = gen(llm, temperature=1.0, seed=0, max_tokens=8, logprobs=0)
+    assert all(lp.top == [] and lp.logprob <= 0 for lp in sampled.logprobs)
+    assert gen(llm, temperature=0, max_tokens=2).logprobs is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(max_tokens=0),
+        dict(logprobs=21),
+        dict(stop=[""]),
+        dict(stop_token_ids=[-1]),
+    ],
+)
+def test_invalid_sampling_params_raise(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_change_no_state(llm):
+    engine = llm.engine
+    before = (engine.kv.pool.num_free_pages, engine.kv.pool.num_cached_pages, len(engine.requests))
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        llm.generate({"prompt_token_ids": [1] * 600})
+    with pytest.raises(InvalidRequest, match="exceeds"):
+        llm.generate({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="empty"):
+        llm.generate("")
+    with pytest.raises(InvalidRequest, match="token ids"):
+        llm.generate({"prompt_token_ids": [1, 10**9]})
+    # One bad prompt in a batch: nothing of the batch is queued.
+    with pytest.raises(InvalidRequest):
+        llm.generate(["fine", {"prompt_token_ids": [1] * 600}])
+    assert (engine.kv.pool.num_free_pages, engine.kv.pool.num_cached_pages, len(engine.requests)) == before
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_outputs_in_input_order_with_per_prompt_params(llm):
+    prompts = ["a" * n for n in (50, 3, 20)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in (3, 9, 5)])
+    assert [o.prompt for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 5]

@@ -1,0 +1,126 @@
+"""The scheduler alone (pure Python, no model): exact page ids, chunk sizes, admission and
+preemption order. The test plays the model runner: it advances `num_computed_tokens` and appends a
+token for each request that reached its end, as `LLMEngine.step` does."""
+
+from __future__ import annotations
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.kv_manager import KVManager
+from pdserve.sampling_params import SamplingParams
+
+
+def make(num_pages=16, page_size=4, budget=8, max_seqs=4, prefix=True) -> Scheduler:
+    kv = KVManager(num_pages, page_size, enable_prefix_caching=prefix)
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=256), kv
+    )
+
+
+def req(rid: str, n: int, start: int = 0, max_tokens: int = 100) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def run_step(s: Scheduler):
+    out = s.schedule()
+    for r, n in zip(out.requests, out.num_new_tokens, strict=True):
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output(1000 + len(r.output_token_ids))
+        s.kv.cache_computed_pages(r)
+    s.kv.check_integrity()
+    return [(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens, strict=True)], out
+
+
+def test_chunked_prefill_shares_step_with_decode():
+    s = make(budget=8)
+    a, b = req("a", 3), req("b", 13, start=100)
+    s.add(a)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 3), ("b", 5)]  # a's prompt, b's first chunk (budget 8)
+    assert a.page_ids == [0] and b.page_ids == [1, 2]
+    assert a.output_token_ids == [1000] and b.output_token_ids == []
+    assert run_step(s)[0] == [("a", 1), ("b", 7)]  # a decodes; b's second chunk fills the rest
+    assert run_step(s)[0] == [("a", 1), ("b", 1)]  # b's last prompt token, then b samples
+    # a crossed into its 2nd page one step earlier (its 5th token), so it took page 4 first.
+    assert b.output_token_ids == [1000] and b.page_ids == [1, 2, 3, 5] and a.page_ids == [0, 4]
+    assert run_step(s)[0] == [("a", 1), ("b", 1)]
+
+
+def test_max_num_seqs_and_fifo_admission():
+    s = make(budget=100, max_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 2, start=10 * i))
+    assert run_step(s)[0] == [("r0", 2), ("r1", 2)]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    s.finish(s.running[0], RequestStatus.FINISHED_STOPPED)
+    assert run_step(s)[0] == [("r1", 1), ("r2", 2)]
+
+
+def test_prefix_hit_on_admission_counts_cached_tokens():
+    s = make(budget=100)
+    a = req("a", 10)
+    s.add(a)
+    run_step(s)
+    b = req("b", 12)  # shares a's first 10 tokens -> 2 full pages (8 tokens) hit
+    s.add(b)
+    sched, _ = run_step(s)
+    assert sched == [("a", 1), ("b", 4)]
+    assert b.num_cached_tokens == 8 and b.page_ids[:2] == a.page_ids[:2]
+    assert s.kv.num_hit_tokens == 8 and s.kv.num_query_tokens == 22
+
+
+def test_no_prefix_caching_means_no_hits():
+    s = make(budget=100, prefix=False)
+    a = req("a", 10)
+    s.add(a)
+    run_step(s)
+    b = req("b", 12)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 1), ("b", 12)]
+    assert s.kv.pool.num_cached_pages == 0
+
+
+def test_preemption_evicts_latest_admitted_and_recomputes():
+    # 4 pages of 4 tokens. a: 7 tokens (2 pages), b: 8 tokens (2 pages): pool full after admission.
+    s = make(num_pages=4, budget=100)
+    a, b = req("a", 7), req("b", 8, start=50)
+    s.add(a)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 7), ("b", 8)]
+    assert a.page_ids == [0, 1] and b.page_ids == [2, 3]
+    # a's 8th token fits its page; b's 9th token needs a 5th page -> b (latest admitted) is preempted.
+    sched, out = run_step(s)
+    assert sched == [("a", 1)] and out.preempted == [b]
+    assert b.status == RequestStatus.WAITING and b.page_ids == [] and b.num_computed_tokens == 0
+    assert b.output_token_ids == [1000]  # generated tokens survive preemption
+    assert list(s.waiting) == [b] and b.num_preemptions == 1
+    # a now needs a 3rd page; b is readmitted only when it fits, recomputing prompt + its output.
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    sched, _ = run_step(s)
+    # b's 2 full prompt pages were published before preemption: they are prefix hits now.
+    assert sched == [("b", 1)] and b.num_computed_tokens == 9 and b.page_ids[:2] == [2, 3]
+    assert b.num_cached_tokens == 0  # reported hits are those of the first admission
+
+
+def test_running_request_that_cannot_grow_preempts_itself_last():
+    s = make(num_pages=2, budget=100, prefix=False)
+    a = req("a", 8)
+    s.add(a)
+    assert run_step(s)[0] == [("a", 8)]
+    sched, out = run_step(s)  # needs a 3rd page: a is the only one, so a itself is preempted
+    assert sched == [] and out.preempted == [a] and s.kv.pool.num_used_pages == 0
+
+
+def test_finish_releases_pages_from_any_queue():
+    s = make(budget=4)
+    a, b = req("a", 10), req("b", 3, start=40)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # a partially computed; b waiting (budget spent)
+    assert [r.request_id for r in s.running] == ["a"] and list(s.waiting) == [b]
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_work() and s.kv.pool.num_used_pages == 0
+    s.kv.check_integrity()

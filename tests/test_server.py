@@ -1,0 +1,614 @@
+"""End-to-end tests of the HTTP server: a real `pdserve serve` subprocess on 127.0.0.1 (one per module)
+on the demo checkpoint, driven by the official `openai` client and raw `httpx`.
+
+Reference outputs come from the offline `LLM` in the test process (same checkpoint, separate process),
+so "the server returns what the engine computes" is checked across the process boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pdserve.demo import free_port, wait_healthy
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_MODEL_LEN = 512
+NUM_PAGES = 256
+PAGE_SIZE = 16
+PROMPT = "def fibonacci(n):"
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from pdserve.model.demo import make_demo_model
+
+    d = tmp_path_factory.mktemp("demo-model")
+    make_demo_model(str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """(base_url, model_name). The server's log is printed if it fails to come up."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(tmp_path_factory.mktemp("server-log")) / "server.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--role", "colocated"]
+    cmd += ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", str(NUM_PAGES)]
+    cmd += ["--page-size", str(PAGE_SIZE)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_healthy(url, proc, timeout_s=120)
+        except Exception:
+            print(log_path.read_text(errors="replace"))
+            raise
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield url, name
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def model_name(server) -> str:
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    # max_retries=0: a 5xx must surface as such, not be retried behind the test's back.
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from pdserve import LLM
+
+    return LLM(model=model_dir, max_model_len=MAX_MODEL_LEN, num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+
+
+def offline(llm, prompt, max_tokens: int):
+    from pdserve import SamplingParams
+
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+_METRIC_RE = re.compile(r"^(pdserve_[A-Za-z0-9_]+(?:\{[^}]*\})?) ([-+0-9.eE]+|NaN|[-+]Inf)$", re.M)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {k: float(v) for k, v in _METRIC_RE.findall(text)}
+
+
+def wait_idle(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits or holds KV pages (the engine updates gauges on idle)."""
+    deadline = time.monotonic() + timeout_s
+    m = metrics(url)
+    while time.monotonic() < deadline:
+        if (
+            m["pdserve_num_requests_running"] == 0
+            and m["pdserve_num_requests_waiting"] == 0
+            and m["pdserve_kv_pages_used"] == 0
+        ):
+            return m
+        time.sleep(0.05)
+        m = metrics(url)
+    raise AssertionError(f"server not idle after {timeout_s}s: {m}")
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["code"] == status
+    return err
+
+
+# ---- 1. openai client, non-streaming completion vs offline LLM -----------------------------------
+def test_models_list(client, model_name, model_dir):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == [model_name]
+    assert model_name == model_dir  # no --served-model-name: the model path
+
+
+def test_completion_matches_offline_llm(client, model_name, llm):
+    ref = offline(llm, PROMPT, 16)
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.object == "text_completion"
+    assert r.model == model_name
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.text == ref.outputs[0].text
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids) == 16
+    assert c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(llm.get_tokenizer().encode(PROMPT)) == len(ref.prompt_token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+# ---- 2. streaming completion ---------------------------------------------------------------------
+def test_streaming_completion_matches_non_streamed(client, model_name):
+    prompt = "import argparse\n\nparser ="
+    kw = dict(model=model_name, prompt=prompt, max_tokens=16, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [ch for ch in chunks if ch.choices]
+    assert "".join(ch.choices[0].text for ch in text_chunks) == full.choices[0].text
+    assert all(ch.choices[0].finish_reason is None for ch in text_chunks[:-1])
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert len({ch.id for ch in chunks}) == 1
+    usage_chunks = [ch for ch in chunks if ch.usage is not None]
+    assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0]
+    assert usage_chunks[0].choices == []
+    u = usage_chunks[0].usage
+    assert (u.prompt_tokens, u.completion_tokens) == (full.usage.prompt_tokens, 16)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_streaming_without_include_usage_has_no_usage_chunk(client, model_name):
+    chunks = list(
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
+    )
+    assert chunks and all(ch.choices and ch.usage is None for ch in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_framing(url, model_name):
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        json.loads(e.removeprefix("data: "))
+
+
+# ---- 3. chat -------------------------------------------------------------------------------------
+def test_chat_streaming_and_not_agree(client, model_name):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    kw = dict(model=model_name, messages=msgs, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion"
+    choice = full.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [ch for ch in chunks if ch.choices]
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in with_choices)
+    assert streamed == choice.message.content
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in with_choices[:-1])
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_uses_template(client, model_name, llm):
+    """The chat prompt is the template's rendering, tokenized without a second BOS."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(msgs, True), add_special_tokens=False)
+    ref = offline(llm, {"prompt_token_ids": ids}, 6)
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == ref.outputs[0].text
+
+
+# ---- 4. prefix cache -----------------------------------------------------------------------------
+def test_prefix_cache_hit_on_repeat(client, model_name, url, llm):
+    prompt = (
+        "Prefix-cache probe 42. The quick brown fox jumps over the lazy dog while the parser reads "
+        "arguments, decodes JSON, wraps text and formats calendars; dataclasses and enums follow. "
+        "Then functools caches results, pathlib joins paths and difflib compares sequences of lines. "
+        "Finally the string module formats templates and typing checks annotations."
+    )
+    n = len(llm.get_tokenizer().encode(prompt))
+    assert 80 <= n <= 130, n
+    kw = dict(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert cached % PAGE_SIZE == 0
+    assert cached < n  # the last prompt token is always recomputed
+    assert cached == (n - 1) // PAGE_SIZE * PAGE_SIZE  # every full prompt page is reused
+    assert second.choices[0].text == first.choices[0].text
+    m = wait_idle(url)
+    assert m["pdserve_prefix_cache_hit_rate"] > 0
+    assert m["pdserve_kv_pages_cached"] >= cached // PAGE_SIZE
+
+
+# ---- 5. logprobs ---------------------------------------------------------------------------------
+def test_completion_logprobs(client, model_name):
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 5
+        assert all(v <= 0 for v in top.values())
+        best_tok, best = max(top.items(), key=lambda kv: kv[1])
+        assert chosen == pytest.approx(best, abs=1e-5)
+        assert tok == best_tok
+        assert sum(2.718281828459045**v for v in top.values()) <= 1 + 1e-4
+
+
+def test_chat_logprobs(client, model_name):
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3
+        assert c.logprob == pytest.approx(max(t.logprob for t in c.top_logprobs), abs=1e-5)
+
+
+# ---- 6. seeded sampling --------------------------------------------------------------------------
+def test_seeded_sampling_reproducible(client, model_name):
+    kw = dict(
+        model=model_name, prompt=PROMPT, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    a = client.completions.create(**kw, seed=7).choices[0].text
+    b = client.completions.create(**kw, seed=7).choices[0].text
+    c = client.completions.create(**kw, seed=8).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_seeded_sampling_independent_of_batching(client, model_name):
+    """A seeded request samples the same tokens whether it runs alone or batched with others."""
+    kw = dict(
+        model=model_name, prompt=PROMPT, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    alone = client.completions.create(**kw, seed=7).choices[0].text
+
+    async def together():
+        ac = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=60)
+        try:
+            rs = await asyncio.gather(*(ac.completions.create(**kw, seed=s) for s in (7, 7, 3, 7)))
+        finally:
+            await ac.close()
+        return [r.choices[0].text for r in rs]
+
+    texts = asyncio.run(together())
+    assert texts[0] == texts[1] == texts[3] == alone
+    assert texts[2] != alone
+
+
+# ---- 7. bad input --------------------------------------------------------------------------------
+def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_name, url):
+    before = wait_idle(url)
+    total = before["pdserve_kv_pages_total"]
+    assert total == NUM_PAGES
+    finished_before = sum(v for k, v in before.items() if k.startswith("pdserve_requests_finished_total"))
+
+    too_long = "hello " * (MAX_MODEL_LEN + 50)
+    cases = [
+        dict(prompt=too_long, max_tokens=4),
+        dict(prompt="", max_tokens=4),
+        dict(prompt=PROMPT, temperature=-1),
+        dict(prompt=PROMPT, top_p=0),
+        dict(prompt=PROMPT, logprobs=50),
+        dict(prompt=PROMPT, max_tokens=0),
+        dict(prompt=PROMPT, max_tokens=MAX_MODEL_LEN),  # prompt + max_tokens > max_model_len
+        dict(prompt=[], max_tokens=4),
+        dict(prompt=[10**6], max_tokens=4),  # token id out of the vocabulary
+        dict(prompt=PROMPT, stop=[""]),
+    ]
+    for kw in cases:
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=model_name, **kw)
+        e = ei.value
+        assert e.status_code == 400
+        assert isinstance(e.body, dict) and e.body["message"] and e.body["type"], e.body
+        assert e.body["code"] == 400
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_name, prompt=PROMPT, extra_body={"n": 2})
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_name, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=30
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": too_long}], max_tokens=4
+        )
+    # Streaming requests are validated before the stream starts: a plain 400, not a broken stream.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_name, prompt="", stream=True)
+
+    for call in (
+        lambda: client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4),
+        lambda: client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=4
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError) as ei:
+            call()
+        assert ei.value.status_code == 404
+        assert ei.value.body["code"] == 404 and "no-such-model" in ei.value.body["message"]
+
+    # raw HTTP: malformed JSON, wrong body shapes, missing fields
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        r = httpx.post(
+            url + path, content=b'{"prompt": "x', headers={"content-type": "application/json"}, timeout=10
+        )
+        assert_openai_error(r, 400)
+        r = httpx.post(url + path, json=[1, 2], timeout=10)
+        assert_openai_error(r, 400)
+    assert_openai_error(httpx.post(url + "/v1/completions", json={"max_tokens": 4}, timeout=10), 400)
+    assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": 5}, timeout=10), 400)
+    assert_openai_error(
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": "hot"}, timeout=10), 400
+    )
+    assert_openai_error(httpx.post(url + "/generate", json={"input_ids": []}, timeout=10), 400)
+    assert_openai_error(httpx.post(url + "/generate", json={"input_ids": [5], "text": "x"}, timeout=10), 400)
+    assert_openai_error(
+        httpx.post(url + "/generate", json={"input_ids": [5], "sampling_params": {"foo": 1}}, timeout=10),
+        400,
+    )
+    err = assert_openai_error(
+        httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10), 404
+    )
+    assert err["param"] == "model"
+
+    # nothing of the above reached the engine; it is healthy and serves normally
+    h = httpx.get(url + "/health", timeout=10)
+    assert h.status_code == 200 and h.json() == {"status": "ok"}
+    after_errors = metrics(url)
+    finished = sum(v for k, v in after_errors.items() if k.startswith("pdserve_requests_finished_total"))
+    assert finished == finished_before
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    after = wait_idle(url)
+    assert after["pdserve_kv_pages_used"] == 0
+    assert after["pdserve_kv_pages_total"] == total
+    assert after["pdserve_num_requests_running"] == 0
+
+
+def test_batched_prompt_list_is_a_400(url, model_name):
+    r = httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": ["a", "b"]}, timeout=10)
+    assert_openai_error(r, 400)
+
+
+@pytest.mark.parametrize(
+    "sp", [{"temperature": "hot"}, {"max_new_tokens": "3"}, {"stop": 5}], ids=["temperature", "max", "stop"]
+)
+def test_generate_wrongly_typed_sampling_params_is_a_400(url, sp):
+    r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": sp}, timeout=10)
+    assert_openai_error(r, 400)
+
+
+def test_chat_max_completion_tokens_zero_is_a_400(client, model_name, llm):
+    # a long message keeps the buggy path short: only max_model_len - prompt tokens get generated
+    content = "hello " * 160
+    msgs = [{"role": "user", "content": content}]
+    tok = llm.get_tokenizer()
+    n = len(tok.encode(tok.apply_chat_template(msgs, True), add_special_tokens=False))
+    assert MAX_MODEL_LEN - 40 < n < MAX_MODEL_LEN - 8, n
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_name, messages=msgs, max_completion_tokens=0)
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens(client, model_name):
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=9,
+        max_completion_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == 3
+    assert r.choices[0].finish_reason == "length"
+
+
+# ---- 8. client disconnect ------------------------------------------------------------------------
+def test_client_disconnect_aborts_request(url, model_name):
+    before = wait_idle(url)
+    generated_before = before["pdserve_generation_tokens_total"]
+    max_tokens = 400
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n >= 3:
+                    break
+    # the response is closed: the engine must drop the request and free its pages
+    after = wait_idle(url, timeout_s=5)
+    assert after["pdserve_num_requests_running"] == 0
+    assert after["pdserve_kv_pages_used"] == 0
+    generated = after["pdserve_generation_tokens_total"] - generated_before
+    assert 3 <= generated < max_tokens, generated  # aborted, not run to completion
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_client_disconnect_openai_stream_close(client, url, model_name):
+    wait_idle(url)
+    stream = client.completions.create(
+        model=model_name,
+        prompt="The Zen of Python, by",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i >= 1:
+            break
+    stream.close()
+    after = wait_idle(url, timeout_s=5)
+    assert after["pdserve_num_requests_running"] == 0 and after["pdserve_kv_pages_used"] == 0
+
+
+# ---- 9. concurrency ------------------------------------------------------------------------------
+CONCURRENT_PROMPTS = [
+    "def fibonacci(n):",
+    "The Zen of Python, by",
+    "import argparse\n\nparser =",
+    "class Enum:",
+    "Hello, world",
+    "json.loads(",
+    "# A calendar for the year",
+    "return functools.reduce(",
+]
+
+
+def test_concurrent_requests_match_sequential(client, model_name, url):
+    kw = dict(model=model_name, max_tokens=8, temperature=0)
+    sequential = [client.completions.create(prompt=p, **kw) for p in CONCURRENT_PROMPTS]
+
+    async def all_at_once():
+        ac = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=60)
+        try:
+            return await asyncio.gather(*(ac.completions.create(prompt=p, **kw) for p in CONCURRENT_PROMPTS))
+        finally:
+            await ac.close()
+
+    concurrent = asyncio.run(all_at_once())
+    assert len(concurrent) == len(CONCURRENT_PROMPTS)
+    for p, s, c in zip(CONCURRENT_PROMPTS, sequential, concurrent, strict=True):
+        assert c.choices[0].text == s.choices[0].text, p
+        assert c.usage.completion_tokens == s.usage.completion_tokens
+        assert c.usage.prompt_tokens == s.usage.prompt_tokens
+    assert len({c.id for c in concurrent}) == len(concurrent)
+    wait_idle(url)
+
+
+# ---- 10. native /generate ------------------------------------------------------------------------
+def test_generate_input_ids_matches_completion_and_offline(client, model_name, url, llm):
+    ids = llm.get_tokenizer().encode("while True:")
+    ref = offline(llm, {"prompt_token_ids": ids}, 10)
+    r = httpx.post(
+        url + "/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 10, "temperature": 0}},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == ref.outputs[0].token_ids
+    assert out["text"] == ref.outputs[0].text
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(ids)
+    assert meta["completion_tokens"] == 10
+    assert meta["finish_reason"] == "length"
+
+    cmpl = client.completions.create(model=model_name, prompt=[ids], max_tokens=10, temperature=0)
+    assert cmpl.choices[0].text == out["text"]
+    assert cmpl.usage.prompt_tokens == len(ids)
+    flat = client.completions.create(model=model_name, prompt=ids, max_tokens=10, temperature=0)
+    assert flat.choices[0].text == out["text"]
+
+
+def test_generate_text_stream_and_logprobs(url, llm):
+    ref = offline(llm, PROMPT, 6)
+    sp = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
+    r = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": sp}, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == ref.outputs[0].token_ids
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t in lps] == out["output_ids"]
+    assert all(len(top) == 2 for top in out["meta_info"]["output_top_logprobs"])
+
+    events = []
+    with httpx.stream(
+        "POST", url + "/generate", json={"text": PROMPT, "sampling_params": sp, "stream": True}
+    ) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == out["output_ids"]
+    assert last["meta_info"]["finish_reason"] == "length"
+
+
+def test_generate_custom_rid(url):
+    r = httpx.post(
+        url + "/generate",
+        json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "rid": "my-rid-1"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["id"] == "my-rid-1"
+
+
+def test_metrics_histograms_and_final_state(url):
+    m = wait_idle(url)
+    assert m["pdserve_time_to_first_token_seconds_count"] > 0
+    assert m["pdserve_time_per_output_token_seconds_count"] > 0
+    assert m["pdserve_kv_pages_total"] == NUM_PAGES
+    assert m["pdserve_kv_pages_used"] == 0
+    assert 0 < m["pdserve_prefix_cache_hit_rate"] <= 1
+
+
+def test_non_streaming_client_disconnect_aborts_and_counts(url, model_name):
+    """A non-streamed request whose client hangs up is aborted (not run to the end) and counted."""
+    before = wait_idle(url)
+    aborted_before = before.get('pdserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    generated_before = before["pdserve_generation_tokens_total"]
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, timeout=0.4)
+    after = wait_idle(url, timeout_s=10)
+    assert after["pdserve_kv_pages_used"] == 0 and after["pdserve_num_requests_running"] == 0
+    assert after["pdserve_generation_tokens_total"] - generated_before < 400
+    assert after['pdserve_requests_finished_total{finish_reason="abort"}'] == aborted_before + 1
