@@ -14,7 +14,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.kv_cache import KVCache
-from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleResult
 
@@ -82,25 +82,38 @@ class ModelRunner:
                 q_pos = torch.arange(start, ctx, device=self.device)[:, None]
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos
                 prefills.append(PrefillChunk(row, n, start, kv_pages, mask))
-        meta = AttentionMetadata(self._tensor(slots), prefills, None, None, None, ps)
-        if decode_reqs:
-            ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in decode_reqs])
-            max_ctx = int(ctx_lens.max())
-            max_pages = -(-max_ctx // ps)
-            table = self._tensor(
-                [
-                    r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages]))
-                    for r in decode_reqs
-                ]
-            )
-            meta.decode_pages = table
-            key_pos = torch.arange(max_pages * ps, device=self.device)[None, :]
-            meta.decode_mask = (key_pos < ctx_lens[:, None])[:, None, None, :]
-            meta.decode_rows = self._tensor(decode_rows)
-        window_masks = {w: self._window_masks(meta, w, positions) for w in self._windows}
+        meta = AttentionMetadata(
+            self._tensor(slots), prefills, self._decode_groups(decode_reqs, decode_rows), ps
+        )
+        window_masks = {w: self._window_masks(meta, w) for w in self._windows}
         return self._tensor(input_ids), self._tensor(positions), meta, window_masks, sample_rows
 
-    def _window_masks(self, meta: AttentionMetadata, window: int, positions: list[int]):
+    def _decode_groups(self, reqs: list[Request], rows: list[int]) -> list[DecodeGroup]:
+        """Sort decodes by context pages; cut a new group when padding to the group's longest context
+        would waste more than a quarter of the work (groups of at least 4, so few SDPA calls)."""
+        ps = self.page_size
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].num_computed_tokens)
+        groups: list[tuple[int, list[int]]] = []  # (pages of the group's shortest member, members)
+        for i in order:
+            pages = reqs[i].num_computed_tokens // ps + 1
+            if groups and (len(groups[-1][1]) < 4 or pages * 4 <= groups[-1][0] * 5):
+                groups[-1][1].append(i)
+            else:
+                groups.append((pages, [i]))
+        return [self._decode_group([reqs[i] for i in g], [rows[i] for i in g]) for _, g in groups]
+
+    def _decode_group(self, reqs: list[Request], rows: list[int]) -> DecodeGroup:
+        ps = self.page_size
+        ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in reqs])
+        max_pages = -(-int(ctx_lens.max()) // ps)
+        table = self._tensor(
+            [r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages])) for r in reqs]
+        )
+        key_pos = torch.arange(max_pages * ps, device=self.device)[None, :]
+        mask = (key_pos < ctx_lens[:, None])[:, None, None, :]
+        return DecodeGroup(self._tensor(rows), table, mask)
+
+    def _window_masks(self, meta: AttentionMetadata, window: int):
         """Sliding-window variants of the step's masks: key j visible to query at q iff q - j < window."""
         chunk_masks = []
         for c in meta.prefills:
@@ -108,13 +121,12 @@ class ModelRunner:
             q_pos = torch.arange(c.pos_start, ctx, device=self.device)[:, None]
             k_pos = torch.arange(ctx, device=self.device)[None, :]
             chunk_masks.append((k_pos <= q_pos) & (q_pos - k_pos < window))
-        decode_mask = None
-        if meta.decode_mask is not None:
-            last = meta.decode_mask.shape[-1]
-            k_pos = torch.arange(last, device=self.device)
-            q_pos = meta.decode_mask.sum(-1, keepdim=True) - 1  # [B,1,1,1] position of the query
-            decode_mask = meta.decode_mask & (q_pos - k_pos < window)
-        return chunk_masks, decode_mask
+        decode_masks = []
+        for g in meta.decodes:
+            k_pos = torch.arange(g.mask.shape[-1], device=self.device)
+            q_pos = g.mask.sum(-1, keepdim=True) - 1  # [B,1,1,1] position of each query
+            decode_masks.append(g.mask & (q_pos - k_pos < window))
+        return chunk_masks, decode_masks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SampleResult]:

@@ -8,8 +8,9 @@ Shapes (T = tokens in the step, flattened over requests; S = num_pages * page_si
 A step mixes two kinds of work, handled separately because their shapes differ:
   * prefill chunks: one SDPA per request over [ctx_len] keys (queries [q_len]); when the chunk starts
     at position 0 the new K/V are used directly (no gather) with a causal mask;
-  * decodes (q_len 1): one batched SDPA over keys gathered to [B, max_pages * page_size] with a
-    padding mask.
+  * decodes (q_len 1): batched SDPA over keys gathered to [B, max_pages * page_size] with a padding
+    mask; decodes are sorted by context length and split into a few groups so that short contexts
+    are not padded to the longest one.
 Context is gathered a whole page at a time (`index_select` over the pool viewed as
 [num_pages, page_size * heads * dim]): rows of a few KiB copy ~10x faster than one row per token.
 """
@@ -35,10 +36,15 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the flat pool
     prefills: list[PrefillChunk]
-    decode_rows: torch.Tensor | None  # [B] rows of decode tokens in the flat batch
-    decode_pages: torch.Tensor | None  # [B, max_pages] int64 page table (padding points at page 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_pages * page_size] bool
+    decodes: list[DecodeGroup]
     page_size: int = 16
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [B] rows of the group's decode tokens in the flat batch
+    pages: torch.Tensor  # [B, max_pages] int64 page table (padding points at page 0)
+    mask: torch.Tensor  # [B, 1, 1, max_pages * page_size] bool (True = attend)
 
 
 def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -55,11 +61,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    window_masks: tuple[list[torch.Tensor | None], torch.Tensor | None] | None = None,
+    window_masks: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Write k/v into the pool, then attend. Returns [T, num_heads, head_dim].
 
-    `window_masks` (sliding-window layers only) replaces the per-prefill masks and the decode mask.
+    `window_masks` (sliding-window layers only) replaces the per-prefill and per-decode-group masks.
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -81,13 +87,13 @@ def paged_attention(
             qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
         out[rows] = o[0].transpose(0, 1)
-    if meta.decode_rows is not None:
-        qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        bsz = meta.decode_pages.shape[0]
-        kd = gather_pages(k_cache, meta.decode_pages.view(-1), meta.page_size).view(bsz, -1, *k.shape[1:])
-        vd = gather_pages(v_cache, meta.decode_pages.view(-1), meta.page_size).view(bsz, -1, *k.shape[1:])
+    for i, group in enumerate(meta.decodes):
+        qd = q[group.rows].unsqueeze(2)  # [B, H, 1, D]
+        bsz = group.pages.shape[0]
+        kd = gather_pages(k_cache, group.pages.view(-1), meta.page_size).view(bsz, -1, *k.shape[1:])
+        vd = gather_pages(v_cache, group.pages.view(-1), meta.page_size).view(bsz, -1, *k.shape[1:])
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, Hkv, L, D]
-        mask = meta.decode_mask if window_masks is None else window_masks[1]
+        mask = group.mask if window_masks is None else window_masks[1][i]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[meta.decode_rows] = o.squeeze(2)
+        out[group.rows] = o.squeeze(2)
     return out
