@@ -12,6 +12,17 @@ from pathlib import Path
 
 import httpx
 
+# A stand-in for an agent's growing context: the 4th demo prompt appends to it, so its whole pages
+# are served from the prefix cache (`cached_tokens` in the usage block).
+AGENT_CONTEXT = (
+    "You are a coding agent. The repository has a parser module, a scheduler module and tests.\n"
+    "Turn 1: read parser.py and list its public functions.\n"
+    "Observation: parse_args(argv), build_parser(), main(argv=None).\n"
+    "Turn 2: run the tests and report failures.\n"
+    "Observation: 2 failed: test_empty_prompt, test_stop_strings; 41 passed.\n"
+    "Turn 3: open the failing tests and explain the first failure.\n"
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -68,15 +79,19 @@ def run_demo(model_dir: str, port: int = 0) -> int:
         print(f"server up at {url} in {time.perf_counter() - t:.1f}s")
         client = OpenAI(base_url=url + "/v1", api_key="unused")
         model = client.models.list().data[0].id
-        prompts = ["def fibonacci(n):", "The Zen of Python, by", "import argparse\n\nparser ="]
+        context = AGENT_CONTEXT
+        # The 2nd and 4th prompts extend earlier ones: their shared pages are prefix-cache hits.
+        prompts = ["def fibonacci(n):", context, "import argparse\n\nparser =", context + "\nIn summary,"]
         for p in prompts:
             t = time.perf_counter()
             r = client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)
             dt = time.perf_counter() - t
             u = r.usage
+            shown = p if len(p) < 60 else p[:25] + " ... " + p[-25:]
             print(
-                f"\n[completion {dt * 1000:.0f} ms, {u.completion_tokens} tokens, "
-                f"{u.prompt_tokens_details.cached_tokens} cached] {p!r} -> {r.choices[0].text!r}"
+                f"\n[completion {dt * 1000:.0f} ms, {u.prompt_tokens} prompt tokens "
+                f"({u.prompt_tokens_details.cached_tokens} cached), {u.completion_tokens} generated] "
+                f"{shown!r} -> {r.choices[0].text!r}"
             )
         t = time.perf_counter()
         first = None

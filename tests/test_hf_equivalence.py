@@ -175,3 +175,43 @@ def test_sliding_window_matches_hf(arch, tmp_path):
     )
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_bf16_matches_hf(arch, hf_checkpoints):
+    """On CUDA in bf16: first-token logprobs within bf16 tolerance of HF (same device, same dtype),
+    and greedy tokens equal on most prompts (bf16 argmax near-ties may flip late tokens)."""
+    path, _ = hf_checkpoints[arch]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(
+        path,
+        page_size=4,
+        dtype="bfloat16",
+        device="cuda",
+        num_pages=400,
+        max_num_batched_tokens=32,
+        max_model_len=512,
+    )
+    prompts = prompts_for(1)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=5),
+    )
+    same = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref_tokens = hf.generate(
+            torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
+        same += out.outputs[0].token_ids == ref_tokens
+        assert out.outputs[0].token_ids[0] == ref_tokens[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float(), -1).cpu()
+        top = out.outputs[0].logprobs[0].top
+        torch.testing.assert_close(
+            torch.tensor([v for _, v in top]), ref[[t for t, _ in top]], rtol=0.05, atol=0.05
+        )
+    assert same >= len(prompts) - 1
+    llm.engine.check_integrity()
