@@ -25,6 +25,30 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineRole:
+    """A PD role (prefill or decode side) plugged into the engine thread's loop.
+
+    Every method runs on the engine thread. `add`/`abort` replace the engine's own handling of those
+    commands; `tick` runs once per loop turn (poll control messages, transfer completions, deadlines)
+    and returns True while it has work in flight, so the loop polls again soon instead of sleeping.
+    """
+
+    def attach(self, aengine: AsyncEngine) -> None:
+        self.aengine = aengine
+
+    def add(self, req: Request, prompt_text: str | None) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        raise NotImplementedError
+
+    def tick(self) -> bool:
+        return False
+
+    def check_integrity(self) -> None:
+        pass
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -32,10 +56,14 @@ class AsyncEngine:
         on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
         on_abort: Callable[[RequestOutput], None] | None = None,
         check_integrity_when_idle: bool = True,
+        role: EngineRole | None = None,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
         self._on_abort = on_abort
+        self.role = role
+        if role is not None:
+            role.attach(self)
         self._check_idle = check_integrity_when_idle
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
@@ -78,6 +106,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread (the only thread that may touch engine state)."""
+        self._send(("call", fn))
+
+    def deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        """Engine thread only: push an output (or an error) to the request's stream."""
+        self._deliver(out, request_id)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -94,7 +130,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _loop(self) -> None:
-        engine = self.engine
+        engine, role = self.engine, self.role
         idle_checked = True
         try:
             while not self._stopped:
@@ -103,13 +139,19 @@ class AsyncEngine:
                     if cmd[0] == "add":
                         _, req, text = cmd
                         try:
-                            engine.add(req, text)
-                        except Exception as e:  # duplicate id: report to that caller only
+                            if role is not None:
+                                role.add(req, text)
+                            else:
+                                engine.add(req, text)
+                        except Exception as e:  # duplicate id / room: report to that caller only
                             self._deliver(e, req.request_id)
-                    else:
-                        aborted = engine.abort(cmd[1])
+                    elif cmd[0] == "abort":
+                        aborted = role.abort(cmd[1]) if role is not None else engine.abort(cmd[1])
                         if aborted is not None and self._on_abort:
                             self._on_abort(aborted)
+                    elif cmd[0] == "call":  # run a function on the engine thread (role plumbing)
+                        cmd[1]()
+                role_busy = role.tick() if role is not None else False
                 if engine.has_unfinished():
                     outputs = engine.step()
                     for out in outputs:
@@ -118,13 +160,20 @@ class AsyncEngine:
                         self._on_step(engine, outputs)
                     idle_checked = False
                     continue
+                if role_busy:  # transfers in flight: poll again soon, but do not spin
+                    self._wake.wait(timeout=0.001)
+                    self._wake.clear()
+                    idle_checked = False
+                    continue
                 if not idle_checked:
                     if self._check_idle:
                         engine.check_integrity()
+                        if role is not None:
+                            role.check_integrity()
                     if self._on_step:
                         self._on_step(engine, [])
                     idle_checked = True
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=0.05 if role is not None else 0.5)
                 self._wake.clear()
         except BaseException as e:  # the engine is broken: fail every waiter, never hang them
             log.exception("engine thread died")

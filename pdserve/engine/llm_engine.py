@@ -50,6 +50,8 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self.num_generated_tokens = 0
+        # Called after every step with its SchedulerOutput (PD roles stream finished pages from here).
+        self.step_hooks: list = []
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -129,9 +131,14 @@ class LLMEngine:
         return req.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages now. PD requests are aborted through their role's
+        coordinator instead, which frees pages only once no transfer can touch them."""
         req = self.requests.get(request_id)
         if req is None:
             return None
+        if req.status.finished:  # held pages (PD prefill): release them
+            self.kv.free(req)
+            return self._release(req)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._release(req)
 
@@ -160,15 +167,38 @@ class LLMEngine:
                 req.logprobs.append(TokenLogprob(token, chosen, top))
             status = self._check_stop(req)
             self.kv.cache_computed_pages(req)
-            if status is not None:
+            if status is not None and req.hold_pages:
+                self.scheduler.finish(req, status, free_pages=False)
+                outputs.append(self._output(req))  # stays in `requests` until release_held()
+            elif status is not None:
                 self.scheduler.finish(req, status)
                 outputs.append(self._release(req))
             else:
                 outputs.append(self._output(req))
+        sampled = set(map(id, sampled_reqs))
         for req in sched.requests:  # prefill chunks that did not sample still publish full pages
-            if req.status == RequestStatus.RUNNING and req not in sampled_reqs:
+            if req.status == RequestStatus.RUNNING and id(req) not in sampled:
                 self.kv.cache_computed_pages(req)
+        for hook in self.step_hooks:
+            hook(sched)
         return outputs
+
+    def release_held(self, req: Request) -> None:
+        """Free the pages of a finished request that kept them (PD prefill after the decode's ack)."""
+        if self.requests.get(req.request_id) is not req:
+            return
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, free_pages=False)
+        self.kv.free(req)
+        self._release(req)
+
+    def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
+        """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"request id {req.request_id!r} is already active")
+        self.requests[req.request_id] = req
+        self._prompts[req.request_id] = prompt_text
+        self.runner.add_request(req)
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.output_token_ids[-1]

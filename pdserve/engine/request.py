@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.kvcache.hashing import PageKey
 from pdserve.sampling_params import SamplingParams
@@ -60,6 +61,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_reason: int | str | None = None
+    # PD disaggregation: a prefill request keeps its pages after it finishes until the decode acked
+    # the transfer (`LLMEngine.release_held`); `pd` holds the role's per-request transfer state.
+    hold_pages: bool = False
+    pd: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -101,11 +101,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a request from whichever queue holds it and release its pages."""
-        if req.status == RequestStatus.RUNNING:
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose prompt KV is already in its pages (decode side of PD)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, req: Request, status: RequestStatus, free_pages: bool = True) -> None:
+        """Remove a request from whichever queue holds it and (unless told not to) release its pages."""
+        if req.status == RequestStatus.RUNNING and req in self.running:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING:
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if free_pages:
+            self.kv.free(req)
         req.status = status
