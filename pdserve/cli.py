@@ -41,16 +41,34 @@ def engine_config_from_args(a: argparse.Namespace):
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    if a.role != "colocated":
-        print(f"error: --role {a.role} is not available yet; only colocated engines exist", file=sys.stderr)
-        return 2
     import uvicorn
 
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.server.api import build_app
 
+    pd_config = None
+    if a.role != "colocated":
+        from pdserve.engine.pd_common import PDConfig
+
+        try:
+            secret = PDConfig.secret_from(a.cluster_secret)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        pd_config = PDConfig(
+            cluster_secret=secret,
+            transfer_backend=a.transfer_backend,
+            bootstrap_port=a.bootstrap_port,
+            deadline_s=a.pd_deadline_s,
+            abort_lease_s=a.pd_abort_lease_s,
+        )
     engine = LLMEngine(engine_config_from_args(a))
-    app = build_app(engine)
+    pd = None
+    if pd_config is not None:
+        from pdserve.server.pd_context import PDContext
+
+        pd = PDContext(engine, a.role, pd_config, host=a.host)
+    app = build_app(engine, pd)
     print(
         f"pdserve: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
         f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
@@ -58,6 +76,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.router.app import Router, build_router_app
+
+    router = Router(a.prefill, a.decode, health_interval_s=a.health_interval_s)
+    print(f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}", flush=True)
+    uvicorn.run(build_router_app(router), host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def cmd_launch(a: argparse.Namespace) -> int:
+    from pdserve.launch import launch
+
+    return launch(a)
 
 
 def cmd_make_demo_model(a: argparse.Namespace) -> int:
@@ -79,6 +114,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.offline import run_offline_bench
 
         return run_offline_bench(a)
+    if a.what == "transfer":
+        from pdserve.bench.transfer import run
+
+        return run(a)
     print(f"unknown benchmark {a.what!r}", file=sys.stderr)
     return 2
 
@@ -93,7 +132,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
+    s.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
+    s.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)")
+    s.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
+    s.add_argument("--pd-abort-lease-s", type=float, default=60.0)
     s.set_defaults(fn=cmd_serve)
+
+    r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
+    r.add_argument("--prefill", nargs="+", required=True, help="prefill engine base URLs")
+    r.add_argument("--decode", nargs="+", required=True, help="decode engine base URLs")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--health-interval-s", type=float, default=1.0)
+    r.add_argument("--log-level", default="warning")
+    r.set_defaults(fn=cmd_router)
+
+    la = sub.add_parser("launch", help="start router + prefill + decode engines on this machine")
+    _engine_args(la)
+    la.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
+    la.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    la.add_argument("--port", type=int, default=8000, help="router port")
+    la.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
+    la.add_argument("--pd-deadline-s", type=float, default=30.0)
+    la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")
     m.add_argument("dir")
@@ -106,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks (offline: pdserve vs transformers generate)")
-    b.add_argument("what", choices=["offline"])
+    b.add_argument("what", choices=["offline", "transfer"])
     b.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)

@@ -52,6 +52,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         # Called after every step with its SchedulerOutput (PD roles stream finished pages from here).
         self.step_hooks: list = []
+        self.pre_step_hooks: list = []  # after scheduling, before the forward (KV already computed)
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -150,6 +151,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        for hook in self.pre_step_hooks:
+            hook(sched)
         sampled_reqs, result = self.runner.execute(sched)
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):

@@ -8,6 +8,7 @@ request, so a bad request gets a 4xx with an OpenAI-style error body and changes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -18,11 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.metrics import EngineMetrics
+from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from pdserve.tokenizer import TokenizerError
 
@@ -35,9 +37,13 @@ class APIError(Exception):
         self.status, self.err_type, self.param = status, err_type, param
 
 
-def build_app(engine: LLMEngine) -> FastAPI:
+def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
+    """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers."""
     metrics = EngineMetrics()
-    aengine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.observe_finished)
+    aengine = AsyncEngine(
+        engine, on_step=metrics.on_step, on_abort=metrics.observe_finished, role=pd.role if pd else None
+    )
+    role_name = pd.role_name if pd else "colocated"
     metrics.on_step(engine, [])
     model_name = engine.config.model_name
     tokenizer = engine.tokenizer
@@ -48,6 +54,8 @@ def build_app(engine: LLMEngine) -> FastAPI:
     @app.on_event("shutdown")
     def _shutdown() -> None:
         aengine.shutdown()
+        if pd is not None:
+            pd.close()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -65,13 +73,43 @@ def build_app(engine: LLMEngine) -> FastAPI:
         if name is not None and name != model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
-    def validate(make_prompt, make_params):
-        """Build and check everything; any bad value becomes a 400 before the engine sees it."""
+    def validate(make_prompt, make_params, pd_field=None):
+        """Build and check everything; any bad value becomes a 400 before the engine sees it.
+
+        PD roles: the prefill validates the client's request as given (so both engines refuse the same
+        requests) and then runs it for exactly one token; `req.pd` carries the room.
+        """
         try:
             params: SamplingParams = make_params()
-            return aengine.validate(make_prompt(), params, f"cmpl-{uuid.uuid4().hex}")
+            req, text = aengine.validate(make_prompt(), params, f"cmpl-{uuid.uuid4().hex}")
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
+        if role_name == "colocated":
+            if pd_field is not None:
+                raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
+            return req, text
+        if not isinstance(pd_field, dict) or not isinstance(pd_field.get("room"), int) or pd_field["room"] <= 0:
+            raise APIError(f"this is a {role_name} engine: send requests through the router", param="pd")
+        if role_name == "prefill":
+            req.sampling_params = dataclasses.replace(params, max_tokens=1)
+            req.max_tokens = 1
+            req.pd = pd_field["room"]
+        else:
+            if not isinstance(pd_field.get("bootstrap_url"), str):
+                raise APIError("decode requests need pd.bootstrap_url", param="pd")
+            req.pd = (pd_field["room"], pd_field["bootstrap_url"])
+        return req, text
+
+    async def resolve_pd(req) -> None:
+        """Decode: turn the prefill's bootstrap URL into its control address (cached; off the engine
+        thread, so a slow or dead prefill never stalls the scheduler)."""
+        if role_name == "decode":
+            room, bootstrap_url = req.pd
+            try:
+                addr = await pd.control_address_of(bootstrap_url)
+            except Exception as e:  # noqa: BLE001
+                raise APIError(f"prefill bootstrap {bootstrap_url} unreachable: {e}", 503, "ServiceUnavailable") from None
+            req.pd = (room, addr)
 
     def usage(out: RequestOutput) -> dict:
         n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
@@ -124,13 +162,17 @@ def build_app(engine: LLMEngine) -> FastAPI:
                 final = out
             return final
 
+        await resolve_pd(req)
         task = asyncio.ensure_future(consume())
         while not task.done():
             await asyncio.wait([task], timeout=0.5)
             if not task.done() and await http.is_disconnected():
                 task.cancel()  # the generator's `finally` aborts the request in the engine
                 raise APIError("client disconnected", 499, "ClientClosedRequest")
-        return task.result()
+        try:
+            return task.result()
+        except (RuntimeError, EngineDeadError) as e:  # PD transfer failure, dead engine
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -140,17 +182,22 @@ def build_app(engine: LLMEngine) -> FastAPI:
         for h in head:
             yield sse(h)
         sent_text, sent_tokens, last = 0, 0, None
-        async for out in aengine.generate(req, text):
-            last = out
-            o = out.outputs[0]
-            upto = len(o.text)
-            if not out.finished:
-                while upto > sent_text and o.text[upto - 1] == "\ufffd":
-                    upto -= 1
-            delta = o.text[sent_text:upto]
-            if delta or out.finished or (o.logprobs and len(o.logprobs) > sent_tokens):
-                yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
-                sent_text, sent_tokens = upto, len(o.token_ids)
+        try:
+            async for out in aengine.generate(req, text):
+                last = out
+                o = out.outputs[0]
+                upto = len(o.text)
+                if not out.finished:
+                    while upto > sent_text and o.text[upto - 1] == "\ufffd":
+                        upto -= 1
+                delta = o.text[sent_text:upto]
+                if delta or out.finished or (o.logprobs and len(o.logprobs) > sent_tokens):
+                    yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
+                    sent_text, sent_tokens = upto, len(o.token_ids)
+        except (RuntimeError, EngineDeadError) as e:  # the stream already started: report in-band
+            yield sse(error_body(str(e), 503, "ServiceUnavailable"))
+            yield "data: [DONE]\n\n"
+            return
         if include_usage and last is not None:
             yield sse(chunk_fn(None, None, 0, None) | {"choices": [], "usage": usage(last)})
         yield "data: [DONE]\n\n"
@@ -160,6 +207,13 @@ def build_app(engine: LLMEngine) -> FastAPI:
         if not aengine.alive:
             return JSONResponse({"status": "dead", "error": repr(aengine.error)}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/pd/info")
+    async def pd_info():
+        info = {"role": role_name, "model": model_name}
+        if pd is not None:
+            info |= pd.info()
+        return info
 
     @app.get("/metrics")
     async def prom():
@@ -183,7 +237,10 @@ def build_app(engine: LLMEngine) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         check_model(body.model)
-        req, text = validate(body.single_prompt, lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        pd_field = (body.model_extra or {}).get("pd")
+        req, text = validate(
+            body.single_prompt, lambda: body.sampling_params(body.max_tokens, body.logprobs), pd_field
+        )
         created, rid = int(time.time()), req.request_id
 
         def chunk(delta, o, start, finish):
@@ -201,8 +258,9 @@ def build_app(engine: LLMEngine) -> FastAPI:
                 "choices": [choice],
             }
 
-        if body.stream:
+        if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
+            await resolve_pd(req)
             return StreamingResponse(stream(req, text, chunk, include), media_type="text/event-stream")
         out = await run_to_end(req, text, http)
         o = out.outputs[0]
@@ -223,8 +281,9 @@ def build_app(engine: LLMEngine) -> FastAPI:
             raise APIError(str(e)) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        pd_field = (body.model_extra or {}).get("pd")
         req, _ = validate(
-            lambda: {"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top)
+            lambda: {"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top), pd_field
         )
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
 
@@ -243,8 +302,9 @@ def build_app(engine: LLMEngine) -> FastAPI:
                 "choices": [choice],
             }
 
-        if body.stream:
+        if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
+            await resolve_pd(req)
             head = chunk("", None, 0, None)
             head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             return StreamingResponse(
@@ -279,6 +339,8 @@ def build_app(engine: LLMEngine) -> FastAPI:
         unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise APIError(f"unknown sampling params: {sorted(unknown)}")
+        if role_name != "colocated":
+            raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
         req, text = validate(lambda: prompt, lambda: SamplingParams(**sp))
         if body.rid:
             req.request_id = body.rid

@@ -1,0 +1,76 @@
+"""What the prefill and decode roles share: their config, the engine's transfer-side view of its KV
+pool, and the notification format.
+
+Notification of one page write: b"<room>:<seq>:<total>", where seq counts the room's writes from 1
+and total is 0 on every write but the last, which carries the number of writes of the room. The
+decode knows the room's KV has landed when it holds the last notification and `total` in all.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+from pdserve.disagg.state import KVState
+from pdserve.transfer.pages import RegionTable
+
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """Knobs of one PD engine (either role). Deadlines bound every non-terminal state."""
+
+    cluster_secret: bytes
+    transfer_backend: str = "nixl"
+    bootstrap_port: int = 8998  # prefill only; 0 = pick a free port
+    deadline_s: float = 30.0  # per non-terminal state
+    abort_lease_s: float = 60.0  # decode frees aborted pages after the prefill's ack or this lease
+    num_handoff_slots: int = 256
+    growth_reserve_tokens: int = 128  # decode admission: tokens of growth reserved per request
+
+    def deadlines(self) -> dict[KVState, float]:
+        return {
+            KVState.Bootstrapping: self.deadline_s,
+            KVState.WaitingForInput: self.deadline_s,
+            KVState.Transferring: self.deadline_s,
+        }
+
+    @staticmethod
+    def secret_from(value: str | None) -> bytes:
+        """--cluster-secret, else $PDSERVE_CLUSTER_SECRET; refuse to run PD without one."""
+        value = value or os.environ.get(SECRET_ENV)
+        if not value:
+            raise ValueError(f"PD roles need a cluster secret: pass --cluster-secret or set ${SECRET_ENV}")
+        return value.encode()
+
+    @staticmethod
+    def generate_secret() -> str:
+        return secrets.token_hex(32)
+
+
+def region_table(kv_cache) -> RegionTable:
+    """The KV pool as the transfer layer addresses it: regions K0, V0, K1, V1, ..."""
+    regions = kv_cache.regions()
+    return RegionTable(
+        base_addrs=tuple(addr for addr, _ in regions),
+        bytes_per_page=(kv_cache.layout.bytes_per_page,) * len(regions),
+    )
+
+
+def encode_notif(room: int, seq: int, total: int) -> bytes:
+    return b"%d:%d:%d" % (room, seq, total)
+
+
+def decode_notif(notif: bytes) -> tuple[int, int, int] | None:
+    try:
+        room, seq, total = (int(x) for x in notif.split(b":"))
+    except ValueError:
+        return None
+    return room, seq, total
+
+
+def new_room() -> int:
+    """A random 63-bit room id (never 0: a zero room in a handoff slot means 'not landed')."""
+    return secrets.randbits(63) or 1

@@ -1,0 +1,293 @@
+"""Decode side of PD disaggregation: reserve pages, ask the prefill for the prompt's KV, commit, decode.
+
+Queues of a room:   prealloc ──pages + KVRequest──> transfer ──all writes + handoff gate──> running
+                    Bootstrapping                   WaitingForInput / Transferring        Success
+
+* `add`: the request (its prefill's control address already looked up by the HTTP handler, off
+  this thread) waits in `prealloc`. The first request for a prefill registers this engine with it
+  (transfer-agent metadata, KV region addresses, handoff slots, layout fingerprint), once per peer.
+* Admission (`_admit`) matches our own prefix cache first and asks only for the rest
+  (`decode_prefix_len`); it needs pages for the prompt plus a growth reserve for every admitted
+  request. A request that does not fit does not block smaller ones behind it (no head-of-line).
+* Commit needs both: every write of the room landed (notifications counted) **and** the handoff
+  slot holds our room (metadata gate). Then token 1 joins the output, the prompt pages are published
+  in our prefix cache and the request decodes from token 2 with no recompute.
+* Abort after a KVRequest went out is two-phase: Abort → the prefill stops and acks (or its lease
+  expires) → only then are the pages freed, so no late write can land in a reused page.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.disagg.handoff import HandoffPool, gate
+from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
+from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState, RoomTable
+from pdserve.engine.async_engine import EngineRole
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.engine.pd_common import PDConfig, decode_notif, region_table
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    control_addr: str
+    reg_id: int = 0  # echoed in the RegisterAck's room field
+    state: str = "new"  # new -> registering -> ready (a refused registration goes back to new)
+    error: str = ""
+    agent_name: str = ""
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    req: Request
+    prompt_text: str | None
+    peer_addr: str
+    handoff_slot: int = -1
+    notifs: set[int] = field(default_factory=set)
+    total: int = 0  # writes to expect (known from the last notification)
+    requested: bool = False  # a KVRequest went out: the prefill may write our pages
+    growth_pages: int = 0  # pages kept free for this request's first tokens while its KV arrives
+
+
+class DecodeRole(EngineRole):
+    def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
+        self.engine = engine
+        self.config = config
+        self.control = control
+        self.agent = agent
+        self.fingerprint = layout_fingerprint
+        self.page_size = engine.kv.page_size
+        self.local_kv = region_table(engine.runner.kv_cache)
+        self.handoff = HandoffPool(config.num_handoff_slots)
+        self.rooms = RoomTable(config.deadlines())
+        self.aborts = AbortTracker()
+        self.peers: dict[str, PrefillPeer] = {}
+        self.prealloc: list[DecodeRoom] = []
+        self.transfer: dict[int, DecodeRoom] = {}
+        self.releasing: dict[int, DecodeRoom] = {}  # aborted after a KVRequest: wait for ack / lease
+        self.by_request: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.num_handoff_mismatches = 0
+
+    def _reserved_pages(self) -> int:
+        """Growth reserved by requests whose KV is still arriving (they will need it at once)."""
+        return sum(d.growth_pages for d in self.transfer.values())
+
+    # ---- intake --------------------------------------------------------------------------------
+    def add(self, req: Request, prompt_text: str | None) -> None:
+        room, peer_addr = req.pd
+        try:
+            self.rooms.create(room, KVState.Bootstrapping)
+        except DuplicateRoom:
+            raise InvalidRequest(f"room {room} is already active on this decode engine") from None
+        self.engine.add_prefilled(req, prompt_text)
+        dr = DecodeRoom(room, req, prompt_text, peer_addr)
+        self.prealloc.append(dr)
+        self.by_request[req.request_id] = room
+        peer = self.peers.setdefault(peer_addr, PrefillPeer(peer_addr, reg_id=len(self.peers) + 1))
+        if peer.state == "new":
+            self._register(peer)
+
+    def _register(self, peer: PrefillPeer) -> None:
+        kv = self.local_kv
+        self.control.send(
+            peer.control_addr,
+            Register(
+                agent_name=self.agent.agent_name,
+                agent_metadata=self.agent.metadata(),
+                kv_base_addrs=list(kv.base_addrs),
+                kv_bytes_per_page=list(kv.bytes_per_page),
+                handoff_base_addr=self.handoff.base_addr,
+                handoff_slot_bytes=self.handoff.slot_bytes,
+                num_handoff_slots=self.handoff.num_slots,
+                staging_base_addr=0,
+                staging_bytes=0,
+                layout_fingerprint=self.fingerprint,
+                reply_addr=self.control.address,
+            ),
+            peer.reg_id,
+        )
+        peer.state = "registering"
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        room = self.by_request.get(request_id)
+        if room is None or room not in self._all_rooms():
+            return self.engine.abort(request_id)  # already running: a plain decode abort
+        self._fail(room, "aborted by client")
+        return None
+
+    def _all_rooms(self) -> dict[int, DecodeRoom]:
+        return {**{d.room: d for d in self.prealloc}, **self.transfer}
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def tick(self) -> bool:
+        for env in self.control.poll():
+            self._on_message(env)
+        for _peer, notif in self.agent.poll_notifications():
+            parsed = decode_notif(notif)
+            if parsed is None:
+                continue
+            room, seq, total = parsed
+            dr = self.transfer.get(room)
+            if dr is None:
+                continue
+            dr.notifs.add(seq)
+            if total:
+                dr.total = total
+            self.rooms.advance(room, KVState.Transferring)
+            if dr.total and len(dr.notifs) == dr.total:
+                self._commit(dr)
+        for room in self.rooms.expired():
+            self._fail(room, self.rooms.reason(room), already_failed=True)
+        self._admit()
+        for room in self.aborts.ready_to_free():
+            dr = self.releasing.pop(room, None)
+            if dr is not None:
+                self._free(dr)
+        return bool(self.prealloc or self.transfer or self.releasing)
+
+    def _on_message(self, env) -> None:
+        body, room = env.body, env.room
+        if isinstance(body, RegisterAck):
+            peer = next((p for p in self.peers.values() if p.reg_id == room and p.state == "registering"), None)
+            if peer is None:
+                return
+            if body.ok:
+                peer.state, peer.agent_name = "ready", body.agent_name
+            else:
+                peer.state, peer.error = "failed", body.error
+                for dr in [d for d in self.prealloc if d.peer_addr == peer.control_addr]:
+                    self._fail(dr.room, f"registration refused by prefill: {body.error}")
+                peer.state = "new"  # let a later request retry (e.g. after the prefill restarts)
+        elif isinstance(body, Status) and body.state == KVState.Failed:
+            if room in self.transfer or any(d.room == room for d in self.prealloc):
+                self._fail(room, f"prefill failed: {body.error}", peer_already_knows=True)
+        elif isinstance(body, AbortAck):
+            self.aborts.acked(room)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        kv = self.engine.kv
+        for dr in list(self.prealloc):
+            peer = self.peers[dr.peer_addr]
+            if peer.state != "ready":
+                continue
+            req = dr.req
+            growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
+            hits, keys = kv.match_prefix(req)
+            num_prompt_pages = -(-req.num_prompt_tokens // self.page_size)
+            need = num_prompt_pages - len(hits) + growth
+            if need > kv.pool.num_free_pages - self._reserved_pages():
+                continue  # does not fit now; smaller requests behind it may
+            slot = self.handoff.alloc()
+            if slot is None:
+                return
+            num_hit_tokens = len(hits) * self.page_size
+            ok = kv.allocate(req, req.num_prompt_tokens - num_hit_tokens, hits, keys)
+            assert ok, "checked above"
+            kv.record_admission(req, num_hit_tokens)
+            dr.handoff_slot, dr.growth_pages = slot, growth
+            self.prealloc.remove(dr)
+            self.transfer[dr.room] = dr
+            dr.requested = True
+            self.control.send(
+                dr.peer_addr,
+                KVRequest(
+                    dst_page_ids=req.page_ids[len(hits) :],
+                    handoff_slot=slot,
+                    decode_prefix_len=num_hit_tokens,
+                ),
+                dr.room,
+            )
+            self.rooms.advance(dr.room, KVState.WaitingForInput)
+
+    # ---- commit --------------------------------------------------------------------------------
+    def _commit(self, dr: DecodeRoom) -> None:
+        row = self.handoff.read(dr.handoff_slot)
+        if not gate(row, dr.room):
+            self.num_handoff_mismatches += 1
+            self._fail(dr.room, "handoff room mismatch")
+            return
+        req = dr.req
+        self.rooms.advance(dr.room, KVState.Success)
+        self.control.send(dr.peer_addr, Status(state=KVState.Success), dr.room)  # prefill may free
+        del self.transfer[dr.room]
+        self.handoff.free(dr.handoff_slot)
+        self.rooms.remove(dr.room)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = max(req.num_cached_tokens, 0) + row.cached_tokens_device
+        req.append_output(row.first_token_id)
+        now = time.monotonic()
+        req.first_token_time = req.last_token_time = now
+        if req.sampling_params.logprobs is not None and row.first_logprob is not None:
+            top = list(row.top_logprobs)[: req.sampling_params.logprobs]
+            req.logprobs.append(TokenLogprob(row.first_token_id, row.first_logprob, top))
+        self._burn_first_draw(req)
+        self.engine.kv.cache_computed_pages(req)
+        status = self.engine._check_stop(req)
+        if status is not None:
+            req.status = RequestStatus.RUNNING
+            self.engine.scheduler.finish(req, status)
+            out = self.engine._release(req)
+        else:
+            self.engine.scheduler.add_running(req)
+            out = self.engine._output(req)
+        self.by_request.pop(req.request_id, None)
+        self.aengine.deliver(out, req.request_id)
+
+    def _burn_first_draw(self, req: Request) -> None:
+        """The prefill drew token 1 from this seed; advance our copy of the generator past that
+        draw so seeded sampling continues exactly as a colocated engine would."""
+        gen = self.engine.runner.generators.get(req.request_id)
+        if gen is not None and not req.sampling_params.greedy:
+            torch.empty(self.engine.config.model_config.vocab_size).exponential_(generator=gen)
+
+    # ---- failure -------------------------------------------------------------------------------
+    def _fail(self, room: int, reason: str, already_failed: bool = False, peer_already_knows: bool = False) -> None:
+        dr = self.transfer.pop(room, None)
+        if dr is None:
+            dr = next((d for d in self.prealloc if d.room == room), None)
+            if dr is None:
+                return
+            self.prealloc.remove(dr)
+        if not already_failed:
+            self.rooms.fail(room, reason)
+        key = reason.split(":")[0]
+        self.failures[key] = self.failures.get(key, 0) + 1
+        self.aengine.deliver(RuntimeError(f"PD transfer failed: {reason}"), dr.req.request_id)
+        if dr.requested and not peer_already_knows:
+            # The prefill may still write our pages: stop it, free only after its ack or the lease.
+            self.control.send(dr.peer_addr, Abort(reason=reason), room)
+            self.aborts.begin(room, self.config.abort_lease_s)
+            self.releasing[room] = dr
+        elif dr.requested:
+            # The prefill failed the room itself and aborted its writes before telling us; a short
+            # lease still covers a write already on the wire.
+            self.aborts.begin(room, min(self.config.abort_lease_s, 2.0))
+            self.releasing[room] = dr
+        else:
+            self._free(dr)
+
+    def _free(self, dr: DecodeRoom) -> None:
+        if dr.handoff_slot >= 0:
+            self.handoff.free(dr.handoff_slot)
+        req = dr.req
+        self.engine.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.engine._release(req)
+        self.by_request.pop(req.request_id, None)
+        if dr.room in self.rooms:
+            self.rooms.remove(dr.room)
+
+    def check_integrity(self) -> None:
+        self.rooms.check_integrity()
+        self.handoff.check_integrity()

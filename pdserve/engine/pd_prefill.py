@@ -1,0 +1,294 @@
+"""Prefill side of PD disaggregation: compute the prompt, stream its pages to the decode, hand off.
+
+Queues of a room (DESIGN.md §4):   bootstrap ──KVRequest──> waiting ──forward──> inflight ──ack──> freed
+                                   Bootstrapping            WaitingForInput      Transferring       Success
+
+* A request arrives from the router (`add`) and waits in `bootstrap` until the decode's `KVRequest`
+  for its room says where its pages go; nothing is computed or written before that.
+* Then it joins the engine's scheduler with `max_tokens=1` and `hold_pages`: its pages outlive it.
+* Before each forward (pre-step hook) and after it (post-step hook) every *full* prompt page that is
+  computed and not yet sent is written to the decode; so a prefix-cache hit goes out before the
+  forward of the rest, and each chunk of a chunked prefill goes out while later chunks compute.
+* When token 1 is sampled, the last write carries the remaining pages (the partial last one
+  included) and the handoff row; its notification tells the decode how many writes to expect.
+* Pages are freed only when the decode acks Success, or the room fails and no write of it is still
+  in flight (a late read of a freed page could send another request's KV).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.disagg.handoff import HandoffPool, HandoffRow
+from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
+from pdserve.disagg.state import DuplicateRoom, KVState, RoomTable
+from pdserve.engine.async_engine import EngineRole
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.engine.pd_common import PDConfig, encode_notif, region_table
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.outputs import RequestOutput
+from pdserve.transfer.base import TransferStatus
+from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePeer:
+    agent_name: str
+    reply_addr: str
+    kv: RegionTable
+    handoff_base_addr: int
+    handoff_slot_bytes: int
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    req: Request
+    peer: DecodePeer | None = None
+    dst_page_ids: list[int] = field(default_factory=list)
+    first_page: int = 0  # prompt pages before this one the decode already has (its prefix cache)
+    handoff_slot: int = -1  # the decode's slot
+    num_pages_sent: int = 0  # prompt pages [first_page, num_pages_sent) were submitted
+    seq: int = 0  # writes submitted
+    in_flight: set[int] = field(default_factory=set)  # transfer ids
+    sent_last: bool = False
+    local_slot: int = -1  # our handoff source row
+    abort_reply_to: str | None = None  # the decode asked us to stop: ack once nothing is in flight
+
+
+class PrefillRole(EngineRole):
+    def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
+        self.engine = engine
+        self.config = config
+        self.control = control
+        self.agent = agent
+        self.fingerprint = layout_fingerprint
+        self.page_size = engine.kv.page_size
+        self.local_kv = region_table(engine.runner.kv_cache)
+        self.handoff = HandoffPool(config.num_handoff_slots)
+        self.rooms = RoomTable(config.deadlines())
+        self.by_room: dict[int, PrefillRoom] = {}
+        self.by_request: dict[str, int] = {}
+        self.peers: dict[str, DecodePeer] = {}  # by decode agent name
+        self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
+        self.transfers: dict[int, int] = {}  # transfer id -> room
+        self.failures: dict[str, int] = {}  # reason -> count (metrics)
+        engine.step_hooks.append(self._after_step)
+        engine.pre_step_hooks.append(self._after_step)
+
+    # ---- intake (engine thread) ----------------------------------------------------------------
+    def add(self, req: Request, prompt_text: str | None) -> None:
+        room = req.pd
+        try:
+            self.rooms.create(room, KVState.Bootstrapping)
+        except DuplicateRoom:
+            raise InvalidRequest(f"room {room} is already active on this prefill engine") from None
+        req.hold_pages = True
+        self.engine.add_prefilled(req, prompt_text)  # registered, not yet schedulable
+        pr = PrefillRoom(room, req)
+        self.by_room[room] = pr
+        self.by_request[req.request_id] = room
+        early = self.early.pop(room, None)
+        if early is not None:
+            self._on_kv_request(room, early[1], early[2])
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        room = self.by_request.get(request_id)
+        if room is None:
+            return self.engine.abort(request_id)
+        self._fail(room, "aborted by client")
+        return None
+
+    # ---- the loop (engine thread) --------------------------------------------------------------
+    def tick(self) -> bool:
+        for env in self.control.poll():
+            self._on_message(env)
+        for tid, status in self.agent.poll_completions():
+            room = self.transfers.pop(tid, None)
+            pr = self.by_room.get(room) if room is not None else None
+            if pr is None:
+                continue
+            pr.in_flight.discard(tid)
+            if status == TransferStatus.FAILED:
+                self._fail(room, "transfer failed")
+        for room in self.rooms.expired():
+            self._fail(room, self.rooms.reason(room), already_failed=True)
+        now = time.monotonic()
+        for room, (t, _, _) in list(self.early.items()):
+            if now - t > self.config.deadline_s:
+                del self.early[room]
+        self._reap()
+        return bool(self.transfers) or bool(self.by_room)
+
+    def _on_message(self, env) -> None:
+        body, room = env.body, env.room
+        if isinstance(body, Register):
+            self._on_register(body, room, env.sender)
+        elif isinstance(body, KVRequest):
+            if room in self.by_room:
+                self._on_kv_request(room, env.sender, body)
+            else:  # the decode was faster than the router's POST to us: keep it for a while
+                self.early[room] = (time.monotonic(), env.sender, body)
+        elif isinstance(body, Status):
+            if body.state == KVState.Success and room in self.by_room:
+                self.rooms.advance(room, KVState.Success)
+            elif body.state == KVState.Failed and room in self.by_room:
+                self._fail(room, f"decode failed: {body.error}")
+        elif isinstance(body, Abort):
+            pr = self.by_room.get(room)
+            if pr is None:
+                peer = self._peer_by_sender(env.sender)
+                if peer is not None:
+                    self.control.send(peer.reply_addr, AbortAck(), room)
+                return
+            pr.abort_reply_to = pr.peer.reply_addr if pr.peer else None
+            self._fail(room, f"aborted by decode: {body.reason}")
+
+    def _peer_by_sender(self, sender: str) -> DecodePeer | None:
+        return self.peers.get(sender)
+
+    def _on_register(self, msg: Register, reg_id: int, sender: str) -> None:
+        """A decode introduces itself (once). `reg_id` (the envelope's room field) is echoed back so
+        the decode can tell which of its pending registrations this ack answers."""
+        if msg.layout_fingerprint != self.fingerprint:
+            error = f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
+            self.failures["layout_mismatch"] = self.failures.get("layout_mismatch", 0) + 1
+            self.control.send(msg.reply_addr, RegisterAck(ok=False, error=error), reg_id)
+            return
+        try:
+            self.agent.add_peer(msg.agent_name, msg.agent_metadata)
+        except Exception as e:  # noqa: BLE001 - a bad peer must not kill the engine
+            self.control.send(msg.reply_addr, RegisterAck(ok=False, error=f"transfer agent: {e}"), reg_id)
+            return
+        self.peers[sender] = DecodePeer(
+            msg.agent_name,
+            msg.reply_addr,
+            RegionTable(tuple(msg.kv_base_addrs), tuple(msg.kv_bytes_per_page)),
+            msg.handoff_base_addr,
+            msg.handoff_slot_bytes,
+        )
+        self.control.send(msg.reply_addr, RegisterAck(ok=True, agent_name=self.agent.agent_name), reg_id)
+
+    def _on_kv_request(self, room: int, sender: str, msg: KVRequest) -> None:
+        pr = self.by_room[room]
+        peer = self.peers.get(sender)
+        ps = self.page_size
+        num_prompt_pages = -(-pr.req.num_prompt_tokens // ps)
+        first = msg.decode_prefix_len // ps
+        error = None
+        if peer is None:
+            error = "decode is not registered"
+        elif msg.decode_prefix_len % ps or first + len(msg.dst_page_ids) != num_prompt_pages:
+            error = f"KVRequest covers {first}+{len(msg.dst_page_ids)} pages, prompt has {num_prompt_pages}"
+        elif self.rooms.state(room) != KVState.Bootstrapping:
+            error = "duplicate KVRequest"
+        if error is not None:
+            if peer is not None:
+                self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
+            self._fail(room, error)
+            return
+        pr.peer, pr.dst_page_ids, pr.first_page, pr.handoff_slot = peer, list(msg.dst_page_ids), first, msg.handoff_slot
+        pr.num_pages_sent = first
+        self.rooms.advance(room, KVState.WaitingForInput)
+        self.engine.scheduler.add(pr.req)
+
+    # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
+    def _after_step(self, sched) -> None:
+        for req in sched.requests:
+            room = self.by_request.get(req.request_id)
+            pr = self.by_room.get(room) if room is not None else None
+            if pr is None or pr.sent_last or self.rooms.state(room) not in (
+                KVState.WaitingForInput,
+                KVState.Transferring,
+            ):
+                continue
+            if req.status.finished:
+                self._send_last(pr)
+            else:
+                # Only whole pages, and only of the prompt, whose KV is computed.
+                num_full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.page_size
+                if num_full > pr.num_pages_sent:
+                    self._send_pages(pr, pr.num_pages_sent, num_full, last=False)
+
+    def _send_pages(self, pr: PrefillRoom, start: int, end: int, last: bool) -> None:
+        src = pr.req.page_ids[start:end]
+        dst = pr.dst_page_ids[start - pr.first_page : end - pr.first_page]
+        local, remote = page_descriptors(merge_runs(src, dst), self.local_kv, pr.peer.kv) if src else ([], [])
+        if last:
+            slot_addr, slot_bytes = self.handoff.slot_addr(pr.local_slot), self.handoff.slot_bytes
+            local.append((slot_addr, slot_bytes))
+            remote.append((pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes))
+        pr.seq += 1
+        tid = self.agent.submit(pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0))
+        self.transfers[tid] = pr.room
+        pr.in_flight.add(tid)
+        pr.num_pages_sent = end
+        self.rooms.advance(pr.room, KVState.Transferring)
+
+    def _send_last(self, pr: PrefillRoom) -> None:
+        req = pr.req
+        slot = self.handoff.alloc()
+        if slot is None:
+            self._fail(pr.room, "no free handoff slot")
+            return
+        pr.local_slot = slot
+        lp = req.logprobs[0] if req.logprobs else None
+        self.handoff.write_local(
+            slot,
+            HandoffRow(
+                room=pr.room,
+                first_token_id=req.output_token_ids[0],
+                cached_tokens_device=max(req.num_cached_tokens, 0),
+                cached_tokens_host=0,
+                cached_tokens_storage=0,
+                first_logprob=lp.logprob if lp else None,
+                top_logprobs=tuple(lp.top) if lp else (),
+            ),
+        )
+        pr.sent_last = True
+        self._send_pages(pr, pr.num_pages_sent, -(-req.num_prompt_tokens // self.page_size), last=True)
+
+    # ---- failure and release -------------------------------------------------------------------
+    def _fail(self, room: int, reason: str, already_failed: bool = False) -> None:
+        pr = self.by_room.get(room)
+        if pr is None:
+            return
+        if not already_failed:
+            self.rooms.fail(room, reason)
+        key = reason.split(":")[0]
+        self.failures[key] = self.failures.get(key, 0) + 1
+        for tid in list(pr.in_flight):
+            self.agent.abort(tid)
+        if pr.peer is not None and pr.abort_reply_to is None:
+            self.control.send(pr.peer.reply_addr, Status(state=KVState.Failed, error=reason), room)
+        # Tell the router's waiter, if the prompt never finished.
+        if not pr.req.status.finished:
+            self.aengine.deliver(RuntimeError(f"prefill failed: {reason}"), pr.req.request_id)
+
+    def _reap(self) -> None:
+        """Free rooms that are terminal and have nothing in flight."""
+        for room, pr in list(self.by_room.items()):
+            state = self.rooms.state(room)
+            if state not in (KVState.Success, KVState.Failed) or pr.in_flight:
+                continue
+            if state == KVState.Failed and not pr.req.status.finished:
+                self.engine.scheduler.finish(pr.req, RequestStatus.FINISHED_ABORTED, free_pages=False)
+            self.engine.release_held(pr.req)
+            if pr.local_slot >= 0:
+                self.handoff.free(pr.local_slot)
+            if pr.abort_reply_to is not None:
+                self.control.send(pr.abort_reply_to, AbortAck(), room)
+            del self.by_room[room]
+            self.by_request.pop(pr.req.request_id, None)
+            self.rooms.remove(room)
+
+    def check_integrity(self) -> None:
+        self.rooms.check_integrity()
+        self.handoff.check_integrity()
+        assert set(self.by_room) == set(self.rooms.active_rooms()) | {
+            r for r in self.by_room if self.rooms.state(r) in (KVState.Success, KVState.Failed)
+        }

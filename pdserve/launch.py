@@ -1,0 +1,115 @@
+"""`pdserve launch`: router + N prefill + M decode engines on this machine (loopback).
+
+Engines are separate processes started with subprocess (never fork: a NIXL agent does not survive a
+fork), sharing a freshly generated cluster secret through the environment. Ctrl-C (or SIGTERM)
+tears everything down; if any child dies, the launcher stops the rest and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pdserve.demo import free_port, wait_healthy
+from pdserve.engine.pd_common import SECRET_ENV, PDConfig
+
+ENGINE_FLAGS = ("dtype", "device", "page_size", "num_pages", "kv_cache_gib", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "served_model_name", "seed")
+
+
+class Cluster:
+    """The child processes of one launch; `stop()` is idempotent."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.router_url = ""
+
+    def start(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+        self.procs.append((name, proc))
+        return proc
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def engine_flags(a) -> list[str]:
+    out = ["--model", a.model]
+    for flag in ENGINE_FLAGS:
+        value = getattr(a, flag, None)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    if getattr(a, "no_prefix_caching", False):
+        out.append("--no-prefix-caching")
+    return out
+
+
+def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) -> Cluster:
+    """Start engines and router, wait until all are healthy. Raises (after cleanup) on failure."""
+    env = {**os.environ, SECRET_ENV: PDConfig.generate_secret(), "PYTHONUNBUFFERED": "1",
+           "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*")}
+    cluster = Cluster()
+    try:
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(n):
+                port = free_port()
+                extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
+                proc = cluster.start(
+                    f"{role}{i}",
+                    ["serve", *engine_flags(a), "--role", role, "--port", str(port),
+                     "--transfer-backend", a.transfer_backend, "--pd-deadline-s", str(a.pd_deadline_s), *extra],
+                    env,
+                )
+                urls[role].append(f"http://127.0.0.1:{port}")
+                cluster.procs[-1] = (f"{role}{i}", proc)
+        for (_name, proc), url in zip(cluster.procs, urls["prefill"] + urls["decode"], strict=True):
+            wait_healthy(url, proc)
+        router_port = router_port or free_port()
+        proc = cluster.start("router", ["router", "--port", str(router_port), "--prefill", *urls["prefill"],
+                                        "--decode", *urls["decode"]], env)
+        cluster.router_url = f"http://127.0.0.1:{router_port}"
+        wait_healthy(cluster.router_url, proc)
+        return cluster
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def launch(a) -> int:
+    cluster = start_cluster(a, a.prefill, a.decode, a.port)
+    print(f"pdserve cluster up: router {cluster.router_url} ({a.prefill} prefill, {a.decode} decode); Ctrl-C stops it",
+          flush=True)
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stopping:
+            dead = cluster.dead()
+            if dead:
+                print(f"pdserve launch: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        cluster.stop()

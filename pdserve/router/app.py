@@ -1,0 +1,208 @@
+"""`pdserve router`: the OpenAI-compatible front of a PD cluster.
+
+Per request: assign a fresh room, pick a prefill (round robin over healthy ones) and a decode (fewest
+requests in flight), post the client's body to both — the prefill's copy marked to stop after token 1
+and not stream, the decode's copy told where the prefill's bootstrap server is — and relay the
+decode's response. The decode's bytes are held back until the prefill answered, so a prefill that
+fails before any KV could have been sent is retried on another prefill (fresh room) without the
+client noticing. A client that disconnects aborts both sides (their handlers see the disconnect).
+Engines are health-checked in the background; a dead one gets no new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.engine.pd_common import new_room
+from pdserve.server.protocol import error_body
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Engine:
+    url: str
+    role: str
+    healthy: bool = False
+    bootstrap_url: str = ""
+    model: str = ""
+    in_flight: int = 0
+    misses: int = 0
+
+
+class NoEngine(Exception):
+    pass
+
+
+class Router:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], health_interval_s: float = 1.0,
+                 max_prefill_attempts: int = 3) -> None:
+        self.prefills = [Engine(u.rstrip("/"), "prefill") for u in prefill_urls]
+        self.decodes = [Engine(u.rstrip("/"), "decode") for u in decode_urls]
+        self.health_interval_s = health_interval_s
+        self.max_prefill_attempts = max_prefill_attempts
+        self._rr = itertools.count()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+        self.num_retries = 0
+
+    async def check_health(self) -> None:
+        async def one(e: Engine) -> None:
+            try:
+                r = await self.client.get(e.url + "/pd/info", timeout=2.0)
+                info = r.json()
+                ok = r.status_code == 200 and info.get("role") == e.role
+                if ok:
+                    e.bootstrap_url, e.model = info.get("bootstrap_url", ""), info.get("model", "")
+            except (httpx.HTTPError, ValueError):
+                ok = False
+            e.misses = 0 if ok else e.misses + 1
+            e.healthy = ok or (e.healthy and e.misses < 2)
+
+        await asyncio.gather(*(one(e) for e in self.prefills + self.decodes))
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.health_interval_s)
+
+    def pick_prefill(self, exclude: set[str]) -> Engine:
+        live = [e for e in self.prefills if e.healthy and e.url not in exclude]
+        if not live:
+            raise NoEngine("no healthy prefill engine")
+        return live[next(self._rr) % len(live)]
+
+    def pick_decode(self) -> Engine:
+        live = [e for e in self.decodes if e.healthy]
+        if not live:
+            raise NoEngine("no healthy decode engine")
+        return min(live, key=lambda e: e.in_flight)
+
+    async def dispatch(self, path: str, body: dict, http: Request):
+        tried: set[str] = set()
+        last_error = "no attempt"
+        for _ in range(self.max_prefill_attempts):
+            try:
+                pe, de = self.pick_prefill(tried), self.pick_decode()
+            except NoEngine as e:
+                return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
+            tried.add(pe.url)
+            room = new_room()
+            pe_body = {**body, "stream": False, "pd": {"room": room}}
+            pe_body.pop("stream_options", None)
+            de_body = {**body, "pd": {"room": room, "bootstrap_url": pe.bootstrap_url}}
+            de.in_flight += 1
+            de_req = self.client.build_request("POST", de.url + path, json=de_body)
+            de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
+            try:
+                pe_resp = await self.client.post(pe.url + path, json=pe_body)
+            except httpx.HTTPError as e:
+                pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
+            if pe_resp is not None and pe_resp.status_code == 200:
+                break
+            if pe_resp is not None and 400 <= pe_resp.status_code < 500:
+                # The request itself is bad (both engines validate the same way): no retry.
+                await _cancel(de_task)
+                de.in_flight -= 1
+                return Response(pe_resp.content, pe_resp.status_code, media_type="application/json")
+            if pe_resp is not None:
+                last_error = f"prefill {pe.url}: HTTP {pe_resp.status_code} {pe_resp.text[:200]}"
+            await _cancel(de_task)  # closing the decode's stream aborts its room
+            de.in_flight -= 1
+            self.num_retries += 1
+            log.warning("retrying on another prefill: %s", last_error)
+        else:
+            return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
+
+        try:
+            de_resp = await de_task
+        except httpx.HTTPError as e:
+            de.in_flight -= 1
+            return JSONResponse(error_body(f"decode {de.url}: {e!r}", 502, "BadGateway"), 502)
+
+        async def relay():
+            try:
+                async for chunk in de_resp.aiter_raw():
+                    if await http.is_disconnected():
+                        break
+                    yield chunk
+            except httpx.HTTPError as e:
+                yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
+            finally:
+                await de_resp.aclose()
+                de.in_flight -= 1
+
+        media = de_resp.headers.get("content-type", "application/json")
+        return StreamingResponse(relay(), status_code=de_resp.status_code, media_type=media)
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    if task.done():
+        if not task.cancelled() and task.exception() is None:
+            await task.result().aclose()
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, httpx.HTTPError):
+        pass
+
+
+def build_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pdserve router")
+    state: dict = {}
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        await router.check_health()
+        state["health"] = asyncio.ensure_future(router.health_loop())
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        state["health"].cancel()
+        await router.client.aclose()
+
+    async def body_of(http: Request) -> dict | Response:
+        try:
+            body = json.loads(await http.body())
+        except ValueError:
+            return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("request body must be a JSON object", 400), 400)
+        if "pd" in body:
+            return JSONResponse(error_body("'pd' is reserved for the router", 400, param="pd"), 400)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        body = await body_of(http)
+        return body if isinstance(body, Response) else await router.dispatch("/v1/completions", body, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        body = await body_of(http)
+        return body if isinstance(body, Response) else await router.dispatch("/v1/chat/completions", body, http)
+
+    @app.get("/v1/models")
+    async def models():
+        live = [e for e in router.decodes if e.healthy]
+        if not live:
+            return JSONResponse(error_body("no healthy decode engine", 503, "ServiceUnavailable"), 503)
+        r = await router.client.get(live[0].url + "/v1/models")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        ok = any(e.healthy for e in router.prefills) and any(e.healthy for e in router.decodes)
+        engines = {e.url: {"role": e.role, "healthy": e.healthy, "in_flight": e.in_flight}
+                   for e in router.prefills + router.decodes}
+        return JSONResponse({"status": "ok" if ok else "degraded", "engines": engines}, 200 if ok else 503)
+
+    return app

@@ -1,0 +1,80 @@
+"""Everything a prefill or decode engine runs besides its engine: control channel, transfer agent,
+role, and (prefill) the bootstrap server. Built by `pdserve serve --role prefill|decode`.
+
+Threads of a PD engine process: uvicorn's event loop (HTTP), the engine thread (scheduler + role),
+the control channel's ZMQ thread, the transfer agent's thread (it alone touches the NIXL agent), and,
+on a prefill, the bootstrap server's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from pdserve.disagg import bootstrap
+from pdserve.disagg.control import ControlChannel
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.pd_common import PDConfig
+from pdserve.engine.pd_decode import DecodeRole
+from pdserve.engine.pd_prefill import PrefillRole
+from pdserve.transfer.agent import TransferAgent
+
+
+def layout_fingerprint(engine: LLMEngine) -> str:
+    mc = engine.config.model_config
+    return f"{mc.architecture}|v{mc.vocab_size}|{engine.runner.kv_cache.layout.fingerprint()}"
+
+
+class PDContext:
+    def __init__(self, engine: LLMEngine, role_name: str, config: PDConfig, host: str = "127.0.0.1") -> None:
+        if role_name not in ("prefill", "decode"):
+            raise ValueError(f"PD role must be prefill or decode, got {role_name!r}")
+        self.role_name = role_name
+        self.config = config
+        name = f"{role_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.control = ControlChannel(host, config.cluster_secret, name)
+        fingerprint = layout_fingerprint(engine)
+        role_cls = PrefillRole if role_name == "prefill" else DecodeRole
+        self.role = role_cls(engine, config, self.control, None, fingerprint)
+        regions = list(engine.runner.kv_cache.regions()) + [(self.role.handoff.base_addr, self.role.handoff.nbytes)]
+        self.agent = TransferAgent(config.transfer_backend, name, regions)
+        self.agent.metadata()  # fail fast if the backend cannot start
+        self.role.agent = self.agent
+        self.bootstrap = None
+        self._addr_cache: dict[str, str] = {}
+        if role_name == "prefill":
+            self.bootstrap = bootstrap.BootstrapServer(host, config.bootstrap_port, secret=config.cluster_secret)
+            layout = engine.runner.kv_cache.layout
+            self.bootstrap.register_local(
+                bootstrap.RankRoute(
+                    rank=0,
+                    world_size=1,
+                    control_addr=self.control.address,
+                    layout_fingerprint=fingerprint,
+                    page_size=layout.page_size,
+                    kv_dtype=layout.dtype,
+                    engine_name=name,
+                )
+            )
+            self.bootstrap.start()
+
+    def info(self) -> dict:
+        out = {"control_addr": self.control.address, "agent": self.agent.agent_name}
+        if self.bootstrap is not None:
+            out["bootstrap_url"] = self.bootstrap.url
+        return out
+
+    async def control_address_of(self, bootstrap_url: str) -> str:
+        """Decode: the prefill's control address, asked of its bootstrap server once and cached."""
+        addr = self._addr_cache.get(bootstrap_url)
+        if addr is None:
+            route = await bootstrap.lookup(bootstrap_url, rank=0, timeout_s=10.0)
+            addr = route["control_addr"]
+            self._addr_cache[bootstrap_url] = addr
+        return addr
+
+    def close(self) -> None:
+        self.agent.close()
+        self.control.close()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
