@@ -84,7 +84,10 @@ def cmd_router(a: argparse.Namespace) -> int:
     from pdserve.router.app import Router, build_router_app
 
     router = Router(a.prefill, a.decode, health_interval_s=a.health_interval_s)
-    print(f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}", flush=True)
+    print(
+        f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}",
+        flush=True,
+    )
     uvicorn.run(build_router_app(router), host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
@@ -134,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning")
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
     s.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
-    s.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)")
+    s.add_argument(
+        "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)"
+    )
     s.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
     s.add_argument("--pd-abort-lease-s", type=float, default=60.0)
     s.set_defaults(fn=cmd_serve)
@@ -155,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--port", type=int, default=8000, help="router port")
     la.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
     la.add_argument("--pd-deadline-s", type=float, default=30.0)
+    la.add_argument("--pd-abort-lease-s", type=float, default=60.0)
     la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")

@@ -16,8 +16,18 @@ import time
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 
-ENGINE_FLAGS = ("dtype", "device", "page_size", "num_pages", "kv_cache_gib", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "served_model_name", "seed")
+ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "page_size",
+    "num_pages",
+    "kv_cache_gib",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "served_model_name",
+    "seed",
+)
 
 
 class Cluster:
@@ -61,8 +71,12 @@ def engine_flags(a) -> list[str]:
 
 def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) -> Cluster:
     """Start engines and router, wait until all are healthy. Raises (after cleanup) on failure."""
-    env = {**os.environ, SECRET_ENV: PDConfig.generate_secret(), "PYTHONUNBUFFERED": "1",
-           "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*")}
+    env = {
+        **os.environ,
+        SECRET_ENV: PDConfig.generate_secret(),
+        "PYTHONUNBUFFERED": "1",
+        "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"),
+    }
     cluster = Cluster()
     try:
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -72,8 +86,21 @@ def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) ->
                 extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
                 proc = cluster.start(
                     f"{role}{i}",
-                    ["serve", *engine_flags(a), "--role", role, "--port", str(port),
-                     "--transfer-backend", a.transfer_backend, "--pd-deadline-s", str(a.pd_deadline_s), *extra],
+                    [
+                        "serve",
+                        *engine_flags(a),
+                        "--role",
+                        role,
+                        "--port",
+                        str(port),
+                        "--transfer-backend",
+                        a.transfer_backend,
+                        "--pd-deadline-s",
+                        str(a.pd_deadline_s),
+                        "--pd-abort-lease-s",
+                        str(getattr(a, "pd_abort_lease_s", 60.0)),
+                        *extra,
+                    ],
                     env,
                 )
                 urls[role].append(f"http://127.0.0.1:{port}")
@@ -81,8 +108,19 @@ def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) ->
         for (_name, proc), url in zip(cluster.procs, urls["prefill"] + urls["decode"], strict=True):
             wait_healthy(url, proc)
         router_port = router_port or free_port()
-        proc = cluster.start("router", ["router", "--port", str(router_port), "--prefill", *urls["prefill"],
-                                        "--decode", *urls["decode"]], env)
+        proc = cluster.start(
+            "router",
+            [
+                "router",
+                "--port",
+                str(router_port),
+                "--prefill",
+                *urls["prefill"],
+                "--decode",
+                *urls["decode"],
+            ],
+            env,
+        )
         cluster.router_url = f"http://127.0.0.1:{router_port}"
         wait_healthy(cluster.router_url, proc)
         return cluster
@@ -93,8 +131,10 @@ def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) ->
 
 def launch(a) -> int:
     cluster = start_cluster(a, a.prefill, a.decode, a.port)
-    print(f"pdserve cluster up: router {cluster.router_url} ({a.prefill} prefill, {a.decode} decode); Ctrl-C stops it",
-          flush=True)
+    print(
+        f"pdserve cluster up: router {cluster.router_url} ({a.prefill} prefill, {a.decode} decode); Ctrl-C stops it",
+        flush=True,
+    )
     stopping = False
 
     def on_signal(signum, _frame):

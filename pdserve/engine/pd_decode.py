@@ -158,7 +158,9 @@ class DecodeRole(EngineRole):
     def _on_message(self, env) -> None:
         body, room = env.body, env.room
         if isinstance(body, RegisterAck):
-            peer = next((p for p in self.peers.values() if p.reg_id == room and p.state == "registering"), None)
+            peer = next(
+                (p for p in self.peers.values() if p.reg_id == room and p.state == "registering"), None
+            )
             if peer is None:
                 return
             if body.ok:
@@ -224,7 +226,9 @@ class DecodeRole(EngineRole):
         self.handoff.free(dr.handoff_slot)
         self.rooms.remove(dr.room)
         req.num_computed_tokens = req.num_prompt_tokens
-        req.num_cached_tokens = max(req.num_cached_tokens, 0) + row.cached_tokens_device
+        # Reported cached tokens = prompt tokens nobody recomputed: the prefill's own prefix hits. (Our
+        # hits only spared the prefill sending those pages; they count in our prefix-cache metrics.)
+        req.num_cached_tokens = row.cached_tokens_device
         req.append_output(row.first_token_id)
         now = time.monotonic()
         req.first_token_time = req.last_token_time = now
@@ -252,7 +256,9 @@ class DecodeRole(EngineRole):
             torch.empty(self.engine.config.model_config.vocab_size).exponential_(generator=gen)
 
     # ---- failure -------------------------------------------------------------------------------
-    def _fail(self, room: int, reason: str, already_failed: bool = False, peer_already_knows: bool = False) -> None:
+    def _fail(
+        self, room: int, reason: str, already_failed: bool = False, peer_already_knows: bool = False
+    ) -> None:
         dr = self.transfer.pop(room, None)
         if dr is None:
             dr = next((d for d in self.prealloc if d.room == room), None)
@@ -287,6 +293,13 @@ class DecodeRole(EngineRole):
         self.by_request.pop(req.request_id, None)
         if dr.room in self.rooms:
             self.rooms.remove(dr.room)
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {
+            "prealloc": len(self.prealloc),
+            "transfer": len(self.transfer),
+            "releasing": len(self.releasing),
+        }
 
     def check_integrity(self) -> None:
         self.rooms.check_integrity()

@@ -77,6 +77,7 @@ class PrefillRole(EngineRole):
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.failures: dict[str, int] = {}  # reason -> count (metrics)
+        self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
 
@@ -155,7 +156,9 @@ class PrefillRole(EngineRole):
         """A decode introduces itself (once). `reg_id` (the envelope's room field) is echoed back so
         the decode can tell which of its pending registrations this ack answers."""
         if msg.layout_fingerprint != self.fingerprint:
-            error = f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
+            error = (
+                f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
+            )
             self.failures["layout_mismatch"] = self.failures.get("layout_mismatch", 0) + 1
             self.control.send(msg.reply_addr, RegisterAck(ok=False, error=error), reg_id)
             return
@@ -191,7 +194,12 @@ class PrefillRole(EngineRole):
                 self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
             self._fail(room, error)
             return
-        pr.peer, pr.dst_page_ids, pr.first_page, pr.handoff_slot = peer, list(msg.dst_page_ids), first, msg.handoff_slot
+        pr.peer, pr.dst_page_ids, pr.first_page, pr.handoff_slot = (
+            peer,
+            list(msg.dst_page_ids),
+            first,
+            msg.handoff_slot,
+        )
         pr.num_pages_sent = first
         self.rooms.advance(room, KVState.WaitingForInput)
         self.engine.scheduler.add(pr.req)
@@ -201,9 +209,14 @@ class PrefillRole(EngineRole):
         for req in sched.requests:
             room = self.by_request.get(req.request_id)
             pr = self.by_room.get(room) if room is not None else None
-            if pr is None or pr.sent_last or self.rooms.state(room) not in (
-                KVState.WaitingForInput,
-                KVState.Transferring,
+            if (
+                pr is None
+                or pr.sent_last
+                or self.rooms.state(room)
+                not in (
+                    KVState.WaitingForInput,
+                    KVState.Transferring,
+                )
             ):
                 continue
             if req.status.finished:
@@ -221,11 +234,16 @@ class PrefillRole(EngineRole):
         if last:
             slot_addr, slot_bytes = self.handoff.slot_addr(pr.local_slot), self.handoff.slot_bytes
             local.append((slot_addr, slot_bytes))
-            remote.append((pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes))
+            remote.append(
+                (pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes)
+            )
         pr.seq += 1
-        tid = self.agent.submit(pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0))
+        tid = self.agent.submit(
+            pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
+        )
         self.transfers[tid] = pr.room
         pr.in_flight.add(tid)
+        self.num_pages_sent += len(src)
         pr.num_pages_sent = end
         self.rooms.advance(pr.room, KVState.Transferring)
 
@@ -286,9 +304,16 @@ class PrefillRole(EngineRole):
             self.by_request.pop(pr.req.request_id, None)
             self.rooms.remove(room)
 
+    def queue_sizes(self) -> dict[str, int]:
+        counts = self.rooms.counts()
+        return {
+            "bootstrap": counts[KVState.Bootstrapping],
+            "waiting": counts[KVState.WaitingForInput],
+            "inflight": counts[KVState.Transferring] + sum(1 for p in self.by_room.values() if p.in_flight),
+        }
+
     def check_integrity(self) -> None:
         self.rooms.check_integrity()
         self.handoff.check_integrity()
-        assert set(self.by_room) == set(self.rooms.active_rooms()) | {
-            r for r in self.by_room if self.rooms.state(r) in (KVState.Success, KVState.Failed)
-        }
+        assert all(room in self.rooms for room in self.by_room), "a room is tracked but not in the table"
+        assert set(self.transfers.values()) <= set(self.by_room), "a transfer outlived its room"

@@ -43,8 +43,13 @@ class NoEngine(Exception):
 
 
 class Router:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], health_interval_s: float = 1.0,
-                 max_prefill_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        health_interval_s: float = 1.0,
+        max_prefill_attempts: int = 3,
+    ) -> None:
         self.prefills = [Engine(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Engine(u.rstrip("/"), "decode") for u in decode_urls]
         self.health_interval_s = health_interval_s
@@ -119,7 +124,9 @@ class Router:
             self.num_retries += 1
             log.warning("retrying on another prefill: %s", last_error)
         else:
-            return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
+            return JSONResponse(
+                error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502
+            )
 
         try:
             de_resp = await de_task
@@ -188,7 +195,9 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
         body = await body_of(http)
-        return body if isinstance(body, Response) else await router.dispatch("/v1/chat/completions", body, http)
+        return (
+            body if isinstance(body, Response) else await router.dispatch("/v1/chat/completions", body, http)
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -201,8 +210,10 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = any(e.healthy for e in router.prefills) and any(e.healthy for e in router.decodes)
-        engines = {e.url: {"role": e.role, "healthy": e.healthy, "in_flight": e.in_flight}
-                   for e in router.prefills + router.decodes}
+        engines = {
+            e.url: {"role": e.role, "healthy": e.healthy, "in_flight": e.in_flight}
+            for e in router.prefills + router.decodes
+        }
         return JSONResponse({"status": "ok" if ok else "degraded", "engines": engines}, 200 if ok else 503)
 
     return app

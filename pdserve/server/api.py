@@ -23,7 +23,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.metrics import EngineMetrics
+from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from pdserve.tokenizer import TokenizerError
@@ -40,6 +40,8 @@ class APIError(Exception):
 def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
     """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers."""
     metrics = EngineMetrics()
+    if pd is not None:
+        metrics.pd = PDMetrics(metrics.registry, pd)
     aengine = AsyncEngine(
         engine, on_step=metrics.on_step, on_abort=metrics.observe_finished, role=pd.role if pd else None
     )
@@ -88,7 +90,11 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             if pd_field is not None:
                 raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
             return req, text
-        if not isinstance(pd_field, dict) or not isinstance(pd_field.get("room"), int) or pd_field["room"] <= 0:
+        if (
+            not isinstance(pd_field, dict)
+            or not isinstance(pd_field.get("room"), int)
+            or pd_field["room"] <= 0
+        ):
             raise APIError(f"this is a {role_name} engine: send requests through the router", param="pd")
         if role_name == "prefill":
             req.sampling_params = dataclasses.replace(params, max_tokens=1)
@@ -108,7 +114,9 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             try:
                 addr = await pd.control_address_of(bootstrap_url)
             except Exception as e:  # noqa: BLE001
-                raise APIError(f"prefill bootstrap {bootstrap_url} unreachable: {e}", 503, "ServiceUnavailable") from None
+                raise APIError(
+                    f"prefill bootstrap {bootstrap_url} unreachable: {e}", 503, "ServiceUnavailable"
+                ) from None
             req.pd = (room, addr)
 
     def usage(out: RequestOutput) -> dict:

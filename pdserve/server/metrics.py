@@ -12,6 +12,7 @@ _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 class EngineMetrics:
     def __init__(self) -> None:
+        self.pd: PDMetrics | None = None  # set for prefill/decode engines
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("pdserve_num_requests_running", "Requests in the running batch", registry=r)
@@ -60,6 +61,8 @@ class EngineMetrics:
         self.prefix_hits.set(engine.kv.num_hit_tokens)
         self.prefix_hit_rate.set(engine.kv.num_hit_tokens / max(engine.kv.num_query_tokens, 1))
         self.preemptions.set(engine.scheduler.num_preemptions)
+        if self.pd is not None:
+            self.pd.update()
         for out in outputs:
             self.generated.inc()
             if out.finished:
@@ -74,3 +77,58 @@ class EngineMetrics:
         n = len(out.outputs[0].token_ids)
         if n > 1:
             self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+
+
+class PDMetrics:
+    """PD-role metrics (prefill or decode), refreshed from the role's state after every engine step.
+
+    Everything is read on the engine thread from counters that the role, the control channel and the
+    transfer agent keep; nothing here changes engine state.
+    """
+
+    def __init__(self, registry: CollectorRegistry, pd) -> None:
+        self.pd = pd
+        r = registry
+        self.queue = Gauge("pdserve_pd_queue_requests", "Requests per PD queue", ["queue"], registry=r)
+        self.rooms = Gauge("pdserve_pd_rooms_held", "Rooms in the room table (exact)", registry=r)
+        self.room_states = Gauge(
+            "pdserve_pd_rooms_by_state", "Rooms per transfer state", ["state"], registry=r
+        )
+        self.failures = Gauge("pdserve_pd_failures", "Failed rooms by reason", ["reason"], registry=r)
+        self.handoff_mismatch = Gauge(
+            "pdserve_pd_handoff_mismatches", "Handoff rows whose room did not match", registry=r
+        )
+        self.dropped = Gauge("pdserve_pd_control_dropped", "Control messages dropped", ["why"], registry=r)
+        self.xfer = Gauge("pdserve_pd_transfer", "Transfer agent counters", ["counter"], registry=r)
+        self.pages_sent = Gauge("pdserve_pd_pages_sent", "KV pages written to decode engines", registry=r)
+        self.latency = Histogram(
+            "pdserve_pd_transfer_latency_seconds",
+            "Submit to completion of one write",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
+        self._seen_transfers = 0
+
+    def update(self) -> None:
+        role, control, agent = self.pd.role, self.pd.control, self.pd.agent
+        for name, size in role.queue_sizes().items():
+            self.queue.labels(name).set(size)
+        self.rooms.set(len(role.rooms))
+        for state, n in role.rooms.counts().items():
+            self.room_states.labels(state.name).set(n)
+        for reason, n in role.failures.items():
+            self.failures.labels(reason).set(n)
+        self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
+        self.dropped.labels("forged").set(control.num_forged)
+        self.dropped.labels("malformed").set(control.num_malformed)
+        self.dropped.labels("wrong_version").set(control.num_wrong_version)
+        self.pages_sent.set(getattr(role, "num_pages_sent", 0))
+        stats = agent.stats.snapshot()
+        latencies = stats.pop("latencies_s")
+        for name, value in stats.items():
+            self.xfer.labels(name).set(value)
+        finished = stats["transfers_done"] + stats["transfers_failed"]
+        new = min(finished - self._seen_transfers, len(latencies))
+        for lat in latencies[len(latencies) - new :] if new > 0 else []:
+            self.latency.observe(lat)
+        self._seen_transfers = finished

@@ -36,14 +36,18 @@ class PDContext:
         fingerprint = layout_fingerprint(engine)
         role_cls = PrefillRole if role_name == "prefill" else DecodeRole
         self.role = role_cls(engine, config, self.control, None, fingerprint)
-        regions = list(engine.runner.kv_cache.regions()) + [(self.role.handoff.base_addr, self.role.handoff.nbytes)]
+        regions = list(engine.runner.kv_cache.regions()) + [
+            (self.role.handoff.base_addr, self.role.handoff.nbytes)
+        ]
         self.agent = TransferAgent(config.transfer_backend, name, regions)
         self.agent.metadata()  # fail fast if the backend cannot start
         self.role.agent = self.agent
         self.bootstrap = None
         self._addr_cache: dict[str, str] = {}
         if role_name == "prefill":
-            self.bootstrap = bootstrap.BootstrapServer(host, config.bootstrap_port, secret=config.cluster_secret)
+            self.bootstrap = bootstrap.BootstrapServer(
+                host, config.bootstrap_port, secret=config.cluster_secret
+            )
             layout = engine.runner.kv_cache.layout
             self.bootstrap.register_local(
                 bootstrap.RankRoute(

@@ -1,0 +1,178 @@
+"""PD disaggregation end to end: real processes on loopback, the NIXL backend, the router.
+
+Greedy tokens through router -> prefill -> (NIXL) -> decode must equal those of a colocated engine on
+the same checkpoint, token for token, and token 1's logprobs must match; after the tests every
+engine is idle with zero pages and zero rooms held (the engines run `check_integrity()` whenever they
+go idle, and a failed check kills the engine thread, which turns /health to 503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.transfer.nixl_backend import nixl_available
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+MAX_MODEL_LEN = 1024
+
+
+def cluster_args(model_dir: str, **kw) -> argparse.Namespace:
+    base = dict(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        page_size=16,
+        num_pages=400,
+        kv_cache_gib=None,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=None,
+        max_num_batched_tokens=128,
+        served_model_name="demo",
+        seed=None,
+        no_prefix_caching=False,
+        transfer_backend="nixl",
+        pd_deadline_s=8.0,
+        pd_abort_lease_s=3.0,
+    )
+    return argparse.Namespace(**(base | kw))
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+0-9.eE]+|NaN)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_engine_idle(url: str, timeout_s: float = 15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(url)
+        if (
+            m["pdserve_kv_pages_used"] == 0
+            and m["pdserve_num_requests_running"] == 0
+            and m["pdserve_pd_rooms_held"] == 0
+        ):
+            assert httpx.get(url + "/health", timeout=5).status_code == 200  # integrity checks passed
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{url} not idle: pages {m['pdserve_kv_pages_used']}, rooms {m['pdserve_pd_rooms_held']}"
+            )
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir):
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from pdserve.launch import start_cluster
+
+    c = start_cluster(cluster_args(demo_model_dir), 1, 1)
+    c.engine_urls = [u for u in _engine_urls(c)]
+    yield c
+    c.stop()
+
+
+def _engine_urls(c) -> list[str]:
+    h = httpx.get(c.router_url + "/health", timeout=10).json()
+    return list(h["engines"])
+
+
+@pytest.fixture(scope="module")
+def colocated(demo_model_dir):
+    return LLM(demo_model_dir, max_model_len=MAX_MODEL_LEN, num_pages=400, max_num_batched_tokens=128)
+
+
+def prompts(tokenizer) -> list[str]:
+    """16 prompts: short and long (chunked: > 128 tokens), and pairs sharing a long prefix."""
+    base = "def handler(request, context):\n    result = process(request.body, context.user)\n"
+    out = []
+    for i in range(16):
+        if i % 4 == 0:
+            out.append(f"# task {i}\n" + base * (6 + i // 2))  # long: several prefill chunks
+        elif i % 4 == 1:
+            out.append(out[-1] + f"    return result{i}\n")  # extends the previous one: decode prefix hit
+        elif i % 4 == 2:
+            out.append(f"import os{i}")
+        else:
+            out.append(f"x = {i} * y + " + "z" * (i * 3))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, max_tokens: int):
+    body = {
+        "model": "demo",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 5,
+        "ignore_eos": True,
+    }
+    if not stream:
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return data["choices"][0]["text"], data["choices"][0]["logprobs"], data["usage"]
+    text, lps = "", None
+    async with client.stream("POST", url + "/v1/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if lps is None:
+                    lps = chunk["choices"][0]["logprobs"]
+    return text, lps, None
+
+
+def test_pd_greedy_equals_colocated(cluster, colocated):
+    ps = prompts(colocated.get_tokenizer())
+    max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            # The first of each shared-prefix pair goes first, so the decode has it in its cache.
+            first = await asyncio.gather(
+                *[_one(client, cluster.router_url, ps[i], False, max_tokens[i]) for i in range(0, 16, 4)]
+            )
+            rest_ids = [i for i in range(16) if i % 4]
+            rest = await asyncio.gather(
+                *[_one(client, cluster.router_url, ps[i], i % 2 == 0, max_tokens[i]) for i in rest_ids]
+            )
+            return dict(zip(range(0, 16, 4), first, strict=True)) | dict(zip(rest_ids, rest, strict=True))
+
+    results = asyncio.run(run())
+    ref = colocated.generate(
+        ps, [SamplingParams(temperature=0, max_tokens=m, logprobs=5, ignore_eos=True) for m in max_tokens]
+    )
+    for i, out in enumerate(ref):
+        text, lps, usage = results[i]
+        assert text == out.outputs[0].text, f"prompt {i}"
+        lp0 = out.outputs[0].logprobs[0]
+        assert lps["token_logprobs"][0] == pytest.approx(lp0.logprob, rel=1e-6)
+        assert list(lps["top_logprobs"][0].values()) == pytest.approx([v for _, v in lp0.top], rel=1e-6)
+        if i % 4 == 1:
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # decode-side prefix hit
+    idle = {url: wait_engine_idle(url) for url in cluster.engine_urls}
+    decode_url = [u for u in cluster.engine_urls if httpx.get(u + "/pd/info").json()["role"] == "decode"][0]
+    # The decode matched its own prefix cache for the extended prompts and asked only for the rest.
+    assert idle[decode_url]["pdserve_prefix_cache_hit_tokens"] > 0
+    prefill_url = [u for u in cluster.engine_urls if u != decode_url][0]
+    assert idle[prefill_url]["pdserve_pd_pages_sent"] > 0
