@@ -36,6 +36,10 @@ class Cluster:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.router_url = ""
+        self.urls: dict[str, list[str]] = {}  # role -> engine base URLs, in start order
+
+    def proc(self, name: str) -> subprocess.Popen:
+        return dict(self.procs)[name]
 
     def start(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
@@ -69,11 +73,13 @@ def engine_flags(a) -> list[str]:
     return out
 
 
-def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) -> Cluster:
+def start_cluster(
+    a, num_prefill: int, num_decode: int, router_port: int = 0, secret: str | None = None
+) -> Cluster:
     """Start engines and router, wait until all are healthy. Raises (after cleanup) on failure."""
     env = {
         **os.environ,
-        SECRET_ENV: PDConfig.generate_secret(),
+        SECRET_ENV: secret or PDConfig.generate_secret(),
         "PYTHONUNBUFFERED": "1",
         "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"),
     }
@@ -122,6 +128,7 @@ def start_cluster(a, num_prefill: int, num_decode: int, router_port: int = 0) ->
             env,
         )
         cluster.router_url = f"http://127.0.0.1:{router_port}"
+        cluster.urls = urls
         wait_healthy(cluster.router_url, proc)
         return cluster
     except BaseException:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -132,6 +133,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine, role = self.engine, self.role
         idle_checked = True
+        last_report = 0.0
         try:
             while not self._stopped:
                 while self._inbox:
@@ -161,6 +163,10 @@ class AsyncEngine:
                     idle_checked = False
                     continue
                 if role_busy:  # transfers in flight: poll again soon, but do not spin
+                    now = time.monotonic()
+                    if self._on_step and now - last_report >= 0.05:  # keep gauges fresh, cheaply
+                        self._on_step(engine, [])
+                        last_report = now
                     self._wake.wait(timeout=0.001)
                     self._wake.clear()
                     idle_checked = False

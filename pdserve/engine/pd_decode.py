@@ -275,12 +275,11 @@ class DecodeRole(EngineRole):
             self.control.send(dr.peer_addr, Abort(reason=reason), room)
             self.aborts.begin(room, self.config.abort_lease_s)
             self.releasing[room] = dr
-        elif dr.requested:
-            # The prefill failed the room itself and aborted its writes before telling us; a short
-            # lease still covers a write already on the wire.
-            self.aborts.begin(room, min(self.config.abort_lease_s, 2.0))
-            self.releasing[room] = dr
         else:
+            # Never asked for KV, or the prefill failed the room itself: it sends Status(Failed) only
+            # once none of its writes to us can still land, so the pages are free to reuse now.
+            if not dr.requested and not peer_already_knows:
+                self.control.send(dr.peer_addr, Abort(reason=reason), room)  # let it drop the room early
             self._free(dr)
 
     def _free(self, dr: DecodeRoom) -> None:

@@ -58,6 +58,7 @@ class PrefillRoom:
     sent_last: bool = False
     local_slot: int = -1  # our handoff source row
     abort_reply_to: str | None = None  # the decode asked us to stop: ack once nothing is in flight
+    fail_reason: str = ""
 
 
 class PrefillRole(EngineRole):
@@ -281,8 +282,9 @@ class PrefillRole(EngineRole):
         self.failures[key] = self.failures.get(key, 0) + 1
         for tid in list(pr.in_flight):
             self.agent.abort(tid)
-        if pr.peer is not None and pr.abort_reply_to is None:
-            self.control.send(pr.peer.reply_addr, Status(state=KVState.Failed, error=reason), room)
+        # The decode hears of the failure (Status Failed, or AbortAck if it asked) from `_reap`, only
+        # once none of our writes to it can still land: then it may free its pages at once.
+        pr.fail_reason = reason
         # Tell the router's waiter, if the prompt never finished.
         if not pr.req.status.finished:
             self.aengine.deliver(RuntimeError(f"prefill failed: {reason}"), pr.req.request_id)
@@ -300,6 +302,10 @@ class PrefillRole(EngineRole):
                 self.handoff.free(pr.local_slot)
             if pr.abort_reply_to is not None:
                 self.control.send(pr.abort_reply_to, AbortAck(), room)
+            elif state == KVState.Failed and pr.peer is not None:
+                self.control.send(
+                    pr.peer.reply_addr, Status(state=KVState.Failed, error=pr.fail_reason), room
+                )
             del self.by_room[room]
             self.by_request.pop(pr.req.request_id, None)
             self.rooms.remove(room)

@@ -214,6 +214,7 @@ def build_router_app(router: Router) -> FastAPI:
             e.url: {"role": e.role, "healthy": e.healthy, "in_flight": e.in_flight}
             for e in router.prefills + router.decodes
         }
-        return JSONResponse({"status": "ok" if ok else "degraded", "engines": engines}, 200 if ok else 503)
+        body = {"status": "ok" if ok else "degraded", "engines": engines, "num_retries": router.num_retries}
+        return JSONResponse(body, 200 if ok else 503)
 
     return app

@@ -179,6 +179,8 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 raise APIError("client disconnected", 499, "ClientClosedRequest")
         try:
             return task.result()
+        except InvalidRequest as e:  # refused on the engine thread (e.g. a duplicate PD room)
+            raise APIError(str(e)) from None
         except (RuntimeError, EngineDeadError) as e:  # PD transfer failure, dead engine
             raise APIError(str(e), 503, "ServiceUnavailable") from None
 
@@ -202,7 +204,11 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 if delta or out.finished or (o.logprobs and len(o.logprobs) > sent_tokens):
                     yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
                     sent_text, sent_tokens = upto, len(o.token_ids)
-        except (RuntimeError, EngineDeadError) as e:  # the stream already started: report in-band
+        except InvalidRequest as e:  # the stream already started: report in-band
+            yield sse(error_body(str(e), 400))
+            yield "data: [DONE]\n\n"
+            return
+        except (RuntimeError, EngineDeadError) as e:
             yield sse(error_body(str(e), 503, "ServiceUnavailable"))
             yield "data: [DONE]\n\n"
             return
@@ -225,6 +231,8 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prom():
+        if metrics.pd is not None:
+            metrics.pd.update_control()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -109,8 +109,16 @@ class PDMetrics:
         )
         self._seen_transfers = 0
 
+    def update_control(self) -> None:
+        """Control-channel drop counters: plain ints, safe to read from any thread (also at scrape time,
+        so drops are visible while the engine idles)."""
+        control = self.pd.control
+        self.dropped.labels("forged").set(control.num_forged)
+        self.dropped.labels("malformed").set(control.num_malformed)
+        self.dropped.labels("wrong_version").set(control.num_wrong_version)
+
     def update(self) -> None:
-        role, control, agent = self.pd.role, self.pd.control, self.pd.agent
+        role, agent = self.pd.role, self.pd.agent
         for name, size in role.queue_sizes().items():
             self.queue.labels(name).set(size)
         self.rooms.set(len(role.rooms))
@@ -119,9 +127,7 @@ class PDMetrics:
         for reason, n in role.failures.items():
             self.failures.labels(reason).set(n)
         self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
-        self.dropped.labels("forged").set(control.num_forged)
-        self.dropped.labels("malformed").set(control.num_malformed)
-        self.dropped.labels("wrong_version").set(control.num_wrong_version)
+        self.update_control()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
         stats = agent.stats.snapshot()
         latencies = stats.pop("latencies_s")

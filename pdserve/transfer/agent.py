@@ -1,0 +1,298 @@
+"""`TransferAgent`: the one thread that owns a transfer backend; engines talk to it through queues.
+
+Who calls what, when:
+- An engine creates ONE TransferAgent at startup (after any fork; engines run under spawn) with the
+  regions to register (KV buffers, handoff slots, staging), then ships `metadata()` to peers in its
+  registration message and calls `add_peer` for each peer registration it receives.
+- The prefill scheduler calls `submit` per send and `abort` on a two-phase abort; every step it drains
+  `poll_completions()` (each transfer id exactly once, DONE or FAILED).
+- The decode scheduler drains `poll_notifications()` every step.
+All public methods are non-blocking and thread-safe, except `metadata()`, which waits (once, at
+startup) until the thread has created the backend, and `close()`, which joins the thread.
+
+The thread loop: apply queued commands (add/remove peer, submit, abort) -> check pending transfers ->
+drain backend notifications -> wait for the next command up to `poll_interval_s`. It polls even when
+idle: with NIXL's progress thread off, notifications only arrive while someone polls. A backend
+exception fails only the transfer it concerns (reported FAILED); any other exception is logged,
+counted in `stats.backend_errors`, and the loop continues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.transfer.base import TransferError, TransferStatus, create_backend
+
+log = logging.getLogger(__name__)
+
+# (transfer_id, status, latency_s, nbytes), called on the agent thread; keep it cheap (metrics).
+CompletionHook = Callable[[int, TransferStatus, float, int], None]
+
+
+@dataclass
+class TransferStats:
+    """Counters for metrics. Written by the agent thread only; readers get a `snapshot()`."""
+
+    transfers_submitted: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    transfers_aborted: int = 0  # also counted in done or failed
+    bytes_submitted: int = 0
+    bytes_done: int = 0
+    descriptors_submitted: int = 0
+    notifications_received: int = 0
+    backend_errors: int = 0
+    latencies_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent, submit -> final
+
+    def snapshot(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "latencies_s"}
+        out["latencies_s"] = list(self.latencies_s)
+        return out
+
+
+@dataclass
+class _Pending:
+    handle: int | None  # backend handle; None if write() failed
+    nbytes: int
+    submitted_s: float
+
+
+class TransferAgent:
+    def __init__(
+        self,
+        backend: str,
+        agent_name: str,
+        regions: list[tuple[int, int]],
+        poll_interval_s: float = 0.001,
+        on_complete: CompletionHook | None = None,
+        start_timeout_s: float = 60.0,
+        **options,
+    ) -> None:
+        """Start the thread; `options` go to the backend constructor (e.g. delay_s for fake)."""
+        self.backend_name = backend
+        self.agent_name = agent_name
+        self.poll_interval_s = poll_interval_s
+        self.on_complete = on_complete
+        self.stats = TransferStats()
+        self._start_timeout_s = start_timeout_s
+        self._ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        self._notifications: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._metadata = b""
+        self._closed = False
+        self.backend = None  # set by the thread; touch only from tests that own no other thread
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(backend, agent_name, list(regions), options),
+            name=f"transfer-agent-{agent_name}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    # ---- public API (any thread) ----
+
+    def metadata(self) -> bytes:
+        """Backend metadata for peers. Blocks until the thread has started; raises TransferError if
+        the backend could not be created."""
+        if not self._started.wait(self._start_timeout_s):
+            raise TransferError(
+                f"transfer agent {self.agent_name!r} did not start in {self._start_timeout_s} s"
+            )
+        if self._start_error is not None:
+            raise TransferError(f"transfer agent {self.agent_name!r} failed to start: {self._start_error!r}")
+        return self._metadata
+
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        self._commands.put(("add_peer", name, bytes(metadata)))
+
+    def remove_peer(self, name: str) -> None:
+        self._commands.put(("remove_peer", name))
+
+    def submit(
+        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
+    ) -> int:
+        """Queue a write of local[i] -> remote[i] on `peer`; `notif` reaches the peer after all bytes.
+        Returns a transfer id reported exactly once by `poll_completions`."""
+        with self._ids_lock:
+            transfer_id = next(self._ids)
+        self._commands.put(("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic()))
+        return transfer_id
+
+    def abort(self, transfer_id: int) -> None:
+        """Stop a transfer. Once it is reported (FAILED, or DONE if it had already finished), no
+        further bytes of it are written. Aborting an id already reported is a no-op."""
+        self._commands.put(("abort", transfer_id))
+
+    def poll_completions(self) -> list[tuple[int, TransferStatus]]:
+        return _drain(self._completions)
+
+    def poll_notifications(self) -> list[tuple[str, bytes]]:
+        return _drain(self._notifications)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread: pending transfers are released (aborted) and the backend is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(("close",))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- agent thread ----
+
+    def _run(self, backend_name: str, agent_name: str, regions, options) -> None:
+        try:
+            backend = create_backend(backend_name, agent_name, **options)
+            backend.register(regions)
+            self._metadata = backend.local_metadata()
+            self.backend = backend
+        except BaseException as e:  # reported through metadata(); nothing else to run
+            log.exception("transfer agent %s: backend %s failed to start", agent_name, backend_name)
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        pending: dict[int, _Pending] = {}
+        running = True
+        while running:
+            try:
+                running = self._step(backend, pending)
+            except Exception:  # never die silently: log, count, keep polling
+                self.stats.backend_errors += 1
+                log.exception("transfer agent %s: loop error", agent_name)
+                time.sleep(self.poll_interval_s)
+        for transfer_id in list(pending):
+            self._finish(backend, pending, transfer_id, TransferStatus.FAILED, aborted=True)
+        try:
+            backend.close()
+        except Exception:
+            log.exception("transfer agent %s: backend close failed", agent_name)
+
+    def _step(self, backend, pending: dict[int, _Pending]) -> bool:
+        """One loop iteration; returns False when asked to close."""
+        timeout_s = self.poll_interval_s
+        while True:
+            try:
+                cmd = self._commands.get(timeout=timeout_s) if timeout_s else self._commands.get_nowait()
+            except queue.Empty:
+                break
+            timeout_s = 0  # after the first command, only drain what is already queued
+            if cmd[0] == "close":
+                return False
+            self._apply(backend, pending, cmd)
+        self._check_pending(backend, pending)
+        try:
+            notifs = backend.get_notifications()
+        except Exception:
+            self.stats.backend_errors += 1
+            log.exception("transfer agent %s: get_notifications failed", self.agent_name)
+            notifs = []
+        for n in notifs:
+            self._notifications.put(n)
+        self.stats.notifications_received += len(notifs)
+        return True
+
+    def _apply(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            _, transfer_id, peer, local, remote, notif, submitted_s = cmd
+            nbytes = sum(int(n) for _, n in local)
+            self.stats.transfers_submitted += 1
+            self.stats.bytes_submitted += nbytes
+            self.stats.descriptors_submitted += len(local)
+            try:
+                handle = backend.write(peer, local, remote, notif)
+            except Exception as e:
+                self.stats.backend_errors += 1
+                log.warning(
+                    "transfer agent %s: write %d to %s failed: %r", self.agent_name, transfer_id, peer, e
+                )
+                pending[transfer_id] = _Pending(None, nbytes, submitted_s)
+                self._finish(backend, pending, transfer_id, TransferStatus.FAILED)
+                return
+            pending[transfer_id] = _Pending(handle, nbytes, submitted_s)
+        elif kind == "abort":
+            transfer_id = cmd[1]
+            if transfer_id in pending:
+                p = pending[transfer_id]
+                status = self._status(backend, p)
+                final = TransferStatus.DONE if status == TransferStatus.DONE else TransferStatus.FAILED
+                self._finish(backend, pending, transfer_id, final, aborted=True)
+        elif kind == "add_peer":
+            try:
+                backend.add_peer(cmd[1], cmd[2])
+            except Exception:
+                self.stats.backend_errors += 1
+                log.exception("transfer agent %s: add_peer(%s) failed", self.agent_name, cmd[1])
+        elif kind == "remove_peer":
+            try:
+                backend.remove_peer(cmd[1])
+            except Exception:
+                self.stats.backend_errors += 1
+                log.exception("transfer agent %s: remove_peer(%s) failed", self.agent_name, cmd[1])
+
+    def _status(self, backend, p: _Pending) -> TransferStatus:
+        if p.handle is None:
+            return TransferStatus.FAILED
+        try:
+            return backend.status(p.handle)
+        except Exception as e:
+            self.stats.backend_errors += 1
+            log.warning("transfer agent %s: status failed: %r", self.agent_name, e)
+            return TransferStatus.FAILED
+
+    def _check_pending(self, backend, pending: dict[int, _Pending]) -> None:
+        for transfer_id, p in list(pending.items()):
+            status = self._status(backend, p)
+            if status != TransferStatus.PENDING:
+                self._finish(backend, pending, transfer_id, status)
+
+    def _finish(
+        self, backend, pending: dict[int, _Pending], transfer_id: int, status: TransferStatus, aborted=False
+    ) -> None:
+        """Release the backend handle, then report: the release precedes the report, so a reported id
+        never writes again (the two-phase abort relies on it)."""
+        p = pending.pop(transfer_id)
+        if p.handle is not None:
+            try:
+                backend.release(p.handle)
+            except Exception:
+                self.stats.backend_errors += 1
+                log.exception("transfer agent %s: release failed", self.agent_name)
+        latency_s = time.monotonic() - p.submitted_s
+        if status == TransferStatus.DONE:
+            self.stats.transfers_done += 1
+            self.stats.bytes_done += p.nbytes
+        else:
+            self.stats.transfers_failed += 1
+        self.stats.transfers_aborted += int(aborted)
+        self.stats.latencies_s.append(latency_s)
+        self._completions.put((transfer_id, status))
+        if self.on_complete is not None:
+            try:
+                self.on_complete(transfer_id, status, latency_s, p.nbytes)
+            except Exception:
+                log.exception("transfer agent %s: on_complete hook failed", self.agent_name)
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

@@ -1,0 +1,208 @@
+"""PD under failure: killed peers, forged control messages, duplicate rooms, client disconnects.
+
+Each test starts its own small cluster (real processes, loopback, NIXL) with short deadlines (8 s)
+and abort leases (3 s), and ends by checking that every surviving engine is idle with zero pages and
+zero rooms held and still passes its integrity checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+
+from pdserve.disagg import messages
+from pdserve.transfer.nixl_backend import nixl_available
+from tests.test_pd_e2e import cluster_args, metrics, wait_engine_idle
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+SECRET = "test-secret-0123456789"
+# ~810 tokens; with a 16-token step budget the prefill takes ~50 steps: a wide "mid-transfer" window.
+LONG_PROMPT = "def handler(request, context):\n    result = process(request.body, context.user)\n" * 30
+
+
+@pytest.fixture
+def make_cluster(demo_model_dir):
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from pdserve.launch import start_cluster
+
+    started = []
+
+    def make(num_prefill: int, num_decode: int, **kw):
+        kw = {"max_num_batched_tokens": 16} | kw
+        c = start_cluster(cluster_args(demo_model_dir, **kw), num_prefill, num_decode, secret=SECRET)
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        c.stop()
+
+
+def body(**kw) -> dict:
+    return {
+        "model": "demo",
+        "prompt": LONG_PROMPT,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    } | kw
+
+
+def post_in_background(url: str, payload: dict) -> dict:
+    """Run a completion in a thread; the dict gets 'status'/'text' or 'error', and 'elapsed_s'."""
+    out: dict = {}
+
+    def run():
+        t = time.monotonic()
+        try:
+            r = httpx.post(url + "/v1/completions", json=payload, timeout=120)
+            out["status"], out["text"] = r.status_code, r.text
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+        out["elapsed_s"] = time.monotonic() - t
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    out["thread"] = th
+    return out
+
+
+def wait_until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def busy(url: str) -> bool:
+    return metrics(url)["pdserve_pd_rooms_held"] > 0
+
+
+def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
+    c = make_cluster(1, 2)
+    pe = c.urls["prefill"][0]
+    res = post_in_background(c.router_url, body())
+    wait_until(lambda: metrics(pe)["pdserve_pd_pages_sent"] > 0, 30, "the prefill to start sending pages")
+    victim = next(i for i, u in enumerate(c.urls["decode"]) if busy(u))
+    c.proc(f"decode{victim}").send_signal(signal.SIGKILL)
+    res["thread"].join(60)
+    assert not res["thread"].is_alive(), "the client hung"
+    assert "error" in res or res["status"] != 200 or '"error"' in res["text"]
+    # The prefill frees every page of the room within its deadline (8 s) + the abort of its writes.
+    m = wait_engine_idle(pe, timeout_s=25)
+    assert m["pdserve_kv_pages_used"] == 0
+    # ... and keeps serving through the surviving decode once the router saw the death.
+    survivor = c.urls["decode"][1 - victim]
+    wait_until(
+        lambda: (
+            not httpx.get(c.router_url + "/health").json()["engines"][c.urls["decode"][victim]]["healthy"]
+        ),
+        10,
+        "the router to mark the dead decode",
+    )
+    r = httpx.post(c.router_url + "/v1/completions", json=body(max_tokens=8, prompt="x = 1"), timeout=60)
+    assert r.status_code == 200, r.text
+    wait_engine_idle(pe)
+    wait_engine_idle(survivor)
+
+
+def test_kill_prefill_mid_transfer_errors_client_and_frees_decode(make_cluster):
+    c = make_cluster(1, 1)
+    de = c.urls["decode"][0]
+    res = post_in_background(c.router_url, body())
+    wait_until(lambda: metrics(c.urls["prefill"][0])["pdserve_pd_pages_sent"] > 0, 30, "pages on the wire")
+    c.proc("prefill0").send_signal(signal.SIGKILL)
+    res["thread"].join(60)
+    assert not res["thread"].is_alive(), "the client hung"
+    assert "error" in res or res["status"] != 200 or '"error"' in res["text"], res
+    assert res["elapsed_s"] < 40
+    # The decode fails the room (deadline or lost peer), waits out the abort lease, frees everything.
+    m = wait_engine_idle(de, timeout_s=30)
+    assert m["pdserve_kv_pages_used"] == 0 and m["pdserve_pd_rooms_held"] == 0
+
+
+def test_prefill_failure_before_kv_is_retried_on_another_prefill(make_cluster):
+    c = make_cluster(2, 1)
+    c.proc("prefill0").send_signal(signal.SIGKILL)  # the router has not noticed yet
+    payloads = [body(prompt=f"import mod{i}", max_tokens=6) for i in range(4)]
+    results = [httpx.post(c.router_url + "/v1/completions", json=p, timeout=60) for p in payloads]
+    assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+    assert httpx.get(c.router_url + "/health").json()["num_retries"] >= 1
+    wait_engine_idle(c.urls["decode"][0])
+    wait_engine_idle(c.urls["prefill"][1])
+
+
+def test_forged_malformed_and_wrong_version_messages_are_dropped(make_cluster):
+    c = make_cluster(1, 1)
+    pe = c.urls["prefill"][0]
+    addr = httpx.get(pe + "/pd/info").json()["control_addr"]
+    before = metrics(pe)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(addr)
+    abort = messages.Abort(reason="evil")
+    sock.send_multipart(messages.encode(abort, 12345, "mallory", b"wrong-secret"))  # forged
+    sock.send_multipart([b"\x00garbage"])  # malformed
+    header = messages._encoder.encode(messages._Header(99, "abort", 12345, "mallory"))
+    sock.send_multipart(messages.seal([header, messages._encoder.encode(abort)], SECRET.encode()))  # version
+    sock.close()
+
+    def counted():
+        m = metrics(pe)
+        return all(
+            m[f'pdserve_pd_control_dropped{{why="{w}"}}'] > before[f'pdserve_pd_control_dropped{{why="{w}"}}']
+            for w in ("forged", "malformed", "wrong_version")
+        )
+
+    wait_until(counted, 10, "the drops to be counted")
+    m = metrics(pe)
+    assert m["pdserve_pd_rooms_held"] == before["pdserve_pd_rooms_held"] == 0
+    r = httpx.post(c.router_url + "/v1/completions", json=body(max_tokens=4, prompt="ok"), timeout=60)
+    assert r.status_code == 200
+    wait_engine_idle(pe)
+
+
+def test_duplicate_room_is_rejected(make_cluster):
+    c = make_cluster(1, 1)
+    pe = c.urls["prefill"][0]
+    payload = body(max_tokens=4, prompt="dup", pd={"room": 777})
+    first = post_in_background(pe, payload)  # waits for a KVRequest that never comes
+    wait_until(lambda: busy(pe), 10, "the first room")
+    r = httpx.post(pe + "/v1/completions", json=payload, timeout=30)
+    assert r.status_code == 400 and "already active" in r.json()["error"]["message"]
+    first["thread"].join(30)
+    assert first["status"] == 503  # its Bootstrapping deadline (8 s) expired
+    wait_engine_idle(pe)
+
+
+def test_client_disconnect_mid_stream_frees_both_sides(make_cluster):
+    c = make_cluster(1, 1)
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST",
+            c.router_url + "/v1/completions",
+            json=body(prompt="stream me", max_tokens=400, stream=True),
+        ) as r:
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    assert "error" not in json.loads(line[6:])
+                    n += 1
+                if n >= 3:
+                    break
+    for url in c.urls["prefill"] + c.urls["decode"]:
+        m = wait_engine_idle(url, timeout_s=15)
+        assert m["pdserve_generation_tokens_total"] < 400

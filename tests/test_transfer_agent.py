@@ -1,0 +1,211 @@
+"""TransferAgent: one thread owning a backend; ids reported once; failures reported, never raised."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from pdserve.transfer.agent import TransferAgent
+from pdserve.transfer.base import TransferError, TransferStatus
+
+
+def _wait(fn, timeout_s: float = 5.0, until=bool):
+    """Call fn() until until(accumulated) holds; returns the accumulated list."""
+    acc: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        acc += fn()
+        if until(acc):
+            return acc
+        time.sleep(0.002)
+    return acc
+
+
+@pytest.fixture
+def fake_agents():
+    agents = []
+
+    def make(name, **options):
+        a = TransferAgent("fake", name, [(0, 4096)], **options)
+        agents.append(a)
+        return a
+
+    yield make
+    for a in agents:
+        a.close()
+        assert not a.alive
+
+
+def _connect(a: TransferAgent, b: TransferAgent) -> None:
+    a.add_peer(b.agent_name, b.metadata())
+    b.add_peer(a.agent_name, a.metadata())
+
+
+def test_fake_agent_ids_reported_once_and_notifications(fake_agents):
+    a, b = fake_agents("ag-a"), fake_agents("ag-b")
+    _connect(a, b)
+    ids = [a.submit("ag-b", [(0, 64)], [(64, 64)], b"n%d" % i) for i in range(20)]
+    assert len(set(ids)) == 20
+    done = _wait(a.poll_completions, until=lambda acc: len(acc) >= 20)
+    time.sleep(0.02)
+    done += a.poll_completions()
+    assert sorted(done) == sorted((i, TransferStatus.DONE) for i in ids)  # each id exactly once
+    notifs = _wait(b.poll_notifications, until=lambda acc: len(acc) >= 20)
+    assert notifs == [("ag-a", b"n%d" % i) for i in range(20)]
+    s = a.stats.snapshot()
+    assert (s["transfers_submitted"], s["transfers_done"], s["bytes_done"], s["descriptors_submitted"]) == (
+        20,
+        20,
+        20 * 64,
+        20,
+    )
+    assert len(s["latencies_s"]) == 20
+    assert b.stats.notifications_received == 20
+
+
+def test_fake_agent_failures_are_reported_not_raised(fake_agents):
+    a, b = fake_agents("fl-a"), fake_agents("fl-b")
+    _connect(a, b)
+    seen = []
+    a.on_complete = lambda tid, st, lat, nbytes: seen.append((tid, st, nbytes))
+    t_unknown = a.submit("nobody", [(0, 8)], [(0, 8)], b"x")  # backend raises TransferError
+    t_bad = a.submit("fl-b", [(0, 8)], [(0, 16)], b"x")  # backend raises ValueError
+    done = _wait(a.poll_completions, until=lambda acc: len(acc) >= 2)
+    assert sorted(done) == [(t_unknown, TransferStatus.FAILED), (t_bad, TransferStatus.FAILED)]
+    assert a.alive and a.stats.transfers_failed == 2 and a.stats.backend_errors == 2
+    assert sorted(seen) == [(t_unknown, TransferStatus.FAILED, 8), (t_bad, TransferStatus.FAILED, 8)]
+    # Injected failure (the backend reports FAILED), then the agent still works.
+    a._commands.put(("noop",))  # unknown commands are ignored
+    t_ok = a.submit("fl-b", [(0, 8)], [(0, 8)], b"ok")
+    assert _wait(a.poll_completions) == [(t_ok, TransferStatus.DONE)]
+    assert _wait(b.poll_notifications) == [("fl-a", b"ok")]
+
+
+def test_fake_agent_injected_failure_and_abort(fake_agents):
+    a = fake_agents("ab-a", delay_s=0.2)
+    b = fake_agents("ab-b")
+    _connect(a, b)
+    a.metadata()
+    a.backend.fail_next(1)  # test-only: the backend lives on the agent thread
+    t_fail = a.submit("ab-b", [(0, 8)], [(0, 8)], b"fail")
+    t_abort = a.submit("ab-b", [(0, 8)], [(0, 8)], b"abort")
+    a.abort(t_abort)
+    a.abort(t_abort)  # twice: still reported once
+    done = _wait(a.poll_completions, timeout_s=2, until=lambda acc: len(acc) >= 2)
+    time.sleep(0.25)
+    done += a.poll_completions()
+    assert sorted(done) == [(t_fail, TransferStatus.FAILED), (t_abort, TransferStatus.FAILED)]
+    assert a.stats.transfers_aborted == 1
+    assert b.poll_notifications() == []  # neither the failed nor the aborted write notifies
+    a.abort(t_abort)  # after it was reported: no-op
+    time.sleep(0.01)
+    assert a.poll_completions() == []
+
+
+def test_fake_agent_close_fails_pending(fake_agents):
+    a, b = fake_agents("cl-a", delay_s=5.0), fake_agents("cl-b")
+    _connect(a, b)
+    t = a.submit("cl-b", [(0, 8)], [(0, 8)], b"never")
+    time.sleep(0.01)
+    a.close()
+    assert a.poll_completions() == [(t, TransferStatus.FAILED)]
+
+
+def test_agent_start_failure_is_reported():
+    a = TransferAgent("nope", "bad", [])
+    with pytest.raises(TransferError, match="failed to start"):
+        a.metadata()
+    a.close()
+
+
+# ---------------------------------------------------------------- nixl, two spawned processes
+
+NUM_PAGES, PAGE_NBYTES = 32, 1024
+SRC_PAGES, DST_PAGES = [1, 2, 3, 9, 30, 4], [7, 8, 9, 0, 31, 12]
+
+
+def _receiver(conn) -> None:
+    import torch
+
+    from pdserve.transfer.agent import TransferAgent
+
+    kv = [torch.zeros(NUM_PAGES, PAGE_NBYTES, dtype=torch.uint8) for _ in range(2)]
+    agent = TransferAgent("nixl", "ta-recv", [(t.data_ptr(), t.numel()) for t in kv])
+    conn.send((agent.metadata(), [t.data_ptr() for t in kv]))
+    g = torch.Generator().manual_seed(3)
+    expect = [
+        torch.randint(0, 256, (NUM_PAGES, PAGE_NBYTES), dtype=torch.uint8, generator=g) for _ in range(2)
+    ]
+    notifs = _wait(agent.poll_notifications, timeout_s=30)
+    ok = all(
+        torch.equal(k[d], e[s])
+        for k, e in zip(kv, expect, strict=True)
+        for s, d in zip(SRC_PAGES, DST_PAGES, strict=True)
+    )
+    conn.send((notifs, ok))
+    agent.close()
+
+
+def _sender(conn) -> None:
+    import torch
+
+    from pdserve.transfer.agent import TransferAgent
+    from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors
+
+    g = torch.Generator().manual_seed(3)
+    kv = [torch.randint(0, 256, (NUM_PAGES, PAGE_NBYTES), dtype=torch.uint8, generator=g) for _ in range(2)]
+    agent = TransferAgent("nixl", "ta-send", [(t.data_ptr(), t.numel()) for t in kv])
+    md, peer_addrs = conn.recv()
+    agent.add_peer("ta-recv", md)
+    local, remote = page_descriptors(
+        merge_runs(SRC_PAGES, DST_PAGES),
+        RegionTable(tuple(t.data_ptr() for t in kv), (PAGE_NBYTES,) * 2),
+        RegionTable(tuple(peer_addrs), (PAGE_NBYTES,) * 2),
+    )
+    t_bad = agent.submit("ta-recv", [(kv[0].data_ptr(), 8)], [(peer_addrs[0] + (1 << 40), 8)], b"bad")
+    t_unknown = agent.submit("nobody", local, remote, b"x")
+    t_ok = agent.submit("ta-recv", local, remote, b"room-7")
+    done = _wait(agent.poll_completions, timeout_s=30, until=lambda acc: len(acc) >= 3)
+    time.sleep(0.05)
+    done += agent.poll_completions()
+    conn.send((sorted(done), (t_bad, t_unknown, t_ok), agent.alive, agent.stats.snapshot()))
+    conn.recv()
+    agent.close()
+
+
+@pytest.mark.timeout(120)
+def test_nixl_agent_between_processes():
+    from pdserve.transfer.nixl_backend import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL is not installed (nixl-cu12)")
+    ctx = mp.get_context("spawn")  # never fork around NIXL agents
+    (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
+    procs = [
+        ctx.Process(target=_receiver, args=(rc,), daemon=True),
+        ctx.Process(target=_sender, args=(sc,), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert rp.poll(60)
+        sp.send(rp.recv())
+        assert sp.poll(60)
+        done, (t_bad, t_unknown, t_ok), alive, stats = sp.recv()
+        assert done == sorted(
+            [(t_bad, TransferStatus.FAILED), (t_unknown, TransferStatus.FAILED), (t_ok, TransferStatus.DONE)]
+        )
+        assert alive and stats["transfers_failed"] == 2 and stats["transfers_done"] == 1
+        assert stats["descriptors_submitted"] == 1 + 2 * 4 + 2 * 4  # 4 runs x 2 regions, twice, + 1
+        assert rp.poll(30)
+        notifs, ok = rp.recv()
+        assert notifs == [("ta-send", b"room-7")]
+        assert ok
+        sp.send("stop")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()

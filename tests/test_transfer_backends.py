@@ -1,0 +1,278 @@
+"""Backends: `fake` semantics (in-process) and `nixl` between two spawned processes on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from pdserve.transfer.base import TransferError, TransferStatus, create_backend
+from pdserve.transfer.fake_backend import FakeBackend
+
+# ---------------------------------------------------------------- fake
+
+
+@pytest.fixture
+def fake_pair():
+    a = create_backend("fake", "fake-a")
+    b = create_backend("fake", "fake-b")
+    for x in (a, b):
+        x.register([(0, 1 << 20)])
+    a.add_peer("fake-b", b.local_metadata())
+    b.add_peer("fake-a", a.local_metadata())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_create_backend_unknown_name():
+    with pytest.raises(ValueError, match=r"unknown transfer backend 'nope'.*'fake', 'nixl'"):
+        create_backend("nope", "x")
+
+
+def test_fake_done_and_notification(fake_pair):
+    a, b = fake_pair
+    assert isinstance(a, FakeBackend)
+    h = a.write("fake-b", [(0, 64), (64, 64)], [(128, 64), (0, 64)], b"room-1")
+    assert a.status(h) == TransferStatus.DONE
+    assert b.get_notifications() == [("fake-a", b"room-1")]
+    assert b.get_notifications() == []
+    a.release(h)
+    with pytest.raises(TransferError):
+        a.status(h)
+
+
+def test_fake_rejects_bad_writes(fake_pair):
+    a, _ = fake_pair
+    with pytest.raises(TransferError, match="unknown peer"):
+        a.write("nobody", [(0, 1)], [(0, 1)], b"")
+    with pytest.raises(ValueError):
+        a.write("fake-b", [(0, 1)], [], b"")
+    with pytest.raises(ValueError):
+        a.write("fake-b", [(0, 1)], [(0, 2)], b"")
+
+
+def test_fake_delay_then_done(fake_pair):
+    a, b = fake_pair
+    a.delay_s = 0.05
+    h = a.write("fake-b", [(0, 8)], [(0, 8)], b"late")
+    assert a.status(h) == TransferStatus.PENDING
+    assert b.get_notifications() == []  # the notif never precedes the bytes
+    time.sleep(0.06)
+    assert a.status(h) == TransferStatus.DONE
+    assert b.get_notifications() == [("fake-a", b"late")]
+
+
+def test_fake_abort_pending_drops_notification(fake_pair):
+    a, b = fake_pair
+    a.delay_s = 0.03
+    h = a.write("fake-b", [(0, 8)], [(0, 8)], b"aborted")
+    a.release(h)
+    time.sleep(0.04)
+    assert b.get_notifications() == []
+
+
+def test_fake_injected_failures(fake_pair):
+    a, b = fake_pair
+    a.fail_next(2)
+    h1 = a.write("fake-b", [(0, 8)], [(0, 8)], b"1")
+    h2 = a.write("fake-b", [(0, 8)], [(0, 8)], b"2")
+    h3 = a.write("fake-b", [(0, 8)], [(0, 8)], b"3")
+    assert [a.status(h) for h in (h1, h2, h3)] == [
+        TransferStatus.FAILED,
+        TransferStatus.FAILED,
+        TransferStatus.DONE,
+    ]
+    assert b.get_notifications() == [("fake-a", b"3")]  # failed writes send nothing
+
+
+def test_fake_fail_rate_and_lost_notifications():
+    a = FakeBackend("fr-a", fail_rate=1.0)
+    b = FakeBackend("fr-b", lose_notifications=True)
+    try:
+        a.add_peer("fr-b", b"fr-b")
+        b.add_peer("fr-a", b"fr-a")
+        assert a.status(a.write("fr-b", [(0, 1)], [(0, 1)], b"x")) == TransferStatus.FAILED
+        a.fail_rate = 0.5
+        statuses = [a.status(a.write("fr-b", [(0, 1)], [(0, 1)], b"x")) for _ in range(200)]
+        assert 50 < statuses.count(TransferStatus.FAILED) < 150  # seeded, roughly half
+        h = b.write("fr-a", [(0, 1)], [(0, 1)], b"lost")
+        assert b.status(h) == TransferStatus.DONE
+        assert a.get_notifications() == []  # done, but the notification is lost
+    finally:
+        a.close()
+        b.close()
+
+
+def test_fake_duplicate_agent_name(fake_pair):
+    with pytest.raises(TransferError, match="already exists"):
+        FakeBackend("fake-a")
+
+
+# ---------------------------------------------------------------- nixl, two spawned processes
+
+NUM_LAYERS, NUM_PAGES, PAGE_SHAPE = 2, 64, (4, 2, 16)  # page_size 4, 2 kv heads, head_dim 16, fp32
+PAGE_NBYTES = 4 * 2 * 16 * 4
+BIG_NBYTES = 64 << 20  # for the abort test
+CASES = {  # name -> (src pages, dst pages); destination pages disjoint across cases
+    "scattered": ([3, 17, 9, 40, 41, 2], [10, 0, 30, 5, 6, 60]),
+    "contiguous": ([20, 21, 22, 23, 24, 25, 26, 27], [50, 51, 52, 53, 54, 55, 56, 57]),
+}
+
+
+def _nixl_ok() -> str | None:
+    from pdserve.transfer.nixl_backend import nixl_available
+
+    return None if nixl_available() else "NIXL is not installed (nixl-cu12)"
+
+
+def _kv(seed: int | None):
+    import torch
+
+    if seed is None:
+        return [torch.zeros(NUM_PAGES, *PAGE_SHAPE) for _ in range(2 * NUM_LAYERS)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_PAGES, *PAGE_SHAPE, generator=g) for _ in range(2 * NUM_LAYERS)]
+
+
+def _receiver(conn) -> None:
+    """Owns a NixlBackend; on each notif checks the bytes of that case already landed."""
+    import hashlib
+
+    import torch
+
+    from pdserve.transfer.nixl_backend import NixlBackend
+
+    kv, expect_src = _kv(None), _kv(0)
+    big = torch.zeros(BIG_NBYTES, dtype=torch.uint8)
+    be = NixlBackend("t-recv")
+    be.register([(t.data_ptr(), t.numel() * 4) for t in kv] + [(big.data_ptr(), BIG_NBYTES)])
+    conn.send((be.local_metadata(), [t.data_ptr() for t in kv], big.data_ptr()))
+    while True:
+        for peer, notif in be.get_notifications():
+            name = notif.decode()
+            if name in CASES:
+                src, dst = CASES[name]
+                ok = all(
+                    torch.equal(k[d], s[i])
+                    for k, s in zip(kv, expect_src, strict=True)
+                    for i, d in zip(src, dst, strict=True)
+                )
+                conn.send(("notif", peer, name, ok))
+        if conn.poll(0.0005):
+            msg = conn.recv()
+            if msg == "snapshot":  # checksum twice, 200 ms apart: nothing may land after an abort
+                h1 = hashlib.blake2b(big.numpy()).hexdigest()
+                time.sleep(0.2)
+                be.get_notifications()
+                conn.send(h1 == hashlib.blake2b(big.numpy()).hexdigest())
+            elif msg == "stop":
+                be.close()
+                conn.send("bye")
+                return
+
+
+def _sender(conn) -> None:
+    import torch
+
+    from pdserve.transfer.nixl_backend import NixlBackend
+    from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors
+
+    kv = _kv(0)
+    big = torch.ones(BIG_NBYTES, dtype=torch.uint8)
+    be = NixlBackend("t-send")
+    be.register([(t.data_ptr(), t.numel() * 4) for t in kv] + [(big.data_ptr(), BIG_NBYTES)])
+    md, peer_addrs, peer_big = conn.recv()
+    be.add_peer("t-recv", md)
+    local_tab = RegionTable(tuple(t.data_ptr() for t in kv), (PAGE_NBYTES,) * len(kv))
+    peer_tab = RegionTable(tuple(peer_addrs), (PAGE_NBYTES,) * len(kv))
+    out = {}
+    for name, (src, dst) in CASES.items():
+        runs = merge_runs(src, dst)
+        local, remote = page_descriptors(runs, local_tab, peer_tab)
+        h = be.write("t-recv", local, remote, name.encode())
+        deadline = time.monotonic() + 10
+        while (st := be.status(h)) == TransferStatus.PENDING and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        be.release(h)
+        out[name] = (st, len(runs), len(local))
+    # Abort: start a big write and release it at once; afterwards nothing of it may land.
+    h = be.write("t-recv", [(big.data_ptr(), BIG_NBYTES)], [(peer_big, BIG_NBYTES)], b"big")
+    be.release(h)
+    out["abort"] = "released"
+    for key, args in {
+        "unknown_peer": ("nobody", [(kv[0].data_ptr(), 8)], [(peer_addrs[0], 8)]),
+        "unregistered": ("t-recv", [(kv[0].data_ptr(), 8)], [(peer_addrs[0] + (1 << 40), 8)]),
+    }.items():
+        try:
+            be.write(*args, b"x")
+            out[key] = "no error"
+        except TransferError as e:
+            out[key] = f"TransferError: {e}"
+    conn.send(out)
+    conn.recv()  # keep the agent alive until the receiver has checked
+    be.close()
+
+
+@pytest.fixture(scope="module")
+def nixl_run():
+    reason = _nixl_ok()
+    if reason:
+        pytest.skip(reason)
+    ctx = mp.get_context("spawn")  # never fork around NIXL agents
+    (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
+    procs = [
+        ctx.Process(target=_receiver, args=(rc,), daemon=True),
+        ctx.Process(target=_sender, args=(sc,), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert rp.poll(60), "receiver did not start"
+        md, addrs, big = rp.recv()
+        sp.send((md, addrs, big))
+        assert sp.poll(60), "sender did not finish"
+        sent = sp.recv()
+        notifs = {}
+        deadline = time.monotonic() + 10
+        while len(notifs) < len(CASES) and time.monotonic() < deadline:
+            if rp.poll(0.05):
+                _, peer, name, ok = rp.recv()
+                notifs[name] = (peer, ok)
+        rp.send("snapshot")
+        assert rp.poll(10)
+        stable = rp.recv()
+        sp.send("stop")
+        rp.send("stop")
+        assert rp.poll(10) and rp.recv() == "bye"
+        yield sent, notifs, stable
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, num_runs", [("scattered", 5), ("contiguous", 1)])
+def test_nixl_pages_identical_and_notified_after_bytes(nixl_run, case, num_runs):
+    sent, notifs, _ = nixl_run
+    status, runs, descs = sent[case]
+    assert status == TransferStatus.DONE
+    assert (runs, descs) == (num_runs, num_runs * 2 * NUM_LAYERS)  # merged runs: one descriptor per region
+    assert notifs[case] == ("t-send", True)  # bytes were all there when the notif arrived
+
+
+@pytest.mark.timeout(120)
+def test_nixl_abort_leaves_no_late_bytes(nixl_run):
+    sent, _, stable = nixl_run
+    assert sent["abort"] == "released"
+    assert stable is True
+
+
+@pytest.mark.timeout(120)
+def test_nixl_errors_are_transfer_errors(nixl_run):
+    sent, _, _ = nixl_run
+    assert sent["unknown_peer"].startswith("TransferError: nixl: unknown peer 'nobody'")
+    assert sent["unregistered"].startswith("TransferError: nixl: cannot create transfer")
