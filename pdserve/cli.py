@@ -173,15 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=0, help="0 = pick a free port")
     d.set_defaults(fn=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks (offline: pdserve vs transformers generate)")
-    b.add_argument("what", choices=["offline", "transfer"])
-    b.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
-    b.add_argument("--num-requests", type=int, default=32)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dtype", default="float32")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--json", default=None, help="write the figures to this file")
-    b.set_defaults(fn=cmd_bench)
+    b = sub.add_parser("bench", help="benchmarks that measure a ratio side by side in one run")
+    bsub = b.add_subparsers(dest="what", required=True)
+    bo = bsub.add_parser("offline", help="pdserve vs transformers generate, same requests")
+    bo.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
+    bo.add_argument("--num-requests", type=int, default=32)
+    bo.add_argument("--seed", type=int, default=0)
+    bo.add_argument("--dtype", default="float32")
+    bo.add_argument("--device", default="cpu")
+    bo.add_argument("--json", default=None, help="write the figures to this file")
+    bo.set_defaults(fn=cmd_bench)
+    bt = bsub.add_parser("transfer", help="NIXL between two processes vs an in-process torch copy")
+    from pdserve.bench.transfer import add_arguments as add_transfer_arguments
+
+    add_transfer_arguments(bt)
+    bt.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:

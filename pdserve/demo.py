@@ -62,31 +62,60 @@ def start_server(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
 
 
 def run_demo(model_dir: str, port: int = 0) -> int:
+    """Launch router + 1 prefill + 1 decode (NIXL between them) on the demo checkpoint and talk to the
+    router with the `openai` client; compare with a colocated engine's greedy output; tear down."""
+    import argparse
+
     from openai import OpenAI
 
+    from pdserve import LLM, SamplingParams
+    from pdserve.launch import start_cluster
     from pdserve.model.demo import make_demo_model
 
     if not (Path(model_dir) / "config.json").is_file():
         t = time.perf_counter()
         make_demo_model(model_dir)
         print(f"built demo checkpoint in {model_dir} ({time.perf_counter() - t:.1f}s)")
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(model_dir, port)
+    args = argparse.Namespace(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        page_size=16,
+        num_pages=None,
+        kv_cache_gib=0.25,
+        max_model_len=2048,
+        max_num_seqs=None,
+        max_num_batched_tokens=256,
+        served_model_name="demo",
+        seed=None,
+        no_prefix_caching=False,
+        transfer_backend="nixl",
+        pd_deadline_s=30.0,
+        pd_abort_lease_s=60.0,
+    )
+    t = time.perf_counter()
+    cluster = start_cluster(args, 1, 1, router_port=port)
     try:
-        t = time.perf_counter()
-        wait_healthy(url, proc)
-        print(f"server up at {url} in {time.perf_counter() - t:.1f}s")
-        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        print(
+            f"cluster up in {time.perf_counter() - t:.1f}s: router {cluster.router_url}, "
+            f"prefill {cluster.urls['prefill'][0]}, decode {cluster.urls['decode'][0]} (KV over NIXL)"
+        )
+        client = OpenAI(base_url=cluster.router_url + "/v1", api_key="unused")
         model = client.models.list().data[0].id
-        context = AGENT_CONTEXT
-        # The 2nd and 4th prompts extend earlier ones: their shared pages are prefix-cache hits.
-        prompts = ["def fibonacci(n):", context, "import argparse\n\nparser =", context + "\nIn summary,"]
+        # The 4th prompt extends the 2nd: its whole pages are prefix-cache hits.
+        prompts = [
+            "def fibonacci(n):",
+            AGENT_CONTEXT,
+            "import argparse\n\nparser =",
+            AGENT_CONTEXT + "\nIn summary,",
+        ]
+        texts = []
         for p in prompts:
             t = time.perf_counter()
             r = client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)
             dt = time.perf_counter() - t
             u = r.usage
+            texts.append(r.choices[0].text)
             shown = p if len(p) < 60 else p[:25] + " ... " + p[-25:]
             print(
                 f"\n[completion {dt * 1000:.0f} ms, {u.prompt_tokens} prompt tokens "
@@ -112,15 +141,27 @@ def run_demo(model_dir: str, port: int = 0) -> int:
             f"\n[chat, streamed: TTFT {first * 1000:.0f} ms, total {(time.perf_counter() - t) * 1000:.0f} ms] "
             f"{text!r}"
         )
-        metrics = httpx.get(url + "/metrics").text
-        lines = [
-            ln
-            for ln in metrics.splitlines()
-            if ln.startswith(("pdserve_kv_pages", "pdserve_prefix_cache_hit_rate"))
-        ]
-        print("\n" + "\n".join(lines))
-        print("\n(the demo checkpoint has random weights: its text is noise, its plumbing is real)")
-        return 0
+        for role in ("prefill", "decode"):
+            lines = [
+                ln
+                for ln in httpx.get(cluster.urls[role][0] + "/metrics").text.splitlines()
+                if ln.startswith(
+                    (
+                        "pdserve_kv_pages_used",
+                        "pdserve_prefix_cache_hit_rate",
+                        "pdserve_pd_pages_sent",
+                        "pdserve_pd_rooms_held",
+                        'pdserve_pd_transfer{counter="bytes_done"}',
+                    )
+                )
+            ]
+            print(f"\n{role} engine metrics:\n  " + "\n  ".join(lines))
+        ref = LLM(model_dir, max_model_len=2048).generate(
+            prompts, SamplingParams(max_tokens=24, temperature=0)
+        )
+        same = sum(o.outputs[0].text == t for o, t in zip(ref, texts, strict=True))
+        print(f"\nPD output == colocated engine output (greedy): {same}/{len(prompts)}")
+        print("(the demo checkpoint has random weights: its text is noise, its plumbing is real)")
+        return 0 if same == len(prompts) else 1
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        cluster.stop()
