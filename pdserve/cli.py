@@ -70,7 +70,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pd = PDContext(engine, a.role, pd_config, host=a.host)
     app = build_app(engine, pd)
     print(
-        f"pdserve: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
+        f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
         f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
         flush=True,
     )
@@ -121,6 +121,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.transfer import run
 
         return run(a)
+    if a.what == "serve":
+        from pdserve.bench.serve import run as run_serve
+
+        return run_serve(a)
     print(f"unknown benchmark {a.what!r}", file=sys.stderr)
     return 2
 
@@ -176,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks that measure a ratio side by side in one run")
     bsub = b.add_subparsers(dest="what", required=True)
     bo = bsub.add_parser("offline", help="pdserve vs transformers generate, same requests")
-    bo.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
+    bo.add_argument(
+        "--model", default=None, help="model dir (default: the demo checkpoint, built if missing)"
+    )
     bo.add_argument("--num-requests", type=int, default=32)
     bo.add_argument("--seed", type=int, default=0)
     bo.add_argument("--dtype", default="float32")
@@ -188,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transfer_arguments(bt)
     bt.set_defaults(fn=cmd_bench)
+    bs = bsub.add_parser("serve", help="TTFT/TPOT/ITL under load; 1P+1D vs 2 colocated engines")
+    from pdserve.bench.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(bs)
+    bs.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:

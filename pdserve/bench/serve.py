@@ -1,0 +1,242 @@
+"""`pdserve bench serve`: latency of a running server (router or engine) under a Poisson load, and a
+side-by-side run of 1 prefill + 1 decode against 2 colocated engines (same number of engine
+processes, same requests, same arrival times).
+
+Metrics per request (streamed): TTFT (send -> first token), TPOT ((last - first) / (tokens - 1)),
+ITL (every gap between streamed chunks). The workload mixes long prompts (prefill-heavy) with short
+ones, the case where PD disaggregation keeps long prefills from stalling running decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    error: str = ""
+
+
+def make_requests(
+    num: int, long_fraction: float, long_words: int, short_words: int, max_tokens: int, seed: int
+) -> list[dict]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "parser", "scheduler", "token", "cache", "page", "room"]
+    out = []
+    for i in range(num):
+        n = long_words if rng.random() < long_fraction else short_words
+        text = f"request {i}: " + " ".join(rng.choice(words) for _ in range(n))
+        out.append(
+            {
+                "prompt": text,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
+    return out
+
+
+async def one(client, url: str, model: str, body: dict) -> Result:
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    num_tokens = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json={"model": model, **body}) as r:
+            if r.status_code != 200:
+                return Result(False, error=f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Result(False, error=chunk["error"]["message"])
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                    stamps.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
+        return Result(False, error=repr(e))
+    if not stamps:
+        return Result(False, error="no tokens")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    tpot = (stamps[-1] - stamps[0]) / max(num_tokens - 1, 1)
+    return Result(True, stamps[0] - t0, tpot, gaps, num_tokens)
+
+
+async def run_load(
+    urls: list[str], model: str, requests: list[dict], rate_per_s: float, seed: int
+) -> list[Result]:
+    """Send `requests` with Poisson arrivals at `rate_per_s`, round robin over `urls`."""
+    import httpx
+
+    rng = random.Random(seed + 1)
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = []
+        for i, body in enumerate(requests):
+            tasks.append(asyncio.ensure_future(one(client, urls[i % len(urls)], model, body)))
+            await asyncio.sleep(rng.expovariate(rate_per_s))
+        return await asyncio.gather(*tasks)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def summarize(name: str, results: list[Result], wall_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    itl = [g for r in ok for g in r.itl_s]
+    out = {
+        "setup": name,
+        "requests": len(results),
+        "ok": len(ok),
+        "wall_s": round(wall_s, 2),
+        "output_tok_s": round(sum(r.num_tokens for r in ok) / wall_s, 1),
+    }
+    for label, vals in (("ttft", [r.ttft_s for r in ok]), ("tpot", [r.tpot_s for r in ok]), ("itl", itl)):
+        for q in (50, 90, 99):
+            out[f"{label}_p{q}_ms"] = round(pct(vals, q) * 1000, 1)
+        out[f"{label}_mean_ms"] = round(statistics.fmean(vals) * 1000, 1) if vals else float("nan")
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [
+        "setup",
+        "ok",
+        "output_tok_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+    ]
+    print(" | ".join(f"{c:>13}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]!s:>13}" for c in cols))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url", nargs="*", default=None, help="server(s) to load; omit for the PD vs colocated run"
+    )
+    p.add_argument(
+        "--model", default=None, help="model dir for the side-by-side run (default: demo checkpoint)"
+    )
+    p.add_argument("--served-model-name", default="demo")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
+    p.add_argument("--long-fraction", type=float, default=0.25)
+    p.add_argument("--long-words", type=int, default=700, help="~tokens of a long prompt")
+    p.add_argument("--short-words", type=int, default=30)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine step budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+
+
+def run(a: argparse.Namespace) -> int:
+    requests = make_requests(
+        a.num_requests, a.long_fraction, a.long_words, a.short_words, a.max_tokens, a.seed
+    )
+    rows = []
+    if a.url:
+        t = time.perf_counter()
+        res = asyncio.run(run_load(a.url, a.served_model_name, requests, a.rate, a.seed))
+        rows.append(summarize("given", res, time.perf_counter() - t))
+    else:
+        rows = side_by_side(a, requests)
+    print_table(rows)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(a).items() if k != "fn"}, "runs": rows}, f, indent=2)
+    return 0 if all(r["ok"] == r["requests"] for r in rows) else 1
+
+
+def side_by_side(a: argparse.Namespace, requests: list[dict]) -> list[dict]:
+    """The same requests and arrival times against 1P+1D (router) and 2 colocated engines."""
+    from pathlib import Path
+
+    from pdserve.demo import free_port, start_server, wait_healthy
+    from pdserve.launch import start_cluster
+    from pdserve.model.demo import make_demo_model
+
+    model = a.model or ".demo-model"
+    if not (Path(model) / "config.json").is_file():
+        make_demo_model(model)
+    eng = argparse.Namespace(
+        model=model,
+        dtype="float32",
+        device="cpu",
+        page_size=16,
+        num_pages=None,
+        kv_cache_gib=0.25,
+        max_model_len=2048,
+        max_num_seqs=None,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        served_model_name=a.served_model_name,
+        seed=None,
+        no_prefix_caching=True,
+        transfer_backend="nixl",
+        pd_deadline_s=60.0,
+        pd_abort_lease_s=60.0,
+    )
+    rows = []
+    cluster = start_cluster(eng, 1, 1)
+    try:
+        warm = make_requests(2, 0.0, 5, 5, 4, a.seed + 99)
+        asyncio.run(run_load([cluster.router_url], a.served_model_name, warm, 100.0, a.seed))
+        t = time.perf_counter()
+        res = asyncio.run(run_load([cluster.router_url], a.served_model_name, requests, a.rate, a.seed))
+        rows.append(summarize("1P+1D (PD)", res, time.perf_counter() - t))
+    finally:
+        cluster.stop()
+    flags = [
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-gib",
+        "0.25",
+        "--max-model-len",
+        "2048",
+        "--max-num-batched-tokens",
+        str(a.max_num_batched_tokens),
+        "--served-model-name",
+        a.served_model_name,
+        "--no-prefix-caching",
+    ]
+    ports = [free_port(), free_port()]
+    procs = [start_server(model, p, *flags) for p in ports]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for u, p in zip(urls, procs, strict=True):
+            wait_healthy(u, p)
+        warm = make_requests(2, 0.0, 5, 5, 4, a.seed + 99)
+        asyncio.run(run_load(urls, a.served_model_name, warm, 100.0, a.seed))
+        t = time.perf_counter()
+        res = asyncio.run(run_load(urls, a.served_model_name, requests, a.rate, a.seed))
+        rows.append(summarize("2 colocated", res, time.perf_counter() - t))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+    return rows
