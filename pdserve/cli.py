@@ -61,6 +61,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             bootstrap_port=a.bootstrap_port,
             deadline_s=a.pd_deadline_s,
             abort_lease_s=a.pd_abort_lease_s,
+            staging_threshold=a.pd_staging_threshold,
         )
     engine = LLMEngine(engine_config_from_args(a))
     pd = None
@@ -146,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
     s.add_argument("--pd-abort-lease-s", type=float, default=60.0)
+    s.add_argument(
+        "--pd-staging-threshold",
+        type=float,
+        default=0.5,
+        help="stage a request's KV when its decode pages have more than this many runs per page "
+        "(negative: always)",
+    )
     s.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
     la.add_argument("--pd-deadline-s", type=float, default=30.0)
     la.add_argument("--pd-abort-lease-s", type=float, default=60.0)
+    la.add_argument("--pd-staging-threshold", type=float, default=0.5)
     la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")

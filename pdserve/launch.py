@@ -105,6 +105,8 @@ def start_cluster(
                         str(a.pd_deadline_s),
                         "--pd-abort-lease-s",
                         str(getattr(a, "pd_abort_lease_s", 60.0)),
+                        "--pd-staging-threshold",
+                        str(getattr(a, "pd_staging_threshold", 0.5)),
                         *extra,
                     ],
                     env,

@@ -76,12 +76,16 @@ def wait_engine_idle(url: str, timeout_s: float = 15.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster(demo_model_dir):
+@pytest.fixture(scope="module", params=["direct", "staged"])
+def cluster(request, demo_model_dir):
+    """`staged`: every request's KV goes through the staging path (gather on the prefill, one write per
+    region into the decode's staging slot, scatter there); `direct`: merged page runs."""
     os.environ.setdefault("UCX_MODULES", "^ib*")
     from pdserve.launch import start_cluster
 
-    c = start_cluster(cluster_args(demo_model_dir), 1, 1)
+    threshold = -1.0 if request.param == "staged" else 2.0  # runs/pages never exceeds 1: never staged
+    c = start_cluster(cluster_args(demo_model_dir, pd_staging_threshold=threshold), 1, 1)
+    c.staged = request.param == "staged"
     c.engine_urls = [u for u in _engine_urls(c)]
     yield c
     c.stop()
@@ -176,3 +180,4 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
     assert idle[decode_url]["pdserve_prefix_cache_hit_tokens"] > 0
     prefill_url = [u for u in cluster.engine_urls if u != decode_url][0]
     assert idle[prefill_url]["pdserve_pd_pages_sent"] > 0
+    assert (idle[decode_url]["pdserve_pd_staged_requests"] > 0) == cluster.staged

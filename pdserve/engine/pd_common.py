@@ -29,6 +29,12 @@ class PDConfig:
     abort_lease_s: float = 60.0  # decode frees aborted pages after the prefill's ack or this lease
     num_handoff_slots: int = 256
     growth_reserve_tokens: int = 128  # decode admission: tokens of growth reserved per request
+    # Staging (gather -> one write per region -> scatter) for requests whose decode pages are
+    # fragmented: runs / pages above this threshold, pages of at most `staging_max_page_bytes` (bigger
+    # pages move as fast directly: docs/benchmarks.md, transfer). A negative threshold stages always.
+    staging_threshold: float = 0.5
+    staging_max_page_bytes: int = 32 << 10
+    staging_capacity_pages: int = 512
 
     def deadlines(self) -> dict[KVState, float]:
         return {
@@ -74,3 +80,13 @@ def decode_notif(notif: bytes) -> tuple[int, int, int] | None:
 def new_room() -> int:
     """A random 63-bit room id (never 0: a zero room in a handoff slot means 'not landed')."""
     return secrets.randbits(63) or 1
+
+
+def make_staging(kv_cache, capacity_pages: int):
+    """The engine's staging pool: slots laid out [regions, pages, bytes_per_page] (one page = one page
+    of every K/V region), registered with the transfer agent next to the KV pool."""
+    from pdserve.transfer.staging import StagingPool, kv_regions
+
+    layout = kv_cache.layout
+    regions = kv_regions(kv_cache.k, kv_cache.v)
+    return StagingPool(len(regions), layout.bytes_per_page, capacity_pages), regions

@@ -29,9 +29,11 @@ from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, Regist
 from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState, RoomTable
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, decode_notif, region_table
+from pdserve.engine.pd_common import PDConfig, decode_notif, make_staging, region_table
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.outputs import RequestOutput
+from pdserve.transfer.pages import is_fragmented, merge_runs
+from pdserve.transfer.staging import scatter_pages
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class DecodeRoom:
     total: int = 0  # writes to expect (known from the last notification)
     requested: bool = False  # a KVRequest went out: the prefill may write our pages
     growth_pages: int = 0  # pages kept free for this request's first tokens while its KV arrives
+    staging_offset: int = -1  # our staging slot when the prefill writes there (fragmented pages)
+    dst_page_ids: list[int] = field(default_factory=list)
 
 
 class DecodeRole(EngineRole):
@@ -68,6 +72,8 @@ class DecodeRole(EngineRole):
         self.page_size = engine.kv.page_size
         self.local_kv = region_table(engine.runner.kv_cache)
         self.handoff = HandoffPool(config.num_handoff_slots)
+        self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        self.num_staged = 0
         self.rooms = RoomTable(config.deadlines())
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
@@ -109,8 +115,8 @@ class DecodeRole(EngineRole):
                 handoff_base_addr=self.handoff.base_addr,
                 handoff_slot_bytes=self.handoff.slot_bytes,
                 num_handoff_slots=self.handoff.num_slots,
-                staging_base_addr=0,
-                staging_bytes=0,
+                staging_base_addr=self.staging.region()[0],
+                staging_bytes=self.staging.region()[1],
                 layout_fingerprint=self.fingerprint,
                 reply_addr=self.control.address,
             ),
@@ -198,19 +204,35 @@ class DecodeRole(EngineRole):
             assert ok, "checked above"
             kv.record_admission(req, num_hit_tokens)
             dr.handoff_slot, dr.growth_pages = slot, growth
+            dr.dst_page_ids = req.page_ids[len(hits) :]
+            dr.staging_offset = self._staging_slot(dr.dst_page_ids)
             self.prealloc.remove(dr)
             self.transfer[dr.room] = dr
             dr.requested = True
             self.control.send(
                 dr.peer_addr,
                 KVRequest(
-                    dst_page_ids=req.page_ids[len(hits) :],
+                    dst_page_ids=dr.dst_page_ids,
                     handoff_slot=slot,
                     decode_prefix_len=num_hit_tokens,
+                    staging_offset=dr.staging_offset,
                 ),
                 dr.room,
             )
             self.rooms.advance(dr.room, KVState.WaitingForInput)
+
+    def _staging_slot(self, dst_page_ids: list[int]) -> int:
+        """A staging slot for these pages if they are fragmented enough to be worth it, else -1."""
+        cfg = self.config
+        if not dst_page_ids or self.engine.runner.kv_cache.layout.bytes_per_page > cfg.staging_max_page_bytes:
+            return -1
+        if cfg.staging_threshold >= 0 and (
+            len(merge_runs(dst_page_ids, dst_page_ids)) < 2  # one run is one descriptor per region anyway
+            or not is_fragmented(dst_page_ids, dst_page_ids, cfg.staging_threshold)
+        ):
+            return -1
+        offset = self.staging.alloc(len(dst_page_ids))
+        return -1 if offset is None else offset
 
     # ---- commit --------------------------------------------------------------------------------
     def _commit(self, dr: DecodeRoom) -> None:
@@ -220,6 +242,12 @@ class DecodeRole(EngineRole):
             self._fail(dr.room, "handoff room mismatch")
             return
         req = dr.req
+        if dr.staging_offset >= 0:  # the prefill wrote into our staging slot: scatter into our pages
+            n = len(dr.dst_page_ids)
+            scatter_pages(self.staging.view(dr.staging_offset, n), self.kv_regions, dr.dst_page_ids)
+            self.staging.free(dr.staging_offset)
+            dr.staging_offset = -1
+            self.num_staged += 1
         self.rooms.advance(dr.room, KVState.Success)
         self.control.send(dr.peer_addr, Status(state=KVState.Success), dr.room)  # prefill may free
         del self.transfer[dr.room]
@@ -285,6 +313,8 @@ class DecodeRole(EngineRole):
     def _free(self, dr: DecodeRoom) -> None:
         if dr.handoff_slot >= 0:
             self.handoff.free(dr.handoff_slot)
+        if dr.staging_offset >= 0:
+            self.staging.free(dr.staging_offset)
         req = dr.req
         self.engine.kv.free(req)
         req.status = RequestStatus.FINISHED_ABORTED
@@ -303,3 +333,4 @@ class DecodeRole(EngineRole):
     def check_integrity(self) -> None:
         self.rooms.check_integrity()
         self.handoff.check_integrity()
+        self.staging.check_integrity()

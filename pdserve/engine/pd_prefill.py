@@ -26,11 +26,12 @@ from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, Regist
 from pdserve.disagg.state import DuplicateRoom, KVState, RoomTable
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, encode_notif, region_table
+from pdserve.engine.pd_common import PDConfig, encode_notif, make_staging, region_table
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.base import TransferStatus
-from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors
+from pdserve.transfer.pages import RegionTable, is_fragmented, merge_runs, page_descriptors
+from pdserve.transfer.staging import gather_pages
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class DecodePeer:
     kv: RegionTable
     handoff_base_addr: int
     handoff_slot_bytes: int
+    staging_base_addr: int
 
 
 @dataclass
@@ -59,6 +61,7 @@ class PrefillRoom:
     local_slot: int = -1  # our handoff source row
     abort_reply_to: str | None = None  # the decode asked us to stop: ack once nothing is in flight
     fail_reason: str = ""
+    staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
 
 
 class PrefillRole(EngineRole):
@@ -71,6 +74,8 @@ class PrefillRole(EngineRole):
         self.page_size = engine.kv.page_size
         self.local_kv = region_table(engine.runner.kv_cache)
         self.handoff = HandoffPool(config.num_handoff_slots)
+        self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
         self.rooms = RoomTable(config.deadlines())
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
@@ -110,6 +115,9 @@ class PrefillRole(EngineRole):
         for env in self.control.poll():
             self._on_message(env)
         for tid, status in self.agent.poll_completions():
+            slot = self.staging_slots.pop(tid, None)
+            if slot is not None:
+                self.staging.free(slot)
             room = self.transfers.pop(tid, None)
             pr = self.by_room.get(room) if room is not None else None
             if pr is None:
@@ -174,6 +182,7 @@ class PrefillRole(EngineRole):
             RegionTable(tuple(msg.kv_base_addrs), tuple(msg.kv_bytes_per_page)),
             msg.handoff_base_addr,
             msg.handoff_slot_bytes,
+            msg.staging_base_addr,
         )
         self.control.send(msg.reply_addr, RegisterAck(ok=True, agent_name=self.agent.agent_name), reg_id)
 
@@ -195,12 +204,8 @@ class PrefillRole(EngineRole):
                 self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
             self._fail(room, error)
             return
-        pr.peer, pr.dst_page_ids, pr.first_page, pr.handoff_slot = (
-            peer,
-            list(msg.dst_page_ids),
-            first,
-            msg.handoff_slot,
-        )
+        pr.peer, pr.dst_page_ids, pr.first_page = peer, list(msg.dst_page_ids), first
+        pr.handoff_slot, pr.staging_offset = msg.handoff_slot, msg.staging_offset
         pr.num_pages_sent = first
         self.rooms.advance(room, KVState.WaitingForInput)
         self.engine.scheduler.add(pr.req)
@@ -231,7 +236,13 @@ class PrefillRole(EngineRole):
     def _send_pages(self, pr: PrefillRoom, start: int, end: int, last: bool) -> None:
         src = pr.req.page_ids[start:end]
         dst = pr.dst_page_ids[start - pr.first_page : end - pr.first_page]
-        local, remote = page_descriptors(merge_runs(src, dst), self.local_kv, pr.peer.kv) if src else ([], [])
+        local_slot = -1
+        if pr.staging_offset >= 0:
+            local, remote, local_slot = self._staged_descriptors(pr, src, start - pr.first_page)
+        elif src:
+            local, remote = page_descriptors(merge_runs(src, dst), self.local_kv, pr.peer.kv)
+        else:
+            local, remote = [], []
         if last:
             slot_addr, slot_bytes = self.handoff.slot_addr(pr.local_slot), self.handoff.slot_bytes
             local.append((slot_addr, slot_bytes))
@@ -243,10 +254,37 @@ class PrefillRole(EngineRole):
             pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
         )
         self.transfers[tid] = pr.room
+        if local_slot >= 0:
+            self.staging_slots[tid] = local_slot
         pr.in_flight.add(tid)
         self.num_pages_sent += len(src)
         pr.num_pages_sent = end
         self.rooms.advance(pr.room, KVState.Transferring)
+
+    def _staged_descriptors(self, pr: PrefillRoom, src: list[int], rel_start: int):
+        """Descriptors writing pages `src` into the decode's staging slot at positions rel_start.. (the
+        slot is [regions, n, bytes_per_page]). Fragmented source pages are first gathered into a slot
+        of our own, so every region goes out as one descriptor. Returns (local, remote, our slot | -1)."""
+        if not src:
+            return [], [], -1
+        page_bytes = self.local_kv.bytes_per_page[0]
+        num_regions, n, m = len(self.local_kv.base_addrs), len(pr.dst_page_ids), len(src)
+        remote_slot = pr.peer.staging_base_addr + pr.staging_offset * num_regions * page_bytes
+        local_slot = self.staging.alloc(m) if is_fragmented(src, src, self.config.staging_threshold) else None
+        local, remote = [], []
+        if local_slot is not None:
+            gather_pages(self.kv_regions, src, self.staging.view(local_slot, m))
+            base = self.staging.descriptor(local_slot, m)[0]
+            for r in range(num_regions):
+                local.append((base + r * m * page_bytes, m * page_bytes))
+                remote.append((remote_slot + (r * n + rel_start) * page_bytes, m * page_bytes))
+            return local, remote, local_slot
+        runs = merge_runs(src, range(rel_start, rel_start + m))
+        for r in range(num_regions):
+            for s_page, d_pos, k in runs:
+                local.append((self.local_kv.base_addrs[r] + s_page * page_bytes, k * page_bytes))
+                remote.append((remote_slot + (r * n + d_pos) * page_bytes, k * page_bytes))
+        return local, remote, -1
 
     def _send_last(self, pr: PrefillRoom) -> None:
         req = pr.req
@@ -323,3 +361,5 @@ class PrefillRole(EngineRole):
         self.handoff.check_integrity()
         assert all(room in self.rooms for room in self.by_room), "a room is tracked but not in the table"
         assert set(self.transfers.values()) <= set(self.by_room), "a transfer outlived its room"
+        assert set(self.staging_slots) <= set(self.transfers), "a staging slot outlived its transfer"
+        self.staging.check_integrity()

@@ -101,6 +101,9 @@ class PDMetrics:
         self.dropped = Gauge("pdserve_pd_control_dropped", "Control messages dropped", ["why"], registry=r)
         self.xfer = Gauge("pdserve_pd_transfer", "Transfer agent counters", ["counter"], registry=r)
         self.pages_sent = Gauge("pdserve_pd_pages_sent", "KV pages written to decode engines", registry=r)
+        self.staged = Gauge(
+            "pdserve_pd_staged_requests", "Requests whose KV arrived through staging", registry=r
+        )
         self.latency = Histogram(
             "pdserve_pd_transfer_latency_seconds",
             "Submit to completion of one write",
@@ -129,6 +132,7 @@ class PDMetrics:
         self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
         self.update_control()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
+        self.staged.set(getattr(role, "num_staged", 0))
         stats = agent.stats.snapshot()
         latencies = stats.pop("latencies_s")
         for name, value in stats.items():

@@ -36,8 +36,11 @@ class PDContext:
         fingerprint = layout_fingerprint(engine)
         role_cls = PrefillRole if role_name == "prefill" else DecodeRole
         self.role = role_cls(engine, config, self.control, None, fingerprint)
-        regions = list(engine.runner.kv_cache.regions()) + [
-            (self.role.handoff.base_addr, self.role.handoff.nbytes)
+        # Everything a peer may write to or we may write from: KV pool, handoff slots, staging slots.
+        regions = [
+            *engine.runner.kv_cache.regions(),
+            (self.role.handoff.base_addr, self.role.handoff.nbytes),
+            self.role.staging.region(),
         ]
         self.agent = TransferAgent(config.transfer_backend, name, regions)
         self.agent.metadata()  # fail fast if the backend cannot start

@@ -1,0 +1,252 @@
+"""Model profiles and the prefill / decode cost model (torch-free).
+
+Who uses it: the simulator (every prefill batch and decode step) and, later, a PE's batch builder
+(``build_prefill_batch`` needs a predicted batch time). A profile is a frozen dataclass; the functions
+below are pure.
+
+Constants and their sources:
+
+* Qwen2.5-32B dense constants are *fitted* to ``../shared/anchors/h200_2026-11-29.json`` (one H200,
+  plain torch, bf16): least squares over its six prefill points gives 108.4 µs per new token (= 600
+  TFLOP/s effective on 2 x 32.5 GFLOP/token) and 1.742 ns per (new token x context token) pair for
+  attention (= 752 TFLOP/s on 4 x 40 heads x 128 x 64 layers FLOP/pair); its five decode points give
+  a step of 19.1 ms + 46.8 µs per sequence + context bytes read at 4.55 TB/s effective.
+* DeepSeek-V3.2 660B (FP8, MLA + DSA sparse attention, 37B activated): no anchor. Linear FLOPs are
+  2 x 37e9 per token; the effective FP8 MoE throughput (420 TFLOP/s) is *calibrated* so that a token at
+  ~32K context costs ~250 µs in total, i.e. ~4.0K uncached tokens/s per GPU, the figure implied by
+  DeepSeek's published production prefill (73.7K input tok/s per H800 node incl. 56.3% cache hits,
+  "DeepSeek-V3/R1 inference system overview", 2025-03; H800 ≈ H200 in dense FP8 FLOPs). DSA attention
+  is sparse over the top 2,048 tokens (absorbed MLA: 128 heads x (576 + 512) x 2 FLOP per pair per
+  layer) plus a lightning indexer over the whole context (64 heads x 128 x 2 FLOP, FP8). Decode: 15 ms
+  fixed per step (weights share 21.6 GB / 4.55 TB/s ≈ 5 ms + ~10 ms of EP all-to-all latency over 61
+  layers, [assumed]) + 0.35 ms per sequence (74 GFLOP at 420 TFLOP/s ≈ 0.18 ms + EP dispatch/combine,
+  [assumed]; gives ~1.5K tok/s/GPU at batch 64, close to DeepSeek's published 1.85K tok/s/GPU decode).
+* KV bytes per token per layer: DS-V3.2 FP8 MLA 656 B x 61 layers (paper, reproduces its Table 1);
+  Qwen2.5-32B bf16 GQA 8 heads x 128 x 2 (K,V) x 2 B = 4 KiB x 64 layers.
+* ``ds-27b``: the paper's internal "DS 27B" is unpublished; we assume a DeepSeek-V3-style MoE with 30
+  layers, the same MLA FP8 KV layout (656 B/token/layer), 4.5B activated parameters and no DSA
+  (dense MLA attention, 16 heads), with the same efficiencies as ``ds-660b``. [assumed]
+* HBM free for KV per GPU (H200 141 GB): weights share + runtime buffers subtracted, see each profile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the simulator needs to know about a model. Times in seconds, sizes in bytes."""
+
+    name: str
+    num_layers: int
+    kv_bytes_per_token_layer: int
+    # Prefill (per GPU = one DP-attention / TP engine): t = overhead + Σ new*linear + Σ attention.
+    prefill_s_per_new_token: float
+    attn_s_per_pair: float  # per (new token, attended context token), all layers
+    attn_topk_tokens: int  # 0 = dense attention; >0 = sparse (DSA) over at most this many tokens
+    indexer_s_per_pair: float  # DSA indexer per (new token, context token); 0 for dense models
+    prefill_batch_overhead_s: float
+    # Decode step (per engine): overhead + batch*per_seq + bytes read for attention / hbm bandwidth.
+    decode_step_overhead_s: float
+    decode_s_per_seq: float
+    decode_attn_bytes_per_ctx_token: float  # bytes read per context token per step (dense part)
+    decode_attn_bytes_per_topk_token: float  # bytes per selected token per step (sparse part)
+    decode_hbm_bytes_per_s: float
+    # Memory for KV (bytes per GPU) on prefill / decode engines.
+    prefill_hbm_kv_bytes: int
+    decode_hbm_kv_bytes: int
+    # Model (high priority) traffic crossing each GPU's CNIC per token (EP all-to-all).
+    model_cnic_bytes_per_prefill_token: float = 0.0
+    model_cnic_bytes_per_decode_token: float = 0.0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token_layer * self.num_layers
+
+
+# ---- fitted / derived constants (see module docstring) ----
+QWEN32B_PREFILL_S_PER_TOKEN = 1.08444e-4  # anchor fit
+QWEN32B_ATTN_S_PER_PAIR = 1.74200e-9  # anchor fit
+QWEN32B_DECODE_OVERHEAD_S = 0.019071  # anchor fit
+QWEN32B_DECODE_S_PER_SEQ = 4.676e-5  # anchor fit
+H200_DECODE_HBM_BYTES_PER_S = 4.551e12  # anchor fit (effective KV read bandwidth in decode)
+H200_HBM_BYTES = 141e9
+BF16_ATTN_FLOPS_PER_S = 752e12  # anchor fit (attention, bf16)
+MOE_FP8_LINEAR_FLOPS_PER_S = 420e12  # calibrated to DeepSeek's published prefill throughput
+FP8_INDEXER_FLOPS_PER_S = 1500e12  # 2 x bf16 GEMM anchor (773 TFLOP/s); [derived]
+
+_DS_LAYERS = 61
+_DS_SPARSE_FLOPS_PER_PAIR = _DS_LAYERS * 128 * (576 + 512) * 2
+_DS_INDEXER_FLOPS_PER_PAIR = _DS_LAYERS * 64 * 128 * 2
+
+DS_660B = ModelProfile(
+    name="ds-660b",
+    num_layers=_DS_LAYERS,
+    kv_bytes_per_token_layer=656,
+    prefill_s_per_new_token=2 * 37e9 / MOE_FP8_LINEAR_FLOPS_PER_S,
+    attn_s_per_pair=_DS_SPARSE_FLOPS_PER_PAIR / BF16_ATTN_FLOPS_PER_S,
+    attn_topk_tokens=2048,
+    indexer_s_per_pair=_DS_INDEXER_FLOPS_PER_PAIR / FP8_INDEXER_FLOPS_PER_S,
+    prefill_batch_overhead_s=0.010,  # 61 layers x 2 all-to-all x ~80 µs latency [assumed]
+    decode_step_overhead_s=0.015,
+    decode_s_per_seq=0.35e-3,
+    decode_attn_bytes_per_ctx_token=_DS_LAYERS * 132,  # indexer keys: 128 FP8 + 4 B scale per layer
+    decode_attn_bytes_per_topk_token=_DS_LAYERS * 656,
+    decode_hbm_bytes_per_s=H200_DECODE_HBM_BYTES_PER_S,
+    # PE: EP16 over 2 nodes, ~43 GB weights + ~30 GB activations/DeepEP buffers; DE: EP32 ~22 GB + ~19 GB.
+    prefill_hbm_kv_bytes=int(H200_HBM_BYTES - 43e9 - 30e9),
+    decode_hbm_kv_bytes=int(H200_HBM_BYTES - 22e9 - 19e9),
+    # DeepEP: FP8 dispatch 7 KiB + bf16 combine 14 KiB per token per MoE layer (58), ~1 remote node.
+    model_cnic_bytes_per_prefill_token=58 * 21 * 1024,
+    model_cnic_bytes_per_decode_token=58 * 21 * 1024,
+)
+
+DS_27B = ModelProfile(
+    name="ds-27b",
+    num_layers=30,
+    kv_bytes_per_token_layer=656,
+    prefill_s_per_new_token=2 * 4.5e9 / MOE_FP8_LINEAR_FLOPS_PER_S,
+    attn_s_per_pair=30 * 16 * (576 + 512) * 2 / BF16_ATTN_FLOPS_PER_S,
+    attn_topk_tokens=0,
+    indexer_s_per_pair=0.0,
+    prefill_batch_overhead_s=0.005,
+    decode_step_overhead_s=0.008,
+    decode_s_per_seq=0.06e-3,
+    decode_attn_bytes_per_ctx_token=30 * 656,
+    decode_attn_bytes_per_topk_token=0.0,
+    decode_hbm_bytes_per_s=H200_DECODE_HBM_BYTES_PER_S,
+    # 27B FP8 over 8 GPUs (EP8): ~3.4 GB weights + ~20 GB buffers.
+    prefill_hbm_kv_bytes=int(H200_HBM_BYTES - 3.4e9 - 20e9),
+    decode_hbm_kv_bytes=int(H200_HBM_BYTES - 3.4e9 - 20e9),
+    model_cnic_bytes_per_prefill_token=26 * 21 * 1024 / 2,
+    model_cnic_bytes_per_decode_token=26 * 21 * 1024 / 2,
+)
+
+QWEN_32B = ModelProfile(
+    name="qwen2.5-32b",
+    num_layers=64,
+    kv_bytes_per_token_layer=4096,
+    prefill_s_per_new_token=QWEN32B_PREFILL_S_PER_TOKEN,
+    attn_s_per_pair=QWEN32B_ATTN_S_PER_PAIR,
+    attn_topk_tokens=0,
+    indexer_s_per_pair=0.0,
+    prefill_batch_overhead_s=0.0,  # the anchor fit has no significant intercept
+    decode_step_overhead_s=QWEN32B_DECODE_OVERHEAD_S,
+    decode_s_per_seq=QWEN32B_DECODE_S_PER_SEQ,
+    decode_attn_bytes_per_ctx_token=64 * 4096,
+    decode_attn_bytes_per_topk_token=0.0,
+    decode_hbm_bytes_per_s=H200_DECODE_HBM_BYTES_PER_S,
+    # One GPU per engine: 65.5 GB bf16 weights + ~10 GB activations.
+    prefill_hbm_kv_bytes=int(H200_HBM_BYTES - 65.5e9 - 10e9),
+    decode_hbm_kv_bytes=int(H200_HBM_BYTES - 65.5e9 - 10e9),
+)
+
+PROFILES: dict[str, ModelProfile] = {p.name: p for p in (DS_660B, DS_27B, QWEN_32B)}
+
+
+def get_profile(name_or_path: str) -> ModelProfile:
+    """A named profile, or one derived from a Hugging Face ``config.json`` path."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return profile_from_hf_config(json.loads(path.read_text()), name=str(name_or_path))
+    raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(PROFILES)} or a config.json path")
+
+
+def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
+    """Derive a profile from an HF config: KV layout, FLOPs per token, weights; Qwen-fitted efficiencies.
+
+    KV bytes per token per layer: MLA (``kv_lora_rank``) stores kv_lora_rank + qk_rope_head_dim values;
+    GQA stores 2 x num_key_value_heads x head_dim. Both in bf16 (2 B) unless ``torch_dtype`` says fp8.
+    Activated parameters: attention projections + (dense or top-k experts') MLP per layer + lm head.
+    Efficiencies are the Qwen2.5-32B anchor fits (dense bf16 on H200).
+    """
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype", "")) else 2
+    if cfg.get("kv_lora_rank"):
+        kv_elems = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 64))
+    else:
+        kv_elems = 2 * kv_heads * head_dim
+    kv_bytes_layer = kv_elems * dtype_bytes
+    inter = int(cfg.get("intermediate_size", 4 * hidden))
+    n_experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    if n_experts:
+        moe_inter = int(cfg.get("moe_intermediate_size", inter))
+        top_k = int(cfg.get("num_experts_per_tok", 2))
+        shared = int(cfg.get("n_shared_experts", 0) or 0)
+        mlp = 3 * hidden * moe_inter * (top_k + shared)
+        mlp_total = 3 * hidden * moe_inter * (n_experts + shared)
+    else:
+        mlp = mlp_total = 3 * hidden * inter
+    attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    vocab = int(cfg.get("vocab_size", 32000))
+    active = layers * (attn_params + mlp) + vocab * hidden
+    weights_bytes = (layers * (attn_params + mlp_total) + 2 * vocab * hidden) * dtype_bytes
+    flops_per_pair = 4 * heads * head_dim * layers
+    free = max(H200_HBM_BYTES - weights_bytes - 10e9, 1e9)
+    return replace(
+        QWEN_32B,
+        name=name,
+        num_layers=layers,
+        kv_bytes_per_token_layer=kv_bytes_layer,
+        prefill_s_per_new_token=QWEN32B_PREFILL_S_PER_TOKEN * active / 32.5e9,
+        attn_s_per_pair=flops_per_pair / BF16_ATTN_FLOPS_PER_S,
+        decode_step_overhead_s=max(weights_bytes / H200_DECODE_HBM_BYTES_PER_S, 1e-3),
+        decode_s_per_seq=QWEN32B_DECODE_S_PER_SEQ * active / 32.5e9,
+        decode_attn_bytes_per_ctx_token=float(kv_bytes_layer * layers),
+        prefill_hbm_kv_bytes=int(free),
+        decode_hbm_kv_bytes=int(free),
+    )
+
+
+# ---- cost functions ----
+
+
+def prefill_request_s(p: ModelProfile, num_cached_tokens: int, num_new_tokens: int) -> float:
+    """Compute time of one request's ``new`` tokens over ``cached`` context (no batch overhead)."""
+    if num_new_tokens <= 0:
+        return 0.0
+    mean_ctx = num_cached_tokens + num_new_tokens / 2.0  # causal: token i attends cached + i
+    attended = min(mean_ctx, p.attn_topk_tokens) if p.attn_topk_tokens else mean_ctx
+    per_token = p.prefill_s_per_new_token + attended * p.attn_s_per_pair + mean_ctx * p.indexer_s_per_pair
+    return num_new_tokens * per_token
+
+
+def prefill_batch_s(p: ModelProfile, pairs: Sequence[tuple[int, int]]) -> float:
+    """Predicted seconds of one prefill forward over [(cached, new), ...] on one engine."""
+    if not pairs:
+        return 0.0
+    return p.prefill_batch_overhead_s + sum(prefill_request_s(p, c, n) for c, n in pairs)
+
+
+def decode_step_s(p: ModelProfile, num_seqs: int, sum_ctx_tokens: float) -> float:
+    """One decode step for ``num_seqs`` sequences whose contexts sum to ``sum_ctx_tokens``.
+
+    Sparse models read at most top-k tokens' KV per sequence; we approximate Σ min(ctx, k) by
+    min(Σ ctx, n x k), exact when all contexts are ≥ k (agentic contexts are tens of thousands).
+    """
+    if num_seqs <= 0:
+        return 0.0
+    sparse = 0.0
+    if p.decode_attn_bytes_per_topk_token:
+        sparse = min(sum_ctx_tokens, num_seqs * p.attn_topk_tokens) * p.decode_attn_bytes_per_topk_token
+    bytes_read = sum_ctx_tokens * p.decode_attn_bytes_per_ctx_token + sparse
+    return p.decode_step_overhead_s + num_seqs * p.decode_s_per_seq + bytes_read / p.decode_hbm_bytes_per_s
+
+
+def prefill_tokens_per_s(p: ModelProfile, num_cached_tokens: int, num_new_tokens: int = 512) -> float:
+    """New tokens one engine computes per second at this context (for β = tokens in 5 s)."""
+    t = prefill_request_s(p, num_cached_tokens, num_new_tokens)
+    return num_new_tokens / t if t > 0 else math.inf

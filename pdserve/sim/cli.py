@@ -1,0 +1,183 @@
+"""``pdserve simulate``: run a named scenario, print a table, optionally write JSON and a plot.
+
+Who calls it: ``pdserve/cli.py`` wires ``add_arguments`` and ``run`` to the ``simulate`` sub-command;
+``python -m pdserve.sim.cli ...`` works on its own. ``--json OUT`` writes
+``{"scenario": NAME, "runs": [...], "checks": [...]}`` with one object per (policy, setting).
+List-valued overrides (``--agents``, ``--aps``, ``--policy``, ``--submit-us``) take comma lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pdserve.sim.scenarios import SCENARIOS, Overrides
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x)
+
+
+def _strs(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", help="scenario name (see --list)")
+    parser.add_argument("--list", action="store_true", help="list scenarios and exit")
+    parser.add_argument("--json", metavar="OUT", help="write the runs as JSON to OUT")
+    parser.add_argument("--plot", metavar="OUT.png", help="write the scenario's plot (PNG)")
+    g = parser.add_argument_group("overrides (default: the scenario's own)")
+    g.add_argument("--prefill-nodes", type=int)
+    g.add_argument("--decode-nodes", type=int)
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("--model", help="named profile (ds-660b, ds-27b, qwen2.5-32b) or an HF config.json path")
+    g.add_argument("--workload", help="32k, 48k, 64k (Table 2), mooncake, mooncake-synthetic, weka_cc")
+    g.add_argument("--agents", type=_ints, help="agent count(s), comma separated")
+    g.add_argument("--aps", type=_floats, help="online: agents per second to try, comma separated")
+    g.add_argument("--policy", type=_strs, help="basic, layerwise, dual_path, dualpath, split, oracle")
+    g.add_argument("--snic-gbps", type=float, help="storage NIC per node, Gbit/s (default 400)")
+    g.add_argument("--cnic-gbps", type=float, help="compute NIC per GPU, Gbit/s (default 400)")
+    g.add_argument("--dram-gbytes-per-s", type=float, help="host DRAM bandwidth per node, GB/s (default 500)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--quota-ms", type=float, help="PE compute quota per batch (default 300)")
+    g.add_argument("--submit-us", type=_floats, help="per-copy submit µs (submit-cost sweep values)")
+    g.add_argument("--copies-per-submit", type=int, help="descriptors per doorbell (default 1)")
+    g.add_argument("--horizon-s", type=float, help="online: simulated seconds per run (default 3600)")
+
+
+def _overrides(args: argparse.Namespace) -> Overrides:
+    return Overrides(
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
+        gpus_per_node=args.gpus_per_node,
+        model=args.model,
+        workload=args.workload,
+        agents=args.agents,
+        aps=args.aps,
+        policy=args.policy,
+        snic_gbps=args.snic_gbps,
+        cnic_gbps=args.cnic_gbps,
+        dram_gbytes_per_s=args.dram_gbytes_per_s,
+        seed=args.seed,
+        quota_ms=args.quota_ms,
+        submit_us=args.submit_us,
+        copies_per_submit=args.copies_per_submit,
+        horizon_s=args.horizon_s,
+    )
+
+
+_COLUMNS = (
+    "policy",
+    "shape",
+    "agents",
+    "aps",
+    "submit_us_per_copy",
+    "p_over_d",
+    "jct_s",
+    "jct_mean_s",
+    "speedup_vs_basic",
+    "jct_change_pct",
+    "ttft_p50_s",
+    "ttft_mean_s",
+    "tpot_p50_s",
+    "snic_max_over_avg",
+    "bottleneck",
+    "max_aps",
+    "wall_s",
+)
+
+
+def _print_table(name: str, runs: list[dict], checks: list[str]) -> None:
+    cols = [c for c in _COLUMNS if any(c in r and r[c] is not None for r in runs)]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"scenario {name}")
+        for c in cols:
+            t.add_column(c, justify="right")
+        for r in runs:
+            t.add_row(*[_fmt(r.get(c)) for c in cols])
+        con = Console(width=220)
+        con.print(t)
+        for c in checks:
+            con.print(c, markup=False)
+    except ImportError:  # rich is a dependency, but keep plain output possible
+        print("  ".join(cols))
+        for r in runs:
+            print("  ".join(_fmt(r.get(c)) for c in cols))
+        for c in checks:
+            print(c)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list or not args.scenario:
+        for s in SCENARIOS.values():
+            print(f"{s.name:16s} {s.description}")
+        return 0 if args.list else 2
+    if args.scenario not in SCENARIOS:
+        print(f"unknown scenario {args.scenario!r}; use --list", file=sys.stderr)
+        return 2
+    sc = SCENARIOS[args.scenario]
+    from tqdm import tqdm
+
+    bar = tqdm(total=sc.num_runs_hint, desc=sc.name, unit="run", file=sys.stderr)
+    t0 = time.perf_counter()
+
+    def progress(label: str) -> None:
+        if bar.n or bar.postfix:
+            bar.update(1)
+        bar.set_postfix_str(label)
+
+    try:
+        result = sc.fn(_overrides(args), progress)
+    except ValueError as e:
+        bar.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar.update(1)
+    bar.close()
+    _print_table(sc.name, result.runs, result.checks)
+    print(f"total wall {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        payload = {"scenario": sc.name, "runs": result.runs, "checks": result.checks}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    if args.plot and result.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = result.plot(result.runs, plt)
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

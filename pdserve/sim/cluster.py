@@ -1,0 +1,626 @@
+"""Discrete-event simulator of a PD-disaggregated cluster with DualPath KV loading.
+
+Who calls it: scenarios (``pdserve.sim.scenarios``), the CLI and tests: ``ClusterSim(config,
+workload).run()`` returns a ``SimResult``. It drives the real router scheduler
+(``pdserve.dualpath.scheduler``) with load reports, as the router would.
+
+Model (one concept, the cluster; the file is long because the event handlers share state and splitting
+them would only add indirection):
+
+* P prefill nodes and D decode nodes of g GPUs; one engine per GPU (a DP-attention rank / TP group).
+  Per node: one SNIC link (storage reads), one DRAM link (reads + writes add); per GPU: a CNIC read link
+  (the NIC reads memory: egress, and the host side of a loopback copy) and a CNIC write link (ingress,
+  and the device side of a loopback copy). All GPU traffic, local H2D included, goes through the GPU's
+  paired CNIC (paper §5), which is what the analytic bounds 1/7 ≤ P/D ≤ 7/2 assume.
+* Requests: the router queue is FIFO; a fetch runs the scheduler; each assignment starts the hit
+  reads (FIFO per SNIC; the node's read queue is the hit tokens not yet read) and appends the request
+  to its PE's FIFO. A PE builds a batch from requests whose reads are done, in FIFO order, under the
+  compute quota (``build_prefill_batch``), and books the batch's per-layer copies:
+  PE path: PE DRAM→PE GPU (loopback on the PE CNIC), then hit+miss KV PE GPU→DE host;
+  DE path: DE DRAM→DE CNIC→PE GPU, then only the miss KV back to the DE host.
+  Layerwise: batch time = max(compute, copies, descriptor submission) + one layer of pipeline fill.
+  Not layerwise (Basic): load all, then compute, then send, serially; the batch's KV must fit HBM.
+  When a request's prefill ends (first token = TTFT) the DE copies its whole prompt KV host→GPU
+  (loopback on the DE CNIC), then decodes.
+* Decode: each DE advances all its sequences together; a step costs the cost model's step time for
+  the current batch. Instead of one event per step we keep a virtual token clock per DE (tokens each
+  sequence has decoded since the DE started), so events happen only when a sequence joins or leaves.
+* Agents: when a turn's last token is out, the agent submits its next turn after the turn's think
+  time; prompt = previous context + append; hit = previous context rounded down to store blocks.
+
+Ties: events at equal times run in the order they were scheduled (a global sequence number), so a run
+is a deterministic function of (config, workload).
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import islice
+
+import numpy as np
+
+from pdserve.bench.workloads import Workload
+from pdserve.dualpath.cost_model import decode_step_s, prefill_request_s, prefill_tokens_per_s
+from pdserve.dualpath.scheduler import (
+    PATH_PE,
+    AdditiveBatchCost,
+    DualPathScheduler,
+    EngineLoad,
+    PendingRequest,
+    PrefillItem,
+    build_prefill_batch,
+    policy_config,
+)
+from pdserve.sim.config import SimConfig, get_mode
+from pdserve.sim.links import Link
+
+# A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
+MAX_READY_SCAN = 16
+
+# Event kinds.
+_ARRIVE, _FETCH, _READ_DONE, _BATCH_LOADED, _BATCH_DONE, _DE_READY, _DE_TICK = range(7)
+
+
+class _Req:
+    __slots__ = (
+        "rid",
+        "agent",
+        "turn",
+        "t_submit",
+        "hit",
+        "new",
+        "gen",
+        "prompt",
+        "pe",
+        "de",
+        "path",
+        "pe_read",
+        "de_read",
+        "reads_left",
+        "new_done",
+        "inbound_done",
+        "t_first",
+        "t_join",
+        "t_done",
+    )
+
+    def __init__(self, rid, agent, turn, t_submit, hit, new, gen):
+        self.rid = rid
+        self.agent = agent
+        self.turn = turn
+        self.t_submit = t_submit
+        self.hit = hit
+        self.new = new
+        self.gen = gen
+        self.prompt = hit + new
+        self.pe = self.de = -1
+        self.path = PATH_PE
+        self.pe_read = self.de_read = 0
+        self.reads_left = 0
+        self.new_done = 0
+        self.inbound_done = False
+        self.t_first = self.t_join = self.t_done = math.nan
+
+
+class _Decode:
+    """One decode engine's batch under a virtual token clock."""
+
+    __slots__ = ("v", "t_last", "step_s", "n", "ctx_base", "heap", "version", "seqs", "tokens", "free_pages")
+
+    def __init__(self, free_pages: int):
+        self.v = 0.0
+        self.t_last = 0.0
+        self.step_s = 0.0
+        self.n = 0
+        self.ctx_base = 0.0  # Σ (ctx at join - v at join) over running sequences
+        self.heap: list[tuple[float, int, _Req]] = []
+        self.version = 0
+        self.seqs = 0  # assigned and not finished (includes those not yet joined)
+        self.tokens = 0
+        self.free_pages = free_pages
+
+
+@dataclass
+class SimResult:
+    """Per-run figures; arrays are per finished turn unless said otherwise."""
+
+    config: SimConfig
+    makespan_s: float
+    agent_done_s: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    turn_submit_s: np.ndarray
+    num_turns_submitted: int
+    unanswered_submit_s: np.ndarray  # submit times of turns without a first token when the run stopped
+    num_turns_done: int
+    wall_s: float
+    cpu_s: float  # process CPU time: the fair speed figure on a shared machine
+    links: dict[str, list[Link]] = field(default_factory=dict)
+    reqs: list | None = None  # every request (tests only)
+
+    @property
+    def jct_s(self) -> float:
+        """Job completion time: when the last agent finished (offline)."""
+        return self.makespan_s
+
+    @property
+    def jct_mean_s(self) -> float:
+        done = self.agent_done_s[~np.isnan(self.agent_done_s)]
+        return float(done.mean()) if len(done) else math.nan
+
+    def snic_max_over_avg(self, min_util: float = 0.2) -> float:
+        """Mean over busy windows of (max SNIC bytes / mean SNIC bytes) across all nodes' SNICs.
+
+        A window counts when the mean SNIC utilization in it is ≥ ``min_util`` (idle tails say nothing
+        about balance). Returns nan if no window qualifies.
+        """
+        snics = self.links["snic"]
+        n_win = max(len(s.windows) for s in snics)
+        mat = np.zeros((len(snics), n_win))
+        for i, s in enumerate(snics):
+            mat[i, : len(s.windows)] = s.windows
+        cap = snics[0].capacity * snics[0].window_s
+        means = mat.mean(axis=0)
+        ok = means >= min_util * cap
+        if not ok.any():
+            return math.nan
+        return float((mat[:, ok].max(axis=0) / means[ok]).mean())
+
+
+class ClusterSim:
+    def __init__(
+        self,
+        config: SimConfig,
+        workload: Workload,
+        progress: Callable[[float], None] | None = None,
+        keep_requests: bool = False,
+    ) -> None:
+        self.cfg = cfg = config
+        self.wl = workload
+        self.mode = get_mode(cfg.mode)
+        self.progress = progress
+        self.keep_requests = keep_requests
+        hw, m = cfg.hw, cfg.model
+        g = hw.gpus_per_node
+        self.g = g
+        self.P, self.D = cfg.num_prefill_nodes, cfg.num_decode_nodes
+        self.num_pe = self.P * g
+        self.num_de = self.D * g
+        self.kv_tok = m.kv_bytes_per_token
+        self.layers = m.num_layers
+        # Expected model-traffic share of each CNIC (EP all-to-all), reserved for the high class.
+        pe_rate = prefill_tokens_per_s(m, 32_768)
+        u_pe = m.model_cnic_bytes_per_prefill_token * pe_rate / hw.cnic_bytes_per_s
+        u_de = m.model_cnic_bytes_per_decode_token * 1500.0 / hw.cnic_bytes_per_s  # ~1.5K tok/s/GPU
+        W, rec = cfg.window_s, cfg.record_intervals
+        n_nodes = self.P + self.D
+        self.snic = [Link(f"snic{n}", hw.snic_bytes_per_s, W, 0.0, rec) for n in range(n_nodes)]
+        # Per-window accounting on SNICs always (balance metric); on the other links only when asked
+        # (tests, bandwidth-model scenario), as it costs ~30% of the run time at scale.
+        ww = cfg.all_link_windows or rec
+        self.dram = [Link(f"dram{n}", hw.dram_bytes_per_s, W, 0.0, rec, ww) for n in range(n_nodes)]
+        n_gpu = n_nodes * g
+        self.cnic_rd = [
+            Link(f"cnic_rd{i}", hw.cnic_bytes_per_s, W, u_pe if i < self.num_pe else u_de, rec, ww)
+            for i in range(n_gpu)
+        ]
+        self.cnic_wr = [
+            Link(f"cnic_wr{i}", hw.cnic_bytes_per_s, W, u_pe if i < self.num_pe else u_de, rec, ww)
+            for i in range(n_gpu)
+        ]
+        # Scheduler, with α/β from the paper's definitions.
+        alpha = int(cfg.alpha_read_s * hw.snic_bytes_per_s / self.kv_tok)
+        beta = int(cfg.beta_compute_s * prefill_tokens_per_s(m, 32_768))
+        sc = policy_config(
+            self.mode.policy,
+            alpha_tokens=alpha,
+            beta_tokens=beta,
+            z_factor=cfg.z_factor,
+            block_tokens=cfg.block_tokens,
+            page_tokens=cfg.page_tokens,
+        )
+        self.de_pages = int(m.decode_hbm_kv_bytes // (cfg.page_tokens * self.kv_tok))
+        pes = [EngineLoad(i, i // g) for i in range(self.num_pe)]
+        des = [
+            EngineLoad(
+                j, self.P + j // g, (j // g) // cfg.decode_nodes_per_group, num_free_pages=self.de_pages
+            )
+            for j in range(self.num_de)
+        ]
+        self.sched = DualPathScheduler(sc, pes, des, n_nodes)
+        self.max_fetch = cfg.max_fetch
+        # State.
+        self.events: list = []
+        self._seq = 0
+        self.queue: deque[tuple[PendingRequest, _Req]] = deque()
+        self.fetch_pending = False
+        self.last_fetch = -math.inf
+        self.read_q = [deque() for _ in range(n_nodes)]  # (req, tokens)
+        self.read_q_tokens = [0] * n_nodes
+        self.snic_busy = [False] * n_nodes
+        self.pe_fifo: list[list[_Req]] = [[] for _ in range(self.num_pe)]
+        self.pe_busy = [False] * self.num_pe
+        self.pe_tokens = [0] * self.num_pe
+        self.pe_seqs = [0] * self.num_pe
+        self.dec = [_Decode(self.de_pages) for _ in range(self.num_de)]
+        self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
+        self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, lambda c, n: prefill_request_s(m, c, n))
+        # Agents.
+        self.agent_ctx = np.zeros(workload.num_agents, dtype=np.int64)
+        self.agent_done = np.full(workload.num_agents, np.nan)
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.submit_t: list[float] = []
+        self.reqs: list[_Req] = []
+        self.n_submitted = 0
+        self.open_turns: dict[int, float] = {}  # rid -> submit time, until the first token
+        self.n_done = 0
+        self.now = 0.0
+
+    # ---- event plumbing ----
+
+    def _push(self, t: float, kind: int, a=None, b=None) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, a, b))
+
+    def run(self) -> SimResult:
+        # The event loop allocates millions of small acyclic objects; the cyclic GC's repeated scans of
+        # them cost ~20-30% of a large run and free nothing, so it is paused for the run.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        cpu0 = time.process_time()
+        wl = self.wl
+        for agent in range(wl.num_agents):
+            first = int(wl.offsets[agent])
+            if first < int(wl.offsets[agent + 1]):
+                self._push(float(wl.start_s[agent]) + float(wl.think_s[first]), _ARRIVE, agent, first)
+        horizon = self.cfg.horizon_s
+        events = self.events
+        pop = heapq.heappop
+        next_progress = 0.0
+        while events:
+            t, _, kind, a, b = pop(events)
+            if horizon is not None and t > horizon:
+                break
+            self.now = t
+            if kind == _DE_TICK:
+                self._de_tick(a, b)
+            elif kind == _READ_DONE:
+                self._read_done(a)
+            elif kind == _BATCH_DONE:
+                self._batch_done(a, b)
+            elif kind == _DE_READY:
+                self._de_join(b)
+            elif kind == _FETCH:
+                self._fetch()
+            elif kind == _ARRIVE:
+                self._arrive(a, b)
+            elif kind == _BATCH_LOADED:
+                self._batch_loaded(a, b)
+            if self.progress is not None and t >= next_progress:
+                self.progress(t)
+                next_progress = t + 5.0
+        return SimResult(
+            config=self.cfg,
+            makespan_s=float(np.nanmax(self.agent_done)) if self.n_done else math.nan,
+            agent_done_s=self.agent_done,
+            ttft_s=np.array(self.ttft),
+            tpot_s=np.array(self.tpot),
+            turn_submit_s=np.array(self.submit_t),
+            num_turns_submitted=self.n_submitted,
+            unanswered_submit_s=np.array(list(self.open_turns.values())),
+            num_turns_done=self.n_done,
+            wall_s=time.perf_counter() - wall0,
+            cpu_s=time.process_time() - cpu0,
+            links={"snic": self.snic, "dram": self.dram, "cnic_rd": self.cnic_rd, "cnic_wr": self.cnic_wr},
+            reqs=self.reqs if self.keep_requests else None,
+        )
+
+    # ---- agents and router ----
+
+    def _arrive(self, agent: int, turn: int) -> None:
+        wl = self.wl
+        ctx = int(self.agent_ctx[agent])
+        override = int(wl.hit_override[turn])
+        bt = self.cfg.block_tokens
+        hit = override if override >= 0 else ctx // bt * bt
+        new = int(wl.append[turn]) + (ctx - hit if override < 0 else 0)
+        req = _Req(self.n_submitted, agent, turn, self.now, hit, new, int(wl.gen[turn]))
+        self.n_submitted += 1
+        self.open_turns[req.rid] = self.now
+        if self.keep_requests:
+            self.reqs.append(req)
+        pend = PendingRequest(req.rid, hit, new, req.prompt + req.gen)
+        self.queue.append((pend, req))
+        self._want_fetch()
+
+    def _want_fetch(self) -> None:
+        # The router fetches at most once per ``fetch_interval_s`` (a real router polls its queue
+        # too); a change of load between fetches is seen by the next one.
+        if not self.fetch_pending and self.queue:
+            self.fetch_pending = True
+            self._push(max(self.now, self.last_fetch + self.cfg.fetch_interval_s), _FETCH)
+
+    def _fetch(self) -> None:
+        self.fetch_pending = False
+        self.last_fetch = self.now
+        if not self.queue:
+            return
+        head = list(islice(self.queue, self.max_fetch))
+        out = self.sched.assign([p for p, _ in head])
+        oracle = self.mode.oracle
+        pages_per = self.cfg.page_tokens
+        for asg, (pend, req) in zip(out, head, strict=False):
+            self.queue.popleft()
+            req.pe, req.de, req.path = asg.prefill_engine, asg.decode_engine, asg.read_path
+            req.pe_read, req.de_read = asg.num_pe_read_tokens, asg.num_de_read_tokens
+            self.pe_tokens[req.pe] += req.new
+            self.pe_seqs[req.pe] += 1
+            d = self.dec[req.de]
+            d.seqs += 1
+            d.tokens += pend.num_decode_tokens
+            d.free_pages -= pend.num_decode_pages(pages_per)
+            self.pe_fifo[req.pe].append(req)
+            if oracle:
+                # No I/O: reads are free; the scheduler sees empty read queues.
+                self.sched.report_read_queue(req.pe // self.g, 0)
+                self.sched.report_read_queue(self.P + req.de // self.g, 0)
+                continue
+            if req.pe_read:
+                req.reads_left += 1
+                self._enqueue_read(req.pe // self.g, req, req.pe_read)
+            if req.de_read:
+                req.reads_left += 1
+                self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
+        for _, req in head[: len(out)]:
+            if req.reads_left == 0:
+                self._try_prefill(req.pe)
+
+    # ---- storage reads ----
+
+    def _enqueue_read(self, node: int, req: _Req, tokens: int) -> None:
+        self.read_q[node].append((req, tokens))
+        self.read_q_tokens[node] += tokens
+        if not self.snic_busy[node]:
+            self._start_read(node)
+
+    def _start_read(self, node: int) -> None:
+        req, tokens = self.read_q[node][0]
+        nbytes = tokens * self.kv_tok
+        t = self.now
+        end = max(self.snic[node].book(t, nbytes), self.dram[node].book(t, nbytes))
+        self.snic_busy[node] = True
+        self._push(end, _READ_DONE, node)
+
+    def _read_done(self, node: int) -> None:
+        req, tokens = self.read_q[node].popleft()
+        self.read_q_tokens[node] -= tokens
+        self.sched.report_read_queue(node, self.read_q_tokens[node])
+        self.snic_busy[node] = False
+        if self.read_q[node]:
+            self._start_read(node)
+        req.reads_left -= 1
+        if req.reads_left == 0:
+            self._try_prefill(req.pe)
+        self._want_fetch()  # α categories may have changed
+
+    # ---- prefill ----
+
+    def _try_prefill(self, pe: int) -> None:
+        if self.pe_busy[pe]:
+            return
+        ready = []
+        for r in self.pe_fifo[pe]:  # the first MAX_READY_SCAN ready requests, FIFO order
+            if r.reads_left == 0:
+                ready.append(r)
+                if len(ready) == MAX_READY_SCAN:
+                    break
+        if not ready:
+            return
+        if not self.mode.layerwise:
+            # Whole-prompt KV of the batch must sit in HBM: cut the ready list at the HBM limit.
+            cap, acc, cut = self.pe_hbm_tokens, 0, 0
+            for r in ready:
+                acc += r.prompt
+                if acc > cap and cut > 0:
+                    break
+                cut += 1
+            ready = ready[:cut]
+        items = [PrefillItem(r.rid, r.hit + r.new_done, r.new - r.new_done) for r in ready]
+        plan = build_prefill_batch(items, self._cost, self.cfg.compute_quota_s, self.cfg.page_tokens)
+        by_id = {r.rid: r for r in ready}
+        batch = [(by_id[it.request_id], it.num_new_tokens) for it in plan.items]
+        if plan.chunk is not None:
+            batch.append((by_id[plan.chunk.request_id], plan.chunk.num_new_tokens))
+        self.pe_busy[pe] = True
+        t = self.now
+        compute = plan.predicted_s
+        if self.mode.oracle:
+            self._push(t + compute, _BATCH_DONE, pe, batch)
+            return
+        in_end, n_in = self._book_inbound(pe, batch, t)
+        if self.mode.layerwise:
+            out_end, n_out = self._book_outbound(pe, batch, t)
+            submit = (n_in + n_out) * self._submit_s_per_copy()
+            end = max(t + compute, in_end, out_end, t + submit) + compute / self.layers
+            self._push(end, _BATCH_DONE, pe, batch)
+        else:
+            t_loaded = max(in_end, t + n_in * self._submit_s_per_copy())
+            self._push(t_loaded + compute, _BATCH_LOADED, pe, batch)
+
+    def _submit_s_per_copy(self) -> float:
+        return self.cfg.submit_us_per_copy * 1e-6 / max(self.cfg.copies_per_submit, 1)
+
+    def _book_inbound(self, pe: int, batch, t: float) -> tuple[float, int]:
+        """Hit KV of each request into the PE GPU, one layer block per copy; returns (end, copies)."""
+        kv, g, bt = self.kv_tok, self.g, self.cfg.block_tokens
+        pe_node = pe // g
+        end, copies = t, 0
+        for r, _n in batch:
+            if r.inbound_done and not self.mode.layerwise:
+                continue
+            if r.pe_read:
+                b = r.pe_read * kv
+                end = max(
+                    end,
+                    self.dram[pe_node].book(t, b),
+                    self.cnic_rd[pe].book(t, b),
+                    self.cnic_wr[pe].book(t, b),
+                )
+                copies += -(-r.pe_read // bt) * self.layers
+            if r.de_read:
+                b = r.de_read * kv
+                de_gpu = self.num_pe + r.de
+                de_node = self.P + r.de // g
+                end = max(
+                    end,
+                    self.dram[de_node].book(t, b),
+                    self.cnic_rd[de_gpu].book(t, b),
+                    self.cnic_wr[pe].book(t, b),
+                )
+                copies += -(-r.de_read // bt) * self.layers
+            r.inbound_done = True
+        return end, copies
+
+    def _book_outbound(self, pe: int, batch, t: float) -> tuple[float, int]:
+        """KV back to the DE host: the new tokens, plus the PE-read hit once (PE path); (end, copies)."""
+        kv, g, bt = self.kv_tok, self.g, self.cfg.block_tokens
+        end, copies = t, 0
+        for r, n in batch:
+            tokens = n + (r.pe_read if r.new_done == 0 else 0)
+            if tokens <= 0:
+                continue
+            b = tokens * kv
+            de_gpu = self.num_pe + r.de
+            de_node = self.P + r.de // g
+            end = max(
+                end,
+                self.cnic_rd[pe].book(t, b),
+                self.cnic_wr[de_gpu].book(t, b),
+                self.dram[de_node].book(t, b),
+            )
+            copies += -(-tokens // bt) * self.layers
+        return end, copies
+
+    def _batch_loaded(self, pe: int, batch) -> None:
+        """Not layerwise: compute finished; now send the whole KV to the DE host."""
+        t = self.now
+        out_end, n_out = self._book_outbound(pe, batch, t)
+        end = max(out_end, t + n_out * self._submit_s_per_copy())
+        self._push(end, _BATCH_DONE, pe, batch)
+
+    def _batch_done(self, pe: int, batch) -> None:
+        t = self.now
+        fifo = self.pe_fifo[pe]
+        finished = []
+        for r, n in batch:
+            r.new_done += n
+            self.pe_tokens[pe] -= n
+            if r.new_done >= r.new:
+                finished.append(r)
+        if finished:
+            done_ids = {r.rid for r in finished}
+            self.pe_fifo[pe] = [r for r in fifo if r.rid not in done_ids]
+        self.pe_seqs[pe] -= len(finished)
+        self.sched.report_prefill(pe, self.pe_seqs[pe], self.pe_tokens[pe])
+        kv, g = self.kv_tok, self.g
+        for r in finished:
+            r.t_first = t
+            del self.open_turns[r.rid]
+            self.ttft.append(t - r.t_submit)
+            self.submit_t.append(r.t_submit)
+            if self.mode.oracle:
+                self._push(t, _DE_READY, None, r)
+                continue
+            # DE host → DE GPU, loopback on the DE GPU's CNIC.
+            b = r.prompt * kv
+            de_gpu = self.num_pe + r.de
+            de_node = self.P + r.de // g
+            end = max(
+                self.dram[de_node].book(t, b),
+                self.cnic_rd[de_gpu].book(t, b),
+                self.cnic_wr[de_gpu].book(t, b),
+            )
+            end = max(
+                end, t + -(-r.prompt // self.cfg.block_tokens) * self.layers * self._submit_s_per_copy()
+            )
+            self._push(end, _DE_READY, None, r)
+        self.pe_busy[pe] = False
+        self._try_prefill(pe)
+        self._want_fetch()
+
+    # ---- decode ----
+
+    def _advance(self, d: _Decode) -> None:
+        t = self.now
+        if d.n:
+            d.v += (t - d.t_last) / d.step_s
+        d.t_last = t
+
+    def _resched(self, de: int, d: _Decode) -> None:
+        d.version += 1
+        if d.n:
+            d.step_s = decode_step_s(self.cfg.model, d.n, d.ctx_base + d.n * d.v)
+            self._push(self.now + max(d.heap[0][0] - d.v, 0.0) * d.step_s, _DE_TICK, de, d.version)
+
+    def _de_join(self, r: _Req) -> None:
+        r.t_join = self.now
+        remaining = r.gen - 1  # the first token came from the PE
+        if remaining <= 0:
+            self._finish(r)
+            return
+        d = self.dec[r.de]
+        self._advance(d)
+        heapq.heappush(d.heap, (d.v + remaining, r.rid, r))
+        d.n += 1
+        d.ctx_base += r.prompt - d.v
+        self._resched(r.de, d)
+
+    def _de_tick(self, de: int, version: int) -> None:
+        d = self.dec[de]
+        if version != d.version:
+            return
+        self._advance(d)
+        heap = d.heap
+        while heap and heap[0][0] <= d.v + 1e-9:
+            v_end, _, r = heapq.heappop(heap)
+            d.n -= 1
+            d.ctx_base -= r.prompt - (v_end - (r.gen - 1))
+            self._finish(r)
+        if d.n == 0:
+            d.ctx_base = 0.0
+        self._resched(de, d)
+
+    def _finish(self, r: _Req) -> None:
+        t = self.now
+        r.t_done = t
+        if r.gen > 1:
+            self.tpot.append((t - r.t_join) / (r.gen - 1))
+        d = self.dec[r.de]
+        d.seqs -= 1
+        d.tokens -= r.prompt + r.gen
+        d.free_pages += -(-(r.prompt + r.gen) // self.cfg.page_tokens)
+        self.sched.report_decode(r.de, d.seqs, d.tokens, d.free_pages)
+        self.n_done += 1
+        agent = r.agent
+        self.agent_ctx[agent] = r.prompt + r.gen
+        nxt = r.turn + 1
+        if nxt < int(self.wl.offsets[agent + 1]):
+            self._push(t + float(self.wl.think_s[nxt]), _ARRIVE, agent, nxt)
+        else:
+            self.agent_done[agent] = t
+        self._want_fetch()

@@ -1,0 +1,116 @@
+"""Simulator configuration (frozen) and execution modes.
+
+Who uses it: ``pdserve.sim.cluster.ClusterSim`` reads a ``SimConfig``; scenarios and the CLI build them.
+
+Hardware defaults (paper §5, ``../shared/notes/dualpath.md``): g = 8 GPUs per node, each with its own
+compute NIC (CNIC) of B = 400 Gbps = 50 GB/s per direction; one storage NIC (SNIC) of s·B = 400 Gbps
+per node; host DRAM bandwidth M = 500 GB/s, reads and writes added. NIC rates are given in Gbit/s
+(``*_gbps``) as NICs are sold; internally everything is bytes per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.dualpath.cost_model import DS_660B, ModelProfile
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    gpus_per_node: int = 8
+    cnic_gbps: float = 400.0  # per GPU, per direction
+    snic_gbps: float = 400.0  # per node, storage reads
+    dram_gbytes_per_s: float = 500.0  # per node, reads + writes
+
+    @property
+    def cnic_bytes_per_s(self) -> float:
+        return self.cnic_gbps * GBIT
+
+    @property
+    def snic_bytes_per_s(self) -> float:
+        return self.snic_gbps * GBIT
+
+    @property
+    def dram_bytes_per_s(self) -> float:
+        return self.dram_gbytes_per_s * 1e9
+
+
+@dataclass(frozen=True)
+class Mode:
+    """An execution mode: scheduler policy name + data-path features.
+
+    layerwise: PE streams hit KV layer by layer, overlapping copies with compute (else: load all hit KV
+    into HBM, compute, then send, serially, and the batch's KV must fit the PE's HBM).
+    oracle: hit KV costs no I/O at all (upper bound).
+    """
+
+    name: str
+    policy: str
+    layerwise: bool
+    oracle: bool = False
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("basic", "round_robin", layerwise=False),
+        Mode("layerwise", "round_robin", layerwise=True),
+        Mode("dual_path", "round_robin_dual", layerwise=True),
+        Mode("dualpath", "dualpath", layerwise=True),
+        Mode("split", "split", layerwise=True),
+        Mode("oracle", "dualpath", layerwise=True, oracle=True),
+    )
+}
+# The paper's ablation order: Basic, + layerwise prefill, + dual-path loading, + scheduler.
+ABLATION_ORDER = ("basic", "layerwise", "dual_path", "dualpath")
+
+
+def get_mode(name: str) -> Mode:
+    if name not in MODES:
+        raise ValueError(f"unknown policy/mode {name!r}; known: {sorted(MODES)}")
+    return MODES[name]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster run.
+
+    compute_quota_s: PE batch quota (paper: 300 ms). alpha_read_s / beta_compute_s: α = tokens one SNIC
+    reads in this many seconds (paper 3 s), β = tokens one PE computes in this many seconds (paper 5 s).
+    submit_us_per_copy / copies_per_submit: host time to post one copy descriptor and how many share a
+    doorbell (paper: ~1 µs per RDMA write request; cudaMemcpyAsync 5-7 µs, H200 anchor 8-10 µs).
+    max_fetch: the router looks at most this many queue-head requests per fetch.
+    fetch_interval_s: the router fetches at most this often (10 ms; adds ≤ 10 ms to a TTFT of seconds).
+    horizon_s: stop the clock here (online runs); None = run until every agent finished.
+    record_intervals: keep every link booking (tests only; memory grows with the run).
+    all_link_windows: per-window byte counts on every link, not only the SNICs.
+    """
+
+    num_prefill_nodes: int = 2
+    num_decode_nodes: int = 4
+    hw: HardwareConfig = field(default_factory=HardwareConfig)
+    model: ModelProfile = DS_660B
+    mode: str = "dualpath"
+    seed: int = 0
+    compute_quota_s: float = 0.300
+    alpha_read_s: float = 3.0
+    beta_compute_s: float = 5.0
+    z_factor: float = 1.05
+    submit_us_per_copy: float = 1.0
+    copies_per_submit: int = 1
+    decode_nodes_per_group: int = 1
+    page_tokens: int = 16
+    block_tokens: int = 64
+    max_fetch: int = 64
+    fetch_interval_s: float = 0.010
+    window_s: float = 10.0
+    horizon_s: float | None = None
+    record_intervals: bool = False
+    all_link_windows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_prefill_nodes < 1 or self.num_decode_nodes < 1:
+            raise ValueError("need at least one prefill and one decode node")
+        get_mode(self.mode)

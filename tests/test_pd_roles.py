@@ -1,0 +1,935 @@
+"""PD roles in one process, driven by hand: exact state transitions, deadlines and abort races.
+
+Two `LLMEngine`s (prefill and decode) on a tiny checkpoint, each with a real `ControlChannel` on
+loopback and a `TransferAgent("fake")`, a `PrefillRole` and a `DecodeRole` assembled the way
+`PDContext` assembles them. No `AsyncEngine` thread: the test thread plays the engine thread and
+turns the loop itself (`role.tick()`, then `engine.step()` while there is work), so every check sits
+at a known point between two ticks. Room clocks can be replaced by a fake clock, which makes every
+deadline and abort lease deterministic.
+
+The fake backend moves no bytes. Where a test needs the bytes (a commit that passes the handoff gate,
+greedy tokens equal to a colocated engine's), the prefill agent's `submit` is wrapped to copy every
+descriptor with `ctypes.memmove` first: both pools live in this process, so the fake backend then
+behaves as a real in-process copier.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import time
+import uuid
+from collections import defaultdict
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.disagg.control import ControlChannel
+from pdserve.disagg.handoff import HandoffRow
+from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
+from pdserve.disagg.state import AbortTracker, KVState, RoomTable
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.engine.pd_common import PDConfig, decode_notif
+from pdserve.engine.pd_decode import DecodeRole
+from pdserve.engine.pd_prefill import PrefillRole
+from pdserve.server.pd_context import layout_fingerprint
+from pdserve.transfer.agent import TransferAgent
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"pd-roles-test-secret"
+PAGE_SIZE = 4
+MAX_MODEL_LEN = 256
+DEADLINE_S = 5.0  # with the fake clock, deadlines pass only when a test moves the clock
+LEASE_S = 7.0
+_rooms = itertools.count(1001)
+
+
+def new_room() -> int:
+    return next(_rooms)
+
+
+def prompt(n: int, start: int = 1) -> list[int]:
+    """n distinct-looking token ids (vocab 256); different `start`s give different prompts."""
+    return [(start * 37 + i * 11) % 251 + 1 for i in range(n)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+class Sink:
+    """Stands in for `AsyncEngine`: roles call `deliver(out, request_id)`; engine steps go here too."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list] = defaultdict(list)
+
+    def deliver(self, out, request_id: str) -> None:
+        self.items[request_id].append(out)
+
+    def errors(self, request_id: str) -> list[str]:
+        return [str(x) for x in self.items[request_id] if isinstance(x, BaseException)]
+
+    def outputs(self, request_id: str) -> list:
+        return [x for x in self.items[request_id] if not isinstance(x, BaseException)]
+
+    def final(self, request_id: str):
+        outs = [o for o in self.outputs(request_id) if o.finished]
+        assert len(outs) == 1, self.items[request_id]
+        return outs[0]
+
+
+def record_transitions(rooms: RoomTable) -> list[tuple[int, KVState]]:
+    """Log every state a room enters (create, advance, fail) on this table."""
+    log: list[tuple[int, KVState]] = []
+    enter = rooms._enter
+
+    def spy(room: int, state: KVState) -> None:
+        enter(room, state)
+        log.append((room, KVState(state)))
+
+    rooms._enter = spy
+    return log
+
+
+def make_engine(ckpt: str, num_pages: int = 64, budget: int = 64, page_size: int = PAGE_SIZE) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig.create(
+            ckpt,
+            dtype="float32",
+            device="cpu",
+            page_size=page_size,
+            num_pages=num_pages,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=budget,
+        )
+    )
+
+
+class Pair:
+    """A prefill and a decode role wired to each other through loopback control and fake agents."""
+
+    def __init__(
+        self,
+        ckpt: str,
+        *,
+        pe_pages: int = 64,
+        de_pages: int = 64,
+        pe_budget: int = 64,
+        de_page_size: int = PAGE_SIZE,
+        config: PDConfig | None = None,
+        fake_clocks: bool = False,
+        copy_bytes: bool = False,
+        pe_backend: dict | None = None,
+        de_fingerprint: str | None = None,
+    ) -> None:
+        self.config = config or PDConfig(
+            cluster_secret=SECRET,
+            transfer_backend="fake",
+            deadline_s=DEADLINE_S,
+            abort_lease_s=LEASE_S,
+            num_handoff_slots=8,
+            growth_reserve_tokens=8,
+        )
+        # One fake clock per side (rooms; the decode's abort leases too), moved only by the test.
+        self.pe_clock = FakeClock() if fake_clocks else None
+        self.de_clock = FakeClock() if fake_clocks else None
+        self.copy_bytes = copy_bytes
+        tag = uuid.uuid4().hex[:8]
+        self.pe_engine = make_engine(ckpt, pe_pages, pe_budget)
+        self.de_engine = make_engine(ckpt, de_pages, 64, de_page_size)
+        self._closers = []
+        self.pe_role, self.pe_agent, self.pe_control = self._role(
+            PrefillRole,
+            self.pe_engine,
+            f"prefill-{tag}",
+            layout_fingerprint(self.pe_engine),
+            pe_backend,
+            self.pe_clock,
+        )
+        self.de_role, self.de_agent, self.de_control = self._role(
+            DecodeRole,
+            self.de_engine,
+            f"decode-{tag}",
+            de_fingerprint or layout_fingerprint(self.de_engine),
+            None,
+            self.de_clock,
+        )
+        if self.de_clock is not None:
+            self.de_role.aborts = AbortTracker(clock=self.de_clock)
+        self.pe_sink, self.de_sink = Sink(), Sink()
+        self.pe_role.attach(self.pe_sink)
+        self.de_role.attach(self.de_sink)
+        self.pe_log = record_transitions(self.pe_role.rooms)
+        self.de_log = record_transitions(self.de_role.rooms)
+        # What crossed the wire, in order.
+        self.submits: list[tuple[int, int, int, int]] = []  # (room, seq, total, pages)
+        kv = self.pe_engine.runner.kv_cache
+        self.page_bytes = kv.layout.bytes_per_page * len(kv.regions())  # one page, every K and V
+        self.pe_sent: list[tuple[type, int]] = []
+        self.de_sent: list[tuple[type, int]] = []
+        self.on_submit = None  # test hook: called with (room, seq, total, local, remote) after the copy
+        self._wrap_submit()
+        self._wrap_send(self.pe_control, self.pe_sent)
+        self._wrap_send(self.de_control, self.de_sent)
+        self.prefill_addr = self.pe_control.address
+
+    def _role(self, cls, engine, name, fingerprint, backend_opts, clock):
+        # As PDContext: control channel, role, then the agent over the KV regions + handoff slots.
+        control = ControlChannel("127.0.0.1", SECRET, name)
+        self._closers.append(control.close)
+        role = cls(engine, self.config, control, None, fingerprint)
+        if clock is not None:
+            role.rooms = RoomTable(self.config.deadlines(), clock=clock)
+        regions = list(engine.runner.kv_cache.regions()) + [(role.handoff.base_addr, role.handoff.nbytes)]
+        agent = TransferAgent("fake", name, regions, **(backend_opts or {}))
+        self._closers.append(agent.close)
+        agent.metadata()
+        role.agent = agent
+        return role, agent, control
+
+    def _wrap_submit(self) -> None:
+        submit = self.pe_agent.submit
+
+        def wrapped(peer, local, remote, notif):
+            room, seq, total = decode_notif(notif)
+            if self.copy_bytes:  # the fake backend as a real in-process copier
+                for (src, n), (dst, m) in zip(local, remote, strict=True):
+                    assert n == m
+                    ctypes.memmove(dst, src, n)
+            if self.on_submit is not None:
+                self.on_submit(room, seq, total, local, remote)
+            nbytes = sum(n for _, n in local) - (self.pe_role.handoff.slot_bytes if total else 0)
+            self.submits.append((room, seq, total, nbytes // self.page_bytes))
+            return submit(peer, local, remote, notif)
+
+        self.pe_agent.submit = wrapped
+
+    @staticmethod
+    def _wrap_send(control: ControlChannel, log: list) -> None:
+        send = control.send
+
+        def wrapped(addr, body, room):
+            log.append((type(body), room))
+            return send(addr, body, room)
+
+        control.send = wrapped
+
+    @property
+    def pe_backend(self):
+        return self.pe_agent.backend
+
+    # ---- requests --------------------------------------------------------------------------------
+    def requests(self, ids: list[int], max_tokens: int, rid: str, room: int, **params):
+        """The pair of requests the router would send: prefill (max_tokens forced to 1) and decode."""
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+        preq = self.pe_engine.make_request(list(ids), sp, rid)
+        preq.sampling_params = dataclasses.replace(sp, max_tokens=1)
+        preq.max_tokens = 1
+        preq.pd = room
+        dreq = self.de_engine.make_request(list(ids), sp, rid)
+        dreq.pd = (room, self.prefill_addr)
+        return preq, dreq
+
+    def submit_both(self, ids, max_tokens, rid, room=None, **params) -> int:
+        room = room or new_room()
+        preq, dreq = self.requests(ids, max_tokens, rid, room, **params)
+        self.pe_role.add(preq, None)
+        self.de_role.add(dreq, None)
+        return room
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def turn(self, prefill: bool = True, decode: bool = True, step_prefill: bool = True) -> None:
+        if prefill:
+            self.pe_role.tick()
+        if decode:
+            self.de_role.tick()
+        busy = False
+        if prefill and step_prefill and self.pe_engine.has_unfinished():
+            for out in self.pe_engine.step():
+                self.pe_sink.deliver(out, out.request_id)
+            busy = True
+        if decode and self.de_engine.has_unfinished():
+            for out in self.de_engine.step():
+                self.de_sink.deliver(out, out.request_id)
+            busy = True
+        if not busy:
+            time.sleep(0.0005)  # let the control and agent threads move
+
+    def drive(self, until, timeout_s: float = 10.0, **turn_kw) -> None:
+        end = time.monotonic() + timeout_s
+        while not until():
+            assert time.monotonic() < end, f"condition not reached in {timeout_s} s: {self.describe()}"
+            self.turn(**turn_kw)
+
+    def settle(self, seconds: float = 0.05, **turn_kw) -> None:
+        """Keep turning for a while (for 'nothing more happens' checks)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.turn(**turn_kw)
+
+    def idle(self) -> bool:
+        return (
+            len(self.pe_role.rooms) == 0
+            and len(self.de_role.rooms) == 0
+            and not self.pe_role.by_room
+            and not self.de_role.releasing
+            and not self.pe_engine.requests
+            and not self.de_engine.requests
+        )
+
+    def describe(self) -> str:
+        return (
+            f"prefill rooms {self.pe_role.rooms.counts()} by_room {list(self.pe_role.by_room)} "
+            f"pages {self.pe_engine.kv.pool.num_used_pages}; decode rooms {self.de_role.rooms.counts()} "
+            f"prealloc {[d.room for d in self.de_role.prealloc]} transfer {list(self.de_role.transfer)} "
+            f"releasing {list(self.de_role.releasing)} pages {self.de_engine.kv.pool.num_used_pages}; "
+            f"pe sent {self.pe_sent} de sent {self.de_sent}"
+        )
+
+    def assert_clean(self) -> None:
+        """Nothing held anywhere, and every integrity check passes."""
+        for engine, role in ((self.pe_engine, self.pe_role), (self.de_engine, self.de_role)):
+            engine.check_integrity()
+            role.check_integrity()
+            assert engine.kv.pool.num_used_pages == 0
+            assert not engine.requests
+            assert len(role.rooms) == 0
+            assert role.handoff.num_free == role.handoff.num_slots
+            assert not role.by_request
+        assert not self.pe_role.by_room and not self.pe_role.transfers
+        assert not self.de_role.prealloc and not self.de_role.transfer and not self.de_role.releasing
+        assert len(self.de_role.aborts) == 0
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            close()
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoints) -> str:
+    return hf_checkpoints["llama"][0]
+
+
+@pytest.fixture
+def make_pair(ckpt):
+    pairs = []
+
+    def make(**kw) -> Pair:
+        pair = Pair(ckpt, **kw)
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(ckpt):
+    return LLM(ckpt, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=64, max_model_len=256)
+
+
+def states(log, room) -> list[KVState]:
+    return [s for r, s in log if r == room]
+
+
+FULL_PATH = [KVState.Bootstrapping, KVState.WaitingForInput, KVState.Transferring, KVState.Success]
+
+
+# ---- 1. happy path ---------------------------------------------------------------------------------
+def test_happy_path_states_page_release_and_greedy_equals_colocated(make_pair, colocated):
+    p = make_pair(copy_bytes=True)
+    ids = prompt(18)
+    room = p.submit_both(ids, 6, "r1")
+    assert p.pe_role.rooms.state(room) == KVState.Bootstrapping
+    assert p.de_role.rooms.state(room) == KVState.Bootstrapping
+    assert p.de_sent == [(Register, 1)]  # registration: once per prefill, echo id 1
+
+    # The prefill computes nothing before the decode's KVRequest says where the pages go.
+    p.drive(lambda: p.de_role.rooms.state(room) == KVState.WaitingForInput)
+    assert p.pe_engine.kv.pool.num_used_pages == 0
+    assert p.de_engine.kv.pool.num_used_pages == 5  # ceil(18 / 4) prompt pages, reserved
+    assert (KVRequest, room) in p.de_sent
+    p.drive(lambda: p.pe_role.rooms.state(room) != KVState.Bootstrapping, step_prefill=False)
+    assert p.pe_role.rooms.state(room) == KVState.WaitingForInput
+    assert p.pe_role.queue_sizes() == {"bootstrap": 0, "waiting": 1, "inflight": 0}
+
+    released_in: list[KVState] = []
+    release_held = p.pe_engine.release_held
+
+    def spy(req):
+        released_in.append(p.pe_role.rooms.state(room))
+        release_held(req)
+
+    p.pe_engine.release_held = spy
+
+    # Token 1 on the prefill, the last write (pages + handoff row) goes out; the decode commits.
+    p.drive(lambda: bool(p.de_sink.outputs("r1")))
+    assert p.submits == [(room, 1, 1, 5)]  # one write: all 5 prompt pages and the handoff row
+    assert p.de_sink.outputs("r1")[0].outputs[0].token_ids == p.pe_sink.final("r1").outputs[0].token_ids
+    # The decode committed and acked, but the prefill has not processed the ack yet: pages still held.
+    assert room not in p.de_role.rooms
+    assert p.pe_role.rooms.state(room) == KVState.Transferring
+    assert p.pe_engine.kv.pool.num_used_pages == 5
+    assert released_in == []
+    assert (Status, room) in p.de_sent
+
+    p.drive(lambda: not p.pe_role.by_room)
+    assert released_in == [KVState.Success]  # freed only once the decode's Status(Success) arrived
+    assert p.pe_engine.kv.pool.num_used_pages == 0
+    assert states(p.pe_log, room) == FULL_PATH
+    assert states(p.de_log, room) == FULL_PATH
+
+    p.drive(lambda: p.idle())  # the decode goes on decoding from token 2
+    ref = colocated.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=6))
+    out = p.de_sink.final("r1")
+    assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert len(out.outputs[0].token_ids) == 6
+    assert p.de_role.num_handoff_mismatches == 0
+    assert p.pe_role.failures == {} and p.de_role.failures == {}
+    assert p.pe_sent == [(RegisterAck, 1)]
+    p.assert_clean()
+
+
+def test_chunked_prefill_streams_pages_and_decode_prefix_hit_asks_only_the_rest(make_pair, colocated):
+    """Budget 8 tokens: a 30-token prompt is written in 4 pieces while later chunks compute. A second
+    prompt sharing 24 tokens hits the decode's own prefix cache: the KVRequest covers only pages 6-7."""
+    p = make_pair(copy_bytes=True, pe_budget=8)
+    a = prompt(30, start=3)
+    b = a[:24] + prompt(6, start=9)
+    room_a = p.submit_both(a, 5, "a")
+    p.drive(lambda: p.de_role.rooms.rooms_in(KVState.Transferring) == [room_a])  # first notif seen
+    assert p.pe_role.rooms.state(room_a) == KVState.Transferring
+    p.drive(lambda: p.idle())
+    assert p.submits == [(room_a, 1, 0, 2), (room_a, 2, 0, 2), (room_a, 3, 0, 2), (room_a, 4, 4, 2)]
+    assert states(p.pe_log, room_a) == FULL_PATH
+    assert states(p.de_log, room_a) == FULL_PATH
+
+    sent_before = len(p.submits)
+    room_b = p.submit_both(b, 5, "b")
+    kv_requests = []
+    handle = p.pe_role._on_kv_request
+
+    def spy(room, sender, msg):
+        kv_requests.append((room, msg))
+        handle(room, sender, msg)
+
+    p.pe_role._on_kv_request = spy
+    p.drive(lambda: p.idle())
+    assert [(r, m.decode_prefix_len, len(m.dst_page_ids)) for r, m in kv_requests] == [(room_b, 24, 2)]
+    assert p.submits[sent_before:] == [(room_b, 1, 1, 2)]  # pages 6 and 7 (+ the handoff row)
+    assert p.de_sent.count((Register, 1)) == 1  # registered once per prefill
+
+    ref = colocated.generate(
+        [{"prompt_token_ids": a}, {"prompt_token_ids": b}], SamplingParams(temperature=0, max_tokens=5)
+    )
+    assert p.de_sink.final("a").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert p.de_sink.final("b").outputs[0].token_ids == ref[1].outputs[0].token_ids
+    # Cached tokens reported = what the prefill did not recompute (its own prefix hit: 24 tokens).
+    assert p.de_sink.final("b").num_cached_tokens == 24
+    p.assert_clean()
+
+
+def test_logprobs_of_token_one_travel_in_the_handoff_row(make_pair, colocated):
+    p = make_pair(copy_bytes=True)
+    ids = prompt(13, start=5)
+    p.submit_both(ids, 3, "lp", logprobs=3)
+    p.drive(lambda: p.idle())
+    ref = colocated.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3, logprobs=3)
+    )[0].outputs[0]
+    got = p.de_sink.final("lp").outputs[0]
+    assert got.token_ids == ref.token_ids
+    assert got.logprobs[0].logprob == pytest.approx(ref.logprobs[0].logprob, rel=1e-6)
+    assert [t for t, _ in got.logprobs[0].top] == [t for t, _ in ref.logprobs[0].top]
+    p.assert_clean()
+
+
+# ---- 2. the metadata gate --------------------------------------------------------------------------
+def _expect_gate_failure(p: Pair, room: int, rid: str) -> None:
+    p.drive(lambda: p.de_role.num_handoff_mismatches == 1)
+    assert p.de_role.rooms.state(room) == KVState.Failed
+    assert p.de_role.rooms.reason(room) == "handoff room mismatch"
+    assert p.de_sink.errors(rid) == ["PD transfer failed: handoff room mismatch"]
+    assert p.de_sink.outputs(rid) == []
+    # Two-phase abort: Abort sent, pages held until the prefill's AbortAck.
+    assert (Abort, room) in p.de_sent
+    assert room in p.de_role.releasing
+    assert p.de_engine.kv.pool.num_used_pages > 0
+    p.drive(lambda: p.idle())
+    assert p.pe_sent[-1] == (AbortAck, room)
+    assert p.pe_role.failures == {"aborted by decode": 1}
+    assert p.de_role.failures == {"handoff room mismatch": 1}
+    assert p.de_role.aborts.num_acked == 1
+    assert states(p.pe_log, room)[-1] == KVState.Failed
+    p.assert_clean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: DecodeRole._commit reads the slot with HandoffPool.read, which raises BadHandoffRow on "
+    "a slot that never landed (room 0) instead of failing the room: the exception escapes tick() "
+    "(and would kill the engine thread); it should use try_read so gate() sees None",
+)
+def test_gate_fails_request_when_handoff_row_never_landed(make_pair):
+    p = make_pair(copy_bytes=False)  # fake: neither KV nor the handoff row is copied
+    room = p.submit_both(prompt(10), 4, "g0")
+    _expect_gate_failure(p, room, "g0")
+
+
+def test_gate_fails_request_when_handoff_row_carries_another_room(make_pair):
+    p = make_pair(copy_bytes=True)
+
+    def forge(room, seq, total, local, remote):
+        if total:  # the last write: land a valid row, but of another room, in the decode's slot
+            dst, n = remote[-1]
+            row = HandoffRow(room=room + 1, first_token_id=7)
+            slot = (dst - p.de_role.handoff.base_addr) // n
+            p.de_role.handoff.write_local(slot, row)
+
+    p.on_submit = forge
+    room = p.submit_both(prompt(10), 4, "g1")
+    _expect_gate_failure(p, room, "g1")
+
+
+# ---- 3. deadlines in every non-terminal state --------------------------------------------------------
+def test_deadline_prefill_bootstrapping_no_kv_request(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = new_room()
+    preq, _ = p.requests(prompt(9), 4, "pb", room)
+    p.pe_role.add(preq, None)
+    p.settle(0.02, decode=False)
+    assert p.pe_role.rooms.state(room) == KVState.Bootstrapping
+    p.pe_clock.advance(DEADLINE_S)  # expiry is strict: exactly at the deadline nothing happens
+    p.pe_role.tick()
+    assert p.pe_role.rooms.state(room) == KVState.Bootstrapping
+    p.pe_clock.advance(0.01)
+    p.pe_role.tick()
+    assert p.pe_sink.errors("pb") == ["prefill failed: deadline in Bootstrapping"]
+    assert p.pe_role.rooms.num_expired == 1
+    assert p.pe_role.failures == {"deadline in Bootstrapping": 1}
+    assert states(p.pe_log, room) == [KVState.Bootstrapping, KVState.Failed]
+    assert p.pe_sent == []  # no peer ever asked: nobody to tell
+    p.assert_clean()
+
+
+def test_deadline_prefill_waiting_for_input_reports_failed_status_to_decode(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = p.submit_both(prompt(9), 4, "pw")
+    # The prefill's engine never steps: its room waits for input forever.
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.WaitingForInput, step_prefill=False)
+    assert p.de_role.rooms.state(room) == KVState.WaitingForInput
+    p.pe_clock.advance(DEADLINE_S + 0.01)
+    p.pe_role.tick()
+    assert room not in p.pe_role.rooms and not p.pe_engine.requests
+    assert p.pe_sent[-1] == (Status, room)
+    assert p.pe_sink.errors("pw") == ["prefill failed: deadline in WaitingForInput"]
+    # The decode frees on Status(Failed) directly: the prefill promised nothing is in flight.
+    p.drive(lambda: p.idle(), step_prefill=False)
+    assert p.de_sink.errors("pw") == ["PD transfer failed: prefill failed: deadline in WaitingForInput"]
+    assert (Abort, room) not in p.de_sent
+    assert p.de_role.aborts.num_acked == 0
+    p.assert_clean()
+
+
+def test_deadline_prefill_transferring_without_success_ack(make_pair):
+    p = make_pair(fake_clocks=True, pe_backend={"lose_notifications": True})
+    room = p.submit_both(prompt(9), 4, "pt")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Transferring and not p.pe_role.transfers)
+    assert p.de_role.rooms.state(room) == KVState.WaitingForInput  # the notification was lost
+    assert p.pe_engine.kv.pool.num_used_pages == 3
+    p.pe_clock.advance(DEADLINE_S + 0.01)  # only the prefill's clock moves
+    p.pe_role.tick()
+    assert room not in p.pe_role.rooms and p.pe_engine.kv.pool.num_used_pages == 0
+    assert p.pe_sent[-1] == (Status, room)
+    assert p.pe_role.failures == {"deadline in Transferring": 1}
+    assert p.pe_sink.errors("pt") == []  # token 1 was sampled; the waiter already got its output
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("pt") == ["PD transfer failed: prefill failed: deadline in Transferring"]
+    p.assert_clean()
+
+
+def test_deadline_decode_bootstrapping_registration_never_answered(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "db", room)
+    p.de_role.add(dreq, None)
+    p.settle(0.02, prefill=False)  # the prefill is down: Register is never answered
+    assert p.de_role.rooms.state(room) == KVState.Bootstrapping
+    assert p.de_engine.kv.pool.num_used_pages == 0
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.de_role.tick()
+    assert p.de_sink.errors("db") == ["PD transfer failed: deadline in Bootstrapping"]
+    assert p.de_sent == [(Register, 1), (Abort, room)]  # never requested KV: freed at once
+    assert p.de_role.queue_sizes() == {"prealloc": 0, "transfer": 0, "releasing": 0}
+    p.assert_clean()
+
+
+def test_deadline_decode_waiting_for_input_frees_only_after_abort_ack(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "dw", room)
+    p.de_role.add(dreq, None)  # the router's request never reaches the prefill
+    p.drive(lambda: room in p.pe_role.early)
+    assert p.de_role.rooms.state(room) == KVState.WaitingForInput
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.de_role.tick()
+    assert p.de_sink.errors("dw") == ["PD transfer failed: deadline in WaitingForInput"]
+    assert p.de_sent[-1] == (Abort, room)
+    assert room in p.de_role.releasing and p.de_engine.kv.pool.num_used_pages == 3
+    p.settle(0.05, prefill=False)  # no ack yet: the pages stay held
+    assert p.de_engine.kv.pool.num_used_pages == 3
+    p.drive(lambda: p.idle())
+    assert p.pe_sent[-1] == (AbortAck, room)  # the prefill acks a room it never saw
+    assert p.de_role.aborts.num_acked == 1 and p.de_role.aborts.num_lease_expired == 0
+    p.assert_clean()
+
+
+def test_deadline_decode_waiting_for_input_frees_after_lease_when_prefill_is_gone(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "dl", room)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: room in p.pe_role.early)
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.de_role.tick()
+    assert room in p.de_role.releasing
+    # The prefill is partitioned from now on: the Abort is never answered.
+    p.de_clock.advance(LEASE_S)
+    p.settle(0.05, prefill=False)
+    assert room in p.de_role.releasing and p.de_engine.kv.pool.num_used_pages == 3
+    p.de_clock.advance(0.01)
+    p.de_role.tick()
+    assert p.de_role.aborts.num_lease_expired == 1 and p.de_role.aborts.num_acked == 0
+    assert p.de_engine.kv.pool.num_used_pages == 0
+    assert not p.de_engine.requests and len(p.de_role.rooms) == 0
+    p.de_engine.check_integrity()
+    p.de_role.check_integrity()
+
+
+def test_deadline_decode_transferring_when_last_notification_is_lost(make_pair):
+    """Chunked prefill: the first write's notification arrives (decode Transferring), later ones are
+    lost. The decode times out in Transferring, aborts, and the prefill acks once nothing is in flight."""
+    p = make_pair(fake_clocks=True, pe_budget=8)
+
+    def lose_after_first(room, seq, total, local, remote):
+        if seq == 2:  # write 1 is announced (its notif is queued once it is done); the rest are lost
+            end = time.monotonic() + 5
+            while p.pe_agent.stats.transfers_done < 1 and time.monotonic() < end:
+                time.sleep(0.001)
+            p.pe_backend.lose_notifications = True
+
+    p.on_submit = lose_after_first
+    room = p.submit_both(prompt(30), 4, "dt")
+    p.drive(lambda: p.pe_role.by_room[room].sent_last and not p.pe_role.transfers)
+    p.settle(0.02)
+    assert p.de_role.rooms.state(room) == KVState.Transferring
+    assert p.de_role.transfer[room].notifs == {1}
+    assert p.pe_role.rooms.state(room) == KVState.Transferring
+    p.de_clock.advance(DEADLINE_S + 0.01)  # only the decode's clock moves
+    p.de_role.tick()
+    assert p.de_sink.errors("dt") == ["PD transfer failed: deadline in Transferring"]
+    assert room in p.de_role.releasing and p.de_engine.kv.pool.num_used_pages == 8
+    p.drive(lambda: p.idle())
+    assert p.pe_sent[-1] == (AbortAck, room)
+    assert p.pe_role.failures == {"aborted by decode": 1}
+    assert p.de_role.aborts.num_acked == 1
+    p.assert_clean()
+
+
+def test_lost_notifications_decode_times_out_in_waiting_for_input(make_pair):
+    p = make_pair(fake_clocks=True, pe_backend={"lose_notifications": True})
+    room = p.submit_both(prompt(9), 4, "ln")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Transferring and not p.pe_role.transfers)
+    p.settle(0.02)
+    assert p.de_role.rooms.state(room) == KVState.WaitingForInput  # every write done, none announced
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.de_role.tick()
+    assert p.de_role.rooms.reason(room) == "deadline in WaitingForInput"
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("ln") == ["PD transfer failed: deadline in WaitingForInput"]
+    assert p.de_role.aborts.num_acked == 1
+    p.assert_clean()
+
+
+# ---- 4. abort races ----------------------------------------------------------------------------------
+def test_client_abort_on_decode_mid_transfer_is_two_phase(make_pair):
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 0.3})  # writes stay in flight for 0.3 s
+    room = p.submit_both(prompt(30), 8, "ab")
+    p.drive(lambda: len(p.submits) >= 1)
+    pr = p.pe_role.by_room[room]
+    assert pr.in_flight and not pr.sent_last and p.pe_role.rooms.state(room) == KVState.Transferring
+
+    freed_when: list[tuple[bool, int]] = []
+    free = p.de_role._free
+
+    def spy(dr):  # when the decode frees: does the prefill still track the room / have writes?
+        freed_when.append((room in p.pe_role.by_room, len(p.pe_role.transfers)))
+        free(dr)
+
+    p.de_role._free = spy
+    release_held = p.pe_engine.release_held
+    released_with_inflight: list[int] = []
+
+    def spy_release(req):
+        released_with_inflight.append(len(p.pe_role.by_room[room].in_flight))
+        release_held(req)
+
+    p.pe_engine.release_held = spy_release
+
+    assert p.de_role.abort("ab") is None
+    assert p.de_sink.errors("ab") == ["PD transfer failed: aborted by client"]
+    assert p.de_sent[-1] == (Abort, room)
+    assert room in p.de_role.releasing and p.de_engine.kv.pool.num_used_pages == 8
+    p.de_role.tick()
+    assert p.de_engine.kv.pool.num_used_pages == 8  # still held: no AbortAck yet
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Failed, step_prefill=False)  # mid-prefill
+    assert p.pe_role.rooms.reason(room) == "aborted by decode: aborted by client"
+    assert p.de_engine.kv.pool.num_used_pages == 8
+    p.drive(lambda: p.idle())
+    assert released_with_inflight == [0]  # the prefill freed only once none of its writes was in flight
+    assert freed_when == [(False, 0)]  # the decode freed only after the prefill was done with the room
+    assert p.pe_sent[-1] == (AbortAck, room)
+    assert p.de_role.aborts.num_acked == 1
+    assert p.pe_sink.errors("ab")[0] == "prefill failed: aborted by decode: aborted by client"  # unfinished
+    assert p.de_sink.outputs("ab") == []
+    p.assert_clean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: PrefillRole tick() counts an aborted room's cancelled writes as a second failure: the "
+    "agent reports them FAILED and _fail(room, 'transfer failed') bumps failures['transfer failed'] "
+    "(and re-delivers an error to the waiter) for a room already Failed",
+)
+def test_decode_abort_mid_transfer_counts_one_failure(make_pair):
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 0.3})
+    room = p.submit_both(prompt(30), 8, "ab2")
+    p.drive(lambda: len(p.submits) >= 1)
+    p.de_role.abort("ab2")
+    p.drive(lambda: p.idle())
+    assert p.pe_role.failures == {"aborted by decode": 1}
+    assert p.pe_sink.errors("ab2") == ["prefill failed: aborted by decode: aborted by client"]
+    assert room not in p.pe_role.rooms
+
+
+def test_abort_reaches_prefill_before_router_request_is_acked(make_pair):
+    p = make_pair()
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "early", room)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: room in p.pe_role.early)  # KVRequest beat the router's POST to the prefill
+    p.de_role.abort("early")
+    assert room in p.de_role.releasing and p.de_engine.kv.pool.num_used_pages == 3
+    p.drive(lambda: p.idle())
+    assert p.pe_sent == [(RegisterAck, 1), (AbortAck, room)]
+    assert p.de_role.aborts.num_acked == 1
+    p.assert_clean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: PrefillRole._on_message answers an Abort for an unknown room with AbortAck but keeps "
+    "the buffered early KVRequest (self.early[room]) and no tombstone; when the router's request arrives "
+    "later, add() consumes it and the prefill writes into decode pages already freed after the ack",
+)
+def test_router_request_after_acked_abort_never_writes_into_freed_decode_pages(make_pair):
+    p = make_pair()
+    room = new_room()
+    preq, dreq = p.requests(prompt(9), 4, "late", room)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: room in p.pe_role.early)
+    p.de_role.abort("late")
+    p.drive(lambda: not p.de_role.releasing)  # acked: the decode freed (and may reuse) the pages
+    assert p.de_engine.kv.pool.num_used_pages == 0
+    try:  # the router's request for the room arrives late: it must be refused or go nowhere
+        p.pe_role.add(preq, None)
+    except InvalidRequest:
+        pass
+    p.settle(0.1)
+    assert p.submits == []
+    assert room not in p.pe_role.early
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: DecodeRole.abort() of a room already failed and waiting in `releasing` for its AbortAck "
+    "(AsyncEngine.generate sends exactly this abort after the error is delivered) falls through to "
+    "LLMEngine.abort, which frees the pages before the prefill acked; the later _free then raises "
+    "KeyError in engine._release",
+)
+def test_abort_after_decode_failure_keeps_pages_until_ack(make_pair):
+    p = make_pair(fake_clocks=True)
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "twice", room)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: room in p.pe_role.early)
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.de_role.tick()
+    assert p.de_sink.errors("twice")  # the stream gets the error; generate()'s finally aborts:
+    p.de_role.abort("twice")
+    assert p.de_engine.kv.pool.num_used_pages == 3  # still held: the prefill has not acked
+    p.drive(lambda: not p.de_role.releasing)
+    p.de_engine.check_integrity()
+
+
+def test_duplicate_room_is_invalid_on_both_sides(make_pair):
+    p = make_pair(copy_bytes=True)
+    room = new_room()
+    preq, dreq = p.requests(prompt(9), 4, "d1", room)
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    preq2, dreq2 = p.requests(prompt(5), 4, "d2", room)
+    with pytest.raises(InvalidRequest, match="already active on this prefill"):
+        p.pe_role.add(preq2, None)
+    with pytest.raises(InvalidRequest, match="already active on this decode"):
+        p.de_role.add(dreq2, None)
+    assert "d2" not in p.pe_engine.requests and "d2" not in p.de_engine.requests
+    assert p.pe_role.by_request == {"d1": room} and p.de_role.by_request == {"d1": room}
+    p.drive(lambda: p.idle())  # the first request is untouched
+    assert p.de_sink.errors("d1") == [] and p.de_sink.final("d1").outputs[0].token_ids
+    p.assert_clean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: PrefillRole.add / DecodeRole.add create the room before engine.add_prefilled refuses a "
+    "duplicate request id; the InvalidRequest leaves the new room held in Bootstrapping, and when it "
+    "expires _fail finds no PrefillRoom/DecodeRoom, so it stays in the RoomTable (Failed) forever",
+)
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_duplicate_request_id_leaves_no_room_behind(make_pair, side):
+    p = make_pair()
+    first, second = new_room(), new_room()
+    add = p.pe_role.add if side == "prefill" else p.de_role.add
+    pick = 0 if side == "prefill" else 1
+    add(p.requests(prompt(9), 4, "same", first)[pick], None)
+    with pytest.raises(InvalidRequest, match="already active"):
+        add(p.requests(prompt(9), 4, "same", second)[pick], None)
+    role = p.pe_role if side == "prefill" else p.de_role
+    assert second not in role.rooms
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: PrefillRole._on_kv_request answers a duplicate (replayed) KVRequest for an active room "
+    "with Status(Failed) at once, while that room's writes are still in flight; the decode treats "
+    "Status(Failed) as 'nothing in flight' and frees its pages immediately (the reap later sends a "
+    "second Status(Failed))",
+)
+def test_replayed_kv_request_mid_transfer_never_frees_decode_pages_early(make_pair):
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 0.3})
+    kv_requests = []
+    handle = p.pe_role._on_kv_request
+
+    def spy(room, sender, msg):
+        kv_requests.append(msg)
+        handle(room, sender, msg)
+
+    p.pe_role._on_kv_request = spy
+    room = p.submit_both(prompt(30), 8, "replay")
+    p.drive(lambda: len(p.submits) >= 1)
+    assert p.pe_role.by_room[room].in_flight
+    in_flight_at_status: list[int] = []
+    send = p.pe_control.send
+
+    def spy_send(addr, body, r):  # Status(Failed) promises: no write of the room can still land
+        if isinstance(body, Status) and r == room:
+            pr = p.pe_role.by_room.get(room)
+            in_flight_at_status.append(len(pr.in_flight) if pr else 0)
+        return send(addr, body, r)
+
+    p.pe_control.send = spy_send
+    # A captured KVRequest replayed with the decode's identity (HMAC does not stop replays).
+    p.de_control.send(p.prefill_addr, kv_requests[0], room)
+    p.drive(lambda: p.idle())
+    assert in_flight_at_status == [0]  # one Status(Failed), sent once nothing was in flight
+
+
+# ---- 5. transfer failure ----------------------------------------------------------------------------
+def test_injected_transfer_failure_fails_both_sides_and_frees_everything(make_pair):
+    p = make_pair(copy_bytes=True)
+    p.pe_backend.fail_next(1)
+    room = p.submit_both(prompt(11), 4, "tf")
+    p.drive(lambda: p.idle())
+    assert p.submits == [(room, 1, 1, 3)]
+    assert states(p.pe_log, room) == [*FULL_PATH[:3], KVState.Failed]
+    assert p.pe_role.failures == {"transfer failed": 1}
+    assert p.pe_sent[-1] == (Status, room)
+    assert p.de_sink.errors("tf") == ["PD transfer failed: prefill failed: transfer failed"]
+    assert states(p.de_log, room) == [KVState.Bootstrapping, KVState.WaitingForInput, KVState.Failed]
+    assert (Abort, room) not in p.de_sent  # Status(Failed) already promised nothing is in flight
+    assert p.pe_agent.stats.transfers_failed == 1
+    p.assert_clean()
+
+
+def test_transfer_failure_mid_chunked_prefill(make_pair):
+    p = make_pair(copy_bytes=True, pe_budget=8)
+    p.pe_backend.fail_next(1)  # the first of four writes fails while later chunks still compute
+    room = p.submit_both(prompt(30), 4, "tf2")
+    p.drive(lambda: p.idle())
+    assert p.submits[0] == (room, 1, 0, 2)
+    assert p.pe_role.rooms.num_expired == 0 and p.de_role.rooms.num_expired == 0
+    assert p.de_sink.errors("tf2") == ["PD transfer failed: prefill failed: transfer failed"]
+    assert p.pe_role.failures.get("transfer failed", 0) >= 1
+    p.assert_clean()
+
+
+# ---- 6. layout fingerprint --------------------------------------------------------------------------
+def test_layout_mismatch_refused_at_registration(make_pair):
+    p = make_pair(de_page_size=8)  # the decode's pages are twice as big: incompatible layouts
+    assert layout_fingerprint(p.pe_engine) != layout_fingerprint(p.de_engine)
+    room = p.submit_both(prompt(9), 4, "lm")
+    p.drive(lambda: p.idle())
+    errors = p.de_sink.errors("lm")
+    assert len(errors) == 1 and "layout mismatch" in errors[0]
+    assert "registration refused by prefill" in errors[0]
+    assert p.pe_role.failures["layout_mismatch"] == 1
+    assert p.pe_sent[0] == (RegisterAck, 1)
+    assert not p.pe_role.peers
+    assert p.submits == []
+    # The decode never asked for KV: it told the prefill to drop the room, and both are clean.
+    assert (Abort, room) in p.de_sent and (KVRequest, room) not in p.de_sent
+    pe_errors = p.pe_sink.errors("lm")
+    assert len(pe_errors) == 1 and pe_errors[0].startswith("prefill failed: aborted by decode: ")
+    assert "layout mismatch" in pe_errors[0]
+    p.assert_clean()
+
+
+# ---- 7. decode admission --------------------------------------------------------------------------
+def test_decode_admission_has_no_head_of_line_blocking(make_pair):
+    """16 decode pages of 4 tokens, growth reserve 1 page each. A (6 + 1 pages) is admitted; B (10 + 1)
+    does not fit in the 9 left; C (2 + 1), behind B, is admitted. Freeing A lets B in."""
+    p = make_pair(de_pages=16)
+    rooms = {}
+    for rid, n in (("A", 24), ("B", 40), ("C", 8)):
+        rooms[rid] = new_room()
+        _, dreq = p.requests(prompt(n, start=len(rooms)), 4, rid, rooms[rid])
+        p.de_role.add(dreq, None)  # the prefill never gets these: their KVRequests stay early
+    p.drive(lambda: {rooms["A"], rooms["C"]} <= set(p.pe_role.early))
+    assert [d.room for d in p.de_role.prealloc] == [rooms["B"]]
+    assert set(p.de_role.transfer) == {rooms["A"], rooms["C"]}
+    assert [r for t, r in p.de_sent if t is KVRequest] == [rooms["A"], rooms["C"]]
+    assert p.de_engine.kv.pool.num_used_pages == 8
+    assert p.de_role._reserved_pages() == 2
+    assert p.de_role.rooms.state(rooms["B"]) == KVState.Bootstrapping
+    p.settle(0.05)
+    assert [d.room for d in p.de_role.prealloc] == [rooms["B"]]
+
+    p.de_role.abort("A")  # two-phase: B gets A's pages only after the prefill's AbortAck
+    p.de_role.tick()
+    assert [d.room for d in p.de_role.prealloc] == [rooms["B"]]
+    p.drive(lambda: rooms["B"] in p.de_role.transfer)
+    assert p.de_role.aborts.num_acked == 1
+    assert [r for t, r in p.de_sent if t is KVRequest] == [rooms["A"], rooms["C"], rooms["B"]]
+    assert p.de_engine.kv.pool.num_used_pages == 12
