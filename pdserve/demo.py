@@ -64,34 +64,18 @@ def start_server(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
 def run_demo(model_dir: str, port: int = 0) -> int:
     """Launch router + 1 prefill + 1 decode (NIXL between them) on the demo checkpoint and talk to the
     router with the `openai` client; compare with a colocated engine's greedy output; tear down."""
-    import argparse
-
     from openai import OpenAI
 
     from pdserve import LLM, SamplingParams
-    from pdserve.launch import start_cluster
+    from pdserve.launch import cluster_args, start_cluster
     from pdserve.model.demo import make_demo_model
 
     if not (Path(model_dir) / "config.json").is_file():
         t = time.perf_counter()
         make_demo_model(model_dir)
         print(f"built demo checkpoint in {model_dir} ({time.perf_counter() - t:.1f}s)")
-    args = argparse.Namespace(
-        model=model_dir,
-        dtype="float32",
-        device="cpu",
-        page_size=16,
-        num_pages=None,
-        kv_cache_gib=0.25,
-        max_model_len=2048,
-        max_num_seqs=None,
-        max_num_batched_tokens=256,
-        served_model_name="demo",
-        seed=None,
-        no_prefix_caching=False,
-        transfer_backend="nixl",
-        pd_deadline_s=30.0,
-        pd_abort_lease_s=60.0,
+    args = cluster_args(
+        model_dir, kv_cache_gib=0.25, max_model_len=2048, max_num_batched_tokens=256, served_model_name="demo"
     )
     t = time.perf_counter()
     cluster = start_cluster(args, 1, 1, router_port=port)

@@ -7,6 +7,7 @@ tears everything down; if any child dies, the launcher stops the rest and exits 
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -28,6 +29,18 @@ ENGINE_FLAGS = (
     "served_model_name",
     "seed",
 )
+
+
+def cluster_args(model: str, **overrides) -> argparse.Namespace:
+    """The arguments `pdserve launch` would parse (its defaults), for starting a cluster from code."""
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["launch", "--model", model])
+    for key, value in overrides.items():
+        if not hasattr(args, key):
+            raise TypeError(f"unknown cluster argument {key!r}")
+        setattr(args, key, value)
+    return args
 
 
 class Cluster:

@@ -29,24 +29,18 @@ MAX_MODEL_LEN = 1024
 
 
 def cluster_args(model_dir: str, **kw) -> argparse.Namespace:
+    """Small pool, 128-token steps (long prompts are chunked), short deadlines and abort lease."""
+    from pdserve.launch import cluster_args as launch_args
+
     base = dict(
-        model=model_dir,
-        dtype="float32",
-        device="cpu",
-        page_size=16,
         num_pages=400,
-        kv_cache_gib=None,
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=None,
         max_num_batched_tokens=128,
         served_model_name="demo",
-        seed=None,
-        no_prefix_caching=False,
-        transfer_backend="nixl",
         pd_deadline_s=8.0,
         pd_abort_lease_s=3.0,
     )
-    return argparse.Namespace(**(base | kw))
+    return launch_args(model_dir, **(base | kw))
 
 
 def metrics(url: str) -> dict[str, float]:

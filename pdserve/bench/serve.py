@@ -175,28 +175,20 @@ def side_by_side(a: argparse.Namespace, requests: list[dict]) -> list[dict]:
     from pathlib import Path
 
     from pdserve.demo import free_port, start_server, wait_healthy
-    from pdserve.launch import start_cluster
+    from pdserve.launch import cluster_args, start_cluster
     from pdserve.model.demo import make_demo_model
 
     model = a.model or ".demo-model"
     if not (Path(model) / "config.json").is_file():
         make_demo_model(model)
-    eng = argparse.Namespace(
-        model=model,
-        dtype="float32",
-        device="cpu",
-        page_size=16,
-        num_pages=None,
+    eng = cluster_args(
+        model,
         kv_cache_gib=0.25,
         max_model_len=2048,
-        max_num_seqs=None,
         max_num_batched_tokens=a.max_num_batched_tokens,
         served_model_name=a.served_model_name,
-        seed=None,
         no_prefix_caching=True,
-        transfer_backend="nixl",
         pd_deadline_s=60.0,
-        pd_abort_lease_s=60.0,
     )
     rows = []
     cluster = start_cluster(eng, 1, 1)

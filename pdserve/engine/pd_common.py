@@ -90,3 +90,29 @@ def make_staging(kv_cache, capacity_pages: int):
     layout = kv_cache.layout
     regions = kv_regions(kv_cache.k, kv_cache.v)
     return StagingPool(len(regions), layout.bytes_per_page, capacity_pages), regions
+
+
+class PDRoleBase:
+    """State both PD roles keep (the subclasses are `EngineRole`s: every method runs on the engine
+    thread). `agent` may be set after construction: the agent registers the role's handoff and
+    staging buffers, so it is created once the role exists (see `PDContext`)."""
+
+    def __init__(self, engine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
+        from pdserve.disagg.handoff import HandoffPool
+        from pdserve.disagg.state import RoomTable
+
+        self.engine = engine
+        self.config = config
+        self.control = control
+        self.agent = agent
+        self.fingerprint = layout_fingerprint
+        self.page_size = engine.kv.page_size
+        self.local_kv = region_table(engine.runner.kv_cache)
+        self.handoff = HandoffPool(config.num_handoff_slots)
+        self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        self.rooms = RoomTable(config.deadlines())
+        self.failures: dict[str, int] = {}  # reason -> count (metrics)
+
+    def count_failure(self, reason: str) -> None:
+        key = reason.split(":")[0]
+        self.failures[key] = self.failures.get(key, 0) + 1

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.disagg.handoff import HandoffPool, gate
+from pdserve.disagg.handoff import gate
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
-from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState, RoomTable
+from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, decode_notif, make_staging, region_table
+from pdserve.engine.pd_common import PDConfig, PDRoleBase, decode_notif
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.pages import is_fragmented, merge_runs
@@ -62,26 +62,16 @@ class DecodeRoom:
     dst_page_ids: list[int] = field(default_factory=list)
 
 
-class DecodeRole(EngineRole):
+class DecodeRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
-        self.engine = engine
-        self.config = config
-        self.control = control
-        self.agent = agent
-        self.fingerprint = layout_fingerprint
-        self.page_size = engine.kv.page_size
-        self.local_kv = region_table(engine.runner.kv_cache)
-        self.handoff = HandoffPool(config.num_handoff_slots)
-        self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        super().__init__(engine, config, control, agent, layout_fingerprint)
         self.num_staged = 0
-        self.rooms = RoomTable(config.deadlines())
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
         self.prealloc: list[DecodeRoom] = []
         self.transfer: dict[int, DecodeRoom] = {}
         self.releasing: dict[int, DecodeRoom] = {}  # aborted after a KVRequest: wait for ack / lease
         self.by_request: dict[str, int] = {}
-        self.failures: dict[str, int] = {}
         self.num_handoff_mismatches = 0
 
     def _reserved_pages(self) -> int:
@@ -295,8 +285,7 @@ class DecodeRole(EngineRole):
             self.prealloc.remove(dr)
         if not already_failed:
             self.rooms.fail(room, reason)
-        key = reason.split(":")[0]
-        self.failures[key] = self.failures.get(key, 0) + 1
+        self.count_failure(reason)
         self.aengine.deliver(RuntimeError(f"PD transfer failed: {reason}"), dr.req.request_id)
         if dr.requested and not peer_already_knows:
             # The prefill may still write our pages: stop it, free only after its ack or the lease.

@@ -21,12 +21,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pdserve.disagg.handoff import HandoffPool, HandoffRow
+from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
-from pdserve.disagg.state import DuplicateRoom, KVState, RoomTable
+from pdserve.disagg.state import DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, encode_notif, make_staging, region_table
+from pdserve.engine.pd_common import PDConfig, PDRoleBase, encode_notif
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.base import TransferStatus
@@ -64,25 +64,15 @@ class PrefillRoom:
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
 
 
-class PrefillRole(EngineRole):
+class PrefillRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
-        self.engine = engine
-        self.config = config
-        self.control = control
-        self.agent = agent
-        self.fingerprint = layout_fingerprint
-        self.page_size = engine.kv.page_size
-        self.local_kv = region_table(engine.runner.kv_cache)
-        self.handoff = HandoffPool(config.num_handoff_slots)
-        self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        super().__init__(engine, config, control, agent, layout_fingerprint)
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
-        self.rooms = RoomTable(config.deadlines())
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
-        self.failures: dict[str, int] = {}  # reason -> count (metrics)
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
@@ -168,7 +158,7 @@ class PrefillRole(EngineRole):
             error = (
                 f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
             )
-            self.failures["layout_mismatch"] = self.failures.get("layout_mismatch", 0) + 1
+            self.count_failure("layout_mismatch")
             self.control.send(msg.reply_addr, RegisterAck(ok=False, error=error), reg_id)
             return
         try:
@@ -316,8 +306,7 @@ class PrefillRole(EngineRole):
             return
         if not already_failed:
             self.rooms.fail(room, reason)
-        key = reason.split(":")[0]
-        self.failures[key] = self.failures.get(key, 0) + 1
+        self.count_failure(reason)
         for tid in list(pr.in_flight):
             self.agent.abort(tid)
         # The decode hears of the failure (Status Failed, or AbortAck if it asked) from `_reap`, only
