@@ -85,7 +85,12 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.rooms.create(room, KVState.Bootstrapping)
         except DuplicateRoom:
             raise InvalidRequest(f"room {room} is already active on this decode engine") from None
-        self.engine.add_prefilled(req, prompt_text)
+        try:
+            self.engine.add_prefilled(req, prompt_text)
+        except InvalidRequest:
+            self.rooms.fail(room, "duplicate request id")
+            self.rooms.remove(room)
+            raise
         dr = DecodeRoom(room, req, prompt_text, peer_addr)
         self.prealloc.append(dr)
         self.by_request[req.request_id] = room
@@ -116,6 +121,8 @@ class DecodeRole(PDRoleBase, EngineRole):
 
     def abort(self, request_id: str) -> RequestOutput | None:
         room = self.by_request.get(request_id)
+        if room is not None and room in self.releasing:
+            return None  # already failed; its pages wait for the prefill's ack (or the lease)
         if room is None or room not in self._all_rooms():
             return self.engine.abort(request_id)  # already running: a plain decode abort
         self._fail(room, "aborted by client")
@@ -226,7 +233,7 @@ class DecodeRole(PDRoleBase, EngineRole):
 
     # ---- commit --------------------------------------------------------------------------------
     def _commit(self, dr: DecodeRoom) -> None:
-        row = self.handoff.read(dr.handoff_slot)
+        row = self.handoff.try_read(dr.handoff_slot)  # None: not landed, torn or corrupt
         if not gate(row, dr.room):
             self.num_handoff_mismatches += 1
             self._fail(dr.room, "handoff room mismatch")
@@ -307,7 +314,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         req = dr.req
         self.engine.kv.free(req)
         req.status = RequestStatus.FINISHED_ABORTED
-        self.engine._release(req)
+        if self.engine.requests.get(req.request_id) is req:
+            self.engine._release(req)
         self.by_request.pop(req.request_id, None)
         if dr.room in self.rooms:
             self.rooms.remove(dr.room)

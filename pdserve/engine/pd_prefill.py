@@ -73,6 +73,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
+        self.tombstones: dict[int, float] = {}  # rooms the decode aborted before we knew them
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
@@ -80,12 +81,20 @@ class PrefillRole(PDRoleBase, EngineRole):
     # ---- intake (engine thread) ----------------------------------------------------------------
     def add(self, req: Request, prompt_text: str | None) -> None:
         room = req.pd
+        if room in self.tombstones:
+            # The decode already aborted this room (its Abort beat the router's request here).
+            raise InvalidRequest(f"room {room} was aborted by its decode engine")
         try:
             self.rooms.create(room, KVState.Bootstrapping)
         except DuplicateRoom:
             raise InvalidRequest(f"room {room} is already active on this prefill engine") from None
         req.hold_pages = True
-        self.engine.add_prefilled(req, prompt_text)  # registered, not yet schedulable
+        try:
+            self.engine.add_prefilled(req, prompt_text)  # registered, not yet schedulable
+        except InvalidRequest:
+            self.rooms.fail(room, "duplicate request id")
+            self.rooms.remove(room)
+            raise
         pr = PrefillRoom(room, req)
         self.by_room[room] = pr
         self.by_request[req.request_id] = room
@@ -113,14 +122,17 @@ class PrefillRole(PDRoleBase, EngineRole):
             if pr is None:
                 continue
             pr.in_flight.discard(tid)
-            if status == TransferStatus.FAILED:
-                self._fail(room, "transfer failed")
+            if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
+                self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
         for room in self.rooms.expired():
             self._fail(room, self.rooms.reason(room), already_failed=True)
         now = time.monotonic()
         for room, (t, _, _) in list(self.early.items()):
             if now - t > self.config.deadline_s:
                 del self.early[room]
+        for room, t in list(self.tombstones.items()):
+            if now - t > self.config.abort_lease_s:  # the decode has long forgotten the room
+                del self.tombstones[room]
         self._reap()
         return bool(self.transfers) or bool(self.by_room)
 
@@ -140,12 +152,19 @@ class PrefillRole(PDRoleBase, EngineRole):
                 self._fail(room, f"decode failed: {body.error}")
         elif isinstance(body, Abort):
             pr = self.by_room.get(room)
+            sender = self._peer_by_sender(env.sender)
             if pr is None:
-                peer = self._peer_by_sender(env.sender)
-                if peer is not None:
-                    self.control.send(peer.reply_addr, AbortAck(), room)
+                # Not (yet) ours: remember the abort so a late router request or a parked KVRequest
+                # can never write into pages the decode is about to free, then ack at once.
+                self.early.pop(room, None)
+                self.tombstones[room] = time.monotonic()
+                if sender is not None:
+                    self.control.send(sender.reply_addr, AbortAck(), room)
                 return
-            pr.abort_reply_to = pr.peer.reply_addr if pr.peer else None
+            peer = pr.peer or sender
+            pr.abort_reply_to = peer.reply_addr if peer is not None else None
+            if self.rooms.state(room) in (KVState.Success, KVState.Failed):
+                return  # already terminal: `_reap` acks once nothing is in flight
             self._fail(room, f"aborted by decode: {body.reason}")
 
     def _peer_by_sender(self, sender: str) -> DecodePeer | None:
@@ -188,7 +207,10 @@ class PrefillRole(PDRoleBase, EngineRole):
         elif msg.decode_prefix_len % ps or first + len(msg.dst_page_ids) != num_prompt_pages:
             error = f"KVRequest covers {first}+{len(msg.dst_page_ids)} pages, prompt has {num_prompt_pages}"
         elif self.rooms.state(room) != KVState.Bootstrapping:
-            error = "duplicate KVRequest"
+            # A replay (or a confused peer): the room already has its destination. Failing it now
+            # would report "nothing in flight" while writes are; ignore it and count it.
+            self.count_failure("duplicate KVRequest ignored")
+            return
         if error is not None:
             if peer is not None:
                 self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
