@@ -62,6 +62,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
             deadline_s=a.pd_deadline_s,
             abort_lease_s=a.pd_abort_lease_s,
             staging_threshold=a.pd_staging_threshold,
+            kv_store_dir=a.kv_store,
+            kv_store_gib=a.kv_store_gib,
+            kv_block_size=a.kv_block_size,
         )
     engine = LLMEngine(engine_config_from_args(a))
     pd = None
@@ -84,7 +87,7 @@ def cmd_router(a: argparse.Namespace) -> int:
 
     from pdserve.router.app import Router, build_router_app
 
-    router = Router(a.prefill, a.decode, health_interval_s=a.health_interval_s)
+    router = Router(a.prefill, a.decode, health_interval_s=a.health_interval_s, read_path=a.read_path)
     print(
         f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}",
         flush=True,
@@ -122,6 +125,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.transfer import run
 
         return run(a)
+    if a.what == "store":
+        from pdserve.bench.store import run as run_store
+
+        return run_store(a)
     if a.what == "serve":
         from pdserve.bench.serve import run as run_serve
 
@@ -154,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage a request's KV when its decode pages have more than this many runs per page "
         "(negative: always)",
     )
+    s.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
+    s.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
+    s.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
     s.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
@@ -162,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--health-interval-s", type=float, default=1.0)
+    r.add_argument(
+        "--read-path",
+        default="none",
+        choices=["none", "pe", "de", "auto"],
+        help="DualPath read path per request (a request body's read_path wins)",
+    )
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_router)
 
@@ -173,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
     la.add_argument("--pd-deadline-s", type=float, default=30.0)
     la.add_argument("--pd-abort-lease-s", type=float, default=60.0)
+    la.add_argument("--kv-store", default=None, help="persistent KV store directory shared by all engines")
+    la.add_argument("--kv-store-gib", type=float, default=8.0)
+    la.add_argument("--kv-block-size", type=int, default=64)
+    la.add_argument(
+        "--read-path",
+        default="none",
+        choices=["none", "pe", "de", "auto"],
+        help="DualPath read path the router asks for (auto: the side with fewer reads in flight)",
+    )
     la.add_argument("--pd-staging-threshold", type=float, default=0.5)
     la.set_defaults(fn=cmd_launch)
 
@@ -209,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(bs)
     bs.set_defaults(fn=cmd_bench)
+    bst = bsub.add_parser("store", help="KV store reads into host buffers vs a raw read of the same files")
+    from pdserve.bench.store import add_arguments as add_store_arguments
+
+    add_store_arguments(bst)
+    bst.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:

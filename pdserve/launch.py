@@ -86,6 +86,30 @@ def engine_flags(a) -> list[str]:
     return out
 
 
+def pd_flags(a) -> list[str]:
+    """`pdserve serve` flags of a PD engine, from `pdserve launch`'s arguments."""
+    out = [
+        "--transfer-backend",
+        a.transfer_backend,
+        "--pd-deadline-s",
+        str(a.pd_deadline_s),
+        "--pd-abort-lease-s",
+        str(a.pd_abort_lease_s),
+        "--pd-staging-threshold",
+        str(a.pd_staging_threshold),
+    ]
+    if a.kv_store:
+        out += [
+            "--kv-store",
+            a.kv_store,
+            "--kv-store-gib",
+            str(a.kv_store_gib),
+            "--kv-block-size",
+            str(a.kv_block_size),
+        ]
+    return out
+
+
 def start_cluster(
     a, num_prefill: int, num_decode: int, router_port: int = 0, secret: str | None = None
 ) -> Cluster:
@@ -112,14 +136,7 @@ def start_cluster(
                         role,
                         "--port",
                         str(port),
-                        "--transfer-backend",
-                        a.transfer_backend,
-                        "--pd-deadline-s",
-                        str(a.pd_deadline_s),
-                        "--pd-abort-lease-s",
-                        str(getattr(a, "pd_abort_lease_s", 60.0)),
-                        "--pd-staging-threshold",
-                        str(getattr(a, "pd_staging_threshold", 0.5)),
+                        *pd_flags(a),
                         *extra,
                     ],
                     env,
@@ -139,6 +156,8 @@ def start_cluster(
                 *urls["prefill"],
                 "--decode",
                 *urls["decode"],
+                "--read-path",
+                a.read_path,
             ],
             env,
         )

@@ -103,6 +103,9 @@ class KVRequest(msgspec.Struct, tag="kv_request", forbid_unknown_fields=True):
     handoff_slot: NonNeg
     decode_prefix_len: NonNeg  # tokens the decode already holds (its prefix cache); multiple of page_size
     staging_offset: Annotated[int, Meta(ge=-1)] = -1
+    # DualPath DE read path: the decode read the first decode_prefix_len tokens from the store into
+    # these pages; the prefill pulls them (a data-plane read) instead of recomputing or reading itself.
+    hit_page_ids: list[NonNeg] = []
 
 
 class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -222,6 +222,45 @@ def prefill_request_s(p: ModelProfile, num_cached_tokens: int, num_new_tokens: i
     attended = min(mean_ctx, p.attn_topk_tokens) if p.attn_topk_tokens else mean_ctx
     per_token = p.prefill_s_per_new_token + attended * p.attn_s_per_pair + mean_ctx * p.indexer_s_per_pair
     return num_new_tokens * per_token
+
+
+def prefill_request_fn(p: ModelProfile) -> Callable[[int, int], float]:
+    """``prefill_request_s`` bound to one profile (constants hoisted; same arithmetic, same floats)."""
+    lin, attn, idx, topk = (
+        p.prefill_s_per_new_token,
+        p.attn_s_per_pair,
+        p.indexer_s_per_pair,
+        p.attn_topk_tokens,
+    )
+
+    def cost(num_cached_tokens: int, num_new_tokens: int) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        mean_ctx = num_cached_tokens + num_new_tokens / 2.0
+        attended = (mean_ctx if mean_ctx < topk else topk) if topk else mean_ctx
+        return num_new_tokens * (lin + attended * attn + mean_ctx * idx)
+
+    return cost
+
+
+def decode_step_fn(p: ModelProfile) -> Callable[[int, float], float]:
+    """``decode_step_s`` bound to one profile (constants hoisted; same arithmetic, same floats)."""
+    topk_b, ctx_b, k = (
+        p.decode_attn_bytes_per_topk_token,
+        p.decode_attn_bytes_per_ctx_token,
+        p.attn_topk_tokens,
+    )
+    over, per_seq, bw = p.decode_step_overhead_s, p.decode_s_per_seq, p.decode_hbm_bytes_per_s
+
+    def step(num_seqs: int, sum_ctx_tokens: float) -> float:
+        if num_seqs <= 0:
+            return 0.0
+        sparse = 0.0
+        if topk_b:
+            sparse = min(sum_ctx_tokens, num_seqs * k) * topk_b
+        return over + num_seqs * per_seq + (sum_ctx_tokens * ctx_b + sparse) / bw
+
+    return step
 
 
 def prefill_batch_s(p: ModelProfile, pairs: Sequence[tuple[int, int]]) -> float:

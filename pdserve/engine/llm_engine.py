@@ -257,6 +257,7 @@ class LLMEngine:
                 "arrival_time": req.arrival_time,
                 "first_token_time": req.first_token_time,
                 "last_token_time": req.last_token_time,
+                "cached_tokens_storage": req.num_storage_tokens,
                 "num_preemptions": req.num_preemptions,
             },
         )

@@ -35,6 +35,10 @@ class PDConfig:
     staging_threshold: float = 0.5
     staging_max_page_bytes: int = 32 << 10
     staging_capacity_pages: int = 512
+    # DualPath persistent KV store (a directory; local disk, NFS or a 3FS mount). None: no store.
+    kv_store_dir: str | None = None
+    kv_store_gib: float = 8.0
+    kv_block_size: int = 64  # tokens per stored block (a multiple of the page size)
 
     def deadlines(self) -> dict[KVState, float]:
         return {

@@ -60,12 +60,17 @@ class DecodeRoom:
     growth_pages: int = 0  # pages kept free for this request's first tokens while its KV arrives
     staging_offset: int = -1  # our staging slot when the prefill writes there (fragmented pages)
     dst_page_ids: list[int] = field(default_factory=list)
+    store_read: object = None  # DE read path: our store read in flight (PendingRead)
+    num_hit_tokens: int = 0  # prompt tokens we hold before asking (prefix cache or store)
 
 
 class DecodeRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.num_staged = 0
+        self.store = None  # StoreConnector: write-back of full blocks; the DE read path
+        self.num_store_blocks_bad = 0
+        engine.step_hooks.append(self._write_back)
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
         self.prealloc: list[DecodeRoom] = []
@@ -149,6 +154,9 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.rooms.advance(room, KVState.Transferring)
             if dr.total and len(dr.notifs) == dr.total:
                 self._commit(dr)
+        for dr in list(self.transfer.values()):
+            if dr.store_read is not None and dr.store_read.future.done():
+                self._on_store_read_done(dr)
         for room in self.rooms.expired():
             self._fail(room, self.rooms.reason(room), already_failed=True)
         self._admit()
@@ -197,26 +205,58 @@ class DecodeRole(PDRoleBase, EngineRole):
             if slot is None:
                 return
             num_hit_tokens = len(hits) * self.page_size
+            num_store_blocks = self.store.lookup(req) if req.read_path == "de" and self.store else 0
+            use_store = (
+                num_store_blocks * self.store.layout.block_size > num_hit_tokens if self.store else False
+            )
+            if use_store:
+                hits, keys, num_hit_tokens = [], [], 0  # the store covers more: take the prompt from it
             ok = kv.allocate(req, req.num_prompt_tokens - num_hit_tokens, hits, keys)
             assert ok, "checked above"
             kv.record_admission(req, num_hit_tokens)
-            dr.handoff_slot, dr.growth_pages = slot, growth
-            dr.dst_page_ids = req.page_ids[len(hits) :]
-            dr.staging_offset = self._staging_slot(dr.dst_page_ids)
+            dr.handoff_slot, dr.growth_pages, dr.num_hit_tokens = slot, growth, num_hit_tokens
             self.prealloc.remove(dr)
             self.transfer[dr.room] = dr
-            dr.requested = True
-            self.control.send(
-                dr.peer_addr,
-                KVRequest(
-                    dst_page_ids=dr.dst_page_ids,
-                    handoff_slot=slot,
-                    decode_prefix_len=num_hit_tokens,
-                    staging_offset=dr.staging_offset,
-                ),
-                dr.room,
-            )
-            self.rooms.advance(dr.room, KVState.WaitingForInput)
+            if use_store:  # DE read path: read first, ask the prefill once the blocks are in our pages
+                dr.store_read = self.store.start_read(req, num_store_blocks)
+            else:
+                self._request_kv(dr)
+
+    def _request_kv(self, dr: DecodeRoom, hit_page_ids: list[int] = ()) -> None:
+        """Ask the prefill for the prompt's KV from token `dr.num_hit_tokens` on. With `hit_page_ids`
+        (DE read path) the prefill pulls the tokens before that from our pages instead of computing them."""
+        req = dr.req
+        dr.dst_page_ids = req.page_ids[dr.num_hit_tokens // self.page_size :]
+        dr.staging_offset = self._staging_slot(dr.dst_page_ids)
+        dr.requested = True
+        self.control.send(
+            dr.peer_addr,
+            KVRequest(
+                dst_page_ids=dr.dst_page_ids,
+                handoff_slot=dr.handoff_slot,
+                decode_prefix_len=dr.num_hit_tokens,
+                staging_offset=dr.staging_offset,
+                hit_page_ids=list(hit_page_ids),
+            ),
+            dr.room,
+        )
+        self.rooms.advance(dr.room, KVState.WaitingForInput)
+
+    def _on_store_read_done(self, dr: DecodeRoom) -> None:
+        pending, dr.store_read = dr.store_read, None
+        req = dr.req
+        try:
+            result = pending.future.result()
+            num_ok = result.num_prefix_ok
+            self.num_store_blocks_bad += len(result.keys) - result.num_ok
+        except Exception:  # noqa: BLE001 - a failed read only means the prefill computes more
+            log.exception("store read failed")
+            num_ok = 0
+        num_tokens = num_ok * self.store.layout.block_size
+        if num_tokens:
+            self.store.scatter_blocks(pending.buffer, num_ok, req.page_ids)
+            req.num_storage_tokens = dr.num_hit_tokens = num_tokens
+        self._request_kv(dr, req.page_ids[: num_tokens // self.page_size])
 
     def _staging_slot(self, dst_page_ids: list[int]) -> int:
         """A staging slot for these pages if they are fragmented enough to be worth it, else -1."""
@@ -253,7 +293,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         req.num_computed_tokens = req.num_prompt_tokens
         # Reported cached tokens = prompt tokens nobody recomputed: the prefill's own prefix hits. (Our
         # hits only spared the prefill sending those pages; they count in our prefix-cache metrics.)
-        req.num_cached_tokens = row.cached_tokens_device
+        req.num_storage_tokens += row.cached_tokens_storage  # PE path: the prefill read them
+        req.num_cached_tokens = row.cached_tokens_device + row.cached_tokens_host + req.num_storage_tokens
         req.append_output(row.first_token_id)
         now = time.monotonic()
         req.first_token_time = req.last_token_time = now
@@ -262,6 +303,8 @@ class DecodeRole(PDRoleBase, EngineRole):
             req.logprobs.append(TokenLogprob(row.first_token_id, row.first_logprob, top))
         self._burn_first_draw(req)
         self.engine.kv.cache_computed_pages(req)
+        if self.store is not None:  # write-back: the whole prompt's full blocks, off the critical path
+            self.store.persist(req)
         status = self.engine._check_stop(req)
         if status is not None:
             req.status = RequestStatus.RUNNING
@@ -272,6 +315,16 @@ class DecodeRole(PDRoleBase, EngineRole):
             out = self.engine._output(req)
         self.by_request.pop(req.request_id, None)
         self.aengine.deliver(out, req.request_id)
+
+    def _write_back(self, sched) -> None:
+        """After each step: persist blocks that decoding filled, so the next turn finds them."""
+        if self.store is None:
+            return
+        for req in sched.requests:
+            if req.page_ids and not req.status.finished:
+                self.store.persist(req)
+        for request_id in [r for r in self.store.persisted if r not in self.engine.requests]:
+            self.store.forget(request_id)
 
     def _burn_first_draw(self, req: Request) -> None:
         """The prefill drew token 1 from this seed; advance our copy of the generator past that

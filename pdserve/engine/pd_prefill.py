@@ -61,6 +61,13 @@ class PrefillRoom:
     local_slot: int = -1  # our handoff source row
     abort_reply_to: str | None = None  # the decode asked us to stop: ack once nothing is in flight
     fail_reason: str = ""
+    # DualPath read paths: PE path = our own store read in flight; DE path = our pull of the prompt KV
+    # the decode read from the store (a data-plane read). The request is schedulable when the
+    # KVRequest arrived and neither is pending.
+    kv_request_seen: bool = False
+    store_read: object = None  # PendingRead
+    pull_tid: int = -1
+    pull_len: int = 0  # tokens the pull brings
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
 
 
@@ -68,6 +75,9 @@ class PrefillRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
+        self.store = None  # StoreConnector when the engine has a persistent KV store (PE read path)
+        self.pulls: dict[int, int] = {}  # transfer id of a DE-path pull -> room
+        self.num_store_blocks_bad = 0
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
@@ -98,6 +108,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         pr = PrefillRoom(room, req)
         self.by_room[room] = pr
         self.by_request[req.request_id] = room
+        if req.read_path == "pe" and self.store is not None:
+            self._start_store_read(pr)
         early = self.early.pop(room, None)
         if early is not None:
             self._on_kv_request(room, early[1], early[2])
@@ -114,6 +126,9 @@ class PrefillRole(PDRoleBase, EngineRole):
         for env in self.control.poll():
             self._on_message(env)
         for tid, status in self.agent.poll_completions():
+            if tid in self.pulls:
+                self._on_pull_done(self.pulls.pop(tid), status)
+                continue
             slot = self.staging_slots.pop(tid, None)
             if slot is not None:
                 self.staging.free(slot)
@@ -124,6 +139,9 @@ class PrefillRole(PDRoleBase, EngineRole):
             pr.in_flight.discard(tid)
             if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
                 self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
+        for pr in list(self.by_room.values()):
+            if pr.store_read is not None and pr.store_read.future.done():
+                self._on_store_read_done(pr)
         for room in self.rooms.expired():
             self._fail(room, self.rooms.reason(room), already_failed=True)
         now = time.monotonic()
@@ -220,7 +238,73 @@ class PrefillRole(PDRoleBase, EngineRole):
         pr.handoff_slot, pr.staging_offset = msg.handoff_slot, msg.staging_offset
         pr.num_pages_sent = first
         self.rooms.advance(room, KVState.WaitingForInput)
-        self.engine.scheduler.add(pr.req)
+        pr.kv_request_seen = True
+        if msg.hit_page_ids:
+            self._start_pull(pr, list(msg.hit_page_ids), msg.decode_prefix_len)
+        self._maybe_schedule(pr)
+
+    # ---- DualPath read paths ---------------------------------------------------------------------
+    def _maybe_schedule(self, pr: PrefillRoom) -> None:
+        if (
+            pr.kv_request_seen
+            and pr.store_read is None
+            and pr.pull_tid < 0
+            and pr.req.status.name == "WAITING"
+        ):
+            if pr.req not in self.engine.scheduler.waiting:
+                self.engine.scheduler.add(pr.req)
+
+    def _start_store_read(self, pr: PrefillRoom) -> None:
+        """PE read path: read the prompt's stored blocks into a host buffer (store I/O threads), unless our
+        own prefix cache already covers as much."""
+        num_blocks = self.store.lookup(pr.req)
+        own = len(self.engine.kv.match_prefix(pr.req)[0]) * self.page_size
+        if num_blocks and num_blocks * self.store.layout.block_size > own:
+            pr.store_read = self.store.start_read(pr.req, num_blocks)
+
+    def _on_store_read_done(self, pr: PrefillRoom) -> None:
+        pending, pr.store_read = pr.store_read, None
+        req = pr.req
+        try:
+            result = pending.future.result()
+            num_ok = result.num_prefix_ok
+            self.num_store_blocks_bad += len(result.keys) - result.num_ok
+        except Exception:  # noqa: BLE001 - a failed read only means recompute
+            log.exception("store read failed; recomputing")
+            num_ok = 0
+        num_tokens = num_ok * self.store.layout.block_size
+        if num_tokens and self.engine.kv.allocate(req, num_tokens):
+            # Host buffer -> our pool pages, layer by layer; those tokens count as computed.
+            self.store.scatter_blocks(pending.buffer, num_ok, req.page_ids)
+            req.num_computed_tokens = num_tokens
+            req.num_storage_tokens = num_tokens
+        self._maybe_schedule(pr)
+
+    def _start_pull(self, pr: PrefillRoom, hit_page_ids: list[int], num_tokens: int) -> None:
+        """DE read path: pull the prompt KV the decode read from the store into pages of ours."""
+        req = pr.req
+        if len(hit_page_ids) * self.page_size != num_tokens or not self.engine.kv.allocate(req, num_tokens):
+            self._fail(pr.room, "cannot take the decode's stored KV")
+            return
+        runs = merge_runs(req.page_ids[: len(hit_page_ids)], hit_page_ids)
+        local, remote = page_descriptors(runs, self.local_kv, pr.peer.kv)
+        pr.pull_tid = self.agent.submit_read(pr.peer.agent_name, local, remote, b"")
+        pr.pull_len = num_tokens
+        self.pulls[pr.pull_tid] = pr.room
+        pr.in_flight.add(pr.pull_tid)
+
+    def _on_pull_done(self, room: int, status) -> None:
+        pr = self.by_room.get(room)
+        if pr is None:
+            return
+        pr.in_flight.discard(pr.pull_tid)
+        pr.pull_tid = -1
+        if status != TransferStatus.DONE:
+            if self.rooms.state(room) != KVState.Failed:
+                self._fail(room, "pulling the decode's stored KV failed")
+            return
+        pr.req.num_computed_tokens = pr.pull_len
+        self._maybe_schedule(pr)
 
     # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
     def _after_step(self, sched) -> None:
@@ -313,7 +397,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 first_token_id=req.output_token_ids[0],
                 cached_tokens_device=max(req.num_cached_tokens, 0),
                 cached_tokens_host=0,
-                cached_tokens_storage=0,
+                cached_tokens_storage=req.num_storage_tokens,
                 first_logprob=lp.logprob if lp else None,
                 top_logprobs=tuple(lp.top) if lp else (),
             ),

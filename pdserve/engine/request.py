@@ -65,6 +65,8 @@ class Request:
     # the transfer (`LLMEngine.release_held`); `pd` holds the role's per-request transfer state.
     hold_pages: bool = False
     pd: Any = None
+    read_path: str = "none"  # DualPath: where prompt KV found in the persistent store is read: none|pe|de
+    num_storage_tokens: int = 0  # prompt tokens whose KV came from the persistent store
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -80,9 +80,11 @@ class Scheduler:
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
         ):
             req = self.waiting[0]
-            hit_pages, hit_keys = self.kv.match_prefix(req)
+            # A request that arrives with KV already in its pages (loaded from the store or another
+            # engine) is not matched against the prefix cache again.
+            hit_pages, hit_keys = ([], []) if req.page_ids else self.kv.match_prefix(req)
             num_hit_tokens = len(hit_pages) * self.kv.page_size
-            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if not self.kv.allocate(req, num_new, hit_pages, hit_keys):
                 break
             self.kv.record_admission(req, num_hit_tokens)

@@ -49,6 +49,7 @@ class Router:
         decode_urls: list[str],
         health_interval_s: float = 1.0,
         max_prefill_attempts: int = 3,
+        read_path: str = "none",
     ) -> None:
         self.prefills = [Engine(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Engine(u.rstrip("/"), "decode") for u in decode_urls]
@@ -57,6 +58,8 @@ class Router:
         self._rr = itertools.count()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
         self.num_retries = 0
+        self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
+        self.reads_in_flight = {"pe": 0, "de": 0}
 
     async def check_health(self) -> None:
         async def one(e: Engine) -> None:
@@ -90,7 +93,25 @@ class Router:
             raise NoEngine("no healthy decode engine")
         return min(live, key=lambda e: e.in_flight)
 
+    def choose_read_path(self, requested: str | None) -> str:
+        """The request's own `read_path` wins; `auto` takes the side with fewer store reads in flight
+        (DualPath's read-path rule, with this router's own count standing in for the node read queues)."""
+        choice = requested or self.read_path
+        if choice == "auto":
+            choice = "pe" if self.reads_in_flight["pe"] <= self.reads_in_flight["de"] else "de"
+        return choice
+
     async def dispatch(self, path: str, body: dict, http: Request):
+        read_path = self.choose_read_path(body.pop("read_path", None))
+        if read_path in self.reads_in_flight:
+            self.reads_in_flight[read_path] += 1
+        try:
+            return await self._dispatch(path, body, http, read_path)
+        finally:
+            if read_path in self.reads_in_flight:
+                self.reads_in_flight[read_path] -= 1
+
+    async def _dispatch(self, path: str, body: dict, http: Request, read_path: str):
         tried: set[str] = set()
         last_error = "no attempt"
         for _ in range(self.max_prefill_attempts):
@@ -100,9 +121,12 @@ class Router:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
             room = new_room()
-            pe_body = {**body, "stream": False, "pd": {"room": room}}
+            pe_body = {**body, "stream": False, "pd": {"room": room, "read_path": read_path}}
             pe_body.pop("stream_options", None)
-            de_body = {**body, "pd": {"room": room, "bootstrap_url": pe.bootstrap_url}}
+            de_body = {
+                **body,
+                "pd": {"room": room, "bootstrap_url": pe.bootstrap_url, "read_path": read_path},
+            }
             de.in_flight += 1
             de_req = self.client.build_request("POST", de.url + path, json=de_body)
             de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
@@ -185,6 +209,10 @@ def build_router_app(router: Router) -> FastAPI:
             return JSONResponse(error_body("request body must be a JSON object", 400), 400)
         if "pd" in body:
             return JSONResponse(error_body("'pd' is reserved for the router", 400, param="pd"), 400)
+        if body.get("read_path", "none") not in ("none", "pe", "de", "auto"):
+            return JSONResponse(
+                error_body("read_path must be none, pe, de or auto", 400, param="read_path"), 400
+            )
         return body
 
     @app.post("/v1/completions")

@@ -96,6 +96,10 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             or pd_field["room"] <= 0
         ):
             raise APIError(f"this is a {role_name} engine: send requests through the router", param="pd")
+        read_path = pd_field.get("read_path", "none")
+        if read_path not in ("none", "pe", "de"):
+            raise APIError("pd.read_path must be none, pe or de", param="pd")
+        req.read_path = read_path
         if role_name == "prefill":
             req.sampling_params = dataclasses.replace(params, max_tokens=1)
             req.max_tokens = 1
@@ -125,7 +129,11 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            # cached_tokens: prompt tokens not recomputed, from an engine's prefix cache or the store.
+            "prompt_tokens_details": {
+                "cached_tokens": out.num_cached_tokens,
+                "cached_tokens_storage": out.metrics.get("cached_tokens_storage", 0),
+            },
         }
 
     def token_str(tid: int) -> str:

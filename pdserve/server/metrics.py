@@ -111,6 +111,13 @@ class PDMetrics:
             registry=r,
         )
         self._seen_transfers = 0
+        self.store = Gauge("pdserve_store", "Persistent KV store counters", ["counter"], registry=r)
+        self.store_written = Gauge(
+            "pdserve_store_blocks_written", "Blocks this engine wrote back", registry=r
+        )
+        self.store_bad = Gauge(
+            "pdserve_store_blocks_bad", "Stored blocks found corrupt, truncated or missing", registry=r
+        )
 
     def update_control(self) -> None:
         """Control-channel drop counters: plain ints, safe to read from any thread (also at scrape time,
@@ -133,6 +140,12 @@ class PDMetrics:
         self.update_control()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
         self.staged.set(getattr(role, "num_staged", 0))
+        if getattr(role, "store", None) is not None:
+            self.store_written.set(role.store.num_blocks_written)
+            self.store_bad.set(role.num_store_blocks_bad)
+            for name, value in vars(role.store.store.stats()).items():
+                if isinstance(value, int | float):
+                    self.store.labels(name).set(value)
         stats = agent.stats.snapshot()
         latencies = stats.pop("latencies_s")
         for name, value in stats.items():

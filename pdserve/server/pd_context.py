@@ -47,6 +47,17 @@ class PDContext:
         self.role.agent = self.agent
         self.bootstrap = None
         self._addr_cache: dict[str, str] = {}
+        self.store = None
+        if config.kv_store_dir:
+            from pdserve.engine.store_connector import StoreConnector
+            from pdserve.store.block_store import KVBlockStore
+            from pdserve.store.layout import BlockLayout
+
+            block_layout = BlockLayout.from_kv_layout(
+                engine.runner.kv_cache.layout, config.kv_block_size, model=fingerprint
+            )
+            self.store = KVBlockStore(config.kv_store_dir, block_layout, int(config.kv_store_gib * (1 << 30)))
+            self.role.store = StoreConnector(engine, self.store)
         if role_name == "prefill":
             self.bootstrap = bootstrap.BootstrapServer(
                 host, config.bootstrap_port, secret=config.cluster_secret
@@ -81,6 +92,9 @@ class PDContext:
         return addr
 
     def close(self) -> None:
+        if self.store is not None:
+            self.role.store.flush()
+            self.store.close()
         self.agent.close()
         self.control.close()
         if self.bootstrap is not None:

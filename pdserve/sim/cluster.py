@@ -38,15 +38,16 @@ import gc
 import heapq
 import math
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import count, islice
 
 import numpy as np
 
 from pdserve.bench.workloads import Workload
-from pdserve.dualpath.cost_model import decode_step_s, prefill_request_s, prefill_tokens_per_s
+from pdserve.dualpath.cost_model import decode_step_fn, prefill_request_fn, prefill_tokens_per_s
 from pdserve.dualpath.scheduler import (
     PATH_PE,
     AdditiveBatchCost,
@@ -58,10 +59,15 @@ from pdserve.dualpath.scheduler import (
     policy_config,
 )
 from pdserve.sim.config import SimConfig, get_mode
-from pdserve.sim.links import Link
+from pdserve.sim.links import Link, book3
 
 # A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
 MAX_READY_SCAN = 16
+
+
+def _rid(r: _Req) -> int:
+    return r.rid
+
 
 # Event kinds.
 _ARRIVE, _FETCH, _READ_DONE, _BATCH_LOADED, _BATCH_DONE, _DE_READY, _DE_TICK = range(7)
@@ -237,22 +243,32 @@ class ClusterSim:
         self.max_fetch = cfg.max_fetch
         # State.
         self.events: list = []
-        self._seq = 0
+        self._seq = count(1)  # tie-break: events at equal times run in scheduling order
         self.queue: deque[tuple[PendingRequest, _Req]] = deque()
         self.fetch_pending = False
         self.last_fetch = -math.inf
         self.read_q = [deque() for _ in range(n_nodes)]  # (req, tokens)
         self.read_q_tokens = [0] * n_nodes
         self.snic_busy = [False] * n_nodes
-        self.pe_fifo: list[list[_Req]] = [[] for _ in range(self.num_pe)]
+        # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
+        # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
+        self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
         self.pe_busy = [False] * self.num_pe
         self.pe_tokens = [0] * self.num_pe
         self.pe_seqs = [0] * self.num_pe
         self.dec = [_Decode(self.de_pages) for _ in range(self.num_de)]
         self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
-        self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, lambda c, n: prefill_request_s(m, c, n))
+        self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
+        self._decode_step = decode_step_fn(m)
         # Agents.
-        self.agent_ctx = np.zeros(workload.num_agents, dtype=np.int64)
+        self.agent_ctx = [0] * workload.num_agents
+        # Python lists of the workload's per-turn arrays: the handlers read one element per event and a
+        # list index is several times cheaper than a numpy scalar access plus conversion.
+        self._offsets = workload.offsets.tolist()
+        self._hit_override = workload.hit_override.tolist()
+        self._append = workload.append.tolist()
+        self._gen = workload.gen.tolist()
+        self._think = workload.think_s.tolist()
         self.agent_done = np.full(workload.num_agents, np.nan)
         self.ttft: list[float] = []
         self.tpot: list[float] = []
@@ -266,8 +282,7 @@ class ClusterSim:
     # ---- event plumbing ----
 
     def _push(self, t: float, kind: int, a=None, b=None) -> None:
-        self._seq += 1
-        heapq.heappush(self.events, (t, self._seq, kind, a, b))
+        heapq.heappush(self.events, (t, next(self._seq), kind, a, b))
 
     def run(self) -> SimResult:
         # The event loop allocates millions of small acyclic objects; the cyclic GC's repeated scans of
@@ -292,27 +307,26 @@ class ClusterSim:
         events = self.events
         pop = heapq.heappop
         next_progress = 0.0
+        # One handler per event kind, each taking the event's two payload slots.
+        handlers = [None] * 7
+        handlers[_ARRIVE] = self._arrive
+        handlers[_FETCH] = lambda a, b: self._fetch()
+        handlers[_READ_DONE] = lambda a, b: self._read_done(a)
+        handlers[_BATCH_LOADED] = self._batch_loaded
+        handlers[_BATCH_DONE] = self._batch_done
+        handlers[_DE_READY] = lambda a, b: self._de_join(b)
+        handlers[_DE_TICK] = self._de_tick
+        progress = self.progress
+        if horizon is None:
+            horizon = math.inf
         while events:
             t, _, kind, a, b = pop(events)
-            if horizon is not None and t > horizon:
+            if t > horizon:
                 break
             self.now = t
-            if kind == _DE_TICK:
-                self._de_tick(a, b)
-            elif kind == _READ_DONE:
-                self._read_done(a)
-            elif kind == _BATCH_DONE:
-                self._batch_done(a, b)
-            elif kind == _DE_READY:
-                self._de_join(b)
-            elif kind == _FETCH:
-                self._fetch()
-            elif kind == _ARRIVE:
-                self._arrive(a, b)
-            elif kind == _BATCH_LOADED:
-                self._batch_loaded(a, b)
-            if self.progress is not None and t >= next_progress:
-                self.progress(t)
+            handlers[kind](a, b)
+            if progress is not None and t >= next_progress:
+                progress(t)
                 next_progress = t + 5.0
         return SimResult(
             config=self.cfg,
@@ -333,13 +347,12 @@ class ClusterSim:
     # ---- agents and router ----
 
     def _arrive(self, agent: int, turn: int) -> None:
-        wl = self.wl
-        ctx = int(self.agent_ctx[agent])
-        override = int(wl.hit_override[turn])
+        ctx = self.agent_ctx[agent]
+        override = self._hit_override[turn]
         bt = self.cfg.block_tokens
         hit = override if override >= 0 else ctx // bt * bt
-        new = int(wl.append[turn]) + (ctx - hit if override < 0 else 0)
-        req = _Req(self.n_submitted, agent, turn, self.now, hit, new, int(wl.gen[turn]))
+        new = self._append[turn] + (ctx - hit if override < 0 else 0)
+        req = _Req(self.n_submitted, agent, turn, self.now, hit, new, self._gen[turn])
         self.n_submitted += 1
         self.open_turns[req.rid] = self.now
         if self.keep_requests:
@@ -374,7 +387,6 @@ class ClusterSim:
             d.seqs += 1
             d.tokens += pend.num_decode_tokens
             d.free_pages -= pend.num_decode_pages(pages_per)
-            self.pe_fifo[req.pe].append(req)
             if oracle:
                 # No I/O: reads are free; the scheduler sees empty read queues.
                 self.sched.report_read_queue(req.pe // self.g, 0)
@@ -388,6 +400,7 @@ class ClusterSim:
                 self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
         for _, req in head[: len(out)]:
             if req.reads_left == 0:
+                self._ready(req)
                 self._try_prefill(req.pe)
 
     # ---- storage reads ----
@@ -415,20 +428,23 @@ class ClusterSim:
             self._start_read(node)
         req.reads_left -= 1
         if req.reads_left == 0:
+            self._ready(req)
             self._try_prefill(req.pe)
         self._want_fetch()  # α categories may have changed
 
     # ---- prefill ----
 
+    def _ready(self, r: _Req) -> None:
+        ready = self.pe_ready[r.pe]
+        if not ready or ready[-1].rid < r.rid:
+            ready.append(r)
+        else:
+            insort(ready, r, key=_rid)
+
     def _try_prefill(self, pe: int) -> None:
         if self.pe_busy[pe]:
             return
-        ready = []
-        for r in self.pe_fifo[pe]:  # the first MAX_READY_SCAN ready requests, FIFO order
-            if r.reads_left == 0:
-                ready.append(r)
-                if len(ready) == MAX_READY_SCAN:
-                    break
+        ready = self.pe_ready[pe][:MAX_READY_SCAN]  # the first ready requests, FIFO order
         if not ready:
             return
         if not self.mode.layerwise:
@@ -440,12 +456,12 @@ class ClusterSim:
                     break
                 cut += 1
             ready = ready[:cut]
-        items = [PrefillItem(r.rid, r.hit + r.new_done, r.new - r.new_done) for r in ready]
+        items = (PrefillItem(r.rid, r.hit + r.new_done, r.new - r.new_done) for r in ready)
         plan = build_prefill_batch(items, self._cost, self.cfg.compute_quota_s, self.cfg.page_tokens)
-        by_id = {r.rid: r for r in ready}
-        batch = [(by_id[it.request_id], it.num_new_tokens) for it in plan.items]
+        # The plan is a FIFO prefix of ``items`` (whole requests, then at most one chunk).
+        batch = [(ready[i], it.num_new_tokens) for i, it in enumerate(plan.items)]
         if plan.chunk is not None:
-            batch.append((by_id[plan.chunk.request_id], plan.chunk.num_new_tokens))
+            batch.append((ready[len(batch)], plan.chunk.num_new_tokens))
         self.pe_busy[pe] = True
         t = self.now
         compute = plan.predicted_s
@@ -475,23 +491,17 @@ class ClusterSim:
                 continue
             if r.pe_read:
                 b = r.pe_read * kv
-                end = max(
-                    end,
-                    self.dram[pe_node].book(t, b),
-                    self.cnic_rd[pe].book(t, b),
-                    self.cnic_wr[pe].book(t, b),
-                )
+                e = book3(self.dram[pe_node], self.cnic_rd[pe], self.cnic_wr[pe], t, b)
+                if e > end:
+                    end = e
                 copies += -(-r.pe_read // bt) * self.layers
             if r.de_read:
                 b = r.de_read * kv
                 de_gpu = self.num_pe + r.de
                 de_node = self.P + r.de // g
-                end = max(
-                    end,
-                    self.dram[de_node].book(t, b),
-                    self.cnic_rd[de_gpu].book(t, b),
-                    self.cnic_wr[pe].book(t, b),
-                )
+                e = book3(self.dram[de_node], self.cnic_rd[de_gpu], self.cnic_wr[pe], t, b)
+                if e > end:
+                    end = e
                 copies += -(-r.de_read // bt) * self.layers
             r.inbound_done = True
         return end, copies
@@ -507,12 +517,9 @@ class ClusterSim:
             b = tokens * kv
             de_gpu = self.num_pe + r.de
             de_node = self.P + r.de // g
-            end = max(
-                end,
-                self.cnic_rd[pe].book(t, b),
-                self.cnic_wr[de_gpu].book(t, b),
-                self.dram[de_node].book(t, b),
-            )
+            e = book3(self.cnic_rd[pe], self.cnic_wr[de_gpu], self.dram[de_node], t, b)
+            if e > end:
+                end = e
             copies += -(-tokens // bt) * self.layers
         return end, copies
 
@@ -525,7 +532,6 @@ class ClusterSim:
 
     def _batch_done(self, pe: int, batch) -> None:
         t = self.now
-        fifo = self.pe_fifo[pe]
         finished = []
         for r, n in batch:
             r.new_done += n
@@ -533,8 +539,9 @@ class ClusterSim:
             if r.new_done >= r.new:
                 finished.append(r)
         if finished:
-            done_ids = {r.rid for r in finished}
-            self.pe_fifo[pe] = [r for r in fifo if r.rid not in done_ids]
+            ready = self.pe_ready[pe]
+            for r in finished:
+                ready.remove(r)  # identity (no __eq__); finished ones sit near the front
         self.pe_seqs[pe] -= len(finished)
         self.sched.report_prefill(pe, self.pe_seqs[pe], self.pe_tokens[pe])
         kv, g = self.kv_tok, self.g
@@ -550,11 +557,7 @@ class ClusterSim:
             b = r.prompt * kv
             de_gpu = self.num_pe + r.de
             de_node = self.P + r.de // g
-            end = max(
-                self.dram[de_node].book(t, b),
-                self.cnic_rd[de_gpu].book(t, b),
-                self.cnic_wr[de_gpu].book(t, b),
-            )
+            end = book3(self.dram[de_node], self.cnic_rd[de_gpu], self.cnic_wr[de_gpu], t, b)
             end = max(
                 end, t + -(-r.prompt // self.cfg.block_tokens) * self.layers * self._submit_s_per_copy()
             )
@@ -573,9 +576,15 @@ class ClusterSim:
 
     def _resched(self, de: int, d: _Decode) -> None:
         d.version += 1
-        if d.n:
-            d.step_s = decode_step_s(self.cfg.model, d.n, d.ctx_base + d.n * d.v)
-            self._push(self.now + max(d.heap[0][0] - d.v, 0.0) * d.step_s, _DE_TICK, de, d.version)
+        n = d.n
+        if n:
+            v = d.v
+            d.step_s = step = self._decode_step(n, d.ctx_base + n * v)
+            left = d.heap[0][0] - v
+            heapq.heappush(
+                self.events,
+                (self.now + (left if left > 0.0 else 0.0) * step, next(self._seq), _DE_TICK, de, d.version),
+            )
 
     def _de_join(self, r: _Req) -> None:
         r.t_join = self.now
@@ -619,8 +628,8 @@ class ClusterSim:
         agent = r.agent
         self.agent_ctx[agent] = r.prompt + r.gen
         nxt = r.turn + 1
-        if nxt < int(self.wl.offsets[agent + 1]):
-            self._push(t + float(self.wl.think_s[nxt]), _ARRIVE, agent, nxt)
+        if nxt < self._offsets[agent + 1]:
+            self._push(t + self._think[nxt], _ARRIVE, agent, nxt)
         else:
             self.agent_done[agent] = t
         self._want_fetch()

@@ -184,19 +184,31 @@ def ablation(ov: Overrides, progress: Progress) -> ScenarioResult:
         progress(pol)
         res = run_one(_config(ov, P, D, model, pol), wl, agents)
         out.runs.append(record(res, agents=agents, workload=wl))
-    base = out.runs[0]["jct_s"]
+    # The paper's ablation reports the *average* JCT (mean agent completion time; seed 002: "平均 JCT");
+    # the makespan change is kept beside it.
+    base_mean, base = out.runs[0]["jct_mean_s"], out.runs[0]["jct_s"]
     for r in out.runs:
+        r["jct_mean_change_pct"] = round(100 * (r["jct_mean_s"] / base_mean - 1), 2)
         r["jct_change_pct"] = round(100 * (r["jct_s"] / base - 1), 2)
     paper = {"layerwise": -17.21, "dual_path": -38.19, "dualpath": -45.62}
     for r in out.runs:
         if r["policy"] in paper:
             p = paper[r["policy"]]
-            ok = abs(r["jct_change_pct"] - p) <= 10
+            ok = abs(r["jct_mean_change_pct"] - p) <= 10
             out.checks.append(
-                _check(ok, f"+{r['policy']}: {r['jct_change_pct']:+.1f}% JCT (paper {p:+.2f}% ±10)")
+                _check(
+                    ok,
+                    f"+{r['policy']}: {r['jct_mean_change_pct']:+.1f}% mean JCT (paper {p:+.2f}% ±10; "
+                    f"makespan {r['jct_change_pct']:+.1f}%)",
+                )
             )
     out.plot = lambda runs, plt: _simple_bar(
-        runs, plt, [r["policy"] for r in runs], "jct_change_pct", "JCT change vs Basic (%)", "ablation"
+        runs,
+        plt,
+        [r["policy"] for r in runs],
+        "jct_mean_change_pct",
+        "mean JCT change vs Basic (%)",
+        "ablation",
     )
     return out
 
@@ -308,24 +320,48 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
                 else:
                     hi = mid
             best = lo
-        max_aps[pol] = best
-        for r in out.runs:
-            if r["policy"] == pol:
-                r["max_aps"] = best
+        mine = [r for r in out.runs if r["policy"] == pol]
+        knee, bracket = _interpolated_knee(mine, best)
+        max_aps[pol] = (best, knee, bracket)
+        for r in mine:
+            r["max_aps"] = best  # highest APS tried that met the SLO
+            r["max_aps_interp"] = knee  # mean TTFT interpolated to the SLO between the bracketing runs
     out.runs.sort(key=lambda r: (r["policy"], r["aps"]))
     if max_aps.get("basic") and "dualpath" in max_aps:
-        ratio = max_aps["dualpath"] / max_aps["basic"]
+        (b_best, b_knee, (b_lo, b_hi)), (d_best, d_knee, (d_lo, d_hi)) = max_aps["basic"], max_aps["dualpath"]
+        ratio = d_knee / b_knee
         out.checks.append(
             _check(
                 1.6 <= ratio <= 2.6,
-                f"max APS under SLO: Basic {max_aps['basic']:.3f}, DualPath {max_aps['dualpath']:.3f} -> "
-                f"{ratio:.2f}x (paper 2.25x for 660B; range 1.6-2.6)",
+                f"max APS under SLO (interpolated knee): Basic {b_knee:.3f}, DualPath {d_knee:.3f} -> "
+                f"{ratio:.2f}x (paper 2.25x for 660B; range 1.6-2.6); highest passing runs "
+                f"{b_best:.3f} / {d_best:.3f} = {d_best / b_best:.2f}x; bracket "
+                f"{d_lo / b_hi:.2f}-{d_hi / b_lo:.2f}x",
             )
         )
     out.plot = lambda runs, plt: _line_plot(
         runs, plt, "aps", "ttft_mean_s", "mean TTFT (s)", "online", hline=4.0
     )
     return out
+
+
+def _interpolated_knee(runs: list[dict], best: float, ttft_slo_s: float = 4.0) -> tuple[float, tuple]:
+    """APS where mean TTFT crosses the SLO, linear between the highest passing and lowest failing run.
+
+    The bisection only brackets the knee (width 3/64 APS after 6 steps); taking the passing edge biases
+    a ratio of two knees toward whichever knee is smaller (the bracket is 8% of Basic's knee but 3% of
+    DualPath's). Returns (knee, (passing APS, failing APS)); the passing APS when nothing failed above
+    it or when TPOT (not TTFT) is what failed.
+    """
+    fails = [r for r in runs if not r["slo_ok"] and r["aps"] > best]
+    lo = next((r for r in runs if r["aps"] == best), None)
+    if not fails or lo is None:
+        return best, (best, best)
+    hi = min(fails, key=lambda r: r["aps"])
+    if not slo_ok({**hi, "ttft_mean_s": 0.0}) or hi["ttft_mean_s"] <= lo["ttft_mean_s"]:
+        return best, (best, hi["aps"])
+    frac = (ttft_slo_s - lo["ttft_mean_s"]) / (hi["ttft_mean_s"] - lo["ttft_mean_s"])
+    return _f(best + frac * (hi["aps"] - best)), (best, hi["aps"])
 
 
 # ---------------------------------------------------------------- nic-balance

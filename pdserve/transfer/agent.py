@@ -126,7 +126,20 @@ class TransferAgent:
         Returns a transfer id reported exactly once by `poll_completions`."""
         with self._ids_lock:
             transfer_id = next(self._ids)
-        self._commands.put(("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic()))
+        self._commands.put(
+            ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "write")
+        )
+        return transfer_id
+
+    def submit_read(
+        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
+    ) -> int:
+        """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a write."""
+        with self._ids_lock:
+            transfer_id = next(self._ids)
+        self._commands.put(
+            ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "read")
+        )
         return transfer_id
 
     def abort(self, transfer_id: int) -> None:
@@ -209,13 +222,13 @@ class TransferAgent:
     def _apply(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "submit":
-            _, transfer_id, peer, local, remote, notif, submitted_s = cmd
+            _, transfer_id, peer, local, remote, notif, submitted_s, op = cmd
             nbytes = sum(int(n) for _, n in local)
             self.stats.transfers_submitted += 1
             self.stats.bytes_submitted += nbytes
             self.stats.descriptors_submitted += len(local)
             try:
-                handle = backend.write(peer, local, remote, notif)
+                handle = (backend.read if op == "read" else backend.write)(peer, local, remote, notif)
             except Exception as e:
                 self.stats.backend_errors += 1
                 log.warning(

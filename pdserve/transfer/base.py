@@ -61,6 +61,14 @@ class TransferBackend(abc.ABC):
         write have landed. Raises TransferError (or ValueError for malformed lists) if it cannot start.
         """
 
+    def read(
+        self, peer_name: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
+    ) -> int:
+        """Start copying remote[i] -> local[i] (the peer's registered memory into ours); `notif` reaches
+        the peer when done. Same contract as `write` otherwise. Used by the DualPath DE read path: the
+        prefill pulls the prompt KV the decode read from the store."""
+        raise TransferError(f"{self.name}: reads are not supported")
+
     @abc.abstractmethod
     def status(self, handle: int) -> TransferStatus:
         """PENDING, DONE or FAILED. Also drives progress for backends that need polling."""

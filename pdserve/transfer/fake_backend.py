@@ -108,6 +108,10 @@ class FakeBackend(TransferBackend):
         self._writes[handle] = _FakeWrite(peer_name, done_at_s, fails, notif_id)
         return handle
 
+    def read(self, peer_name, local, remote, notif: bytes) -> int:
+        """Moves nothing, like `write` (same failure injection and notification delivery)."""
+        return self.write(peer_name, local, remote, notif)
+
     def status(self, handle: int) -> TransferStatus:
         w = self._writes.get(handle)
         if w is None:

@@ -116,6 +116,12 @@ class NixlBackend(TransferBackend):
             log.warning("nixl: remove_remote_agent(%s) failed: %s", nixl_name, e)
 
     def write(self, peer_name, local, remote, notif: bytes) -> int:
+        return self._xfer("WRITE", peer_name, local, remote, notif)
+
+    def read(self, peer_name, local, remote, notif: bytes) -> int:
+        return self._xfer("READ", peer_name, local, remote, notif)
+
+    def _xfer(self, op: str, peer_name, local, remote, notif: bytes) -> int:
         nixl_name = self._peers.get(peer_name)
         if nixl_name is None:
             raise TransferError(f"nixl: unknown peer {peer_name!r} (add_peer first)")
@@ -133,7 +139,7 @@ class NixlBackend(TransferBackend):
             return handle
         try:
             xfer = self._agent.initialize_xfer(
-                "WRITE",
+                op,
                 self._agent.get_xfer_descs(local_descs, "DRAM"),
                 self._agent.get_xfer_descs(remote_descs, "DRAM"),
                 nixl_name,

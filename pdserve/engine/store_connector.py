@@ -1,0 +1,145 @@
+"""Bridge between an engine's paged KV pool and the persistent block store (DualPath, issue 5).
+
+Who calls what (all on the engine thread, except the writer thread's `put`s):
+* `persist(req)` after a request's KV grew (decode write-back): every newly full block of its tokens
+  is gathered from the pool into a host buffer and queued for the writer thread, off the critical path.
+* `lookup(req)` / `start_read(req, num_blocks)` / `poll_read(...)`: how many leading blocks of a prompt
+  the store holds, and an asynchronous read of them into a host buffer (the store's I/O threads).
+* `scatter_blocks(buf, num_blocks, page_ids)` copies read blocks into pool pages, layer by layer.
+
+Block payload (pdserve.store.layout): [layers, K then V of block_size tokens, token-major]; a block of
+`block_size` tokens spans `block_size // page_size` pool pages, so a layer's K half of a block is those
+pages' K rows, contiguous, byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.request import Request
+from pdserve.store.block_store import KVBlockStore
+from pdserve.store.keys import block_keys
+from pdserve.store.layout import BlockLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingRead:
+    keys: list[bytes]
+    buffer: torch.Tensor  # uint8 [num_blocks, block_nbytes]
+    future: object  # concurrent.futures.Future[ReadResult]
+
+
+class StoreConnector:
+    def __init__(self, engine, store: KVBlockStore) -> None:
+        self.engine = engine
+        self.store = store
+        self.layout: BlockLayout = store.layout
+        self.page_size = engine.kv.page_size
+        if self.layout.block_size % self.page_size:
+            raise ValueError(
+                f"block_size {self.layout.block_size} is not a multiple of page_size {self.page_size}"
+            )
+        self.pages_per_block = self.layout.block_size // self.page_size
+        kv = engine.runner.kv_cache
+        # Per layer: K and V pools viewed as bytes per page [num_pages, page_bytes].
+        self._k = [k.view(k.shape[0], -1).view(torch.uint8) for k in kv.k]
+        self._v = [v.view(v.shape[0], -1).view(torch.uint8) for v in kv.v]
+        self.persisted: dict[str, int] = {}  # request id -> full blocks already queued for the store
+        self.num_blocks_written = 0
+        self.num_write_failures = 0
+        self._writes: queue.Queue = queue.Queue(maxsize=1024)
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-writer", daemon=True)
+        self._writer.start()
+
+    # ---- keys and lookup -----------------------------------------------------------------------
+    def keys_for(self, token_ids: list[int]) -> list[bytes]:
+        return block_keys(token_ids, self.layout.block_size, self.layout.fingerprint)
+
+    def lookup(self, req: Request) -> int:
+        """Leading blocks of the prompt in the store, leaving at least one token to compute."""
+        max_blocks = (req.num_prompt_tokens - 1) // self.layout.block_size
+        if max_blocks <= 0:
+            return 0
+        return self.store.lookup_keys(
+            self.keys_for(req.prompt_token_ids[: max_blocks * self.layout.block_size])
+        )
+
+    def start_read(self, req: Request, num_blocks: int) -> PendingRead:
+        keys = self.keys_for(req.prompt_token_ids[: num_blocks * self.layout.block_size])
+        buf = torch.empty((num_blocks, self.layout.block_nbytes), dtype=torch.uint8)
+        return PendingRead(keys, buf, self.store.submit_read(keys, buf))
+
+    # ---- pool <-> blocks -----------------------------------------------------------------------
+    def _block_pages(self, page_ids: list[int], block: int) -> torch.Tensor:
+        ppb = self.pages_per_block
+        return torch.tensor(page_ids[block * ppb : (block + 1) * ppb], dtype=torch.long)
+
+    def gather_block(self, page_ids: list[int], block: int) -> torch.Tensor:
+        """The block's payload [block_nbytes] from the pool (a copy)."""
+        idx = self._block_pages(page_ids, block)
+        parts = []
+        for k, v in zip(self._k, self._v, strict=True):
+            parts += [k.index_select(0, idx).view(-1), v.index_select(0, idx).view(-1)]
+        return torch.cat(parts)
+
+    def scatter_blocks(self, buf: torch.Tensor, num_blocks: int, page_ids: list[int]) -> None:
+        """Blocks [num_blocks, block_nbytes] -> the pool pages covering tokens [0, num_blocks * block_size),
+        one layer after another."""
+        ppb = self.pages_per_block
+        idx = torch.tensor(page_ids[: num_blocks * ppb], dtype=torch.long)
+        half = self.layout.layer_nbytes // 2
+        for layer, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
+            off = self.layout.layer_range(layer)[0]
+            k_src = buf[:num_blocks, off : off + half].reshape(num_blocks * ppb, -1)
+            v_src = buf[:num_blocks, off + half : off + 2 * half].reshape(num_blocks * ppb, -1)
+            k.index_copy_(0, idx, k_src)
+            v.index_copy_(0, idx, v_src)
+
+    # ---- write-back ----------------------------------------------------------------------------
+    def persist(self, req: Request) -> int:
+        """Queue every full block of the request's computed tokens not yet queued. Returns how many."""
+        num_full = req.num_computed_tokens // self.layout.block_size
+        done = self.persisted.get(req.request_id, 0)
+        if num_full <= done:
+            return 0
+        keys = self.keys_for(req.all_token_ids[: num_full * self.layout.block_size])
+        for b in range(done, num_full):
+            payload = self.gather_block(req.page_ids, b).numpy()
+            try:
+                self._writes.put_nowait((keys[b], payload))
+            except queue.Full:  # the disk is behind: drop (the block is simply not cached)
+                self.num_write_failures += 1
+        self.persisted[req.request_id] = num_full
+        return num_full - done
+
+    def forget(self, request_id: str) -> None:
+        self.persisted.pop(request_id, None)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued write is on disk (tests, shutdown)."""
+        done = threading.Event()
+        self._writes.put((None, done))
+        done.wait(timeout_s)
+
+    def _write_loop(self) -> None:
+        while True:
+            key, payload = self._writes.get()
+            if key is None:
+                payload.set()
+                continue
+            try:
+                if self.store.put(key, np.ascontiguousarray(payload)):
+                    self.num_blocks_written += 1
+                else:
+                    self.num_write_failures += 1
+            except Exception:  # noqa: BLE001 - the store never fails a request
+                self.num_write_failures += 1
+                log.exception("kv store write failed")

@@ -1,0 +1,106 @@
+"""DualPath read paths end to end: multi-turn conversations through router -> prefill -> decode with a
+persistent KV store. The decode writes every full block back; the next turn's prompt (previous
+context + new tokens) then finds ≥ 90% of its KV in the store and reads it through the prefill
+(`pe`), through the decode (`de`), or not at all (`none`). Greedy outputs must be identical for all
+three and equal to a colocated engine recomputing everything. Prefix caching is off in the engines
+so that the store is the only source of cached KV.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.transfer.nixl_backend import nixl_available
+from tests.test_pd_e2e import metrics, wait_engine_idle
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+MAX_MODEL_LEN = 2048
+GEN = 32
+
+
+@pytest.fixture(scope="module")
+def store_cluster(demo_model_dir, tmp_path_factory):
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from pdserve.launch import cluster_args, start_cluster
+
+    args = cluster_args(
+        demo_model_dir,
+        num_pages=600,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+        served_model_name="demo",
+        no_prefix_caching=True,
+        pd_deadline_s=15.0,
+        pd_abort_lease_s=3.0,
+        kv_store=str(tmp_path_factory.mktemp("kvstore")),
+        kv_block_size=64,
+    )
+    c = start_cluster(args, 1, 1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(demo_model_dir):
+    return LLM(demo_model_dir, max_model_len=MAX_MODEL_LEN, num_pages=600, enable_prefix_caching=False)
+
+
+def complete(url: str, ids: list[int], read_path: str) -> dict:
+    body = {
+        "model": "demo",
+        "prompt": ids,
+        "max_tokens": GEN,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "read_path": read_path,
+    }
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("read_path", ["none", "pe", "de"])
+def test_multi_turn_read_paths_equal_recompute(store_cluster, colocated, read_path):
+    tok = colocated.get_tokenizer()
+    seed_text = {"none": "alpha", "pe": "beta", "de": "gamma"}[read_path]  # one conversation per path
+    context = tok.encode(
+        f"# conversation {seed_text}\n" + "def step(state, action):\n    return state\n" * 85
+    )
+    assert 900 < len(context) < 1200
+    url = store_cluster.router_url
+    for turn in range(3):
+        if turn:
+            context = context + tok.encode(
+                f"\n# turn {turn}: user says {seed_text} again\n", add_special_tokens=False
+            )
+        resp = complete(url, context, read_path)
+        ref = colocated.generate(
+            {"prompt_token_ids": context}, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+        )[0]
+        assert resp["choices"][0]["text"] == ref.outputs[0].text, f"{read_path} turn {turn}"
+        out_ids = ref.outputs[0].token_ids
+        details = resp["usage"]["prompt_tokens_details"]
+        if turn and read_path != "none":
+            assert details["cached_tokens_storage"] >= 0.9 * len(context), (read_path, turn, details)
+            assert details["cached_tokens"] >= details["cached_tokens_storage"]
+        if read_path == "none":
+            assert details["cached_tokens_storage"] == 0
+        context = context + out_ids
+        time.sleep(0.5)  # the decode writes blocks back off the critical path
+    for url in store_cluster.urls["prefill"] + store_cluster.urls["decode"]:
+        wait_engine_idle(url)
+
+
+def test_store_metrics_show_write_back(store_cluster):
+    m = metrics(store_cluster.urls["decode"][0])
+    assert m.get("pdserve_store_blocks_written", 0) > 0

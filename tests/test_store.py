@@ -1,0 +1,335 @@
+"""Persistent KV store alone (issue 5, point 1): keys, lookup, round trip, LRU eviction, bad data,
+restart recovery and failure to write. Tiny blocks (2 layers x 4 tokens x 16 B = 128 B payloads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kvcache.hashing import chain_key
+from pdserve.kvcache.kv_cache import KVLayout
+from pdserve.store import BlockLayout, BlockSizeError, KVBlockStore, block_keys, store_root_key
+from pdserve.store.fileformat import HEADER_NBYTES
+from pdserve.store.index import TMP_PREFIX
+
+LAYOUT = BlockLayout(num_layers=2, block_size=4, bytes_per_token_layer=16, fingerprint="test|fp")
+FILE_NBYTES = HEADER_NBYTES + LAYOUT.block_nbytes
+TOKENS = list(range(100, 112))  # 3 full blocks
+KEYS = block_keys(TOKENS, 4, LAYOUT.fingerprint)
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, LAYOUT.block_nbytes, dtype=np.uint8)
+
+
+def make_store(path, capacity_blocks: int = 100, **kw) -> KVBlockStore:
+    return KVBlockStore(path, LAYOUT, capacity_blocks * FILE_NBYTES, num_io_threads=2, **kw)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = make_store(tmp_path)
+    yield s
+    s.check_integrity()
+    s.close()
+
+
+def read(store, keys):
+    out = np.zeros((len(keys), LAYOUT.block_nbytes), dtype=np.uint8)
+    return store.read_blocks(keys, out), out
+
+
+def put_all(store, keys=KEYS):
+    for i, k in enumerate(keys):
+        assert store.put(k, payload(i))
+        store.check_integrity()
+
+
+# ---- layout and keys ---------------------------------------------------------------------------------
+def test_layout_ranges_and_from_kv_layout():
+    kv = KVLayout(3, 10, 16, 2, 8, "float16", 2)
+    lay = BlockLayout.from_kv_layout(kv, block_size=64, model="m")
+    assert lay.bytes_per_token_layer == 64 and lay.layer_nbytes == 4096 and lay.block_nbytes == 12288
+    assert lay.layer_range(1) == (4096, 4096)
+    assert lay.k_range(2) == (8192, 2048) and lay.v_range(2) == (10240, 2048)
+    with pytest.raises(ValueError):
+        BlockLayout.from_kv_layout(kv, block_size=40)
+    with pytest.raises(IndexError):
+        lay.layer_range(3)
+    # the page size is not part of the fingerprint; the block size and the model are
+    assert BlockLayout.from_kv_layout(KVLayout(3, 10, 32, 2, 8, "float16", 2), 64, "m") == lay
+    assert BlockLayout.from_kv_layout(kv, 32, "m").fingerprint != lay.fingerprint
+    assert BlockLayout.from_kv_layout(kv, 64, "other").fingerprint != lay.fingerprint
+
+
+def test_block_keys_exact_and_chained():
+    keys = block_keys(list(range(10)), 4, "test|fp")  # partial third block has no key
+    assert [k.hex() for k in keys] == ["abc6149de455a85bb388d9ea0d5dd963", "391b1fd7811cdac6cf3e5adfcf870bea"]
+    assert keys[0] == chain_key(store_root_key("test|fp"), [0, 1, 2, 3])
+    assert keys[1] == chain_key(keys[0], [4, 5, 6, 7])
+    assert block_keys(list(range(12)), 4, "test|fp")[:2] == keys
+    assert block_keys(list(range(12)), 4, "test|fp", start_key=keys[1], start_block=2) == [
+        block_keys(list(range(12)), 4, "test|fp")[2]
+    ]
+    other = block_keys(list(range(10)), 4, "test|fp2")
+    assert not set(other) & set(keys)
+
+
+# ---- lookup, round trip --------------------------------------------------------------------------
+def test_lookup_prefixes(store):
+    assert store.lookup(TOKENS) == 0
+    put_all(store)
+    assert store.lookup([]) == 0
+    assert store.lookup(TOKENS[:3]) == 0  # partial block ignored
+    assert store.lookup(TOKENS[:7]) == 1
+    assert store.lookup(TOKENS) == 3
+    assert store.lookup(TOKENS + [1, 2, 3, 4, 5]) == 3
+    diverged = TOKENS[:5] + [777] + TOKENS[6:]  # differs inside block 1
+    assert store.lookup(diverged) == 1
+    missing_middle = [KEYS[0], b"\0" * 16, KEYS[2]]
+    assert store.lookup_keys(missing_middle) == 1
+    s = store.stats()
+    assert s.num_blocks == 3 and s.used_bytes == 3 * FILE_NBYTES
+
+
+def test_round_trip_all_input_kinds(store):
+    inputs = [payload(0).tobytes(), memoryview(payload(1).tobytes()), payload(2)]
+    for k, data in zip(KEYS, inputs, strict=True):
+        assert store.put(k, data)
+    extra = block_keys(list(range(16)), 4, LAYOUT.fingerprint)[3]
+    assert store.put(extra, torch.from_numpy(payload(3)))
+    keys = KEYS + [extra]
+    res, out = read(store, keys)
+    assert res.status == ["ok"] * 4 and res.num_prefix_ok == 4 and res.bytes_read == 4 * LAYOUT.block_nbytes
+    for i in range(4):
+        assert np.array_equal(out[i], payload(i))
+    # per-block views (e.g. slots of a bigger host buffer), a torch destination, and the async form
+    host = torch.zeros(8, LAYOUT.block_nbytes, dtype=torch.uint8)
+    res = store.submit_read([keys[2], keys[0]], [host[5], host[1]]).result(timeout=10)
+    assert res.ok == [True, True]
+    assert np.array_equal(host[5].numpy(), payload(2)) and np.array_equal(host[1].numpy(), payload(0))
+    assert store.put(KEYS[0], payload(0)) and store.stats().num_put_dedup == 1  # already stored
+    with pytest.raises(BlockSizeError):
+        store.put(KEYS[0], np.zeros(LAYOUT.block_nbytes - 1, np.uint8))
+    res, _ = read(store, [b"\1" * 16])
+    assert res.status == ["missing"] and res.num_missing == 1
+
+
+# ---- eviction --------------------------------------------------------------------------------------
+def test_lru_eviction_order_exact(tmp_path):
+    keys = block_keys(list(range(24)), 4, LAYOUT.fingerprint)  # 6 keys
+    s = make_store(tmp_path, capacity_blocks=3)
+    put_all(s, keys[:3])
+    assert read(s, [keys[0]])[0].ok == [True]  # k0 becomes most recently used
+    assert s.put(keys[3], payload(3))
+    assert set(s.keys_lru_first()) == {keys[0], keys[2], keys[3]}  # k1 evicted (LRU)
+    assert s.put(keys[4], payload(4))
+    assert s.keys_lru_first() == [keys[0], keys[3], keys[4]]  # k2 evicted
+    assert not s.path_for(keys[1]).exists() and not s.path_for(keys[2]).exists()
+    assert s.stats().num_evictions == 2 and s.stats().used_bytes == 3 * FILE_NBYTES
+    s.check_integrity()
+    assert s.evict(keys=[keys[3]]) == [keys[3]]
+    assert s.evict(num_bytes=1) == [keys[0]]
+    assert s.keys_lru_first() == [keys[4]]
+    s.check_integrity()
+    tiny = KVBlockStore(tmp_path / "tiny", LAYOUT, FILE_NBYTES - 1)
+    assert tiny.put(keys[5], payload(5)) is False and tiny.stats().num_write_failures == 1
+    tiny.check_integrity()
+    s.close()
+    tiny.close()
+
+
+# ---- bad data --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("offset", [HEADER_NBYTES + 77, HEADER_NBYTES + LAYOUT.block_nbytes - 1, 40])
+def test_flipped_byte_is_detected_and_removed(store, offset):
+    put_all(store)
+    path = store.path_for(KEYS[1])
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x10
+    path.write_bytes(bytes(raw))
+    res, out = read(store, KEYS)
+    assert res.status == ["ok", "corrupt", "ok"] and res.num_corrupt == 1 and res.bad_indices == [1]
+    assert res.num_prefix_ok == 1 and np.array_equal(out[2], payload(2))
+    assert not path.exists() and store.lookup(TOKENS) == 1
+    assert store.stats().num_corrupt == 1 and store.stats().num_blocks == 2
+    store.check_integrity()
+
+
+def test_truncated_and_missing_files(store):
+    put_all(store)
+    os.truncate(store.path_for(KEYS[0]), FILE_NBYTES - 10)
+    os.unlink(store.path_for(KEYS[2]))
+    res, _ = read(store, KEYS)
+    assert res.status == ["truncated", "ok", "missing"]
+    assert (res.num_corrupt, res.num_missing, res.num_prefix_ok) == (1, 1, 0)
+    s = store.stats()
+    assert (s.num_corrupt, s.num_missing, s.num_blocks) == (1, 1, 1)
+    assert not store.path_for(KEYS[0]).exists() and store.lookup(TOKENS) == 0
+    store.check_integrity()
+
+
+def test_wrong_fingerprint_file(tmp_path, store):
+    other_layout = BlockLayout(2, 4, 16, "other|fp")  # same sizes, different model
+    other = KVBlockStore(tmp_path / "other", other_layout, 10 * FILE_NBYTES)
+    assert other.put(KEYS[0], payload(0))
+    put_all(store)
+    os.replace(other.path_for(KEYS[0]), store.path_for(KEYS[0]))
+    res, _ = read(store, KEYS)
+    assert res.status == ["fingerprint", "ok", "ok"] and res.num_corrupt == 1
+    assert store.lookup(TOKENS) == 0
+    other.close()
+
+
+# ---- atomicity, concurrency, restart --------------------------------------------------------------
+def test_stale_temp_files_cleaned_at_restart(tmp_path):
+    s = make_store(tmp_path)
+    put_all(s)
+    s.close()
+    sub = s.path_for(KEYS[0]).parent
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = os.uname().nodename
+    crashed = sub / f"{TMP_PREFIX}{host}-{dead.pid}-abc"  # a writer that died mid-put
+    crashed.write_bytes(b"partial")
+    old = sub / f"{TMP_PREFIX}elsewhere-1-def"  # another host's, older than stale_tmp_s
+    old.write_bytes(b"partial")
+    os.utime(old, (time.time() - 1000, time.time() - 1000))
+    live = sub / f"{TMP_PREFIX}{host}-{os.getpid()}-0123"  # a live writer's: must be left alone
+    live.write_bytes(b"partial")
+    s2 = make_store(tmp_path)
+    assert not crashed.exists() and not old.exists() and live.exists()
+    assert s2.lookup(TOKENS) == 3 and s2.stats().num_blocks == 3
+    live.unlink()
+    s2.check_integrity()
+    s2.close()
+
+
+def test_concurrent_puts_of_one_key_threads(store):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(lambda _: store.put(KEYS[0], payload(0), overwrite=True), range(32)))
+    files = [p for p in store.dir.rglob("*") if p.is_file()]
+    assert [p.name for p in files] == [store.path_for(KEYS[0]).name]  # one file, no temp left
+    res, out = read(store, KEYS[:1])
+    assert res.ok == [True] and np.array_equal(out[0], payload(0))
+    assert store.stats().used_bytes == FILE_NBYTES
+
+
+def _put_many(path: str, n: int) -> int:
+    s = make_store(path)
+    ok = sum(s.put(KEYS[0], payload(0), overwrite=True) for _ in range(n))
+    s.close()
+    return ok
+
+
+def test_concurrent_puts_of_one_key_processes(tmp_path):
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        assert pool.starmap(_put_many, [(str(tmp_path), 25)] * 2) == [25, 25]
+    s = make_store(tmp_path)
+    files = [p for p in s.dir.rglob("*") if p.is_file()]
+    assert [p.name for p in files] == [s.path_for(KEYS[0]).name]
+    res, out = read(s, KEYS[:1])
+    assert res.ok == [True] and np.array_equal(out[0], payload(0))
+    s.check_integrity()
+    s.close()
+
+
+def test_restart_recovery_and_lru(tmp_path):
+    keys = block_keys(list(range(16)), 4, LAYOUT.fingerprint)
+    s = make_store(tmp_path, capacity_blocks=4)
+    put_all(s, keys)
+    t = time.time() - 100
+    for i, k in enumerate(keys):  # distinct, old mtimes: write order k0 < k1 < k2 < k3
+        os.utime(s.path_for(k), (t + i, t + i))
+    assert read(s, [keys[1]])[0].ok == [True]  # the read bumps k1's mtime to now
+    lookups = [s.lookup(list(range(n))) for n in range(0, 17, 3)]
+    s.close()
+    s2 = make_store(tmp_path, capacity_blocks=4)
+    assert s2.keys_lru_first() == [keys[0], keys[2], keys[3], keys[1]]
+    assert [s2.lookup(list(range(n))) for n in range(0, 17, 3)] == lookups == [0, 0, 1, 2, 3, 3]
+    s2.check_integrity()
+    s2.close()
+    s3 = make_store(tmp_path, capacity_blocks=2)  # smaller capacity: the two LRU blocks go
+    assert s3.keys_lru_first() == [keys[3], keys[1]] and s3.stats().num_evictions == 2
+    s3.check_integrity()
+    s3.close()
+
+
+def test_blocks_written_by_another_process_are_adopted(tmp_path):
+    reader, writer = make_store(tmp_path), make_store(tmp_path)
+    assert reader.lookup(TOKENS) == 0
+    put_all(writer)
+    assert reader.lookup(TOKENS) == 3  # one stat per key past the indexed prefix
+    assert read(reader, KEYS)[0].num_ok == 3
+    reader.check_integrity()
+    writer.evict(keys=[KEYS[2]])  # evicted elsewhere: reads as missing here, then forgotten
+    assert read(reader, KEYS)[0].status == ["ok", "ok", "missing"]
+    reader.check_integrity()
+    reader.close()
+    writer.close()
+
+
+# ---- write failures never raise --------------------------------------------------------------------
+def test_disk_full_and_read_only_return_false(store, monkeypatch):
+    put_all(store, KEYS[:1])
+
+    def full(fd, bufs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "writev", full)
+        assert store.put(KEYS[1], payload(1)) is False
+    real_open = os.open
+
+    def read_only(path, flags, *a, **kw):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(30, "Read-only file system")
+        return real_open(path, flags, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", read_only)
+        assert store.put(KEYS[1], payload(1)) is False
+    blocker = store.path_for(KEYS[2]).parent  # a file where the subdirectory must go: mkdir fails
+    if not blocker.exists():
+        blocker.write_bytes(b"")
+        assert store.put(KEYS[2], payload(2)) is False
+        blocker.unlink()
+    assert store.stats().num_write_failures >= 2 and store.lookup(TOKENS) == 1
+    assert not [p for p in store.dir.rglob(f"{TMP_PREFIX}*")]
+    store.check_integrity()
+    assert store.put(KEYS[1], payload(1))  # and it recovers once the disk does
+
+
+def test_random_operations_keep_integrity(tmp_path):
+    rng = np.random.default_rng(7)
+    keys = block_keys(list(range(40)), 4, LAYOUT.fingerprint)
+    s = make_store(tmp_path, capacity_blocks=4)
+    model: list[bytes] = []  # expected LRU order
+    for _ in range(120):
+        op, k = rng.integers(0, 3), keys[rng.integers(0, len(keys))]
+        if op == 0:
+            assert s.put(k, payload(keys.index(k)))
+            if k in model:
+                model.remove(k)
+            model.append(k)
+            del model[:-4]
+        elif op == 1:
+            res, out = read(s, [k])
+            assert res.ok == [k in model]
+            if k in model:
+                assert np.array_equal(out[0], payload(keys.index(k)))
+                model.remove(k)
+                model.append(k)
+        else:
+            assert s.lookup_keys([k]) == (k in model)
+        assert s.keys_lru_first() == model
+        s.check_integrity()
+    s.close()
