@@ -32,6 +32,7 @@ def store_cluster(demo_model_dir, tmp_path_factory):
     os.environ.setdefault("UCX_MODULES", "^ib*")
     from pdserve.launch import cluster_args, start_cluster
 
+    store_root = tmp_path_factory.mktemp("kvstore")
     args = cluster_args(
         demo_model_dir,
         num_pages=600,
@@ -41,10 +42,11 @@ def store_cluster(demo_model_dir, tmp_path_factory):
         no_prefix_caching=True,
         pd_deadline_s=15.0,
         pd_abort_lease_s=3.0,
-        kv_store=str(tmp_path_factory.mktemp("kvstore")),
+        kv_store=str(store_root),
         kv_block_size=64,
     )
     c = start_cluster(args, 1, 1)
+    c.store_root = store_root
     yield c
     c.stop()
 
@@ -101,6 +103,45 @@ def test_multi_turn_read_paths_equal_recompute(store_cluster, colocated, read_pa
         wait_engine_idle(url)
 
 
-def test_store_metrics_show_write_back(store_cluster):
+def test_store_metrics_show_write_back_and_layerwise_prefills(store_cluster):
     m = metrics(store_cluster.urls["decode"][0])
-    assert m.get("pdserve_store_blocks_written", 0) > 0
+    assert m["pdserve_store_blocks_written"] > 0
+    # Turns 2 and 3 of the pe and de conversations ran the layerwise lane on the prefill.
+    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_prefills"] == 4
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_corrupt_stored_block_is_detected_and_recomputed(store_cluster, colocated, read_path):
+    """A stored block with a flipped byte: the read path detects it (checksum), counts it, and the
+    tokens from that block on are recomputed — the output is still exactly the recomputed one."""
+    tok = colocated.get_tokenizer()
+    store_dir = next(p for p in store_cluster.store_root.iterdir() if p.is_dir())
+
+    def block_files():
+        return {p for p in store_dir.rglob("*") if p.is_file()}
+
+    before = block_files()
+    context = tok.encode(f"# corrupt {read_path}\n" + "value = compute(value)\n" * 120)
+    first = complete(store_cluster.router_url, context, read_path)
+    time.sleep(0.5)
+    new_files = sorted(block_files() - before, key=lambda p: p.stat().st_mtime)
+    assert len(new_files) >= 8
+    victim = new_files[len(new_files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[4096 + 1000] ^= 0xFF  # a payload byte (the header is the first 4 KiB)
+    victim.write_bytes(bytes(data))
+    engine_url = store_cluster.urls["prefill" if read_path == "pe" else "decode"][0]
+    bad_before = metrics(engine_url)["pdserve_store_blocks_bad"]
+    ref_first = colocated.generate(
+        {"prompt_token_ids": context}, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    )[0]
+    assert first["choices"][0]["text"] == ref_first.outputs[0].text
+    context = context + ref_first.outputs[0].token_ids + tok.encode("\n# next\n", add_special_tokens=False)
+    resp = complete(store_cluster.router_url, context, read_path)
+    ref = colocated.generate(
+        {"prompt_token_ids": context}, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    )[0]
+    assert resp["choices"][0]["text"] == ref.outputs[0].text
+    wait_engine_idle(engine_url)
+    assert metrics(engine_url)["pdserve_store_blocks_bad"] == bad_before + 1
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens_storage"] < 0.9 * len(context)

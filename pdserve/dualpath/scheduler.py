@@ -43,6 +43,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 # Engine choice policies.
@@ -392,12 +393,12 @@ class DualPathScheduler:
         """
         best = self._node_best[node]
         if changed is None or best is None:
-            e = min(self._pe_by_node[node], key=_tokens_then_id)
+            e = min(self._pe_by_node[node], key=_TOKENS_THEN_ID)
         elif changed is best:
             if changed.num_tokens <= old_tokens:
                 e = best
             else:
-                e = min(self._pe_by_node[node], key=_tokens_then_id)
+                e = min(self._pe_by_node[node], key=_TOKENS_THEN_ID)
         elif (changed.num_tokens, changed.engine_id) < (best.num_tokens, best.engine_id):
             e = changed
         else:
@@ -414,25 +415,25 @@ class DualPathScheduler:
     def _choose_decode(
         req: PendingRequest, pages: int, engines: list[EngineLoad], z: float
     ) -> EngineLoad | None:
-        """Phase 2 inside the group: low-token engine with fewest requests, else fewest tokens."""
+        """Phase 2 inside the group: low-token engine with fewest requests, else fewest tokens.
+
+        Low: min (seq_e, tok_e, id); high: min (tok_e, seq_e, id). ``engines`` is in id order, so a
+        strict comparison on the first two keys keeps the lowest id on ties.
+        """
         low: EngineLoad | None = None
         high: EngineLoad | None = None
+        ls = lt = hs = ht = 0
+        dt = req.num_decode_tokens
         for e in engines:
             if e.num_free_pages < pages:
                 continue
-            if e.num_tokens + req.num_decode_tokens <= z:
-                if low is None or (e.num_seqs, e.num_tokens, e.engine_id) < (
-                    low.num_seqs,
-                    low.num_tokens,
-                    low.engine_id,
-                ):
-                    low = e
-            elif high is None or (e.num_tokens, e.num_seqs, e.engine_id) < (
-                high.num_tokens,
-                high.num_seqs,
-                high.engine_id,
-            ):
-                high = e
+            tok = e.num_tokens
+            if tok + dt <= z:
+                seq = e.num_seqs
+                if low is None or seq < ls or (seq == ls and tok < lt):
+                    low, ls, lt = e, seq, tok
+            elif high is None or tok < ht or (tok == ht and e.num_seqs < hs):
+                high, ht, hs = e, tok, e.num_seqs
         return low if low is not None else high
 
     def _commit(self, req: PendingRequest, pe: EngineLoad, de: EngineLoad, pages: int) -> Assignment:
@@ -475,8 +476,7 @@ class DualPathScheduler:
         return PATH_SPLIT, pe_read, hit - pe_read
 
 
-def _tokens_then_id(e: EngineLoad) -> tuple[int, int]:
-    return (e.num_tokens, e.engine_id)
+_TOKENS_THEN_ID = attrgetter("num_tokens", "engine_id")  # min key: (tok_e, id)
 
 
 def split_hit_tokens(

@@ -27,6 +27,7 @@ from pdserve.disagg.state import DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import PDConfig, PDRoleBase, encode_notif
+from pdserve.engine.pd_layerwise import LayerwisePrefill
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.base import TransferStatus
@@ -65,9 +66,9 @@ class PrefillRoom:
     # the decode read from the store (a data-plane read). The request is schedulable when the
     # KVRequest arrived and neither is pending.
     kv_request_seen: bool = False
-    store_read: object = None  # PendingRead
-    pull_tid: int = -1
-    pull_len: int = 0  # tokens the pull brings
+    store_read: object = None  # PendingRead in flight
+    store_hit: tuple | None = None  # (host buffer, leading good blocks) once read
+    de_hit_page_ids: list[int] = field(default_factory=list)  # DE path: the decode holds these
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
 
 
@@ -76,7 +77,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
         self.store = None  # StoreConnector when the engine has a persistent KV store (PE read path)
-        self.pulls: dict[int, int] = {}  # transfer id of a DE-path pull -> room
+        self.layerwise = LayerwisePrefill(self)
         self.num_store_blocks_bad = 0
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
@@ -126,19 +127,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         for env in self.control.poll():
             self._on_message(env)
         for tid, status in self.agent.poll_completions():
-            if tid in self.pulls:
-                self._on_pull_done(self.pulls.pop(tid), status)
-                continue
-            slot = self.staging_slots.pop(tid, None)
-            if slot is not None:
-                self.staging.free(slot)
-            room = self.transfers.pop(tid, None)
-            pr = self.by_room.get(room) if room is not None else None
-            if pr is None:
-                continue
-            pr.in_flight.discard(tid)
-            if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
-                self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
+            self._on_completion(tid, status)
         for pr in list(self.by_room.values()):
             if pr.store_read is not None and pr.store_read.future.done():
                 self._on_store_read_done(pr)
@@ -153,6 +142,44 @@ class PrefillRole(PDRoleBase, EngineRole):
                 del self.tombstones[room]
         self._reap()
         return bool(self.transfers) or bool(self.by_room)
+
+    def _on_completion(self, tid: int, status) -> None:
+        slot = self.staging_slots.pop(tid, None)
+        if slot is not None:
+            self.staging.free(slot)
+        room = self.transfers.pop(tid, None)
+        pr = self.by_room.get(room) if room is not None else None
+        if pr is None:
+            return
+        pr.in_flight.discard(tid)
+        if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
+            self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
+
+    def wait_for_transfer(self, tid: int, timeout_s: float | None = None) -> bool:
+        """Block (engine thread) until transfer `tid` completes; other completions are handled as usual.
+        Used by the layerwise lane, whose next layer needs this one's data. True if it succeeded."""
+        deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
+        while time.monotonic() < deadline:
+            for t, status in self.agent.poll_completions():
+                if t == tid:
+                    return status == TransferStatus.DONE
+                self._on_completion(t, status)
+            time.sleep(0.0002)
+        self.agent.abort(tid)
+        return False
+
+    def submit_write(self, pr: PrefillRoom, local, remote, last: bool, staging_slot: int = -1) -> int:
+        """Queue one write of the room to its decode; the last one's notification carries the count."""
+        pr.seq += 1
+        tid = self.agent.submit(
+            pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
+        )
+        self.transfers[tid] = pr.room
+        if staging_slot >= 0:
+            self.staging_slots[tid] = staging_slot
+        pr.in_flight.add(tid)
+        self.rooms.advance(pr.room, KVState.Transferring)
+        return tid
 
     def _on_message(self, env) -> None:
         body, room = env.body, env.room
@@ -240,19 +267,31 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.rooms.advance(room, KVState.WaitingForInput)
         pr.kv_request_seen = True
         if msg.hit_page_ids:
-            self._start_pull(pr, list(msg.hit_page_ids), msg.decode_prefix_len)
+            if len(msg.hit_page_ids) * ps != msg.decode_prefix_len:
+                self._fail(room, "hit_page_ids do not cover decode_prefix_len")
+                return
+            pr.de_hit_page_ids = list(msg.hit_page_ids)
         self._maybe_schedule(pr)
 
     # ---- DualPath read paths ---------------------------------------------------------------------
     def _maybe_schedule(self, pr: PrefillRoom) -> None:
-        if (
-            pr.kv_request_seen
-            and pr.store_read is None
-            and pr.pull_tid < 0
-            and pr.req.status.name == "WAITING"
-        ):
-            if pr.req not in self.engine.scheduler.waiting:
-                self.engine.scheduler.add(pr.req)
+        """Once the KVRequest is in and our store read (PE path) is done: a request with stored KV runs
+        the layerwise lane (PE path: hits from our host buffer; DE path: pulled from the decode),
+        anything else joins the scheduler like any prefill."""
+        if not pr.kv_request_seen or pr.store_read is not None or pr.req.status.name != "WAITING":
+            return
+        if pr.store_hit is not None:
+            buffer, num_blocks = pr.store_hit
+            pr.store_hit = None
+            hit_tokens = num_blocks * self.store.layout.block_size
+            load = self.layerwise.from_host_buffer(buffer, num_blocks, self.store.layout)
+            self._run_layerwise(pr, hit_tokens, load, storage=hit_tokens)
+        elif pr.de_hit_page_ids:
+            hit_tokens = len(pr.de_hit_page_ids) * self.page_size
+            load = self.layerwise.from_decode_pages(pr, pr.de_hit_page_ids)
+            self._run_layerwise(pr, hit_tokens, load, storage=0)
+        elif pr.req not in self.engine.scheduler.waiting:
+            self.engine.scheduler.add(pr.req)
 
     def _start_store_read(self, pr: PrefillRoom) -> None:
         """PE read path: read the prompt's stored blocks into a host buffer (store I/O threads), unless our
@@ -264,7 +303,6 @@ class PrefillRole(PDRoleBase, EngineRole):
 
     def _on_store_read_done(self, pr: PrefillRoom) -> None:
         pending, pr.store_read = pr.store_read, None
-        req = pr.req
         try:
             result = pending.future.result()
             num_ok = result.num_prefix_ok
@@ -272,39 +310,21 @@ class PrefillRole(PDRoleBase, EngineRole):
         except Exception:  # noqa: BLE001 - a failed read only means recompute
             log.exception("store read failed; recomputing")
             num_ok = 0
-        num_tokens = num_ok * self.store.layout.block_size
-        if num_tokens and self.engine.kv.allocate(req, num_tokens):
-            # Host buffer -> our pool pages, layer by layer; those tokens count as computed.
-            self.store.scatter_blocks(pending.buffer, num_ok, req.page_ids)
-            req.num_computed_tokens = num_tokens
-            req.num_storage_tokens = num_tokens
+        if num_ok:  # bad or missing blocks from the first one on are simply recomputed
+            pr.store_hit = (pending.buffer, num_ok)
         self._maybe_schedule(pr)
 
-    def _start_pull(self, pr: PrefillRoom, hit_page_ids: list[int], num_tokens: int) -> None:
-        """DE read path: pull the prompt KV the decode read from the store into pages of ours."""
+    def _run_layerwise(self, pr: PrefillRoom, hit_tokens: int, load, storage: int) -> None:
         req = pr.req
-        if len(hit_page_ids) * self.page_size != num_tokens or not self.engine.kv.allocate(req, num_tokens):
-            self._fail(pr.room, "cannot take the decode's stored KV")
+        try:
+            self.layerwise.run(pr, hit_tokens, load, pr.first_page)
+        except Exception as e:  # noqa: BLE001 - fail this request, keep the engine
+            log.exception("layerwise prefill failed")
+            self._fail(pr.room, f"layerwise prefill failed: {e}")
             return
-        runs = merge_runs(req.page_ids[: len(hit_page_ids)], hit_page_ids)
-        local, remote = page_descriptors(runs, self.local_kv, pr.peer.kv)
-        pr.pull_tid = self.agent.submit_read(pr.peer.agent_name, local, remote, b"")
-        pr.pull_len = num_tokens
-        self.pulls[pr.pull_tid] = pr.room
-        pr.in_flight.add(pr.pull_tid)
-
-    def _on_pull_done(self, room: int, status) -> None:
-        pr = self.by_room.get(room)
-        if pr is None:
-            return
-        pr.in_flight.discard(pr.pull_tid)
-        pr.pull_tid = -1
-        if status != TransferStatus.DONE:
-            if self.rooms.state(room) != KVState.Failed:
-                self._fail(room, "pulling the decode's stored KV failed")
-            return
-        pr.req.num_computed_tokens = pr.pull_len
-        self._maybe_schedule(pr)
+        req.num_storage_tokens = storage
+        self._send_last(pr)
+        self.aengine.deliver(self.engine._output(req), req.request_id)
 
     # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
     def _after_step(self, sched) -> None:
@@ -345,17 +365,9 @@ class PrefillRole(PDRoleBase, EngineRole):
             remote.append(
                 (pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes)
             )
-        pr.seq += 1
-        tid = self.agent.submit(
-            pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
-        )
-        self.transfers[tid] = pr.room
-        if local_slot >= 0:
-            self.staging_slots[tid] = local_slot
-        pr.in_flight.add(tid)
+        self.submit_write(pr, local, remote, last, local_slot)
         self.num_pages_sent += len(src)
         pr.num_pages_sent = end
-        self.rooms.advance(pr.room, KVState.Transferring)
 
     def _staged_descriptors(self, pr: PrefillRoom, src: list[int], rel_start: int):
         """Descriptors writing pages `src` into the decode's staging slot at positions rel_start.. (the

@@ -112,6 +112,9 @@ class PDMetrics:
         )
         self._seen_transfers = 0
         self.store = Gauge("pdserve_store", "Persistent KV store counters", ["counter"], registry=r)
+        self.layerwise = Gauge(
+            "pdserve_pd_layerwise_prefills", "Prefills run layer by layer over stored KV", registry=r
+        )
         self.store_written = Gauge(
             "pdserve_store_blocks_written", "Blocks this engine wrote back", registry=r
         )
@@ -140,6 +143,8 @@ class PDMetrics:
         self.update_control()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
         self.staged.set(getattr(role, "num_staged", 0))
+        if hasattr(role, "layerwise"):
+            self.layerwise.set(role.layerwise.num_runs)
         if getattr(role, "store", None) is not None:
             self.store_written.set(role.store.num_blocks_written)
             self.store_bad.set(role.num_store_blocks_bad)

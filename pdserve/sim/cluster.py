@@ -260,6 +260,7 @@ class ClusterSim:
         self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
         self._decode_step = decode_step_fn(m)
+        self._submit_s = cfg.submit_us_per_copy * 1e-6 / max(cfg.copies_per_submit, 1)
         # Agents.
         self.agent_ctx = [0] * workload.num_agents
         # Python lists of the workload's per-turn arrays: the handlers read one element per event and a
@@ -471,15 +472,12 @@ class ClusterSim:
         in_end, n_in = self._book_inbound(pe, batch, t)
         if self.mode.layerwise:
             out_end, n_out = self._book_outbound(pe, batch, t)
-            submit = (n_in + n_out) * self._submit_s_per_copy()
+            submit = (n_in + n_out) * self._submit_s
             end = max(t + compute, in_end, out_end, t + submit) + compute / self.layers
             self._push(end, _BATCH_DONE, pe, batch)
         else:
-            t_loaded = max(in_end, t + n_in * self._submit_s_per_copy())
+            t_loaded = max(in_end, t + n_in * self._submit_s)
             self._push(t_loaded + compute, _BATCH_LOADED, pe, batch)
-
-    def _submit_s_per_copy(self) -> float:
-        return self.cfg.submit_us_per_copy * 1e-6 / max(self.cfg.copies_per_submit, 1)
 
     def _book_inbound(self, pe: int, batch, t: float) -> tuple[float, int]:
         """Hit KV of each request into the PE GPU, one layer block per copy; returns (end, copies)."""
@@ -527,7 +525,7 @@ class ClusterSim:
         """Not layerwise: compute finished; now send the whole KV to the DE host."""
         t = self.now
         out_end, n_out = self._book_outbound(pe, batch, t)
-        end = max(out_end, t + n_out * self._submit_s_per_copy())
+        end = max(out_end, t + n_out * self._submit_s)
         self._push(end, _BATCH_DONE, pe, batch)
 
     def _batch_done(self, pe: int, batch) -> None:
@@ -559,7 +557,7 @@ class ClusterSim:
             de_node = self.P + r.de // g
             end = book3(self.dram[de_node], self.cnic_rd[de_gpu], self.cnic_wr[de_gpu], t, b)
             end = max(
-                end, t + -(-r.prompt // self.cfg.block_tokens) * self.layers * self._submit_s_per_copy()
+                end, t + -(-r.prompt // self.cfg.block_tokens) * self.layers * self._submit_s
             )
             self._push(end, _DE_READY, None, r)
         self.pe_busy[pe] = False
@@ -629,7 +627,13 @@ class ClusterSim:
         self.agent_ctx[agent] = r.prompt + r.gen
         nxt = r.turn + 1
         if nxt < self._offsets[agent + 1]:
-            self._push(t + self._think[nxt], _ARRIVE, agent, nxt)
+            think = self._think[nxt]
+            if think > 0.0:
+                self._push(t + think, _ARRIVE, agent, nxt)
+            else:
+                # Zero think time (the paper's replay: no tool latency): submit now rather than through
+                # the event heap; only the order among events at this exact instant changes.
+                self._arrive(agent, nxt)
         else:
             self.agent_done[agent] = t
         self._want_fetch()

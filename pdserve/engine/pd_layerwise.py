@@ -1,0 +1,157 @@
+"""DualPath layerwise prefill on the prefill engine, for requests whose prompt KV is mostly stored.
+
+For layer l = 0, 1, ...: get layer l's hit KV (PE read path: from our host buffer, filled from the
+store; DE read path: pulled from the decode's pages over the data plane), compute the miss tokens of
+layer l over it (`CausalLM.forward_layerwise`), and write layer l to the decode — hit + miss tokens on
+the PE path (the decode has nothing yet), miss tokens only on the DE path (it has the hits). Only the
+current layer's hit KV is ever materialised here, and these requests take no pages of our pool: each
+layer goes out of a staging slot that is freed when its write completes.
+
+    tokens     0 ........ hit_tokens .................. N
+    PE path    [ host buffer (store) ][ computed here ]   layer l of all of it -> decode
+    DE path    [ decode's pages      ][ computed here ]   layer l of the miss part -> decode
+
+Runs on the engine thread, one request at a time (like one prefill step of that request).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pdserve.engine.request import RequestStatus, TokenLogprob
+from pdserve.transfer.pages import merge_runs
+
+
+class LayerwisePrefill:
+    def __init__(self, role) -> None:
+        self.role = role
+        self.engine = role.engine
+        self.runner = role.engine.runner
+        layout = self.runner.kv_cache.layout
+        self.page_size = layout.page_size
+        self.page_bytes = layout.bytes_per_page
+        self.kv_shape = (layout.num_kv_heads, layout.head_dim)
+        self.dtype = self.runner.kv_cache.k[0].dtype
+        self.num_runs = 0
+
+    # ---- hit KV sources --------------------------------------------------------------------------
+    def from_host_buffer(self, buffer: torch.Tensor, num_blocks: int, store_layout):
+        """PE path: layer l's hit KV straight from the blocks read into `buffer` [blocks, block_nbytes]."""
+        half = store_layout.layer_nbytes // 2
+
+        def load(layer: int):
+            off = store_layout.layer_range(layer)[0]
+            k = buffer[:num_blocks, off : off + half].contiguous().view(self.dtype).view(-1, *self.kv_shape)
+            v = (
+                buffer[:num_blocks, off + half : off + 2 * half]
+                .contiguous()
+                .view(self.dtype)
+                .view(-1, *self.kv_shape)
+            )
+            return k.to(self.runner.device), v.to(self.runner.device)
+
+        return load
+
+    def from_decode_pages(self, pr, hit_page_ids: list[int]):
+        """DE path: pull layer l's K and V of the decode's hit pages into a staging slot, then view them."""
+        role, m = self.role, len(hit_page_ids)
+
+        def load(layer: int):
+            slot = role.staging.alloc(m)
+            if slot is None:
+                raise RuntimeError("no staging room to pull the decode's stored KV")
+            base = role.staging.descriptor(slot, m)[0]
+            local, remote = [], []
+            for half, region in enumerate((2 * layer, 2 * layer + 1)):
+                for s, d, n in merge_runs(range(m), hit_page_ids):
+                    local.append((base + (half * m + s) * self.page_bytes, n * self.page_bytes))
+                    remote.append((pr.peer.kv.base_addrs[region] + d * self.page_bytes, n * self.page_bytes))
+            tid = role.agent.submit_read(pr.peer.agent_name, local, remote, b"")
+            pr.in_flight.add(tid)
+            ok = role.wait_for_transfer(tid)
+            pr.in_flight.discard(tid)
+            if not ok:
+                role.staging.free(slot)
+                raise RuntimeError("pulling the decode's stored KV failed")
+            view = role.staging.view(slot, m)  # [regions, m, page_bytes]; regions 0, 1 hold K, V
+            # Copy out (the layer's "device" copy) before the slot is reused by this layer's send.
+            k = view[0].clone().view(self.dtype).view(-1, *self.kv_shape)
+            v = view[1].clone().view(self.dtype).view(-1, *self.kv_shape)
+            role.staging.free(slot)
+            return k.to(self.runner.device), v.to(self.runner.device)
+
+        return load
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def run(self, pr, hit_tokens: int, load_hit, first_send_page: int) -> None:
+        """Prefill tokens [hit_tokens, N) of `pr.req` layer by layer and send pages [first_send_page, ...)
+        of every layer to the decode; then sample token 1 and send the handoff. Raises on failure."""
+        req, ps = pr.req, self.page_size
+        num_tokens = req.num_prompt_tokens
+        num_pages = -(-num_tokens // ps)
+        send_from = first_send_page * ps  # first token of the pages we send
+        current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def load(layer: int):
+            current.clear()
+            current[layer] = load_hit(layer)
+            return current[layer]
+
+        def emit(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+            k_hit, v_hit = current[layer]
+            k_all = torch.cat((k_hit[send_from:], k_new[max(0, send_from - hit_tokens) :]))
+            v_all = torch.cat((v_hit[send_from:], v_new[max(0, send_from - hit_tokens) :]))
+            self._send_layer(pr, layer, k_all, v_all, first_send_page, num_pages)
+
+        miss_ids = torch.tensor(req.prompt_token_ids[hit_tokens:], device=self.runner.device)
+        positions = torch.arange(hit_tokens, num_tokens, device=self.runner.device)
+        with torch.inference_mode():
+            hidden = self.runner.model.forward_layerwise(miss_ids, positions, load, emit)
+            logits = self.runner.model.compute_logits(hidden[-1:]).float()
+            result = self.runner.sampler(
+                logits, [req.sampling_params], [self.runner.generators.get(req.request_id)]
+            )
+        token = result.token_ids[0]
+        req.append_output(token)
+        req.num_computed_tokens = num_tokens
+        req.first_token_time = req.last_token_time = time.monotonic()
+        if result.logprobs[0] is not None:
+            chosen, top = result.logprobs[0]
+            req.logprobs.append(TokenLogprob(token, chosen, top))
+        req.status = RequestStatus.FINISHED_LENGTH
+        pr.num_pages_sent = num_pages  # every page went out layer by layer: the last write is the handoff
+        self.num_runs += 1
+
+    def _send_layer(self, pr, layer: int, k_all, v_all, first_page: int, num_pages: int) -> None:
+        """Write layer `layer` of tokens [first_page * page_size, N) to the decode, from a staging slot."""
+        role, m = self.role, num_pages - first_page
+        if m <= 0:
+            return
+        slot = role.staging.alloc(m)
+        if slot is None:
+            raise RuntimeError("no staging room for a layerwise send")
+        view = role.staging.view(slot, m)  # [regions, m, page_bytes]; we use regions 0 (K) and 1 (V)
+        for half, t in enumerate((k_all, v_all)):
+            flat = t.reshape(-1).view(torch.uint8)
+            dst = view[half].reshape(-1)
+            dst[: flat.numel()].copy_(flat)  # the partial last page's tail stays as it was: unread
+        base = role.staging.descriptor(slot, m)[0]
+        dst_pages = pr.dst_page_ids[first_page - pr.first_page :]
+        local, remote = [], []
+        n_dst = len(pr.dst_page_ids)
+        for half, region in enumerate((2 * layer, 2 * layer + 1)):
+            if pr.staging_offset >= 0:  # the decode scatters from its staging slot [regions, n_dst, page]
+                remote_base = (
+                    pr.peer.staging_base_addr
+                    + pr.staging_offset * len(role.local_kv.base_addrs) * self.page_bytes
+                )
+                start = first_page - pr.first_page
+                local.append((base + half * m * self.page_bytes, m * self.page_bytes))
+                remote.append((remote_base + (region * n_dst + start) * self.page_bytes, m * self.page_bytes))
+                continue
+            for s, d, n in merge_runs(range(m), dst_pages):
+                local.append((base + (half * m + s) * self.page_bytes, n * self.page_bytes))
+                remote.append((pr.peer.kv.base_addrs[region] + d * self.page_bytes, n * self.page_bytes))
+        role.submit_write(pr, local, remote, last=False, staging_slot=slot)
