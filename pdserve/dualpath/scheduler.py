@@ -203,6 +203,7 @@ class DualPathScheduler:
         self._group_tokens = {g: sum(e.num_tokens for e in es) for g, es in self._de_by_group.items()}
         self._group_heap = [(t, g) for g, t in self._group_tokens.items()]
         heapq.heapify(self._group_heap)
+        self._group_dirty: set[int] = set()  # groups whose token sum changed since the last fetch
         self._group_pages = {g: sum(e.num_free_pages for e in es) for g, es in self._de_by_group.items()}
         beta = config.beta_tokens
         self._beta_slack = sum(beta - e.num_tokens for e in self.prefill if e.num_tokens <= beta)
@@ -222,7 +223,7 @@ class DualPathScheduler:
         e = self.decode[engine_id]
         if num_tokens != e.num_tokens:
             self._group_tokens[e.group_id] += num_tokens - e.num_tokens
-            heapq.heappush(self._group_heap, (self._group_tokens[e.group_id], e.group_id))
+            self._group_dirty.add(e.group_id)  # its heap entry is pushed at the next fetch
         self._group_pages[e.group_id] += num_free_pages - e.num_free_pages
         e.num_seqs = num_seqs
         e.num_tokens = num_tokens
@@ -299,9 +300,14 @@ class DualPathScheduler:
         # group's current (tentative) sum; min over it equals min over all groups by (tokens, id).
         group_tokens = self._group_tokens
         heap = self._group_heap
-        if len(heap) > 4 * len(group_tokens):
+        dirty = self._group_dirty
+        if len(heap) + len(dirty) > 4 * len(group_tokens) or 4 * len(dirty) > len(group_tokens):
             heap[:] = [(t, g) for g, t in group_tokens.items()]
             heapq.heapify(heap)
+        else:  # one fresh entry per changed group, however many reports it had
+            for g in dirty:
+                heapq.heappush(heap, (group_tokens[g], g))
+        dirty.clear()
         tentative: dict[int, int] = {}
         group_of: list[int] = []
         by_group: dict[int, list[PendingRequest]] = {}

@@ -17,6 +17,7 @@ Runs on the engine thread, one request at a time (like one prefill step of that 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -35,30 +36,46 @@ class LayerwisePrefill:
         self.kv_shape = (layout.num_kv_heads, layout.head_dim)
         self.dtype = self.runner.kv_cache.k[0].dtype
         self.num_runs = 0
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="layerwise-h2d")
 
     # ---- hit KV sources --------------------------------------------------------------------------
+    # A source has start(layer) (begin moving that layer's hit KV; non-blocking) and finish(layer)
+    # (wait for it; return k, v [hit_tokens, Hkv, D] on the device). `run` starts layer l+1 before it
+    # computes layer l, so the next layer's load overlaps this layer's compute.
     def from_host_buffer(self, buffer: torch.Tensor, num_blocks: int, store_layout):
-        """PE path: layer l's hit KV straight from the blocks read into `buffer` [blocks, block_nbytes]."""
+        """PE path: layer l's hit KV from the blocks read into `buffer` [blocks, block_nbytes] (the
+        host -> device copy runs on a helper thread; torch releases the GIL while copying)."""
         half = store_layout.layer_nbytes // 2
+        device, dtype, shape = self.runner.device, self.dtype, self.kv_shape
+        futures: dict[int, Future] = {}
 
-        def load(layer: int):
+        def copy(layer: int):
             off = store_layout.layer_range(layer)[0]
-            k = buffer[:num_blocks, off : off + half].contiguous().view(self.dtype).view(-1, *self.kv_shape)
+            k = buffer[:num_blocks, off : off + half].reshape(-1).clone().view(dtype).view(-1, *shape)
             v = (
                 buffer[:num_blocks, off + half : off + 2 * half]
-                .contiguous()
-                .view(self.dtype)
-                .view(-1, *self.kv_shape)
+                .reshape(-1)
+                .clone()
+                .view(dtype)
+                .view(-1, *shape)
             )
-            return k.to(self.runner.device), v.to(self.runner.device)
+            return k.to(device), v.to(device)
 
-        return load
+        def start(layer: int) -> None:
+            futures[layer] = self._copier.submit(copy, layer)
+
+        def finish(layer: int):
+            return futures.pop(layer).result()
+
+        return start, finish
 
     def from_decode_pages(self, pr, hit_page_ids: list[int]):
-        """DE path: pull layer l's K and V of the decode's hit pages into a staging slot, then view them."""
+        """DE path: pull layer l's K and V of the decode's hit pages into a staging slot (a data-plane
+        read), then copy them out."""
         role, m = self.role, len(hit_page_ids)
+        pending: dict[int, tuple[int, int]] = {}  # layer -> (transfer id, staging slot)
 
-        def load(layer: int):
+        def start(layer: int) -> None:
             slot = role.staging.alloc(m)
             if slot is None:
                 raise RuntimeError("no staging room to pull the decode's stored KV")
@@ -69,7 +86,12 @@ class LayerwisePrefill:
                     local.append((base + (half * m + s) * self.page_bytes, n * self.page_bytes))
                     remote.append((pr.peer.kv.base_addrs[region] + d * self.page_bytes, n * self.page_bytes))
             tid = role.agent.submit_read(pr.peer.agent_name, local, remote, b"")
+            role.expect_transfer(tid)
             pr.in_flight.add(tid)
+            pending[layer] = (tid, slot)
+
+        def finish(layer: int):
+            tid, slot = pending.pop(layer)
             ok = role.wait_for_transfer(tid)
             pr.in_flight.discard(tid)
             if not ok:
@@ -82,10 +104,18 @@ class LayerwisePrefill:
             role.staging.free(slot)
             return k.to(self.runner.device), v.to(self.runner.device)
 
-        return load
+        def abandon() -> None:  # a failed run: release slots of pulls started ahead
+            for tid, slot in pending.values():
+                role.wait_for_transfer(tid)  # done or aborted: nothing lands in the slot afterwards
+                pr.in_flight.discard(tid)
+                role.staging.free(slot)
+            pending.clear()
+
+        finish.abandon = abandon
+        return start, finish
 
     # ---- the run ---------------------------------------------------------------------------------
-    def run(self, pr, hit_tokens: int, load_hit, first_send_page: int) -> None:
+    def run(self, pr, hit_tokens: int, load_hit: tuple, first_send_page: int) -> None:
         """Prefill tokens [hit_tokens, N) of `pr.req` layer by layer and send pages [first_send_page, ...)
         of every layer to the decode; then sample token 1 and send the handoff. Raises on failure."""
         req, ps = pr.req, self.page_size
@@ -93,11 +123,17 @@ class LayerwisePrefill:
         num_pages = -(-num_tokens // ps)
         send_from = first_send_page * ps  # first token of the pages we send
         current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        start, finish = load_hit
+        num_layers = len(self.runner.model.layers)
 
         def load(layer: int):
             current.clear()
-            current[layer] = load_hit(layer)
+            current[layer] = finish(layer)
+            if layer + 1 < num_layers:
+                start(layer + 1)  # overlaps with this layer's compute
             return current[layer]
+
+        start(0)
 
         def emit(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
             k_hit, v_hit = current[layer]
@@ -108,7 +144,11 @@ class LayerwisePrefill:
         miss_ids = torch.tensor(req.prompt_token_ids[hit_tokens:], device=self.runner.device)
         positions = torch.arange(hit_tokens, num_tokens, device=self.runner.device)
         with torch.inference_mode():
-            hidden = self.runner.model.forward_layerwise(miss_ids, positions, load, emit)
+            try:
+                hidden = self.runner.model.forward_layerwise(miss_ids, positions, load, emit)
+            except Exception:
+                getattr(finish, "abandon", lambda: None)()
+                raise
             logits = self.runner.model.compute_logits(hidden[-1:]).float()
             result = self.runner.sampler(
                 logits, [req.sampling_params], [self.runner.generators.get(req.request_id)]

@@ -78,6 +78,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
         self.store = None  # StoreConnector when the engine has a persistent KV store (PE read path)
         self.layerwise = LayerwisePrefill(self)
+        self.awaited: dict[int, object] = {}  # transfer id -> status once done (None: pending)
         self.num_store_blocks_bad = 0
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
@@ -144,6 +145,9 @@ class PrefillRole(PDRoleBase, EngineRole):
         return bool(self.transfers) or bool(self.by_room)
 
     def _on_completion(self, tid: int, status) -> None:
+        if tid in self.awaited:  # a layerwise pull: its waiter collects it
+            self.awaited[tid] = status
+            return
         slot = self.staging_slots.pop(tid, None)
         if slot is not None:
             self.staging.free(slot)
@@ -159,14 +163,20 @@ class PrefillRole(PDRoleBase, EngineRole):
         """Block (engine thread) until transfer `tid` completes; other completions are handled as usual.
         Used by the layerwise lane, whose next layer needs this one's data. True if it succeeded."""
         deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
-        while time.monotonic() < deadline:
+        self.awaited.setdefault(tid, None)
+        while self.awaited[tid] is None and time.monotonic() < deadline:
             for t, status in self.agent.poll_completions():
-                if t == tid:
-                    return status == TransferStatus.DONE
                 self._on_completion(t, status)
-            time.sleep(0.0002)
-        self.agent.abort(tid)
-        return False
+            if self.awaited[tid] is None:
+                time.sleep(0.0002)
+        status = self.awaited.pop(tid)
+        if status is None:
+            self.agent.abort(tid)
+        return status == TransferStatus.DONE
+
+    def expect_transfer(self, tid: int) -> None:
+        """Mark `tid` as one that `wait_for_transfer` will collect (so no other loop consumes it)."""
+        self.awaited.setdefault(tid, None)
 
     def submit_write(self, pr: PrefillRoom, local, remote, last: bool, staging_slot: int = -1) -> int:
         """Queue one write of the room to its decode; the last one's notification carries the count."""
