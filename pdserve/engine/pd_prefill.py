@@ -13,6 +13,12 @@ Queues of a room (DESIGN.md §4):   bootstrap ──KVRequest──> waiting ─
   included) and the handoff row; its notification tells the decode how many writes to expect.
 * Pages are freed only when the decode acks Success, or the room fails and no write of it is still
   in flight (a late read of a freed page could send another request's KV).
+* DualPath: a request with stored KV (read here, PE path; or held by the decode, DE path) skips the
+  scheduler and runs the layerwise lane (`pd_layerwise.py`).
+
+Why one ~480-line file: it is one state machine (a room's queues, its writes, its failure and release
+rules). The pieces that stand alone — page runs, staging, the layerwise compute, the wire — live in
+their own modules; what remains here is the protocol, which reads best in one place.
 """
 
 from __future__ import annotations
@@ -288,7 +294,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         """Once the KVRequest is in and our store read (PE path) is done: a request with stored KV runs
         the layerwise lane (PE path: hits from our host buffer; DE path: pulled from the decode),
         anything else joins the scheduler like any prefill."""
-        if not pr.kv_request_seen or pr.store_read is not None or pr.req.status.name != "WAITING":
+        if not pr.kv_request_seen or pr.store_read is not None or pr.req.status != RequestStatus.WAITING:
             return
         if pr.store_hit is not None:
             buffer, num_blocks = pr.store_hit
