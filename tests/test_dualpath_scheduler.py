@@ -13,6 +13,7 @@ from pdserve.dualpath.scheduler import (
     PATH_DE,
     PATH_PE,
     PATH_SPLIT,
+    AdditiveBatchCost,
     DualPathScheduler,
     EngineLoad,
     PendingRequest,
@@ -389,3 +390,30 @@ def test_property_pe_choice_equals_brute_force_scan(toks, queues, updates):
     got = s._choose_prefill()
     assert (got.engine_id if got else None) == (expect.engine_id if expect else None)
     assert s._choose_prefill() is got  # a query leaves the heap as it was
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=6),
+    quota=st.integers(1, 20_000),
+    overhead=st.integers(0, 50),
+    quad=st.integers(0, 3),
+)
+def test_property_additive_gallop_equals_plain_binary_search(items, quota, overhead, quad):
+    """The additive fast path (linear estimate + gallop) picks the same plan as the generic binary search.
+
+    Integer-valued costs so both paths' float sums are exact; ``quad`` makes the per-token cost grow with
+    the chunk (like attention), so the linear estimate is off and the gallop has to walk.
+    """
+
+    def item(c: int, n: int) -> float:
+        return float(n * (1 + c // 1000) + quad * n * n // 64)
+
+    waiting = [PrefillItem(i, c, n) for i, (c, n) in enumerate(items)]
+    fast = build_prefill_batch(waiting, AdditiveBatchCost(float(overhead), item), float(quota), PAGE)
+    plain = build_prefill_batch(
+        waiting, lambda pairs: float(overhead) + sum(item(c, n) for c, n in pairs), float(quota), PAGE
+    )
+    assert fast == plain
+    lazy = build_prefill_batch(iter(waiting), AdditiveBatchCost(float(overhead), item), float(quota), PAGE)
+    assert lazy == fast

@@ -13,8 +13,9 @@ them would only add indirection):
   and the device side of a loopback copy). All GPU traffic, local H2D included, goes through the GPU's
   paired CNIC (paper §5), which is what the analytic bounds 1/7 ≤ P/D ≤ 7/2 assume.
 * Requests: the router queue is FIFO; a fetch runs the scheduler; each assignment starts the hit
-  reads (FIFO per SNIC; the node's read queue is the hit tokens not yet read) and appends the request
-  to its PE's FIFO. A PE builds a batch from requests whose reads are done, in FIFO order, under the
+  reads (FIFO per SNIC; the node's read queue is the hit tokens not yet read); when they are done the
+  request joins its PE's ready list (kept in rid = FIFO order, so waiting-for-read requests are never
+  scanned). A PE builds a batch from requests whose reads are done, in FIFO order, under the
   compute quota (``build_prefill_batch``), and books the batch's per-layer copies:
   PE path: PE DRAM→PE GPU (loopback on the PE CNIC), then hit+miss KV PE GPU→DE host;
   DE path: DE DRAM→DE CNIC→PE GPU, then only the miss KV back to the DE host.
@@ -29,7 +30,13 @@ them would only add indirection):
   time; prompt = previous context + append; hit = previous context rounded down to store blocks.
 
 Ties: events at equal times run in the order they were scheduled (a global sequence number), so a run
-is a deterministic function of (config, workload).
+is a deterministic function of (config, workload). A next turn with zero think time (the paper's
+replay) is submitted inside the finishing handler instead of through the heap.
+
+Speed (the 48P96D scale run simulates 2.67 M turns): handlers index a table by event kind; per-turn
+workload arrays are Python lists; the cost model is bound once per profile (``prefill_request_fn``,
+``decode_step_fn``); the three links of every KV copy are booked in one call (``links.book3``); the
+cyclic GC is paused during the run.
 """
 
 from __future__ import annotations
@@ -244,7 +251,9 @@ class ClusterSim:
         # State.
         self.events: list = []
         self._seq = count(1)  # tie-break: events at equal times run in scheduling order
-        self.queue: deque[tuple[PendingRequest, _Req]] = deque()
+        # The router's FIFO queue, as two parallel deques (what the scheduler sees; the simulator's request).
+        self.queue: deque[PendingRequest] = deque()
+        self.queue_reqs: deque[_Req] = deque()
         self.fetch_pending = False
         self.last_fetch = -math.inf
         self.read_q = [deque() for _ in range(n_nodes)]  # (req, tokens)
@@ -260,6 +269,7 @@ class ClusterSim:
         self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
         self._decode_step = decode_step_fn(m)
+        self._layerwise, self._oracle = self.mode.layerwise, self.mode.oracle
         self._submit_s = cfg.submit_us_per_copy * 1e-6 / max(cfg.copies_per_submit, 1)
         # Agents.
         self.agent_ctx = [0] * workload.num_agents
@@ -358,9 +368,10 @@ class ClusterSim:
         self.open_turns[req.rid] = self.now
         if self.keep_requests:
             self.reqs.append(req)
-        pend = PendingRequest(req.rid, hit, new, req.prompt + req.gen)
-        self.queue.append((pend, req))
-        self._want_fetch()
+        self.queue.append(PendingRequest(req.rid, hit, new, req.prompt + req.gen))
+        self.queue_reqs.append(req)
+        if not self.fetch_pending:
+            self._want_fetch()
 
     def _want_fetch(self) -> None:
         # The router fetches at most once per ``fetch_interval_s`` (a real router polls its queue
@@ -374,12 +385,11 @@ class ClusterSim:
         self.last_fetch = self.now
         if not self.queue:
             return
-        head = list(islice(self.queue, self.max_fetch))
-        out = self.sched.assign([p for p, _ in head])
-        oracle = self.mode.oracle
+        out = self.sched.assign(list(islice(self.queue, self.max_fetch)))
+        head = [(self.queue.popleft(), self.queue_reqs.popleft()) for _ in out]
+        oracle = self._oracle
         pages_per = self.cfg.page_tokens
-        for asg, (pend, req) in zip(out, head, strict=False):
-            self.queue.popleft()
+        for asg, (pend, req) in zip(out, head, strict=True):
             req.pe, req.de, req.path = asg.prefill_engine, asg.decode_engine, asg.read_path
             req.pe_read, req.de_read = asg.num_pe_read_tokens, asg.num_de_read_tokens
             self.pe_tokens[req.pe] += req.new
@@ -399,7 +409,7 @@ class ClusterSim:
             if req.de_read:
                 req.reads_left += 1
                 self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
-        for _, req in head[: len(out)]:
+        for _, req in head:
             if req.reads_left == 0:
                 self._ready(req)
                 self._try_prefill(req.pe)
@@ -448,7 +458,7 @@ class ClusterSim:
         ready = self.pe_ready[pe][:MAX_READY_SCAN]  # the first ready requests, FIFO order
         if not ready:
             return
-        if not self.mode.layerwise:
+        if not self._layerwise:
             # Whole-prompt KV of the batch must sit in HBM: cut the ready list at the HBM limit.
             cap, acc, cut = self.pe_hbm_tokens, 0, 0
             for r in ready:
@@ -466,11 +476,11 @@ class ClusterSim:
         self.pe_busy[pe] = True
         t = self.now
         compute = plan.predicted_s
-        if self.mode.oracle:
+        if self._oracle:
             self._push(t + compute, _BATCH_DONE, pe, batch)
             return
         in_end, n_in = self._book_inbound(pe, batch, t)
-        if self.mode.layerwise:
+        if self._layerwise:
             out_end, n_out = self._book_outbound(pe, batch, t)
             submit = (n_in + n_out) * self._submit_s
             end = max(t + compute, in_end, out_end, t + submit) + compute / self.layers
@@ -485,7 +495,7 @@ class ClusterSim:
         pe_node = pe // g
         end, copies = t, 0
         for r, _n in batch:
-            if r.inbound_done and not self.mode.layerwise:
+            if r.inbound_done and not self._layerwise:
                 continue
             if r.pe_read:
                 b = r.pe_read * kv
@@ -543,12 +553,14 @@ class ClusterSim:
         self.pe_seqs[pe] -= len(finished)
         self.sched.report_prefill(pe, self.pe_seqs[pe], self.pe_tokens[pe])
         kv, g = self.kv_tok, self.g
+        bt, layers, submit_s = self.cfg.block_tokens, self.layers, self._submit_s
+        events, seq, heappush = self.events, self._seq, heapq.heappush
         for r in finished:
             r.t_first = t
             del self.open_turns[r.rid]
             self.ttft.append(t - r.t_submit)
             self.submit_t.append(r.t_submit)
-            if self.mode.oracle:
+            if self._oracle:
                 self._push(t, _DE_READY, None, r)
                 continue
             # DE host → DE GPU, loopback on the DE GPU's CNIC.
@@ -556,21 +568,13 @@ class ClusterSim:
             de_gpu = self.num_pe + r.de
             de_node = self.P + r.de // g
             end = book3(self.dram[de_node], self.cnic_rd[de_gpu], self.cnic_wr[de_gpu], t, b)
-            end = max(
-                end, t + -(-r.prompt // self.cfg.block_tokens) * self.layers * self._submit_s
-            )
-            self._push(end, _DE_READY, None, r)
+            post = t + -(-r.prompt // bt) * layers * submit_s
+            heappush(events, (end if end >= post else post, next(seq), _DE_READY, None, r))
         self.pe_busy[pe] = False
         self._try_prefill(pe)
         self._want_fetch()
 
     # ---- decode ----
-
-    def _advance(self, d: _Decode) -> None:
-        t = self.now
-        if d.n:
-            d.v += (t - d.t_last) / d.step_s
-        d.t_last = t
 
     def _resched(self, de: int, d: _Decode) -> None:
         d.version += 1
@@ -591,7 +595,10 @@ class ClusterSim:
             self._finish(r)
             return
         d = self.dec[r.de]
-        self._advance(d)
+        t = self.now
+        if d.n:
+            d.v += (t - d.t_last) / d.step_s
+        d.t_last = t
         heapq.heappush(d.heap, (d.v + remaining, r.rid, r))
         d.n += 1
         d.ctx_base += r.prompt - d.v
@@ -601,7 +608,10 @@ class ClusterSim:
         d = self.dec[de]
         if version != d.version:
             return
-        self._advance(d)
+        t = self.now
+        if d.n:
+            d.v += (t - d.t_last) / d.step_s
+        d.t_last = t
         heap = d.heap
         while heap and heap[0][0] <= d.v + 1e-9:
             v_end, _, r = heapq.heappop(heap)
@@ -636,4 +646,5 @@ class ClusterSim:
                 self._arrive(agent, nxt)
         else:
             self.agent_done[agent] = t
-        self._want_fetch()
+        if not self.fetch_pending:
+            self._want_fetch()
