@@ -21,6 +21,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _pd_args(p: argparse.ArgumentParser) -> None:
+    """Flags of prefill/decode engines, shared by `serve` and `launch` (which passes them on)."""
+    p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
+    p.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
+    p.add_argument("--pd-abort-lease-s", type=float, default=60.0)
+    p.add_argument(
+        "--pd-staging-threshold",
+        type=float,
+        default=0.5,
+        help="stage a request's KV when its decode pages have more than this many runs per page "
+        "(negative: always)",
+    )
+    p.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
+    p.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
+    p.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
+
+
+def _read_path_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--read-path", default="none", choices=["none", "pe", "de", "auto"], help=help_text)
+
+
 def engine_config_from_args(a: argparse.Namespace):
     from pdserve.config import EngineConfig
 
@@ -148,22 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="warning")
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
-    s.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
     s.add_argument(
         "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)"
     )
-    s.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
-    s.add_argument("--pd-abort-lease-s", type=float, default=60.0)
-    s.add_argument(
-        "--pd-staging-threshold",
-        type=float,
-        default=0.5,
-        help="stage a request's KV when its decode pages have more than this many runs per page "
-        "(negative: always)",
-    )
-    s.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
-    s.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
-    s.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
+    _pd_args(s)
     s.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
@@ -172,12 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--health-interval-s", type=float, default=1.0)
-    r.add_argument(
-        "--read-path",
-        default="none",
-        choices=["none", "pe", "de", "auto"],
-        help="DualPath read path per request (a request body's read_path wins)",
-    )
+    _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_router)
 
@@ -186,19 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     la.add_argument("--decode", type=int, default=1, help="number of decode engines")
     la.add_argument("--port", type=int, default=8000, help="router port")
-    la.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
-    la.add_argument("--pd-deadline-s", type=float, default=30.0)
-    la.add_argument("--pd-abort-lease-s", type=float, default=60.0)
-    la.add_argument("--kv-store", default=None, help="persistent KV store directory shared by all engines")
-    la.add_argument("--kv-store-gib", type=float, default=8.0)
-    la.add_argument("--kv-block-size", type=int, default=64)
-    la.add_argument(
-        "--read-path",
-        default="none",
-        choices=["none", "pe", "de", "auto"],
-        help="DualPath read path the router asks for (auto: the side with fewer reads in flight)",
-    )
-    la.add_argument("--pd-staging-threshold", type=float, default=0.5)
+    _pd_args(la)
+    _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
     la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")
