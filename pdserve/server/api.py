@@ -123,6 +123,9 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 ) from None
             req.pd = (room, addr)
 
+    def envelope(rid: str, obj: str, created: int, choices: list) -> dict:
+        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+
     def usage(out: RequestOutput) -> dict:
         n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
         return {
@@ -274,13 +277,7 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 "finish_reason": finish,
                 "logprobs": completion_logprobs(o.logprobs, start) if o is not None else None,
             }
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-            }
+            return envelope(rid, "text_completion", created, [choice])
 
         if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -318,13 +315,7 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 "finish_reason": finish,
                 "logprobs": chat_logprobs(o.logprobs, start) if o is not None else None,
             }
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-            }
+            return envelope(rid, "chat.completion.chunk", created, [choice])
 
         if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -336,21 +327,13 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             )
         out = await run_to_end(req, prompt, http)
         o = out.outputs[0]
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": o.text},
-                    "logprobs": chat_logprobs(o.logprobs, 0),
-                    "finish_reason": o.finish_reason,
-                }
-            ],
-            "usage": usage(out),
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": chat_logprobs(o.logprobs, 0),
+            "finish_reason": o.finish_reason,
         }
+        return envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: Request):
