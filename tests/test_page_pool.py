@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pdserve.engine.request import Request
-from pdserve.kvcache.hashing import chain_key, page_keys, root_key
+from pdserve.kvcache.hashing import cached_keys, chain_key, page_keys, root_key
 from pdserve.kvcache.kv_manager import KVManager
 from pdserve.kvcache.page_pool import OutOfPages, PagePool
 from pdserve.sampling_params import SamplingParams
@@ -55,6 +55,11 @@ def test_keys_are_deterministic_chained_and_not_builtin_hash():
     # Fixed value: stable across processes and Python versions (blake2b, not builtin hash()).
     assert chain_key(root_key(""), [1, 2, 3]).hex() == "a287862963ed618b74f691eaafcf9772"
     assert len(k[0]) == 16
+    # A per-request cache extended as the token list grows gives the same keys as hashing afresh.
+    cache: list = []
+    assert cached_keys(cache, list(range(10)), 4, root, 1) == k[:1] and len(cache) == 1
+    assert cached_keys(cache, list(range(12)), 4, root, 3) == page_keys(list(range(12)), 4, root)
+    assert len(cache) == 3 and cached_keys(cache, list(range(12)), 4, root, 2) == k
 
 
 def test_allocate_lowest_ids_first_and_all_or_nothing():

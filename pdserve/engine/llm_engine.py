@@ -139,9 +139,9 @@ class LLMEngine:
             return None
         if req.status.finished:  # held pages (PD prefill): release them
             self.kv.free(req)
-            return self._release(req)
+            return self.release(req)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._release(req)
+        return self.release(req)
 
     # ---- the step ------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -168,16 +168,16 @@ class LLMEngine:
             if result.logprobs[i] is not None:
                 chosen, top = result.logprobs[i]
                 req.logprobs.append(TokenLogprob(token, chosen, top))
-            status = self._check_stop(req)
+            status = self.check_stop(req)
             self.kv.cache_computed_pages(req)
             if status is not None and req.hold_pages:
                 self.scheduler.finish(req, status, free_pages=False)
-                outputs.append(self._output(req))  # stays in `requests` until release_held()
+                outputs.append(self.output(req))  # stays in `requests` until release_held()
             elif status is not None:
                 self.scheduler.finish(req, status)
-                outputs.append(self._release(req))
+                outputs.append(self.release(req))
             else:
-                outputs.append(self._output(req))
+                outputs.append(self.output(req))
         sampled = set(map(id, sampled_reqs))
         for req in sched.requests:  # prefill chunks that did not sample still publish full pages
             if req.status == RequestStatus.RUNNING and id(req) not in sampled:
@@ -193,7 +193,7 @@ class LLMEngine:
         if not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, free_pages=False)
         self.kv.free(req)
-        self._release(req)
+        self.release(req)
 
     def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
         """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""
@@ -203,7 +203,8 @@ class LLMEngine:
         self._prompts[req.request_id] = prompt_text
         self.runner.add_request(req)
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
+    def check_stop(self, req: Request) -> RequestStatus | None:
+        """Why the request must stop after its newest token (None: go on). Engine thread only."""
         token = req.output_token_ids[-1]
         params = req.sampling_params
         if token in req.eos_token_ids:
@@ -228,7 +229,8 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(req.output_token_ids, req.sampling_params.skip_special_tokens)
 
-    def _output(self, req: Request) -> RequestOutput:
+    def output(self, req: Request) -> RequestOutput:
+        """The request as its caller sees it now (text with stop strings cut)."""
         text = self._text(req)
         if isinstance(req.stop_reason, str) and req.status.finished:
             cut = text.find(req.stop_reason)
@@ -262,8 +264,9 @@ class LLMEngine:
             },
         )
 
-    def _release(self, req: Request) -> RequestOutput:
-        out = self._output(req)
+    def release(self, req: Request) -> RequestOutput:
+        """Forget a finished request whose pages were already freed; returns its final output."""
+        out = self.output(req)
         del self.requests[req.request_id]
         self._prompts.pop(req.request_id, None)
         self.runner.remove_request(req.request_id)

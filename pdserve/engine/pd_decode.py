@@ -305,14 +305,14 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.engine.kv.cache_computed_pages(req)
         if self.store is not None:  # write-back: the whole prompt's full blocks, off the critical path
             self.store.persist(req)
-        status = self.engine._check_stop(req)
+        status = self.engine.check_stop(req)
         if status is not None:
             req.status = RequestStatus.RUNNING
             self.engine.scheduler.finish(req, status)
-            out = self.engine._release(req)
+            out = self.engine.release(req)
         else:
             self.engine.scheduler.add_running(req)
-            out = self.engine._output(req)
+            out = self.engine.output(req)
         self.by_request.pop(req.request_id, None)
         self.aengine.deliver(out, req.request_id)
 
@@ -368,7 +368,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.engine.kv.free(req)
         req.status = RequestStatus.FINISHED_ABORTED
         if self.engine.requests.get(req.request_id) is req:
-            self.engine._release(req)
+            self.engine.release(req)
         self.by_request.pop(req.request_id, None)
         if dr.room in self.rooms:
             self.rooms.remove(dr.room)

@@ -340,7 +340,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             return
         req.num_storage_tokens = storage
         self._send_last(pr)
-        self.aengine.deliver(self.engine._output(req), req.request_id)
+        self.aengine.deliver(self.engine.output(req), req.request_id)
 
     # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
     def _after_step(self, sched) -> None:

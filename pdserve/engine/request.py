@@ -67,6 +67,10 @@ class Request:
     pd: Any = None
     read_path: str = "none"  # DualPath: where prompt KV found in the persistent store is read: none|pe|de
     num_storage_tokens: int = 0  # prompt tokens whose KV came from the persistent store
+    # Chained keys of the full pages / store blocks of all_token_ids, computed once: the token list
+    # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).
+    page_key_cache: list = field(default_factory=list)
+    block_key_cache: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

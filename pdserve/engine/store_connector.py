@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.kvcache.hashing import cached_keys
 from pdserve.store.block_store import KVBlockStore
-from pdserve.store.keys import block_keys
+from pdserve.store.keys import store_root_key
 from pdserve.store.layout import BlockLayout
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class StoreConnector:
                 f"block_size {self.layout.block_size} is not a multiple of page_size {self.page_size}"
             )
         self.pages_per_block = self.layout.block_size // self.page_size
+        self.root = store_root_key(self.layout.fingerprint)  # the store's chain root (store/keys.py)
         kv = engine.runner.kv_cache
         # Per layer: K and V pools viewed as bytes per page [num_pages, page_bytes].
         self._k = [k.view(k.shape[0], -1).view(torch.uint8) for k in kv.k]
@@ -60,20 +62,22 @@ class StoreConnector:
         self._writer.start()
 
     # ---- keys and lookup -----------------------------------------------------------------------
-    def keys_for(self, token_ids: list[int]) -> list[bytes]:
-        return block_keys(token_ids, self.layout.block_size, self.layout.fingerprint)
+    def keys_for(self, req: Request, num_blocks: int) -> list[bytes]:
+        """Keys of the request's first `num_blocks` full blocks (cached on the request, extended as it
+        grows: write-back asks again at every block boundary)."""
+        return cached_keys(
+            req.block_key_cache, req.all_token_ids, self.layout.block_size, self.root, num_blocks
+        )
 
     def lookup(self, req: Request) -> int:
         """Leading blocks of the prompt in the store, leaving at least one token to compute."""
         max_blocks = (req.num_prompt_tokens - 1) // self.layout.block_size
         if max_blocks <= 0:
             return 0
-        return self.store.lookup_keys(
-            self.keys_for(req.prompt_token_ids[: max_blocks * self.layout.block_size])
-        )
+        return self.store.lookup_keys(self.keys_for(req, max_blocks))
 
     def start_read(self, req: Request, num_blocks: int) -> PendingRead:
-        keys = self.keys_for(req.prompt_token_ids[: num_blocks * self.layout.block_size])
+        keys = self.keys_for(req, num_blocks)
         buf = torch.empty((num_blocks, self.layout.block_nbytes), dtype=torch.uint8)
         return PendingRead(keys, buf, self.store.submit_read(keys, buf))
 
@@ -110,7 +114,7 @@ class StoreConnector:
         done = self.persisted.get(req.request_id, 0)
         if num_full <= done:
             return 0
-        keys = self.keys_for(req.all_token_ids[: num_full * self.layout.block_size])
+        keys = self.keys_for(req, num_full)
         for b in range(done, num_full):
             payload = self.gather_block(req.page_ids, b).numpy()
             try:

@@ -25,6 +25,25 @@ def chain_key(parent: PageKey, token_ids: Sequence[int]) -> PageKey:
     return h.digest()
 
 
+def cached_keys(
+    cache: list[PageKey], token_ids: Sequence[int], page_size: int, root: PageKey, num_pages: int
+) -> list[PageKey]:
+    """The keys of pages [0, num_pages) of `token_ids`, extending `cache` (the keys already computed
+    for a prefix of the same, append-only, token list) instead of rehashing from the start."""
+    have = len(cache)
+    if num_pages > have:
+        cache.extend(
+            page_keys(
+                token_ids[: num_pages * page_size],
+                page_size,
+                root,
+                start_key=cache[-1] if have else None,
+                start_page=have,
+            )
+        )
+    return cache[:num_pages]
+
+
 def page_keys(
     token_ids: Sequence[int],
     page_size: int,

@@ -11,7 +11,7 @@ model step, by the engine (`cache_computed_pages`). A request's KV index ranges:
 from __future__ import annotations
 
 from pdserve.engine.request import Request
-from pdserve.kvcache.hashing import PageKey, page_keys, root_key
+from pdserve.kvcache.hashing import PageKey, cached_keys, root_key
 from pdserve.kvcache.page_pool import PagePool
 
 
@@ -39,7 +39,7 @@ class KVManager:
         if not self.enable_prefix_caching:
             return [], []
         max_pages = (req.num_tokens - 1) // self.page_size
-        keys = page_keys(req.all_token_ids[: max_pages * self.page_size], self.page_size, self.root)
+        keys = cached_keys(req.page_key_cache, req.all_token_ids, self.page_size, self.root, max_pages)
         hits: list[int] = []
         for key in keys:
             page = self.pool.lookup(key)
@@ -83,14 +83,8 @@ class KVManager:
         start = len(req.page_keys)
         if num_full <= start:
             return
-        new_keys = page_keys(
-            req.all_token_ids[: num_full * self.page_size],
-            self.page_size,
-            self.root,
-            start_key=req.page_keys[-1] if start else None,
-            start_page=start,
-        )
-        for i, key in enumerate(new_keys, start=start):
+        keys = cached_keys(req.page_key_cache, req.all_token_ids, self.page_size, self.root, num_full)
+        for i, key in enumerate(keys[start:], start=start):
             if self.enable_prefix_caching:
                 self.pool.register(req.page_ids[i], key)
             req.page_keys.append(key)
