@@ -19,6 +19,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill-quota-ms",
+        type=float,
+        default=None,
+        help="DualPath compute quota per step (predicted by the prefill cost model); default off",
+    )
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +42,23 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
     p.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
     p.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
+    p.add_argument("--snic-mbps", type=float, default=None, help="emulated storage NIC budget per node, MB/s")
+    p.add_argument(
+        "--cnic-mbps", type=float, default=None, help="emulated compute NIC budget per engine, MB/s"
+    )
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--policy",
+        default="none",
+        choices=["none", "round_robin", "round_robin_dual", "dualpath"],
+        help="DualPath placement in the router: round_robin (Basic: PE reads only), round_robin_dual "
+        "(ablation: alternate read paths), dualpath (scheduler); none: plain PD routing",
+    )
+    p.add_argument("--alpha-tokens", type=int, default=None, help="dualpath α (default: 3 s of SNIC reads)")
+    p.add_argument("--beta-tokens", type=int, default=None, help="dualpath β (default: unlimited)")
+    p.add_argument("--load-interval-s", type=float, default=0.05, help="engine load report poll period")
 
 
 def _read_path_arg(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -58,6 +81,7 @@ def engine_config_from_args(a: argparse.Namespace):
         max_model_len=a.max_model_len,
         seed=a.seed,
         served_model_name=a.served_model_name,
+        prefill_quota_s=a.prefill_quota_ms / 1e3 if getattr(a, "prefill_quota_ms", None) else None,
     )
 
 
@@ -86,6 +110,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
             kv_store_dir=a.kv_store,
             kv_store_gib=a.kv_store_gib,
             kv_block_size=a.kv_block_size,
+            node=a.node,
+            node_dir=a.node_dir,
+            snic_bytes_per_s=a.snic_mbps * 1e6 if a.snic_mbps else float("inf"),
+            cnic_bytes_per_s=a.cnic_mbps * 1e6 if a.cnic_mbps else float("inf"),
         )
     engine = LLMEngine(engine_config_from_args(a))
     pd = None
@@ -108,7 +136,20 @@ def cmd_router(a: argparse.Namespace) -> int:
 
     from pdserve.router.app import Router, build_router_app
 
-    router = Router(a.prefill, a.decode, health_interval_s=a.health_interval_s, read_path=a.read_path)
+    try:
+        router = Router(
+            a.prefill,
+            a.decode,
+            health_interval_s=a.health_interval_s,
+            read_path=a.read_path,
+            policy=a.policy,
+            load_interval_s=a.load_interval_s,
+            alpha_tokens=a.alpha_tokens,
+            beta_tokens=a.beta_tokens,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(
         f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}",
         flush=True,
@@ -154,6 +195,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.serve import run as run_serve
 
         return run_serve(a)
+    if a.what == "agentic":
+        from pdserve.bench.agentic import run_agentic
+
+        return 0 if run_agentic(a)["summary"]["turns_failed"] == 0 else 1
     print(f"unknown benchmark {a.what!r}", file=sys.stderr)
     return 2
 
@@ -172,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)"
     )
+    s.add_argument("--node", default="node0", help="PD: the node this engine belongs to (DualPath)")
+    s.add_argument("--node-dir", default=None, help="PD: directory of the nodes' emulated NIC link files")
     _pd_args(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -182,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--health-interval-s", type=float, default=1.0)
     _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
+    _policy_args(r)
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_router)
 
@@ -192,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--port", type=int, default=8000, help="router port")
     _pd_args(la)
     _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
+    _policy_args(la)
+    la.add_argument(
+        "--nodes",
+        default=None,
+        help="emulated nodes, e.g. 'p0:1p,d0:1d,d1:1d' (name:<k>p<m>d each; overrides --prefill/--decode); "
+        "with --snic-mbps/--cnic-mbps their NICs are rate-limited and shared by the node's engines",
+    )
     la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")
@@ -232,6 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_store_arguments(bst)
     bst.set_defaults(fn=cmd_bench)
+
+    ba = bsub.add_parser(
+        "agentic",
+        help="agentic multi-turn replay against a router or engine: JCT, TTFT/TPOT, goodput, SNIC balance",
+    )
+    from pdserve.bench.agentic import add_agentic_args
+
+    add_agentic_args(ba)
+    ba.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:

@@ -169,10 +169,27 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 4096  # prompt + generated tokens of one request
+    # DualPath compute quota (None: off): a step's tokens are also capped so its predicted time,
+    # overhead + Σ (µs_per_token · new + ns_per_token_pair · new · (cached + new / 2)), stays within
+    # the quota (the PE's intra-engine batching of Algorithm 1; the last request is chunked to fit).
+    prefill_quota_s: float | None = None
+    prefill_overhead_s: float = 0.002
+    prefill_us_per_token: float = 50.0
+    prefill_ns_per_token_pair: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ConfigError("max_num_seqs, max_num_batched_tokens >= 1 and max_model_len >= 2 required")
+        if self.prefill_quota_s is not None and self.prefill_quota_s <= 0:
+            raise ConfigError(f"prefill_quota_s must be > 0, got {self.prefill_quota_s}")
+
+    def prefill_cost_s(self, num_cached_tokens: int, num_new_tokens: int) -> float:
+        """Predicted compute seconds of `num_new_tokens` over `num_cached_tokens` of context (no overhead)."""
+        attn_pairs = num_new_tokens * (num_cached_tokens + num_new_tokens / 2)
+        return (
+            num_new_tokens * self.prefill_us_per_token * 1e-6
+            + attn_pairs * self.prefill_ns_per_token_pair * 1e-9
+        )
 
 
 @dataclass(frozen=True)
@@ -209,6 +226,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         served_model_name: str | None = None,
+        prefill_quota_s: float | None = None,
     ) -> EngineConfig:
         mc = ModelConfig.from_dir(model)
         if dtype == "auto":
@@ -233,6 +251,7 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_len,
+                prefill_quota_s=prefill_quota_s,
             ),
         )
 

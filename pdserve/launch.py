@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from pdserve.demo import free_port, wait_healthy
@@ -28,6 +31,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "served_model_name",
     "seed",
+    "prefill_quota_ms",
 )
 
 
@@ -43,6 +47,25 @@ def cluster_args(model: str, **overrides) -> argparse.Namespace:
     return args
 
 
+_NODE_RE = re.compile(r"^([A-Za-z0-9_.-]+):(?:(\d+)p)?(?:(\d+)d)?$")
+
+
+def parse_nodes(spec: str) -> list[tuple[str, int, int]]:
+    """'p0:1p,d0:1d,d1:1d' -> [(node, num_prefill, num_decode), ...]; ValueError with the reason."""
+    nodes: list[tuple[str, int, int]] = []
+    for part in spec.split(","):
+        m = _NODE_RE.match(part.strip())
+        if not m or (m.group(2) is None and m.group(3) is None):
+            raise ValueError(f"bad node {part!r} in --nodes: expected NAME:<k>p<m>d, e.g. p0:1p or n0:1p2d")
+        nodes.append((m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)))
+    names = [n for n, _, _ in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate node names in --nodes: {spec!r}")
+    if not sum(p for _, p, _ in nodes) or not sum(d for _, _, d in nodes):
+        raise ValueError("--nodes needs at least one prefill and one decode engine")
+    return nodes
+
+
 class Cluster:
     """The child processes of one launch; `stop()` is idempotent."""
 
@@ -50,6 +73,7 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.router_url = ""
         self.urls: dict[str, list[str]] = {}  # role -> engine base URLs, in start order
+        self.node_dir: str | None = None  # emulated nodes' link files (removed by stop)
 
     def proc(self, name: str) -> subprocess.Popen:
         return dict(self.procs)[name]
@@ -73,6 +97,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.node_dir:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            self.node_dir = None
 
 
 def engine_flags(a) -> list[str]:
@@ -107,13 +134,35 @@ def pd_flags(a) -> list[str]:
             "--kv-block-size",
             str(a.kv_block_size),
         ]
+    if getattr(a, "snic_mbps", None):
+        out += ["--snic-mbps", str(a.snic_mbps)]
+    if getattr(a, "cnic_mbps", None):
+        out += ["--cnic-mbps", str(a.cnic_mbps)]
+    return out
+
+
+def router_flags(a) -> list[str]:
+    out = ["--read-path", a.read_path, "--policy", getattr(a, "policy", "none")]
+    for flag in ("alpha_tokens", "beta_tokens", "load_interval_s"):
+        value = getattr(a, flag, None)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
     return out
 
 
 def start_cluster(
     a, num_prefill: int, num_decode: int, router_port: int = 0, secret: str | None = None
 ) -> Cluster:
-    """Start engines and router, wait until all are healthy. Raises (after cleanup) on failure."""
+    """Start engines and router, wait until all are healthy. Raises (after cleanup) on failure.
+
+    With `a.nodes` (see `parse_nodes`) the engine counts come from the node spec, every engine gets
+    `--node NAME --node-dir DIR` (a fresh directory of shared link files) and the NIC budgets."""
+    nodes = parse_nodes(a.nodes) if getattr(a, "nodes", None) else None
+    if nodes is None:
+        placement = [("prefill", "node0")] * num_prefill + [("decode", "node0")] * num_decode
+    else:
+        placement = [("prefill", n) for n, p, _ in nodes for _ in range(p)]
+        placement += [("decode", n) for n, _, d in nodes for _ in range(d)]
     env = {
         **os.environ,
         SECRET_ENV: secret or PDConfig.generate_secret(),
@@ -122,27 +171,21 @@ def start_cluster(
     }
     cluster = Cluster()
     try:
+        if nodes is not None:
+            cluster.node_dir = tempfile.mkdtemp(prefix="pdserve-nodes-")
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
-            for i in range(n):
-                port = free_port()
-                extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
-                proc = cluster.start(
-                    f"{role}{i}",
-                    [
-                        "serve",
-                        *engine_flags(a),
-                        "--role",
-                        role,
-                        "--port",
-                        str(port),
-                        *pd_flags(a),
-                        *extra,
-                    ],
-                    env,
-                )
-                urls[role].append(f"http://127.0.0.1:{port}")
-                cluster.procs[-1] = (f"{role}{i}", proc)
+        for role, node in placement:
+            i = len(urls[role])
+            port = free_port()
+            extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
+            if cluster.node_dir:
+                extra += ["--node", node, "--node-dir", cluster.node_dir]
+            cluster.start(
+                f"{role}{i}",
+                ["serve", *engine_flags(a), "--role", role, "--port", str(port), *pd_flags(a), *extra],
+                env,
+            )
+            urls[role].append(f"http://127.0.0.1:{port}")
         for (_name, proc), url in zip(cluster.procs, urls["prefill"] + urls["decode"], strict=True):
             wait_healthy(url, proc)
         router_port = router_port or free_port()
@@ -156,8 +199,7 @@ def start_cluster(
                 *urls["prefill"],
                 "--decode",
                 *urls["decode"],
-                "--read-path",
-                a.read_path,
+                *router_flags(a),
             ],
             env,
         )
@@ -171,9 +213,14 @@ def start_cluster(
 
 
 def launch(a) -> int:
-    cluster = start_cluster(a, a.prefill, a.decode, a.port)
+    try:
+        cluster = start_cluster(a, a.prefill, a.decode, a.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
     print(
-        f"pdserve cluster up: router {cluster.router_url} ({a.prefill} prefill, {a.decode} decode); Ctrl-C stops it",
+        f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
         flush=True,
     )
     stopping = False

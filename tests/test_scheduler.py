@@ -124,3 +124,26 @@ def test_finish_releases_pages_from_any_queue():
     s.finish(a, RequestStatus.FINISHED_ABORTED)
     assert not s.has_work() and s.kv.pool.num_used_pages == 0
     s.kv.check_integrity()
+
+
+def test_compute_quota_caps_the_step_and_chunks_the_last_request_by_pages():
+    # Cost: 1 ms overhead + 100 µs per new token (no attention term). Quota 2.3 ms -> 13 tokens fit,
+    # so the first request (8 tokens, 1.8 ms) runs whole and the second gets whole pages: 4 tokens.
+    kv = KVManager(32, 4, enable_prefix_caching=True)
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=1000,
+        max_model_len=256,
+        prefill_quota_s=0.0023,
+        prefill_overhead_s=0.001,
+        prefill_us_per_token=100.0,
+        prefill_ns_per_token_pair=0.0,
+    )
+    s = Scheduler(cfg, kv)
+    s.add(req("a", 8))
+    s.add(req("b", 20, start=100))
+    assert run_step(s)[0] == [("a", 8), ("b", 4)]
+    # Next step: a decodes (1 token, 0.1 ms); b's remaining 16 tokens: 1 + 0.1 + n·0.1 <= 2.3 -> 12.
+    assert run_step(s)[0] == [("a", 1), ("b", 12)]
+    # With an attention term the same quota admits fewer tokens of a long-context request.
+    assert SchedulerConfig(prefill_ns_per_token_pair=5.0).prefill_cost_s(32_000, 100) > 0.02

@@ -39,6 +39,13 @@ class PDConfig:
     kv_store_dir: str | None = None
     kv_store_gib: float = 8.0
     kv_block_size: int = 64  # tokens per stored block (a multiple of the page size)
+    # DualPath node emulation (pdserve.netem): the node this engine belongs to, the directory holding
+    # the node's shared link files, and the NIC budgets (inf: unlimited, i.e. a real deployment that
+    # maps the traffic classes to the NIC's QoS instead).
+    node: str = "node0"
+    node_dir: str | None = None
+    snic_bytes_per_s: float = float("inf")
+    cnic_bytes_per_s: float = float("inf")
 
     def deadlines(self) -> dict[KVState, float]:
         return {

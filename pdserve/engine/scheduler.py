@@ -12,10 +12,12 @@ to be recomputed (mostly from the prefix cache) when it is readmitted.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
+from pdserve.dualpath.scheduler import AdditiveBatchCost, PrefillItem, build_prefill_batch
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvcache.kv_manager import KVManager
 
@@ -44,6 +46,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._cost = (
+            AdditiveBatchCost(config.prefill_overhead_s, config.prefill_cost_s)
+            if config.prefill_quota_s is not None
+            else None
+        )
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -54,6 +61,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self._cost is not None:
+            budget = min(budget, self._quota_tokens())
         scheduled: set[str] = set()
 
         i = 0
@@ -95,6 +104,19 @@ class Scheduler:
             out.num_new_tokens.append(num_new)
             budget -= num_new
         return out
+
+    def _quota_tokens(self) -> int:
+        """Tokens this step may compute under the compute quota: the DualPath batch builder over
+        running requests, then waiting ones, in the order the loops below serve them (a waiting
+        request's prefix-cache hit is not known yet, so its cost is over-estimated, never under)."""
+        items = (
+            PrefillItem(i, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+            for i, r in enumerate(itertools.chain(self.running, self.waiting))
+        )
+        plan = build_prefill_batch(
+            items, self._cost, self.config.prefill_quota_s, page_tokens=self.kv.page_size
+        )
+        return sum(it.num_new_tokens for it in plan.items) + (plan.chunk.num_new_tokens if plan.chunk else 0)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.pd_common import new_room
+from pdserve.router.placement import Placement, PlacementError
 from pdserve.server.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,22 @@ class Router:
         health_interval_s: float = 1.0,
         max_prefill_attempts: int = 3,
         read_path: str = "none",
+        policy: str = "none",
+        load_interval_s: float = 0.05,
+        alpha_tokens: int | None = None,
+        beta_tokens: int | None = None,
     ) -> None:
         self.prefills = [Engine(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Engine(u.rstrip("/"), "decode") for u in decode_urls]
+        # DualPath: with a policy, the scheduler of pdserve.dualpath picks (PE, DE, read path) per
+        # request from the engines' load reports; "none" keeps the plain PD choice below.
+        self.policy = policy
+        self.load_interval_s = load_interval_s
+        self.placement = (
+            None
+            if policy == "none"
+            else Placement(policy, self.prefills, self.decodes, alpha_tokens, beta_tokens)
+        )
         self.health_interval_s = health_interval_s
         self.max_prefill_attempts = max_prefill_attempts
         self._rr = itertools.count()
@@ -72,7 +86,10 @@ class Router:
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1
+            was = e.healthy
             e.healthy = ok or (e.healthy and e.misses < 2)
+            if was != e.healthy and self.placement is not None:
+                self.placement.on_health(e)
 
         await asyncio.gather(*(one(e) for e in self.prefills + self.decodes))
 
@@ -80,6 +97,17 @@ class Router:
         while True:
             await self.check_health()
             await asyncio.sleep(self.health_interval_s)
+
+    async def load_loop(self, e: Engine) -> None:
+        """Poll one engine's load report for the placement (pulled: engines need no router address)."""
+        while True:
+            try:
+                r = await self.client.get(e.url + "/pd/load", timeout=1.0)
+                if r.status_code == 200:
+                    self.placement.on_load(e, r.json())
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(self.load_interval_s)
 
     def pick_prefill(self, exclude: set[str]) -> Engine:
         live = [e for e in self.prefills if e.healthy and e.url not in exclude]
@@ -102,6 +130,8 @@ class Router:
         return choice
 
     async def dispatch(self, path: str, body: dict, http: Request):
+        if self.placement is not None:
+            return await self._dispatch_placed(path, body, http)
         read_path = self.choose_read_path(body.pop("read_path", None))
         if read_path in self.reads_in_flight:
             self.reads_in_flight[read_path] += 1
@@ -111,12 +141,43 @@ class Router:
             if read_path in self.reads_in_flight:
                 self.reads_in_flight[read_path] -= 1
 
-    async def _dispatch(self, path: str, body: dict, http: Request, read_path: str):
+    async def _dispatch_placed(self, path: str, body: dict, http: Request):
+        """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch."""
+        if body.pop("read_path", None) not in (None, "auto"):
+            return JSONResponse(
+                error_body(
+                    f"read_path is chosen by the router's {self.policy} policy", 400, param="read_path"
+                ),
+                400,
+            )
+        prompt_ids, prompt_len = prompt_shape(body)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_PLACEMENT_TOKENS
+        try:
+            a = await self.placement.place(prompt_ids, prompt_len, int(max_tokens))
+        except PlacementError as e:
+            code = 503 if "retry" in str(e) else 400
+            return JSONResponse(error_body(str(e), code), code)
+        except TimeoutError:
+            return JSONResponse(error_body("timed out waiting for placement", 503, "ServiceUnavailable"), 503)
+        pe, de = self.prefills[a.prefill_engine], self.decodes[a.decode_engine]
+        if not de.healthy:  # round robin ignores health: take a live decode instead
+            try:
+                de = self.pick_decode()
+            except NoEngine as e:
+                return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+        return await self._dispatch(path, body, http, a.read_path, first=(pe, de))
+
+    async def _dispatch(
+        self, path: str, body: dict, http: Request, read_path: str, first: tuple | None = None
+    ):
         tried: set[str] = set()
         last_error = "no attempt"
-        for _ in range(self.max_prefill_attempts):
+        for attempt in range(self.max_prefill_attempts):
             try:
-                pe, de = self.pick_prefill(tried), self.pick_decode()
+                if attempt == 0 and first is not None and first[0].healthy:
+                    pe, de = first
+                else:
+                    pe, de = self.pick_prefill(tried), (first[1] if first else self.pick_decode())
             except NoEngine as e:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
@@ -174,6 +235,26 @@ class Router:
         return StreamingResponse(relay(), status_code=de_resp.status_code, media_type=media)
 
 
+DEFAULT_PLACEMENT_TOKENS = 256  # a request without max_tokens reserves this much growth in placement
+
+
+def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
+    """(token ids or None, prompt length in tokens) of a completion or chat body, for placement.
+    Text is estimated at 4 characters per token (only placement uses it; engines tokenize)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt, len(prompt)
+    if isinstance(prompt, str):
+        return None, max(1, len(prompt) // 4)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        return None, max(1, chars // 4)
+    return None, 1
+
+
 async def _cancel(task: asyncio.Future) -> None:
     if task.done():
         if not task.cancelled() and task.exception() is None:
@@ -193,11 +274,16 @@ def build_router_app(router: Router) -> FastAPI:
     @app.on_event("startup")
     async def _start() -> None:
         await router.check_health()
-        state["health"] = asyncio.ensure_future(router.health_loop())
+        state["tasks"] = [asyncio.ensure_future(router.health_loop())]
+        if router.placement is not None:
+            state["tasks"] += [
+                asyncio.ensure_future(router.load_loop(e)) for e in router.prefills + router.decodes
+            ]
 
     @app.on_event("shutdown")
     async def _stop() -> None:
-        state["health"].cancel()
+        for task in state["tasks"]:
+            task.cancel()
         await router.client.aclose()
 
     async def body_of(http: Request) -> dict | Response:
@@ -244,5 +330,23 @@ def build_router_app(router: Router) -> FastAPI:
         }
         body = {"status": "ok" if ok else "degraded", "engines": engines, "num_retries": router.num_retries}
         return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/pd/cluster")
+    async def cluster():
+        """Placement state and the engines' last load reports, by node (benchmarks sample this)."""
+        if router.placement is None:
+            return JSONResponse(error_body("the router runs no placement policy", 404, "NotFound"), 404)
+        reports = router.placement.reports
+        nodes: dict[str, dict] = {}
+        for url, r in reports.items():
+            n = nodes.setdefault(r["node"], {"engines": [], "snic_bytes_served": 0, "snic_bytes_per_s": 0.0})
+            n["engines"].append(url)
+            # The node's SNIC counters are node-wide (a shared link): take the freshest engine's view.
+            if r["snic_bytes_served"] >= n["snic_bytes_served"]:
+                n["snic_bytes_served"] = r["snic_bytes_served"]
+                n["snic_read_bytes_served"] = r["snic_read_bytes_served"]
+                n["read_queue_bytes"] = r["node_read_queue_bytes"]
+            n["snic_bytes_per_s"] = r["snic_bytes_per_s"]
+        return {"placement": router.placement.snapshot(), "nodes": nodes, "engines": reports}
 
     return app

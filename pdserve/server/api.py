@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -198,8 +199,11 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def stream(req, text, chunk_fn, include_usage: bool, head: list[dict] = ()) -> AsyncIterator[str]:
-        """Turn the engine's cumulative outputs into SSE deltas; hold back a trailing partial UTF-8 char."""
+    async def stream(
+        req, text, chunk_fn, include_usage: bool, head: list[dict] = (), every_token: bool = False
+    ) -> AsyncIterator[str]:
+        """Turn the engine's cumulative outputs into SSE deltas; hold back a trailing partial UTF-8 char.
+        `every_token`: a chunk for every new token even when its text is held back (token-id clients)."""
         for h in head:
             yield sse(h)
         sent_text, sent_tokens, last = 0, 0, None
@@ -212,7 +216,8 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                     while upto > sent_text and o.text[upto - 1] == "\ufffd":
                         upto -= 1
                 delta = o.text[sent_text:upto]
-                if delta or out.finished or (o.logprobs and len(o.logprobs) > sent_tokens):
+                new_tokens = len(o.token_ids) > sent_tokens
+                if delta or out.finished or (new_tokens and (every_token or o.logprobs)):
                     yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
                     sent_text, sent_tokens = upto, len(o.token_ids)
         except InvalidRequest as e:  # the stream already started: report in-band
@@ -239,6 +244,13 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
         if pd is not None:
             info |= pd.info()
         return info
+
+    @app.get("/pd/load")
+    async def pd_load():
+        """Load report for the router's DualPath placement (pdserve.engine.pd_load)."""
+        if pd is None:
+            raise APIError(f"/pd/load is served by PD engines; this is a {role_name} engine", 404, "NotFound")
+        return Response(msgspec.json.encode(pd.load()), media_type="application/json")
 
     @app.get("/metrics")
     async def prom():
@@ -269,6 +281,8 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
             body.single_prompt, lambda: body.sampling_params(body.max_tokens, body.logprobs), pd_field
         )
         created, rid = int(time.time()), req.request_id
+        # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
+        want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
 
         def chunk(delta, o, start, finish):
             choice = {
@@ -277,12 +291,15 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
                 "finish_reason": finish,
                 "logprobs": completion_logprobs(o.logprobs, start) if o is not None else None,
             }
+            if want_ids and o is not None:
+                choice["token_ids"] = list(o.token_ids[start:])
             return envelope(rid, "text_completion", created, [choice])
 
         if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
             await resolve_pd(req)
-            return StreamingResponse(stream(req, text, chunk, include), media_type="text/event-stream")
+            events = stream(req, text, chunk, include, every_token=want_ids)
+            return StreamingResponse(events, media_type="text/event-stream")
         out = await run_to_end(req, text, http)
         o = out.outputs[0]
         resp = chunk(o.text, o, 0, o.finish_reason)

@@ -16,6 +16,7 @@ from pdserve.disagg.control import ControlChannel
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.pd_common import PDConfig
 from pdserve.engine.pd_decode import DecodeRole
+from pdserve.engine.pd_load import load_report
 from pdserve.engine.pd_prefill import PrefillRole
 from pdserve.transfer.agent import TransferAgent
 
@@ -44,6 +45,20 @@ class PDContext:
         ]
         self.agent = TransferAgent(config.transfer_backend, name, regions)
         self.agent.metadata()  # fail fast if the backend cannot start
+        self.traffic = None
+        if config.node_dir:
+            from pdserve.netem.traffic import NodeConfig, TrafficManager
+
+            self.traffic = TrafficManager(
+                NodeConfig(
+                    node=config.node,
+                    node_dir=config.node_dir,
+                    snic_bytes_per_s=config.snic_bytes_per_s,
+                    cnic_bytes_per_s=config.cnic_bytes_per_s,
+                    engine=name,
+                )
+            )
+            self.agent.traffic = self.traffic
         self.role.agent = self.agent
         self.bootstrap = None
         self._addr_cache: dict[str, str] = {}
@@ -57,6 +72,7 @@ class PDContext:
                 engine.runner.kv_cache.layout, config.kv_block_size, model=fingerprint
             )
             self.store = KVBlockStore(config.kv_store_dir, block_layout, int(config.kv_store_gib * (1 << 30)))
+            self.store.traffic = self.traffic
             self.role.store = StoreConnector(engine, self.store)
         if role_name == "prefill":
             self.bootstrap = bootstrap.BootstrapServer(
@@ -76,8 +92,12 @@ class PDContext:
             )
             self.bootstrap.start()
 
+    def load(self):
+        """This engine's load report (`GET /pd/load`, polled by the router's placement)."""
+        return load_report(self.role, self.config.node, self.traffic)
+
     def info(self) -> dict:
-        out = {"control_addr": self.control.address, "agent": self.agent.agent_name}
+        out = {"control_addr": self.control.address, "agent": self.agent.agent_name, "node": self.config.node}
         if self.bootstrap is not None:
             out["bootstrap_url"] = self.bootstrap.url
         return out
@@ -97,5 +117,7 @@ class PDContext:
             self.store.close()
         self.agent.close()
         self.control.close()
+        if self.traffic is not None:
+            self.traffic.close()
         if self.bootstrap is not None:
             self.bootstrap.stop()

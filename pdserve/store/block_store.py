@@ -94,6 +94,9 @@ class KVBlockStore:
         self._stats = StoreStats(0, self.capacity_bytes, 0)
         self._io_pool = ThreadPoolExecutor(max(1, num_io_threads), thread_name_prefix="kvstore-io")
         self._submit_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-read")
+        # Node emulation (pdserve.netem.TrafficManager), set by the engine: reads and writes first
+        # cross the node's emulated storage NIC (KV class). None: no emulation, no cost.
+        self.traffic = None
         self._closed = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -169,6 +172,8 @@ class KVBlockStore:
             self._reserved_bytes += need_bytes
         tmp = None
         try:
+            if self.traffic is not None:
+                self.traffic.storage_write(self.file_nbytes)
             header = encode_header(self.layout, key, payload_checksum(arr, self.checksum), self.checksum)
             path.parent.mkdir(exist_ok=True)
             tmp = tmp_path(path)
@@ -245,13 +250,15 @@ class KVBlockStore:
         return n
 
     # ---- reads -------------------------------------------------------------------------------------
-    def read_blocks(self, keys, out) -> ReadResult:
+    def read_blocks(self, keys, out, flow=None) -> ReadResult:
         """Read blocks `keys` into host memory `out` and verify them; blocks the calling thread.
 
         `out`: a contiguous uint8 array/tensor of >= len(keys) * block_nbytes bytes (block i at row i), or
         a list of per-block writable views. Bad blocks are removed from disk and the index and counted.
         """
         t0 = time.perf_counter()
+        if flow is not None:  # the emulated storage NIC first (see submit_read)
+            flow.wait()
         keys = list(keys)
         views = block_views(out, len(keys), self.layout.block_nbytes)
         if self._nixl is not None:
@@ -271,7 +278,11 @@ class KVBlockStore:
 
     def submit_read(self, keys, out) -> Future:
         """`read_blocks` on a store thread; the Future yields the ReadResult. `out` must outlive it."""
-        return self._submit_pool.submit(self.read_blocks, list(keys), out)
+        keys = list(keys)
+        # The flow joins the node's storage link now, so the node's read queue counts this read while
+        # it waits for a store thread.
+        flow = self.traffic.storage_read_start(len(keys) * self.file_nbytes) if self.traffic else None
+        return self._submit_pool.submit(self.read_blocks, keys, out, flow)
 
     def _open(self, key: bytes) -> tuple[int | None, os.stat_result | None, str]:
         """(fd, fstat, "") for a readable block file of the right size, else (None, fstat|None, status)."""

@@ -92,6 +92,11 @@ class TransferAgent:
         self._metadata = b""
         self._closed = False
         self.backend = None  # set by the thread; touch only from tests that own no other thread
+        # Node emulation (pdserve.netem): set before the first submit. A transfer first crosses the
+        # emulated compute NIC (a KV-class flow); the real copy is submitted when that flow completes,
+        # so the peer sees the data (and its notification) no earlier than the emulated link allows.
+        self.traffic = None
+        self._delayed: dict[int, tuple] = {}  # transfer id -> (flow, submit command); agent thread only
         self._thread = threading.Thread(
             target=self._run,
             args=(backend, agent_name, list(regions), options),
@@ -190,6 +195,8 @@ class TransferAgent:
                 time.sleep(self.poll_interval_s)
         for transfer_id in list(pending):
             self._finish(backend, pending, transfer_id, TransferStatus.FAILED, aborted=True)
+        for transfer_id in list(self._delayed):
+            self._drop_delayed(pending, transfer_id)
         try:
             backend.close()
         except Exception:
@@ -207,6 +214,10 @@ class TransferAgent:
             if cmd[0] == "close":
                 return False
             self._apply(backend, pending, cmd)
+        for transfer_id, (flow, cmd) in list(self._delayed.items()):
+            if flow.done():
+                del self._delayed[transfer_id]
+                self._submit(backend, pending, cmd)
         self._check_pending(backend, pending)
         try:
             notifs = backend.get_notifications()
@@ -222,25 +233,16 @@ class TransferAgent:
     def _apply(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "submit":
-            _, transfer_id, peer, local, remote, notif, submitted_s, op = cmd
-            nbytes = sum(int(n) for _, n in local)
-            self.stats.transfers_submitted += 1
-            self.stats.bytes_submitted += nbytes
-            self.stats.descriptors_submitted += len(local)
-            try:
-                handle = (backend.read if op == "read" else backend.write)(peer, local, remote, notif)
-            except Exception as e:
-                self.stats.backend_errors += 1
-                log.warning(
-                    "transfer agent %s: write %d to %s failed: %r", self.agent_name, transfer_id, peer, e
-                )
-                pending[transfer_id] = _Pending(None, nbytes, submitted_s)
-                self._finish(backend, pending, transfer_id, TransferStatus.FAILED)
-                return
-            pending[transfer_id] = _Pending(handle, nbytes, submitted_s)
+            if self.traffic is not None:
+                nbytes = sum(int(n) for _, n in cmd[3])
+                self._delayed[cmd[1]] = (self.traffic.transfer_start(nbytes), cmd)
+            else:
+                self._submit(backend, pending, cmd)
         elif kind == "abort":
             transfer_id = cmd[1]
-            if transfer_id in pending:
+            if transfer_id in self._delayed:
+                self._drop_delayed(pending, transfer_id)
+            elif transfer_id in pending:
                 p = pending[transfer_id]
                 status = self._status(backend, p)
                 final = TransferStatus.DONE if status == TransferStatus.DONE else TransferStatus.FAILED
@@ -257,6 +259,29 @@ class TransferAgent:
             except Exception:
                 self.stats.backend_errors += 1
                 log.exception("transfer agent %s: remove_peer(%s) failed", self.agent_name, cmd[1])
+
+    def _drop_delayed(self, pending: dict[int, _Pending], transfer_id: int) -> None:
+        """Abort a transfer still crossing the emulated link: nothing was copied; report it failed."""
+        flow, cmd = self._delayed.pop(transfer_id)
+        flow.cancel()
+        pending[transfer_id] = _Pending(None, sum(int(n) for _, n in cmd[3]), cmd[6])
+        self._finish(None, pending, transfer_id, TransferStatus.FAILED, aborted=True)
+
+    def _submit(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
+        _, transfer_id, peer, local, remote, notif, submitted_s, op = cmd
+        nbytes = sum(int(n) for _, n in local)
+        self.stats.transfers_submitted += 1
+        self.stats.bytes_submitted += nbytes
+        self.stats.descriptors_submitted += len(local)
+        try:
+            handle = (backend.read if op == "read" else backend.write)(peer, local, remote, notif)
+        except Exception as e:
+            self.stats.backend_errors += 1
+            log.warning("transfer agent %s: write %d to %s failed: %r", self.agent_name, transfer_id, peer, e)
+            pending[transfer_id] = _Pending(None, nbytes, submitted_s)
+            self._finish(backend, pending, transfer_id, TransferStatus.FAILED)
+            return
+        pending[transfer_id] = _Pending(handle, nbytes, submitted_s)
 
     def _status(self, backend, p: _Pending) -> TransferStatus:
         if p.handle is None:

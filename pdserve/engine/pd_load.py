@@ -1,0 +1,95 @@
+"""What a PD engine tells the router about its load (DualPath's per-fetch engine report).
+
+Who calls it: the HTTP thread of a prefill or decode engine (`GET /pd/load`), which the router polls
+every `--load-interval-s` (default 50 ms; the paper's scheduler needs a report at least every 100 ms).
+It reads the engine thread's state without a lock: each container is copied by one C-level call
+(`list(d.values())`, atomic under the GIL) and the sums over the copies are a snapshot that is at most
+one engine step stale, which is all a load report promises.
+
+Fields (paper §6, "seq_e, tok_e, read_q, free HBM"):
+* `num_seqs`, `num_tokens` — prefill: requests not yet handed off and their prompt tokens still to
+  compute or load; decode: requests held and their current lengths (prompt + generated).
+* `num_free_pages` — decode: pages an allocation could get now (free + evictable cached) minus the
+  growth reserved by requests whose KV is arriving and the prompt pages of requests not yet admitted.
+* `read_queue_tokens` — hit tokens of this engine's store reads in flight.
+* `node_read_queue_bytes` — bytes of storage reads pending on the node's storage NIC, all engines of
+  the node together (from the shared link; -1 without node emulation). The router turns it into tokens
+  with `kv_bytes_per_token` and keeps the larger of the two views.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+
+class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    node: str
+    num_seqs: int
+    num_tokens: int
+    num_free_pages: int
+    num_total_pages: int
+    page_size: int
+    kv_block_size: int
+    kv_bytes_per_token: int
+    read_queue_tokens: int
+    node_read_queue_bytes: int = -1
+    snic_bytes_per_s: float = 0.0  # 0: unlimited / not emulated
+    snic_bytes_served: int = 0  # cumulative, node-wide (utilization = its rate of change)
+    snic_read_bytes_served: int = 0
+    time_s: float = 0.0
+
+
+def _pending_read_tokens(rooms, block_size: int) -> int:
+    return sum(len(r.store_read.keys) * block_size for r in rooms if r.store_read is not None)
+
+
+def load_report(role, node: str, traffic=None) -> LoadReport:
+    """The report of a `PrefillRole` or `DecodeRole` (duck-typed on `role.by_room`)."""
+    engine = role.engine
+    kv_layout = engine.runner.kv_cache.layout
+    store = getattr(role, "store", None)
+    block_size = store.layout.block_size if store is not None else role.config.kv_block_size
+    bytes_per_token = (
+        store.layout.block_nbytes // store.layout.block_size
+        if store is not None
+        else 2 * kv_layout.num_layers * kv_layout.bytes_per_page // kv_layout.page_size
+    )
+    pool = engine.kv.pool
+    if hasattr(role, "by_room"):  # prefill
+        rooms = list(role.by_room.values())
+        reqs = [pr.req for pr in rooms]
+        num_seqs = len(rooms)
+        num_tokens = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs)
+        num_free = pool.num_free_pages
+    else:  # decode
+        rooms = list(role.prealloc) + list(role.transfer.values())
+        reqs = list(engine.requests.values())
+        num_seqs = len(reqs)
+        num_tokens = sum(r.num_tokens for r in reqs)
+        waiting_pages = sum(-(-d.req.num_prompt_tokens // role.page_size) for d in list(role.prealloc))
+        num_free = max(0, pool.num_free_pages - role._reserved_pages() - waiting_pages)
+    report = LoadReport(
+        role="prefill" if hasattr(role, "by_room") else "decode",
+        node=node,
+        num_seqs=num_seqs,
+        num_tokens=num_tokens,
+        num_free_pages=num_free,
+        num_total_pages=pool.num_pages,
+        page_size=role.page_size,
+        kv_block_size=block_size,
+        kv_bytes_per_token=bytes_per_token,
+        read_queue_tokens=_pending_read_tokens(rooms, block_size),
+        time_s=time.time(),
+    )
+    if traffic is not None:
+        snap = traffic.snapshot()
+        report.node_read_queue_bytes = int(traffic.read_queue_bytes())
+        snic = snap["snic"]
+        rate = snic["bytes_per_s"]
+        report.snic_bytes_per_s = 0.0 if rate == float("inf") else float(rate)
+        report.snic_bytes_served = int(sum(snic["served_bytes_by_class"].values()))
+        report.snic_read_bytes_served = int(snic["served_bytes_by_tag"]["read"])
+    return report

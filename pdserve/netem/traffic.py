@@ -1,0 +1,127 @@
+"""`TrafficManager`: one per engine process, it routes the engine's byte moves onto the emulated NICs.
+
+Who: an engine process builds one from its `NodeConfig`; the store connector calls `storage_read_start`
+/ `storage_write` (the node's storage NIC, shared by all engines of the node: its link file is
+`{node_dir}/{node}.snic`), the KV transfer path calls `transfer_start` (this engine's own compute NIC,
+`{node_dir}/{node}.{engine}.cnic`); schedulers read `read_queue_bytes` (node-wide backlog of storage
+reads) and metrics read `snapshot`. With the default infinite rates no file is created and every move is
+done at once, so production code can call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.netem.link import TAG_READ, TAG_TRANSFER, TAG_WRITE, SharedLink, TrafficClass
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where an engine sits and its NIC budgets (bytes/s; `math.inf` = unlimited, no emulation).
+
+    All engines of one node must pass the same `node`, `node_dir`, `snic_bytes_per_s` and `weights`
+    (else `LinkConfigError` on open); `engine` must be unique within the node.
+    """
+
+    node: str
+    node_dir: str
+    snic_bytes_per_s: float = math.inf
+    cnic_bytes_per_s: float = math.inf
+    engine: str = "e0"
+    weights: tuple[float, float] = (99, 1)  # (MODEL, KV) GPS weights
+
+    def __post_init__(self):
+        for field, name in (("node", self.node), ("engine", self.engine)):
+            if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or set(name) == {"."}:
+                raise ValueError(f"NodeConfig.{field} must match [A-Za-z0-9_.-]+, got {name!r}")
+        for field in ("snic_bytes_per_s", "cnic_bytes_per_s"):
+            if not getattr(self, field) > 0:  # also rejects NaN
+                raise ValueError(f"NodeConfig.{field} must be > 0 (math.inf = unlimited)")
+        if len(self.weights) != 2 or not all(0 < w < math.inf for w in self.weights):
+            raise ValueError(f"NodeConfig.weights must be two positive finite numbers, got {self.weights}")
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))  # hashable, exact
+
+
+class Flow:
+    """Handle of one started move: `done()` (non-blocking), `wait(timeout_s)`, `cancel()`."""
+
+    __slots__ = ("link", "flow_id")
+
+    def __init__(self, link: SharedLink, flow_id: int):
+        self.link, self.flow_id = link, flow_id
+
+    def done(self) -> bool:
+        return self.link.done(self.flow_id)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        self.link.wait(self.flow_id, timeout_s)
+
+    def cancel(self) -> None:
+        self.link.cancel(self.flow_id)
+
+
+class TrafficManager:
+    """The engine's links: `snic` and `snic_tx` (the node-shared storage NIC's receive and transmit
+    directions: a NIC is full duplex, so write-back never takes read bandwidth, as in the paper where
+    the SNIC's B is per direction) and `cnic` (its own compute NIC)."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        node_dir = Path(config.node_dir)
+        if math.isfinite(config.snic_bytes_per_s) or math.isfinite(config.cnic_bytes_per_s):
+            node_dir.mkdir(parents=True, exist_ok=True)
+        self.snic = SharedLink(node_dir / f"{config.node}.snic", config.snic_bytes_per_s, config.weights)
+        try:
+            self.snic_tx = SharedLink(
+                node_dir / f"{config.node}.snic.tx", config.snic_bytes_per_s, config.weights
+            )
+            self.cnic = SharedLink(
+                node_dir / f"{config.node}.{config.engine}.cnic", config.cnic_bytes_per_s, config.weights
+            )
+        except BaseException:
+            self.snic.close()
+            if hasattr(self, "snic_tx"):
+                self.snic_tx.close()
+            raise
+
+    def storage_read_start(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> Flow:
+        """Start a read from storage over the node's SNIC (non-blocking)."""
+        return Flow(self.snic, self.snic.start(nbytes, cls, TAG_READ))
+
+    def storage_write(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> None:
+        """Write to storage over the node's SNIC (transmit side); blocks until the bytes are through."""
+        self.snic_tx.transmit(nbytes, cls, TAG_WRITE)
+
+    def transfer_start(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> Flow:
+        """Start an engine-to-engine transfer over this engine's CNIC (non-blocking)."""
+        return Flow(self.cnic, self.cnic.start(nbytes, cls, TAG_TRANSFER))
+
+    def read_queue_bytes(self) -> int:
+        """Unserved bytes of storage reads on this node's SNIC, from every engine of the node."""
+        return self.snic.pending_bytes(tag=TAG_READ)
+
+    def snapshot(self) -> dict:
+        return {
+            "node": self.config.node,
+            "engine": self.config.engine,
+            "snic": self.snic.stats(),
+            "snic_tx": self.snic_tx.stats(),
+            "cnic": self.cnic.stats(),
+            "read_queue_bytes": self.read_queue_bytes(),
+        }
+
+    def close(self) -> None:
+        self.snic.close()
+        self.snic_tx.close()
+        self.cnic.close()
+
+    def __enter__(self) -> TrafficManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,243 @@
+"""The router's DualPath placement: a FIFO of waiting requests fed to `pdserve.dualpath.scheduler`.
+
+Who calls what (all on the router's event loop, so no locks):
+* the load poller calls `on_load(engine, report)` with each engine's `/pd/load` report (every
+  `--load-interval-s`, default 50 ms) and `on_health(engine)` when its health changes;
+* `Router.dispatch` awaits `place(...)` for every request; the request waits in the FIFO until the
+  scheduler assigns it (prefill engine, decode engine, read path) — the very scheduler module the
+  simulator runs (`pdserve sim`), with the same named policies (`round_robin` = Basic, `dualpath`,
+  `round_robin_dual`);
+* after each load report and each arrival, `_pump()` runs one fetch over the queue head.
+
+Hit tokens: the scheduler needs each request's hit tokens (stored KV to read) before any engine sees
+it. The router estimates them from the token-id prompts it has routed: a bounded index of chained
+block hashes (the store's block granularity). A prompt's leading blocks that an earlier prompt had are
+counted as hits (the decode wrote them back when that request committed). Text prompts count as all
+new tokens (4 characters per token). Estimates only steer placement; the engines read what the store
+really has, and their load reports overwrite the scheduler's optimistic view within 50 ms.
+
+Dead engines: a dead prefill reports β + 1 tokens forever (never chosen by `dualpath`); a dead decode
+reports no free pages and a huge token count (its group is never the least loaded). `round_robin`
+ignores loads, so `Router` re-picks a live engine when the scheduler named a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pdserve.dualpath.scheduler import (
+    POLICY_KNOBS,
+    Assignment,
+    DualPathScheduler,
+    EngineLoad,
+    PendingRequest,
+    policy_config,
+)
+from pdserve.kvcache.hashing import page_keys, root_key
+
+REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
+UNLIMITED_TOKENS = 1 << 40
+ALPHA_READ_S = 3.0  # paper: a node is preferred when its read queue is readable within 3 s
+
+
+class PlacementError(Exception):
+    """A request that can never be placed (bigger than every decode engine's pool)."""
+
+
+@dataclass
+class _Waiting:
+    pending: PendingRequest
+    future: asyncio.Future
+
+
+class PrefixIndex:
+    """Chained block keys of routed token-id prompts, LRU-bounded (`capacity` keys)."""
+
+    def __init__(self, block_tokens: int, capacity: int = 1 << 20) -> None:
+        self.block_tokens = block_tokens
+        self.capacity = capacity
+        self.root = root_key("router")
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def hit_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` in whole blocks seen before (at least one token left)."""
+        max_blocks = (len(token_ids) - 1) // self.block_tokens
+        hits = 0
+        for key in page_keys(token_ids[: max_blocks * self.block_tokens], self.block_tokens, self.root):
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            hits += 1
+        return hits * self.block_tokens
+
+    def record(self, token_ids: list[int]) -> None:
+        for key in page_keys(token_ids, self.block_tokens, self.root):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+
+class Placement:
+    def __init__(
+        self,
+        policy: str,
+        prefills: list,
+        decodes: list,
+        alpha_tokens: int | None = None,
+        beta_tokens: int | None = None,
+        queue_timeout_s: float = 600.0,
+    ) -> None:
+        if policy == "split":
+            raise ValueError(
+                "policy 'split' exists only in the simulator: it gains < 5% there (docs/simulation.md), "
+                "so the real read paths do not implement split reads"
+            )
+        if policy not in REAL_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; known: {list(REAL_POLICIES)}")
+        self.policy = policy
+        self.prefills, self.decodes = prefills, decodes
+        self.alpha_tokens, self.beta_tokens = alpha_tokens, beta_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self.reports: dict[str, dict] = {}  # engine url -> last /pd/load report
+        self.scheduler: DualPathScheduler | None = None
+        self.index: PrefixIndex | None = None
+        self.node_ids: dict[str, int] = {}
+        self.queue: list[_Waiting] = []
+        self._ids = itertools.count()
+        self.num_placed = 0
+        self.read_paths = {"pe": 0, "de": 0}
+
+    # ---- reports ---------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return all(e.url in self.reports for e in self.prefills + self.decodes)
+
+    def _build(self) -> None:
+        """The scheduler, once every engine has reported (node names, page and block sizes)."""
+        nodes = sorted({r["node"] for r in self.reports.values()})
+        self.node_ids = {n: i for i, n in enumerate(nodes)}
+        any_report = next(iter(self.reports.values()))
+        page_tokens, block_tokens = any_report["page_size"], any_report["kv_block_size"]
+        alpha = self.alpha_tokens
+        if alpha is None:
+            rates = [r["snic_bytes_per_s"] for r in self.reports.values() if r["snic_bytes_per_s"] > 0]
+            alpha = (
+                int(ALPHA_READ_S * min(rates) / max(1, any_report["kv_bytes_per_token"]))
+                if rates
+                else UNLIMITED_TOKENS
+            )
+        config = policy_config(
+            self.policy,
+            alpha_tokens=alpha,
+            beta_tokens=self.beta_tokens if self.beta_tokens is not None else UNLIMITED_TOKENS,
+            block_tokens=block_tokens,
+            page_tokens=page_tokens,
+        )
+        decode_nodes = sorted({self.reports[e.url]["node"] for e in self.decodes})
+        self.scheduler = DualPathScheduler(
+            config,
+            [EngineLoad(i, self.node_ids[self.reports[e.url]["node"]]) for i, e in enumerate(self.prefills)],
+            [
+                EngineLoad(
+                    i,
+                    self.node_ids[self.reports[e.url]["node"]],
+                    decode_nodes.index(self.reports[e.url]["node"]),
+                )
+                for i, e in enumerate(self.decodes)
+            ],
+            num_nodes=len(nodes),
+        )
+        self.index = PrefixIndex(block_tokens)
+        for e in self.prefills + self.decodes:
+            self._apply(e)
+
+    def on_load(self, engine, report: dict) -> None:
+        first = engine.url not in self.reports
+        self.reports[engine.url] = report
+        if self.scheduler is None:
+            if first and self.ready():
+                self._build()
+                self._pump()
+            return
+        self._apply(engine)
+        self._pump()
+
+    def on_health(self, engine) -> None:
+        if self.scheduler is not None and engine.url in self.reports:
+            self._apply(engine)
+            self._pump()
+
+    def _apply(self, engine) -> None:
+        s, r = self.scheduler, self.reports[engine.url]
+        if engine.role == "prefill":
+            i = self.prefills.index(engine)
+            if engine.healthy:
+                s.report_prefill(i, r["num_seqs"], r["num_tokens"])
+            else:
+                s.report_prefill(i, 0, s.config.beta_tokens + 1)
+        else:
+            i = self.decodes.index(engine)
+            if engine.healthy:
+                s.report_decode(i, r["num_seqs"], r["num_tokens"], r["num_free_pages"])
+            else:
+                s.report_decode(i, 0, UNLIMITED_TOKENS, 0)
+        node = self.node_ids[r["node"]]
+        # Node read queue: the shared storage link's view when emulated (all engines of the node),
+        # else the sum of this node's engines' own reads in flight.
+        same_node = [x for x in self.reports.values() if x["node"] == r["node"]]
+        if r["node_read_queue_bytes"] >= 0:
+            tokens = r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"])
+        else:
+            tokens = sum(x["read_queue_tokens"] for x in same_node)
+        s.report_read_queue(node, int(tokens))
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def place(self, prompt_ids: list[int] | None, prompt_len: int, max_tokens: int) -> Assignment:
+        """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError."""
+        if self.scheduler is None:
+            raise PlacementError("the router has no load report from every engine yet; retry shortly")
+        page_tokens = self.scheduler.config.page_tokens
+        need_pages = -(-(prompt_len + max_tokens) // page_tokens)
+        biggest = max(self.reports[e.url]["num_total_pages"] for e in self.decodes)
+        if need_pages > biggest:
+            raise PlacementError(
+                f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
+                f"the largest decode engine has {biggest}"
+            )
+        hits = self.index.hit_tokens(prompt_ids) if prompt_ids else 0
+        if prompt_ids:
+            self.index.record(prompt_ids)
+        pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
+        waiting = _Waiting(pending, asyncio.get_running_loop().create_future())
+        self.queue.append(waiting)
+        self._pump()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiting.future), self.queue_timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            if waiting in self.queue:
+                self.queue.remove(waiting)
+            raise
+
+    def _pump(self) -> None:
+        if self.scheduler is None or not self.queue:
+            return
+        placed = self.scheduler.assign([w.pending for w in self.queue])
+        for waiting, assignment in zip(self.queue, placed, strict=False):
+            self.num_placed += 1
+            self.read_paths[assignment.read_path] = self.read_paths.get(assignment.read_path, 0) + 1
+            if not waiting.future.done():
+                waiting.future.set_result(assignment)
+        del self.queue[: len(placed)]
+
+    def snapshot(self) -> dict:
+        s = self.scheduler
+        return {
+            "policy": self.policy,
+            "queue_len": len(self.queue),
+            "num_placed": self.num_placed,
+            "read_paths": dict(self.read_paths),
+            "read_queue_tokens": dict(zip(self.node_ids, s.read_queue_tokens, strict=True)) if s else {},
+        }
