@@ -195,6 +195,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.serve import run as run_serve
 
         return run_serve(a)
+    if a.what == "dualpath":
+        from pdserve.bench.dualpath_compare import run as run_dualpath
+
+        return run_dualpath(a)
     if a.what == "agentic":
         from pdserve.bench.agentic import run_agentic
 
@@ -296,6 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_agentic_args(ba)
     ba.set_defaults(fn=cmd_bench)
+
+    bd = bsub.add_parser(
+        "dualpath", help="one agentic workload on an emulated cluster under each policy (Basic vs DualPath)"
+    )
+    from pdserve.bench.dualpath_compare import add_arguments as add_dualpath_arguments
+
+    add_dualpath_arguments(bd)
+    bd.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:

@@ -61,6 +61,17 @@ def start_server(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def ensure_demo_model(model_dir: str) -> str:
+    """Build the demo checkpoint in `model_dir` unless it is there; returns the directory."""
+    from pdserve.model.demo import make_demo_model
+
+    if not (Path(model_dir) / "config.json").is_file():
+        t = time.perf_counter()
+        make_demo_model(model_dir)
+        print(f"built demo checkpoint in {model_dir} ({time.perf_counter() - t:.1f}s)")
+    return model_dir
+
+
 def run_demo(model_dir: str, port: int = 0) -> int:
     """Launch router + 1 prefill + 1 decode (NIXL between them) on the demo checkpoint and talk to the
     router with the `openai` client; compare with a colocated engine's greedy output; tear down."""
@@ -68,12 +79,8 @@ def run_demo(model_dir: str, port: int = 0) -> int:
 
     from pdserve import LLM, SamplingParams
     from pdserve.launch import cluster_args, start_cluster
-    from pdserve.model.demo import make_demo_model
 
-    if not (Path(model_dir) / "config.json").is_file():
-        t = time.perf_counter()
-        make_demo_model(model_dir)
-        print(f"built demo checkpoint in {model_dir} ({time.perf_counter() - t:.1f}s)")
+    ensure_demo_model(model_dir)
     args = cluster_args(
         model_dir, kv_cache_gib=0.25, max_model_len=2048, max_num_batched_tokens=256, served_model_name="demo"
     )

@@ -76,7 +76,7 @@ class LayerwisePrefill:
         pending: dict[int, tuple[int, int]] = {}  # layer -> (transfer id, staging slot)
 
         def start(layer: int) -> None:
-            slot = role.staging.alloc(m)
+            slot = role.alloc_staging(m)
             if slot is None:
                 raise RuntimeError("no staging room to pull the decode's stored KV")
             base = role.staging.descriptor(slot, m)[0]
@@ -169,7 +169,7 @@ class LayerwisePrefill:
         role, m = self.role, num_pages - first_page
         if m <= 0:
             return
-        slot = role.staging.alloc(m)
+        slot = role.alloc_staging(m)
         if slot is None:
             raise RuntimeError("no staging room for a layerwise send")
         view = role.staging.view(slot, m)  # [regions, m, page_bytes]; we use regions 0 (K) and 1 (V)

@@ -12,6 +12,8 @@ Fields (paper §6, "seq_e, tok_e, read_q, free HBM"):
 * `num_free_pages` — decode: pages an allocation could get now (free + evictable cached) minus the
   growth reserved by requests whose KV is arriving and the prompt pages of requests not yet admitted.
 * `read_queue_tokens` — hit tokens of this engine's store reads in flight.
+* `planned_read_tokens` — DE read path requests waiting for pages: their reads start at admission,
+  so without this a burst assigned to one decode would look like an idle node for a while.
 * `node_read_queue_bytes` — bytes of storage reads pending on the node's storage NIC, all engines of
   the node together (from the shared link; -1 without node emulation). The router turns it into tokens
   with `kv_bytes_per_token` and keeps the larger of the two views.
@@ -35,6 +37,7 @@ class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
     kv_block_size: int
     kv_bytes_per_token: int
     read_queue_tokens: int
+    planned_read_tokens: int = 0  # reads accepted but not yet submitted (a decode's prealloc queue)
     node_read_queue_bytes: int = -1
     snic_bytes_per_s: float = 0.0  # 0: unlimited / not emulated
     snic_bytes_served: int = 0  # cumulative, node-wide (utilization = its rate of change)
@@ -58,6 +61,7 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         else 2 * kv_layout.num_layers * kv_layout.bytes_per_page // kv_layout.page_size
     )
     pool = engine.kv.pool
+    planned = 0
     if hasattr(role, "by_room"):  # prefill
         rooms = list(role.by_room.values())
         reqs = [pr.req for pr in rooms]
@@ -71,6 +75,11 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         num_tokens = sum(r.num_tokens for r in reqs)
         waiting_pages = sum(-(-d.req.num_prompt_tokens // role.page_size) for d in list(role.prealloc))
         num_free = max(0, pool.num_free_pages - role._reserved_pages() - waiting_pages)
+        planned = sum(
+            (d.req.num_prompt_tokens - 1) // block_size * block_size
+            for d in list(role.prealloc)
+            if d.req.read_path == "de" and store is not None
+        )
     report = LoadReport(
         role="prefill" if hasattr(role, "by_room") else "decode",
         node=node,
@@ -82,6 +91,7 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         kv_block_size=block_size,
         kv_bytes_per_token=bytes_per_token,
         read_queue_tokens=_pending_read_tokens(rooms, block_size),
+        planned_read_tokens=planned,
         time_s=time.time(),
     )
     if traffic is not None:

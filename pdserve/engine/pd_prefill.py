@@ -180,6 +180,21 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.agent.abort(tid)
         return status == TransferStatus.DONE
 
+    def alloc_staging(self, num_pages: int, timeout_s: float | None = None) -> int | None:
+        """A staging slot of `num_pages` for the layerwise lane (engine thread), waiting for in-flight
+        writes to free theirs when the pool is full (a slow link holds slots longer: backpressure, not
+        failure). None if it can never fit, or nothing frees a slot before the deadline."""
+        if num_pages > self.staging.capacity_pages:
+            return None
+        deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
+        while (slot := self.staging.alloc(num_pages)) is None:
+            if not self.staging_slots or time.monotonic() > deadline:
+                return None  # nothing in flight holds a slot: waiting cannot help
+            for t, status in self.agent.poll_completions():
+                self._on_completion(t, status)
+            time.sleep(0.0002)
+        return slot
+
     def expect_transfer(self, tid: int) -> None:
         """Mark `tid` as one that `wait_for_transfer` will collect (so no other loop consumes it)."""
         self.awaited.setdefault(tid, None)

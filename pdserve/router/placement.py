@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from pdserve.dualpath.scheduler import (
@@ -41,6 +42,10 @@ from pdserve.kvcache.hashing import page_keys, root_key
 REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
 UNLIMITED_TOKENS = 1 << 40
 ALPHA_READ_S = 3.0  # paper: a node is preferred when its read queue is readable within 3 s
+# An assignment counts in its node's read queue until a report taken this long after it (the request
+# reached the engine by then: router -> engine dispatch is a loopback HTTP call, milliseconds).
+DISPATCH_MARGIN_S = 0.05
+RECENT_READ_KEEP_S = 2.0
 
 
 class PlacementError(Exception):
@@ -151,6 +156,7 @@ class Placement:
             num_nodes=len(nodes),
         )
         self.index = PrefixIndex(block_tokens)
+        self._recent_reads = [deque() for _ in nodes]  # per node: (wall time, hit tokens) assigned
         for e in self.prefills + self.decodes:
             self._apply(e)
 
@@ -185,13 +191,20 @@ class Placement:
             else:
                 s.report_decode(i, 0, UNLIMITED_TOKENS, 0)
         node = self.node_ids[r["node"]]
-        # Node read queue: the shared storage link's view when emulated (all engines of the node),
-        # else the sum of this node's engines' own reads in flight.
+        # Node read queue = reads the node's storage link still has to serve (the shared link's view
+        # when emulated, else the node's engines' reads in flight) + reads its engines accepted but
+        # have not submitted + reads this router assigned there after the report was taken (they
+        # are on their way; without them a burst would see the node as idle until the next report).
         same_node = [x for x in self.reports.values() if x["node"] == r["node"]]
         if r["node_read_queue_bytes"] >= 0:
             tokens = r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"])
         else:
             tokens = sum(x["read_queue_tokens"] for x in same_node)
+        tokens += sum(x.get("planned_read_tokens", 0) for x in same_node)
+        recent = self._recent_reads[node]
+        while recent and recent[0][0] < r["time_s"] - RECENT_READ_KEEP_S:
+            recent.popleft()
+        tokens += sum(n for t, n in recent if t > r["time_s"] - DISPATCH_MARGIN_S)
         s.report_read_queue(node, int(tokens))
 
     # ---- requests --------------------------------------------------------------------------------
@@ -225,8 +238,14 @@ class Placement:
         if self.scheduler is None or not self.queue:
             return
         placed = self.scheduler.assign([w.pending for w in self.queue])
+        now = time.time()
         for waiting, assignment in zip(self.queue, placed, strict=False):
             self.num_placed += 1
+            pe = self.scheduler.prefill[assignment.prefill_engine].node_id
+            de = self.scheduler.decode[assignment.decode_engine].node_id
+            for node, tokens in ((pe, assignment.num_pe_read_tokens), (de, assignment.num_de_read_tokens)):
+                if tokens:
+                    self._recent_reads[node].append((now, tokens))
             self.read_paths[assignment.read_path] = self.read_paths.get(assignment.read_path, 0) + 1
             if not waiting.future.done():
                 waiting.future.set_result(assignment)
