@@ -3,6 +3,7 @@ print what came back with timings, stop the server."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -153,6 +154,27 @@ def run_demo(model_dir: str, port: int = 0) -> int:
         same = sum(o.outputs[0].text == t for o, t in zip(ref, texts, strict=True))
         print(f"\nPD output == colocated engine output (greedy): {same}/{len(prompts)}")
         print("(the demo checkpoint has random weights: its text is noise, its plumbing is real)")
-        return 0 if same == len(prompts) else 1
     finally:
         cluster.stop()
+    rc = run_dualpath_demo(model_dir)
+    return 0 if same == len(prompts) and rc == 0 else 1
+
+
+def run_dualpath_demo(model_dir: str, out_prefix: str = "demo-dualpath") -> int:
+    """The DualPath comparison: 1 prefill node + 2 decode nodes with emulated storage NICs, a small
+    agentic workload replayed under Basic (round_robin) and dualpath; table, JSON and plot."""
+    from pdserve.bench.dualpath_compare import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", model_dir, "--num-agents", "8", "--max-turns", "8", "--sample-s", "2"]
+        + ["--json", out_prefix + ".json", "--plot", out_prefix + ".png"]
+    )
+    print(
+        f"\nDualPath: the same agentic workload ({args.num_agents} agents, up to {args.max_turns} turns) on "
+        f"nodes {args.nodes} with {args.snic_mbps:g} MB/s storage NICs, under Basic and DualPath placement"
+    )
+    rc = run(args)
+    print(f"wrote {out_prefix}.json and {out_prefix}.png")
+    return rc

@@ -604,6 +604,14 @@ SCENARIOS: dict[str, Scenario] = {
             "submit-cost", "per-copy submit µs sweep: when does cheaper submission matter", 7, submit_cost
         ),
         Scenario("split", "split (per-request two-sided reads) vs dualpath over P/D shapes", 10, split_sweep),
+        Scenario(
+            "emulated",
+            "pdserve bench dualpath's emulated 1P2D CPU cluster (demo model, 8 MB/s SNICs): sim vs real",
+            2,
+            lambda ov, progress: __import__("pdserve.sim.emulated", fromlist=["emulated"]).emulated(
+                ov, progress
+            ),
+        ),
     )
 }
 

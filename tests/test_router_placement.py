@@ -1,0 +1,142 @@
+"""The router's DualPath placement alone (no processes): load reports in, exact assignments out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve.router.app import Engine, prompt_shape
+from pdserve.router.placement import Placement, PlacementError, PrefixIndex
+
+BPT = 4096  # KV bytes per token
+
+
+def report(node: str, role: str, **kw) -> dict:
+    base = {
+        "role": role,
+        "node": node,
+        "num_seqs": 0,
+        "num_tokens": 0,
+        "num_free_pages": 1000,
+        "num_total_pages": 1000,
+        "page_size": 16,
+        "kv_block_size": 64,
+        "kv_bytes_per_token": BPT,
+        "read_queue_tokens": 0,
+        "planned_read_tokens": 0,
+        "node_read_queue_bytes": 0,
+        "snic_bytes_per_s": 8e6,
+        "snic_bytes_served": 0,
+        "snic_read_bytes_served": 0,
+        "time_s": time.time(),
+    }
+    return base | kw
+
+
+def cluster(policy: str):
+    pe = [Engine("http://p", "prefill", healthy=True)]
+    de = [Engine("http://d0", "decode", healthy=True), Engine("http://d1", "decode", healthy=True)]
+    pl = Placement(policy, pe, de)
+    pl.on_load(pe[0], report("p0", "prefill"))
+    pl.on_load(de[0], report("d0", "decode"))
+    assert pl.scheduler is None  # not every engine has reported yet
+    pl.on_load(de[1], report("d1", "decode"))
+    assert pl.scheduler is not None
+    return pl, pe, de
+
+
+def place_all(pl: Placement, prompts: list[list[int]], max_tokens: int = 16):
+    async def go():
+        return await asyncio.gather(*(pl.place(p, len(p), max_tokens) for p in prompts))
+
+    return asyncio.run(go())
+
+
+def test_prefix_index_counts_whole_blocks_seen_before_and_leaves_one_token():
+    idx = PrefixIndex(block_tokens=4)
+    a = list(range(10))
+    assert idx.hit_tokens(a) == 0
+    idx.record(a)  # blocks [0..3], [4..7] recorded (the partial tail is not)
+    assert idx.hit_tokens(a + [99, 98]) == 8
+    assert idx.hit_tokens(list(range(8))) == 4  # at least one token is left to compute
+    assert idx.hit_tokens([0, 1, 2, 7] + list(range(4, 10))) == 0  # chained: a changed block breaks it
+
+
+def test_alpha_defaults_to_three_seconds_of_the_slowest_snic():
+    pl, _, _ = cluster("dualpath")
+    assert pl.scheduler.config.alpha_tokens == int(3.0 * 8e6 / BPT)
+    assert pl.scheduler.config.page_tokens == 16 and pl.scheduler.config.block_tokens == 64
+
+
+def test_round_robin_reads_on_prefill_node_dualpath_spreads_by_read_queue():
+    prompts = [[i] * 300 + list(range(i, i + 100)) for i in range(4)]
+    for policy in ("round_robin", "dualpath"):
+        pl, _, _ = cluster(policy)
+        for p in prompts:
+            pl.index.record(p[:256])  # 256 tokens of each prompt are "stored": 4 blocks of hits
+        out = place_all(pl, prompts)
+        if policy == "round_robin":
+            assert [(a.decode_engine, a.read_path) for a in out] == [(0, "pe"), (1, "pe"), (0, "pe"), (1, "pe")]
+            assert pl.read_paths == {"pe": 4, "de": 0}
+        else:
+            # Shorter read queue wins; each placement adds 256 tokens to its node's queue. The first
+            # goes to the PE node (tie on queue and history: PE path), then the decodes' nodes, ...
+            assert [a.read_path for a in out] == ["pe", "de", "de", "pe"]
+            assert sorted({a.decode_engine for a in out if a.read_path == "de"}) == [0, 1]
+            assert pl.scheduler.read_queue_tokens == [256, 256, 512]  # nodes d0, d1, p0
+        assert all(a.num_pe_read_tokens + a.num_de_read_tokens == 256 for a in out)
+
+
+def test_reports_keep_reads_in_transit_until_a_later_report():
+    pl, pe, de = cluster("dualpath")
+    p = list(range(400))
+    pl.index.record(p[:320])
+    (a,) = place_all(pl, [p])
+    node = pl.node_ids["p0"] if a.read_path == "pe" else pl.node_ids[f"d{a.decode_engine}"]
+    reporter = pe[0] if a.read_path == "pe" else de[a.decode_engine]
+    name = "p0" if a.read_path == "pe" else f"d{a.decode_engine}"
+    # A report taken before the assignment reached the engine shows an idle node: the read counts.
+    pl.on_load(reporter, report(name, reporter.role, time_s=time.time() - 1.0))
+    assert pl.scheduler.read_queue_tokens[node] == 320
+    # A report taken well after it: the engine's own figure (here its link's backlog) is the truth.
+    pl.on_load(reporter, report(name, reporter.role, node_read_queue_bytes=64 * BPT, time_s=time.time() + 1))
+    assert pl.scheduler.read_queue_tokens[node] == 64
+
+
+def test_waits_for_decode_pages_then_places_in_order():
+    pl, _, de = cluster("dualpath")
+    for e, n in zip(de, ("d0", "d1"), strict=True):  # both full (a full decode holds many tokens)
+        pl.on_load(e, report(n, "decode", num_free_pages=0, num_seqs=50, num_tokens=16_000))
+
+    async def go():
+        task = asyncio.ensure_future(pl.place(list(range(64)), 64, 16))
+        await asyncio.sleep(0.01)
+        assert not task.done() and len(pl.queue) == 1  # no decode has pages: it waits (FIFO)
+        pl.on_load(de[1], report("d1", "decode", num_free_pages=10, num_seqs=49, num_tokens=15_000))
+        return await asyncio.wait_for(task, 1.0)
+
+    a = asyncio.run(go())
+    assert a.decode_engine == 1 and not pl.queue
+
+
+def test_dead_engines_are_not_chosen_and_bad_requests_are_refused():
+    pl, pe, de = cluster("dualpath")
+    de[0].healthy = False
+    pl.on_health(de[0])
+    out = place_all(pl, [list(range(50)) for _ in range(3)])
+    assert [a.decode_engine for a in out] == [1, 1, 1]
+    with pytest.raises(PlacementError, match="largest decode engine has 1000"):
+        asyncio.run(pl.place(list(range(100)), 100, 16_000))
+    with pytest.raises(ValueError, match="only in the simulator"):
+        Placement("split", pe, de)
+    with pytest.raises(ValueError, match="unknown policy"):
+        Placement("fastest", pe, de)
+
+
+def test_prompt_shape_of_bodies():
+    assert prompt_shape({"prompt": [1, 2, 3]}) == ([1, 2, 3], 3)
+    assert prompt_shape({"prompt": [[4, 5]]}) == ([4, 5], 2)
+    assert prompt_shape({"prompt": "x" * 40}) == (None, 10)
+    assert prompt_shape({"messages": [{"role": "user", "content": "y" * 8}]}) == (None, 2)
