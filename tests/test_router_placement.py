@@ -78,7 +78,12 @@ def test_round_robin_reads_on_prefill_node_dualpath_spreads_by_read_queue():
             pl.index.record(p[:256])  # 256 tokens of each prompt are "stored": 4 blocks of hits
         out = place_all(pl, prompts)
         if policy == "round_robin":
-            assert [(a.decode_engine, a.read_path) for a in out] == [(0, "pe"), (1, "pe"), (0, "pe"), (1, "pe")]
+            assert [(a.decode_engine, a.read_path) for a in out] == [
+                (0, "pe"),
+                (1, "pe"),
+                (0, "pe"),
+                (1, "pe"),
+            ]
             assert pl.read_paths == {"pe": 4, "de": 0}
         else:
             # Shorter read queue wins; each placement adds 256 tokens to its node's queue. The first
