@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve import faults
 from pdserve.store.fileformat import (
     HEADER_NBYTES,
     BlockFormatError,
@@ -172,6 +173,14 @@ class KVBlockStore:
             self._reserved_bytes += need_bytes
         tmp = None
         try:
+            rule = faults.check("store.write") if faults.ENABLED else None
+            if rule is not None:
+                if rule.action == "slow":
+                    time.sleep(rule.delay_s)
+                elif rule.action == "full":
+                    raise OSError(errno.ENOSPC, "injected: no space left on device")
+                else:
+                    raise OSError(errno.EIO, "injected store write failure")
             if self.traffic is not None:
                 self.traffic.storage_write(self.file_nbytes)
             header = encode_header(self.layout, key, payload_checksum(arr, self.checksum), self.checksum)
@@ -304,7 +313,14 @@ class KVBlockStore:
             return self._settle(key, status, st)
         try:
             header = bytearray(HEADER_NBYTES)
+            rule = faults.check("store.read") if faults.ENABLED else None
+            if rule is not None and rule.action == "fail":
+                raise OSError(errno.EIO, "injected store read failure")
+            if rule is not None and rule.action == "slow":
+                time.sleep(rule.delay_s)
             n = os.preadv(fd, [header, view], 0)
+            if rule is not None and rule.action == "corrupt" and view.size:
+                view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
             status = "truncated" if n != self.file_nbytes else self._verify(key, header, view)
             if status == "ok" and self.touch_on_read:
                 os.utime(fd)

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve import faults
 from pdserve.transfer.base import TransferError, TransferStatus, create_backend
 
 log = logging.getLogger(__name__)
@@ -270,10 +271,18 @@ class TransferAgent:
     def _submit(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
         _, transfer_id, peer, local, remote, notif, submitted_s, op = cmd
         nbytes = sum(int(n) for _, n in local)
+        rule = faults.check("transfer.submit", op) if faults.ENABLED else None
+        if (
+            rule is not None and rule.action == "stall"
+        ):  # never copies, never completes: only an abort ends it
+            self._delayed[transfer_id] = (_NeverDone(), cmd)
+            return
         self.stats.transfers_submitted += 1
         self.stats.bytes_submitted += nbytes
         self.stats.descriptors_submitted += len(local)
         try:
+            if rule is not None:
+                raise RuntimeError("injected transfer failure")
             handle = (backend.read if op == "read" else backend.write)(peer, local, remote, notif)
         except Exception as e:
             self.stats.backend_errors += 1
@@ -325,6 +334,16 @@ class TransferAgent:
                 self.on_complete(transfer_id, status, latency_s, p.nbytes)
             except Exception:
                 log.exception("transfer agent %s: on_complete hook failed", self.agent_name)
+
+
+class _NeverDone:
+    """The flow of a stalled transfer (fault injection): it never completes."""
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        pass
 
 
 def _drain(q: queue.SimpleQueue) -> list:
