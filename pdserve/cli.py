@@ -121,7 +121,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from pdserve.server.pd_context import PDContext
 
         pd = PDContext(engine, a.role, pd_config, host=a.host)
-    app = build_app(engine, pd)
+    app = build_app(engine, pd, enable_fault_injection=a.enable_fault_injection)
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
         f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
@@ -221,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)"
     )
+    s.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="serve POST /debug/faults (pdserve.faults; chaos tests only, never in production)",
+    )
     s.add_argument("--node", default="node0", help="PD: the node this engine belongs to (DualPath)")
     s.add_argument("--node-dir", default=None, help="PD: directory of the nodes' emulated NIC link files")
     _pd_args(s)
@@ -245,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     _pd_args(la)
     _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
     _policy_args(la)
+    la.add_argument(
+        "--enable-fault-injection", action="store_true", help="engines serve POST /debug/faults (chaos tests)"
+    )
     la.add_argument(
         "--nodes",
         default=None,

@@ -134,6 +134,8 @@ def pd_flags(a) -> list[str]:
             "--kv-block-size",
             str(a.kv_block_size),
         ]
+    if getattr(a, "enable_fault_injection", False):
+        out.append("--enable-fault-injection")
     if getattr(a, "snic_mbps", None):
         out += ["--snic-mbps", str(a.snic_mbps)]
     if getattr(a, "cnic_mbps", None):

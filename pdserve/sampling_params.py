@@ -52,13 +52,16 @@ class SamplingParams:
                 f"{name} must be a number",
                 value,
             )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"{name} must be a boolean", value)
         _check(isinstance(self.stop, list), "stop must be a string or a list of strings", self.stop)
         if self.top_k == -1:
             self.top_k = 0
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
         _check(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
-        _check(self.top_k >= 0, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
+        _check(0 <= self.top_k < 2**63, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
@@ -71,7 +74,9 @@ class SamplingParams:
             "bad stop_token_ids",
             self.stop_token_ids,
         )
-        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer", self.seed)
+        _check(
+            self.seed is None or -(2**63) <= self.seed < 2**64, "seed must be in [-2**63, 2**64)", self.seed
+        )
 
     @property
     def greedy(self) -> bool:

@@ -14,7 +14,10 @@ client can never stall scheduling, and the engine's main API can restart or bloc
 Endpoints:
     PUT /route     JSON RankRoute; 200 {"ok": true}; 400 bad JSON or fields; 409 conflicts with the
                    ranks already registered (world size, layout); 401 when a secret is set and the
-                   X-PDServe-Auth header (hex HMAC-SHA256 of the body) is missing or wrong; 413 too big
+                   X-PDServe-Auth header (hex HMAC-SHA256 of the body) is missing or wrong; 413 more
+                   than MAX_BODY_BYTES (declared, or streamed: never buffered past the limit). PD
+                   engines always pass the cluster secret (server/pd_context.py); a server without
+                   one (tests, `create_app(table)`) accepts unauthenticated writes
     GET  /route    all ranks: {"world_size", "layout_fingerprint", "page_size", "kv_dtype", "ranks":
                    [{"rank", "control_addr", "engine_name"}, ...]}; 503 until every rank registered
     GET  /route?rank=N  {"rank", "control_addr", "engine_name", "layout_fingerprint", "page_size",
@@ -115,9 +118,16 @@ def create_app(table: RouteTable, secret: bytes | None = None) -> FastAPI:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return _json(413, {"error": f"body larger than {MAX_BODY_BYTES} bytes"})
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return _json(413, {"error": f"body larger than {MAX_BODY_BYTES} bytes"})
+        # Read incrementally: a chunked body (no Content-Length) is refused once past the limit, never
+        # buffered whole.
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                return _json(413, {"error": f"body larger than {MAX_BODY_BYTES} bytes"})
+            chunks.append(chunk)
+        body = b"".join(chunks)
         if secret is not None:
             given = request.headers.get(AUTH_HEADER, "")
             if not hmac.compare_digest(given.encode(), auth_tag(secret, body).encode()):

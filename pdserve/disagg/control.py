@@ -19,7 +19,9 @@ Bounded memory whatever the peers do (a dead peer costs at most sndhwm + max_bac
              that, dropped and counted in `num_dropped`. Nothing ever waits: every ZMQ send is NOBLOCK,
              LINGER is 0, and at most max_peers sockets exist (the least recently used is closed)
     inbox   <= max_inbox decoded messages waiting for `poll` (beyond: dropped, `num_inbox_dropped`)
-    one received message <= max_msg_bytes (ZMQ MAXMSGSIZE; a bigger one drops that connection)
+    one received message <= max_msg_bytes: ZMQ's MAXMSGSIZE caps each frame (a bigger frame drops that
+             connection, uncounted); `messages.decode` caps all frames together (OversizedMessage,
+             counted in `num_malformed`) and any message of more than 3 frames (`num_malformed`)
 An exception in the I/O thread is counted (`num_errors`, `last_error`) and the loop goes on; it never
 silently stops the channel. The HMAC proves "holder of the cluster secret", not which peer sent it,
 and does not stop replays; rooms are random, unique while active and ignored once removed, which
@@ -36,6 +38,7 @@ from collections import OrderedDict, deque
 
 import zmq
 
+from pdserve import faults
 from pdserve.disagg import messages
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,7 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._inbox_ready = threading.Condition(self._lock)
         self._outbox: deque[tuple[str, list[bytes] | None]] = deque()
+        self.num_faults_injected = 0
         self._inbox: deque[messages.Envelope] = deque()
         self._wake_pending = False
         self._closed = False
@@ -134,7 +138,23 @@ class ControlChannel:
         if not isinstance(addr, str) or not _ADDR_RE.match(addr):
             raise ValueError(f"not a ZMQ address: {addr!r}")
         frames = messages.encode(body, room, self.name, self._secret)
+        if faults.ENABLED and (rule := faults.check("control.send", type(body).__struct_config__.tag)):
+            return self._inject(rule, addr, frames)
         return self._enqueue(addr, frames)
+
+    def _inject(self, rule, addr: str, frames: list[bytes]) -> bool:
+        """Fault injection (pdserve.faults, off by default): drop / delay / duplicate / reorder."""
+        self.num_faults_injected += 1
+        if rule.action == "drop":
+            return True  # the sender believes it went out
+        if rule.action == "duplicate":
+            return self._enqueue(addr, frames) and self._enqueue(addr, frames)
+        # delay; reorder = held back briefly so the next messages to this peer overtake it
+        delay_s = rule.delay_s or (0.05 if rule.action == "reorder" else 0.0)
+        timer = threading.Timer(delay_s, self._enqueue, (addr, frames))
+        timer.daemon = True
+        timer.start()
+        return True
 
     def drop_peer(self, addr: str) -> None:
         """Close the socket to `addr` (its queued messages are discarded). For a peer declared dead."""
@@ -332,13 +352,17 @@ class ControlChannel:
                 more = False
                 break
             try:
-                received.append(messages.decode(frames, self._secret))
+                received.append(messages.decode(frames, self._secret, self._max_msg_bytes))
             except messages.ForgedMessage:
                 self.num_forged += 1
             except messages.WrongVersion:
                 self.num_wrong_version += 1
-            except messages.BadMessage:
+            except messages.BadMessage:  # OversizedMessage included
                 self.num_malformed += 1
+            except Exception as e:  # decode raises only the above (fuzzed); never lose the batch anyway
+                self.num_malformed += 1
+                self.num_errors += 1
+                self.last_error = repr(e)
         if received:
             with self._inbox_ready:
                 room_left = max(0, self._max_inbox - len(self._inbox))

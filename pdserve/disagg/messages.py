@@ -11,7 +11,9 @@ Wire format (one ZMQ multipart message = three frames):
     frame 2  mac     HMAC-SHA256(secret, DOMAIN || u32be(len(header)) || header || u32be(len(body)) || body)
 
 Decoding order (each step only runs on input the previous one accepted):
-    1. at least 2 frames, else BadMessage; the last frame is the MAC
+    1. 2 or 3 frames, each a bytes-like buffer, else BadMessage; all frames together at most `max_bytes`
+       (default MAX_MESSAGE_BYTES), else OversizedMessage -- both before any hashing, so a flood of huge
+       or many-frame messages costs no HMAC work; the last frame is the MAC
     2. MAC compared in constant time over the length-prefixed content frames -> ForgedMessage when it is
        missing, has the wrong size or does not match (a truncated or reordered message fails here too:
        the MAC binds every byte and every frame boundary). Nothing unauthenticated is ever parsed.
@@ -20,6 +22,9 @@ Decoding order (each step only runs on input the previous one accepted):
        with new kinds gets a version error, not "unknown kind")
     5. kind is known, body parses into that kind's struct with every field constraint, body tag == kind
        -> else BadMessage
+
+Every rejection is a `MessageRejected` (ForgedMessage, BadMessage and its OversizedMessage, WrongVersion);
+`decode` raises nothing else on any input (tests/test_fuzz_messages.py fuzzes it).
 
 Never pickle: both content frames are plain msgpack; decoding unknown bytes can only yield the structs
 below. Rooms are 63-bit non-negative ints (0 is reserved for per-peer messages such as Register).
@@ -37,6 +42,12 @@ from msgspec import Meta
 
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32
+# Largest message (all frames together) `decode` accepts unless told otherwise. ControlChannel passes its
+# own `max_msg_bytes`, which also caps each frame inside ZMQ (MAXMSGSIZE). The biggest legitimate
+# messages are a Register (transfer agent metadata, kilobytes) and a KVRequest of a very long prompt
+# (a few bytes per page id): far below this.
+MAX_MESSAGE_BYTES = 64 << 20
+_MAX_FRAMES = 3
 MAX_ROOM = 2**63 - 1
 _DOMAIN = b"pdserve-control\x00"  # domain-separates these MACs from any other use of the secret
 
@@ -50,15 +61,24 @@ ZmqAddr = Annotated[
 ]
 
 
-class ForgedMessage(Exception):
+class MessageRejected(Exception):
+    """Base of every rejection `decode` raises: the message is dropped (and counted by the channel)."""
+
+
+class ForgedMessage(MessageRejected):
     """The MAC is missing or wrong: the message is not from a holder of the cluster secret."""
 
 
-class BadMessage(Exception):
-    """Authentic framing but malformed content (bad header, unknown kind, invalid body)."""
+class BadMessage(MessageRejected):
+    """Malformed: wrong frame count or frame types, or authentic framing with malformed content (bad
+    header, unknown kind, invalid body)."""
 
 
-class WrongVersion(Exception):
+class OversizedMessage(BadMessage):
+    """More bytes (all frames together) than the receiver accepts; rejected before the MAC is computed."""
+
+
+class WrongVersion(MessageRejected):
     """Authentic message from a peer speaking another protocol version."""
 
 
@@ -192,17 +212,23 @@ def encode(body: Message, room: int, sender: str, secret: bytes) -> list[bytes]:
     return seal([header, _encoder.encode(body)], secret)
 
 
-def decode(frames: list[bytes], secret: bytes) -> Envelope:
+def decode(frames: list[bytes], secret: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
     """Verify and parse one received multipart message (see the module docstring for the order).
-    Raises ForgedMessage, BadMessage or WrongVersion; never anything else on any input."""
+    Raises ForgedMessage, BadMessage (OversizedMessage) or WrongVersion -- all MessageRejected -- and
+    never anything else on any input (ValueError only for an empty `secret`, a caller bug)."""
     _check_secret(secret)
-    if not isinstance(frames, list | tuple) or len(frames) < 2:
+    if not isinstance(frames, list | tuple) or not 2 <= len(frames) <= _MAX_FRAMES:
         raise BadMessage("expected header, body and MAC frames")
     try:
-        content = [bytes(f) for f in frames[:-1]]
-        mac = bytes(frames[-1])
-    except (TypeError, ValueError) as e:
+        # memoryview, not bytes(): bytes(n) of an int would allocate n zero bytes.
+        views = [memoryview(f) for f in frames]
+    except TypeError as e:
         raise BadMessage(f"frames are not bytes: {e}") from None
+    size = sum(v.nbytes for v in views)
+    if size > max_bytes:
+        raise OversizedMessage(f"message of {size} bytes exceeds the limit of {max_bytes}")
+    content = [v.tobytes() for v in views[:-1]]
+    mac = views[-1].tobytes()
     if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, content)):
         raise ForgedMessage("missing or invalid HMAC")
     if len(content) != 2:

@@ -74,7 +74,7 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     if any(p.top_k or p.top_p < 1.0 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+        top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=logits.device)
         drop = ranks >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.pd_common import new_room
 from pdserve.router.placement import Placement, PlacementError
+from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,7 @@ async def _cancel(task: asyncio.Future) -> None:
 
 def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve router")
+    app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     state: dict = {}
 
     @app.on_event("startup")

@@ -19,11 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve import faults
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
@@ -38,8 +41,11 @@ class APIError(Exception):
         self.status, self.err_type, self.param = status, err_type, param
 
 
-def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
-    """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers."""
+def build_app(
+    engine: LLMEngine, pd: PDContext | None = None, enable_fault_injection: bool = False
+) -> FastAPI:
+    """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers.
+    `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only)."""
     metrics = EngineMetrics()
     if pd is not None:
         metrics.pd = PDMetrics(metrics.registry, pd)
@@ -51,6 +57,7 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
     model_name = engine.config.model_name
     tokenizer = engine.tokenizer
     app = FastAPI(title="pdserve")
+    app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     app.state.engine = aengine
     app.state.metrics = metrics
 
@@ -63,6 +70,14 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
         return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        # FastAPI's own errors (a body that is not JSON, 404 unknown path, 405): OpenAI-style too.
+        err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "BadRequestError")
+        return JSONResponse(
+            error_body(str(e.detail), e.status_code, err_type), status_code=e.status_code, headers=e.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
@@ -244,6 +259,22 @@ def build_app(engine: LLMEngine, pd: PDContext | None = None) -> FastAPI:
         if pd is not None:
             info |= pd.info()
         return info
+
+    if enable_fault_injection:
+
+        @app.get("/debug/faults")
+        async def get_faults():
+            return {"rules": faults.snapshot()}
+
+        @app.post("/debug/faults")
+        async def set_faults(http: Request):
+            """Replace this process's fault rules: {"rules": [...], "seed": 0} (see pdserve.faults)."""
+            try:
+                body = json.loads(await http.body())
+                faults.configure(body.get("rules"), int(body.get("seed", 0)))
+            except (ValueError, TypeError, AttributeError) as e:
+                raise APIError(f"bad fault rules: {e}") from None
+            return {"rules": faults.snapshot()}
 
     @app.get("/pd/load")
     async def pd_load():

@@ -10,11 +10,14 @@ from pdserve.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are ignored
+    # Unknown OpenAI fields (user, ...) are ignored; known ones must have their JSON type (strict: no
+    # false -> 0, "1" -> 1, "no" -> False coercions).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,14 +67,22 @@ class CompletionRequest(_SamplingFields):
         return {"prompt_token_ids": p} if isinstance(p, list) else p
 
 
+class ContentPart(BaseModel):
+    """One part of a chat message's content: {"type": "text", "text": ...}; other types are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str | None = None
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
 
@@ -85,6 +96,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class GenerateRequest(BaseModel):
     """Native endpoint (SGLang-like): token ids in, token ids out."""
+
+    model_config = ConfigDict(strict=True)
 
     input_ids: list[int] | None = None
     text: str | None = None

@@ -133,8 +133,14 @@ def decode_header(raw) -> BlockHeader:
     )
     if magic != MAGIC or version != VERSION or header_nbytes != HEADER_NBYTES or algo_id not in _ALGO_NAMES:
         raise BlockFormatError(f"bad magic/version/algorithm ({magic!r}, v{version}, algo {algo_id})")
+    # A header with a valid crc but lengths no writer produces (a foreign or buggy writer) is damaged too.
+    if klen > MAX_KEY_NBYTES or flen > MAX_FINGERPRINT_NBYTES:
+        raise BlockFormatError(f"key or fingerprint length out of range ({klen}, {flen})")
     key = raw[_FIXED.size : _FIXED.size + klen]
-    fp = raw[_FIXED.size + klen : _FIXED.size + klen + flen].decode(errors="replace")
+    try:
+        fp = raw[_FIXED.size + klen : _FIXED.size + klen + flen].decode()
+    except UnicodeDecodeError:
+        raise BlockFormatError("fingerprint is not utf-8") from None
     return BlockHeader(_ALGO_NAMES[algo_id], payload_nbytes, checksum, nl, bs, bptl, key, fp)
 
 
