@@ -195,6 +195,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from pdserve.bench.serve import run as run_serve
 
         return run_serve(a)
+    if a.what == "soak":
+        from pdserve.bench.soak import run as run_soak
+
+        return run_soak(a)
     if a.what == "dualpath":
         from pdserve.bench.dualpath_compare import run as run_dualpath
 
@@ -316,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dualpath_arguments(bd)
     bd.set_defaults(fn=cmd_bench)
+
+    bso = bsub.add_parser(
+        "soak", help="a launched cluster at ~80%% of capacity for N minutes: RSS/page/latency drift"
+    )
+    from pdserve.bench.soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(bso)
+    bso.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("simulate", help="DualPath cluster simulator")
     try:
