@@ -145,3 +145,18 @@ def test_prompt_shape_of_bodies():
     assert prompt_shape({"prompt": [[4, 5]]}) == ([4, 5], 2)
     assert prompt_shape({"prompt": "x" * 40}) == (None, 10)
     assert prompt_shape({"messages": [{"role": "user", "content": "y" * 8}]}) == (None, 2)
+
+
+def test_an_engine_down_at_start_does_not_block_placement_and_joins_when_it_reports():
+    pe = [Engine("http://p", "prefill", healthy=True)]
+    de = [Engine("http://d0", "decode", healthy=True), Engine("http://d1", "decode", healthy=False)]
+    pl = Placement("dualpath", pe, de)
+    pl.on_load(pe[0], report("p0", "prefill"))
+    pl.on_load(de[0], report("d0", "decode"))
+    assert pl.scheduler is not None  # d1 is down: nobody waits for it
+    assert [a.decode_engine for a in place_all(pl, [list(range(40))] * 2)] == [0, 0]
+    de[1].healthy = True
+    pl.on_load(de[1], report("d1", "decode"))  # back: rebuilt with its real node
+    assert sorted(pl.node_ids) == ["d0", "d1", "p0"]
+    pl.on_load(de[0], report("d0", "decode", num_seqs=5, num_tokens=5000))
+    assert [a.decode_engine for a in place_all(pl, [list(range(40))])] == [1]

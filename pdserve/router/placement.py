@@ -118,11 +118,36 @@ class Placement:
 
     # ---- reports ---------------------------------------------------------------------------------
     def ready(self) -> bool:
-        return all(e.url in self.reports for e in self.prefills + self.decodes)
+        """Every healthy engine has reported, and at least one prefill and one decode have. An engine
+        that is down at start stands on a node of its own until its first report (which rebuilds)."""
+        engines = self.prefills + self.decodes
+        return (
+            all(e.url in self.reports for e in engines if e.healthy)
+            and any(e.url in self.reports for e in self.prefills)
+            and any(e.url in self.reports for e in self.decodes)
+        )
+
+    def _report(self, engine) -> dict:
+        """The engine's last report, or a placeholder (no pages, own node) for one never heard from."""
+        r = self.reports.get(engine.url)
+        if r is not None:
+            return r
+        any_report = next(iter(self.reports.values()))
+        return any_report | {
+            "node": f"unreported:{engine.url}",
+            "num_seqs": 0,
+            "num_tokens": 0,
+            "num_free_pages": 0,
+            "num_total_pages": 0,
+            "read_queue_tokens": 0,
+            "planned_read_tokens": 0,
+            "node_read_queue_bytes": -1,
+        }
 
     def _build(self) -> None:
         """The scheduler, once every engine has reported (node names, page and block sizes)."""
-        nodes = sorted({r["node"] for r in self.reports.values()})
+        engines = self.prefills + self.decodes
+        nodes = sorted({self._report(e)["node"] for e in engines})
         self.node_ids = {n: i for i, n in enumerate(nodes)}
         any_report = next(iter(self.reports.values()))
         page_tokens, block_tokens = any_report["page_size"], any_report["kv_block_size"]
@@ -141,15 +166,15 @@ class Placement:
             block_tokens=block_tokens,
             page_tokens=page_tokens,
         )
-        decode_nodes = sorted({self.reports[e.url]["node"] for e in self.decodes})
+        decode_nodes = sorted({self._report(e)["node"] for e in self.decodes})
         self.scheduler = DualPathScheduler(
             config,
-            [EngineLoad(i, self.node_ids[self.reports[e.url]["node"]]) for i, e in enumerate(self.prefills)],
+            [EngineLoad(i, self.node_ids[self._report(e)["node"]]) for i, e in enumerate(self.prefills)],
             [
                 EngineLoad(
                     i,
-                    self.node_ids[self.reports[e.url]["node"]],
-                    decode_nodes.index(self.reports[e.url]["node"]),
+                    self.node_ids[self._report(e)["node"]],
+                    decode_nodes.index(self._report(e)["node"]),
                 )
                 for i, e in enumerate(self.decodes)
             ],
@@ -161,10 +186,11 @@ class Placement:
             self._apply(e)
 
     def on_load(self, engine, report: dict) -> None:
-        first = engine.url not in self.reports
         self.reports[engine.url] = report
-        if self.scheduler is None:
-            if first and self.ready():
+        if self.scheduler is None or report["node"] not in self.node_ids:
+            # First build, or an engine we had never heard from (or one restarted on another node):
+            # rebuild; the scheduler's optimistic state is replaced by the reports anyway.
+            if self.ready():
                 self._build()
                 self._pump()
             return
@@ -172,12 +198,15 @@ class Placement:
         self._pump()
 
     def on_health(self, engine) -> None:
-        if self.scheduler is not None and engine.url in self.reports:
+        if self.scheduler is not None:
             self._apply(engine)
+            self._pump()
+        elif self.reports and self.ready():  # the engine everyone waited for was declared dead
+            self._build()
             self._pump()
 
     def _apply(self, engine) -> None:
-        s, r = self.scheduler, self.reports[engine.url]
+        s, r = self.scheduler, self._report(engine)
         if engine.role == "prefill":
             i = self.prefills.index(engine)
             if engine.healthy:
@@ -195,7 +224,7 @@ class Placement:
         # when emulated, else the node's engines' reads in flight) + reads its engines accepted but
         # have not submitted + reads this router assigned there after the report was taken (they
         # are on their way; without them a burst would see the node as idle until the next report).
-        same_node = [x for x in self.reports.values() if x["node"] == r["node"]]
+        same_node = [x for x in self.reports.values() if x["node"] == r["node"]] or [r]
         if r["node_read_queue_bytes"] >= 0:
             tokens = r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"])
         else:
@@ -214,7 +243,7 @@ class Placement:
             raise PlacementError("the router has no load report from every engine yet; retry shortly")
         page_tokens = self.scheduler.config.page_tokens
         need_pages = -(-(prompt_len + max_tokens) // page_tokens)
-        biggest = max(self.reports[e.url]["num_total_pages"] for e in self.decodes)
+        biggest = max(self._report(e)["num_total_pages"] for e in self.decodes)
         if need_pages > biggest:
             raise PlacementError(
                 f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
