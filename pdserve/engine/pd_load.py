@@ -39,6 +39,7 @@ class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
     read_queue_tokens: int
     planned_read_tokens: int = 0  # reads accepted but not yet submitted (a decode's prealloc queue)
     node_read_queue_bytes: int = -1
+    node_read_queue_tokens: int = -1  # the same backlog in tokens (bytes / kv_bytes_per_token)
     snic_bytes_per_s: float = 0.0  # 0: unlimited / not emulated
     snic_bytes_served: int = 0  # cumulative, node-wide (utilization = its rate of change)
     snic_read_bytes_served: int = 0
@@ -97,6 +98,7 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
     if traffic is not None:
         snap = traffic.snapshot()
         report.node_read_queue_bytes = int(traffic.read_queue_bytes())
+        report.node_read_queue_tokens = report.node_read_queue_bytes // max(1, bytes_per_token)
         snic = snap["snic"]
         rate = snic["bytes_per_s"]
         report.snic_bytes_per_s = 0.0 if rate == float("inf") else float(rate)
