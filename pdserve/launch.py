@@ -74,13 +74,49 @@ class Cluster:
         self.router_url = ""
         self.urls: dict[str, list[str]] = {}  # role -> engine base URLs, in start order
         self.node_dir: str | None = None  # emulated nodes' link files (removed by stop)
+        self.commands: dict[str, tuple[list[str], dict]] = {}  # name -> (pdserve args, env), for restart
 
     def proc(self, name: str) -> subprocess.Popen:
         return dict(self.procs)[name]
 
+    def url(self, name: str) -> str:
+        """Base URL of an engine by process name ("prefill0", "decode1", ...)."""
+        role, i = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")) :])
+        return self.urls[role][i]
+
     def start(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
         self.procs.append((name, proc))
+        self.commands[name] = (list(args), dict(env))
+        return proc
+
+    def restart(self, name: str, extra_env: dict | None = None, wait: bool = True) -> subprocess.Popen:
+        """Start process `name` again with the same command (same ports: its URL, and for a prefill its
+        bootstrap URL, stay what the router and the decodes know) after it died or was killed; the others
+        keep running. `extra_env` is added to its environment (e.g. $PDSERVE_FAULTS). Kills the old
+        process first if it is still alive. With `wait`, returns once it is healthy."""
+        from pdserve.demo import wait_healthy
+
+        old = self.proc(name)
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        args, env = self.commands[name]
+        for attempt in range(5):
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env | (extra_env or {}))
+            self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+            if not wait:
+                return proc
+            try:
+                wait_healthy(self.router_url if name == "router" else self.url(name), proc)
+                return proc
+            except RuntimeError:
+                # Exit code 3: uvicorn could not bind the port. Meanwhile the kernel may have lent the
+                # freed port to an outgoing connection as its ephemeral source port; it comes back when
+                # that connection closes.
+                if proc.returncode != 3 or attempt == 4:
+                    raise
+                time.sleep(1.0)
         return proc
 
     def dead(self) -> list[str]:

@@ -917,3 +917,77 @@ def test_decode_admission_has_no_head_of_line_blocking(make_pair):
     assert p.de_role.aborts.num_acked == 1
     assert [r for t, r in p.de_sent if t is KVRequest] == [rooms["A"], rooms["C"], rooms["B"]]
     assert p.de_engine.kv.pool.num_used_pages == 12
+
+
+# ---- 8. found by the chaos suite (tests/test_chaos.py) ----------------------------------------------
+def _lossy(control, drop) -> list:
+    """Make `control.send` lose the messages `drop(body)` picks; returns the lost ones' (type, room)."""
+    lost, send = [], control.send
+
+    def wrapped(addr, body, room):
+        if drop(body, lost):
+            lost.append((type(body), room))
+            return True  # the sender believes it went out
+        return send(addr, body, room)
+
+    control.send = wrapped
+    return lost
+
+
+def test_lost_register_is_sent_again(make_pair):
+    """A lost Register (or RegisterAck) used to leave the peer `registering` for good: every request for
+    that prefill then expired in Bootstrapping. The decode re-sends it while requests wait."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)  # room deadlines never pass: only the retry helps
+    lost = _lossy(p.de_control, lambda body, lost: isinstance(body, Register) and not lost)
+    p.submit_both(prompt(9), 4, "rg")
+    p.drive(lambda: p.idle(), timeout_s=10)
+    assert lost == [(Register, 1)] and (Register, 1) in p.de_sent  # lost once, sent again
+    assert p.de_sink.errors("rg") == [] and len(p.de_sink.final("rg").outputs[0].token_ids) == 4
+    p.assert_clean()
+
+
+def test_status_failed_frees_a_room_whose_abort_was_lost(make_pair):
+    """The decode aborted after its KVRequest, but the Abort was lost; the prefill fails the room at its
+    own deadline and reports Status(Failed) -- the same promise as an AbortAck. The decode frees the
+    pages then, not a whole lease later."""
+    p = make_pair(fake_clocks=True)
+    lost = _lossy(p.de_control, lambda body, lost: isinstance(body, Abort))
+    room = p.submit_both(prompt(9), 4, "sa")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.WaitingForInput, step_prefill=False)
+    p.de_role.abort("sa")
+    assert lost == [(Abort, room)] and room in p.de_role.releasing
+    p.pe_clock.advance(DEADLINE_S + 0.01)  # only the prefill's clock: the decode's lease never ends
+    p.drive(lambda: p.idle(), step_prefill=False)
+    assert p.pe_sent[-1] == (Status, room)
+    assert p.de_role.aborts.num_acked == 1 and p.de_role.aborts.num_lease_expired == 0
+    p.assert_clean()
+
+
+def test_room_that_failed_while_its_store_read_was_in_flight_never_computes(make_pair):
+    """PE read path: the prefill was paused past a room's deadline while the room's store read was in
+    flight. On resume the read is done too; the room must fail before the read can start the layerwise
+    lane, whose writes could land in decode pages freed after the decode's lease."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    p = make_pair(fake_clocks=True)
+    read = Future()
+    p.pe_role.store = SimpleNamespace(
+        layout=SimpleNamespace(block_size=2 * PAGE_SIZE),
+        lookup=lambda req: 2,
+        start_read=lambda req, n: SimpleNamespace(future=read, buffer=None),
+    )
+    room = new_room()
+    preq, dreq = p.requests(prompt(20), 4, "sr", room)
+    preq.read_path = "pe"
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.WaitingForInput)  # KVRequest in, read not
+    assert p.pe_role.by_room[room].store_read is not None
+    p.pe_clock.advance(DEADLINE_S + 0.01)
+    read.set_result(SimpleNamespace(num_prefix_ok=2, keys=[b"k0", b"k1"], num_ok=2))
+    p.pe_role.tick()
+    assert p.pe_sink.errors("sr") == ["prefill failed: deadline in WaitingForInput"]
+    assert p.pe_role.layerwise.num_runs == 0 and p.submits == []
+    p.drive(lambda: p.idle())
+    p.assert_clean()

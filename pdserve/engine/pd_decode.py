@@ -45,6 +45,7 @@ class PrefillPeer:
     state: str = "new"  # new -> registering -> ready (a refused registration goes back to new)
     error: str = ""
     agent_name: str = ""
+    registered_s: float = 0.0  # when the last Register went out (it is re-sent while unanswered)
 
 
 @dataclass
@@ -123,6 +124,28 @@ class DecodeRole(PDRoleBase, EngineRole):
             peer.reg_id,
         )
         peer.state = "registering"
+        peer.registered_s = time.monotonic()
+
+    def _retry_registrations(self) -> None:
+        """Re-send a Register that got no RegisterAck while requests wait for that prefill.
+
+        The control channel may lose a message (a dropped connection, a prefill that restarted between
+        our Register and its ack, fault injection); without this a lost Register or RegisterAck left
+        the peer in `registering` for good and every later request for that prefill expired in
+        Bootstrapping. Registration is idempotent on the prefill (the same agent metadata is loaded
+        again, the ack is re-sent) and a late or duplicate ack is ignored here (matched by reg_id and
+        state), so re-sending is safe. The interval is short next to the Bootstrapping deadline so a
+        request that saw one loss still makes it."""
+        now = time.monotonic()
+        retry_s = min(1.0, self.config.deadline_s / 4)
+        waiting = {d.peer_addr for d in self.prealloc}
+        for peer in self.peers.values():
+            if (
+                peer.state == "registering"
+                and peer.control_addr in waiting
+                and now - peer.registered_s > retry_s
+            ):
+                self._register(peer)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         room = self.by_request.get(request_id)
@@ -159,6 +182,7 @@ class DecodeRole(PDRoleBase, EngineRole):
                 self._on_store_read_done(dr)
         for room in self.rooms.expired():
             self._fail(room, self.rooms.reason(room), already_failed=True)
+        self._retry_registrations()
         self._admit()
         for room in self.aborts.ready_to_free():
             dr = self.releasing.pop(room, None)
@@ -184,6 +208,11 @@ class DecodeRole(PDRoleBase, EngineRole):
         elif isinstance(body, Status) and body.state == KVState.Failed:
             if room in self.transfer or any(d.room == room for d in self.prealloc):
                 self._fail(room, f"prefill failed: {body.error}", peer_already_knows=True)
+            elif room in self.releasing:
+                # We aborted first, but the prefill failed the room on its own (e.g. its deadline) and
+                # reports it with the same promise as an AbortAck: none of its writes can still land.
+                # Without this, a lost Abort or AbortAck held the pages for the whole lease.
+                self.aborts.acked(room)
         elif isinstance(body, AbortAck):
             self.aborts.acked(room)
 

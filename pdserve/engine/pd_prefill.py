@@ -131,6 +131,10 @@ class PrefillRole(PDRoleBase, EngineRole):
 
     # ---- the loop (engine thread) --------------------------------------------------------------
     def tick(self) -> bool:
+        # Deadlines first: a room that outlived its state (e.g. the process was paused) fails before
+        # any message or store read of this turn can start work for it.
+        for room in self.rooms.expired():
+            self._fail(room, self.rooms.reason(room), already_failed=True)
         for env in self.control.poll():
             self._on_message(env)
         for tid, status in self.agent.poll_completions():
@@ -138,8 +142,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         for pr in list(self.by_room.values()):
             if pr.store_read is not None and pr.store_read.future.done():
                 self._on_store_read_done(pr)
-        for room in self.rooms.expired():
-            self._fail(room, self.rooms.reason(room), already_failed=True)
         now = time.monotonic()
         for room, (t, _, _) in list(self.early.items()):
             if now - t > self.config.deadline_s:
@@ -310,6 +312,11 @@ class PrefillRole(PDRoleBase, EngineRole):
         the layerwise lane (PE path: hits from our host buffer; DE path: pulled from the decode),
         anything else joins the scheduler like any prefill."""
         if not pr.kv_request_seen or pr.store_read is not None or pr.req.status != RequestStatus.WAITING:
+            return
+        if self.rooms.state(pr.room) != KVState.WaitingForInput:
+            # Failed meanwhile (an Abort, or a deadline that passed while our store read was in
+            # flight): the decode may already have freed its pages (after our ack or its lease), so
+            # nothing of this room may be computed or written any more. `_reap` releases it.
             return
         if pr.store_hit is not None:
             buffer, num_blocks = pr.store_hit

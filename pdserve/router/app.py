@@ -38,6 +38,7 @@ class Engine:
     model: str = ""
     in_flight: int = 0
     misses: int = 0
+    deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
 
 
 class NoEngine(Exception):
@@ -84,6 +85,7 @@ class Router:
                 ok = r.status_code == 200 and info.get("role") == e.role
                 if ok:
                     e.bootstrap_url, e.model = info.get("bootstrap_url", ""), info.get("model", "")
+                    e.deadline_s = float(info.get("deadline_s") or 0.0)
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1
@@ -109,6 +111,17 @@ class Router:
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             await asyncio.sleep(self.load_interval_s)
+
+    def prefill_timeout(self, pe: Engine) -> httpx.Timeout:
+        """How long to wait for a prefill's answer. A live prefill answers (token 1, or the room's
+        failure) within its three state deadlines (Bootstrapping, WaitingForInput, Transferring), each
+        enforced on the engine; one that does not is paused or wedged, and without a bound of our own
+        its clients waited until it came back (found by the chaos suite: SIGSTOP of a prefill). Past
+        the bound the attempt counts as a prefill failure before any KV: retried on another prefill,
+        the decode leg closed (which aborts its room)."""
+        if pe.deadline_s <= 0:  # an engine that does not report its deadline: the client's default
+            return self.client.timeout
+        return httpx.Timeout(600.0, connect=5.0, read=3 * pe.deadline_s + PREFILL_TIMEOUT_MARGIN_S)
 
     def pick_prefill(self, exclude: set[str]) -> Engine:
         live = [e for e in self.prefills if e.healthy and e.url not in exclude]
@@ -193,7 +206,9 @@ class Router:
             de_req = self.client.build_request("POST", de.url + path, json=de_body)
             de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
             try:
-                pe_resp = await self.client.post(pe.url + path, json=pe_body)
+                pe_resp = await self.client.post(
+                    pe.url + path, json=pe_body, timeout=self.prefill_timeout(pe)
+                )
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             if pe_resp is not None and pe_resp.status_code == 200:
@@ -237,6 +252,7 @@ class Router:
 
 
 DEFAULT_PLACEMENT_TOKENS = 256  # a request without max_tokens reserves this much growth in placement
+PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
 
 
 def prompt_shape(body: dict) -> tuple[list[int] | None, int]:

@@ -9,6 +9,7 @@ on a prefill, the bootstrap server's thread.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 from pdserve.disagg import bootstrap
@@ -61,7 +62,7 @@ class PDContext:
             self.agent.traffic = self.traffic
         self.role.agent = self.agent
         self.bootstrap = None
-        self._addr_cache: dict[str, str] = {}
+        self._addr_cache: dict[str, tuple[str, float]] = {}  # bootstrap URL -> (control addr, looked up at)
         self.store = None
         if config.kv_store_dir:
             from pdserve.engine.store_connector import StoreConnector
@@ -97,18 +98,36 @@ class PDContext:
         return load_report(self.role, self.config.node, self.traffic)
 
     def info(self) -> dict:
-        out = {"control_addr": self.control.address, "agent": self.agent.agent_name, "node": self.config.node}
+        out = {
+            "control_addr": self.control.address,
+            "agent": self.agent.agent_name,
+            "node": self.config.node,
+            "deadline_s": self.config.deadline_s,  # the router bounds its wait for a prefill with it
+        }
         if self.bootstrap is not None:
             out["bootstrap_url"] = self.bootstrap.url
         return out
 
+    # A cached control address is trusted for this long, then asked for again. A prefill that restarts
+    # keeps its bootstrap URL (same port) but binds a new control port: cached forever, the old address
+    # sent every later Register/KVRequest to a dead socket, so the restarted prefill never got a request
+    # (each expired in Bootstrapping). One lookup per prefill per second is nothing next to the requests.
+    ADDR_TTL_S = 1.0
+
     async def control_address_of(self, bootstrap_url: str) -> str:
-        """Decode: the prefill's control address, asked of its bootstrap server once and cached."""
-        addr = self._addr_cache.get(bootstrap_url)
-        if addr is None:
+        """Decode: the prefill's control address, asked of its bootstrap server and cached for
+        ADDR_TTL_S; a failed lookup drops the entry (the prefill is down or restarting)."""
+        now = time.monotonic()
+        cached = self._addr_cache.get(bootstrap_url)
+        if cached is not None and now - cached[1] < self.ADDR_TTL_S:
+            return cached[0]
+        try:
             route = await bootstrap.lookup(bootstrap_url, rank=0, timeout_s=10.0)
-            addr = route["control_addr"]
-            self._addr_cache[bootstrap_url] = addr
+        except Exception:
+            self._addr_cache.pop(bootstrap_url, None)
+            raise
+        addr = route["control_addr"]
+        self._addr_cache[bootstrap_url] = (addr, now)
         return addr
 
     def close(self) -> None:
