@@ -919,6 +919,24 @@ def test_decode_admission_has_no_head_of_line_blocking(make_pair):
     assert p.de_engine.kv.pool.num_used_pages == 12
 
 
+def test_decode_admission_aging_stops_overtaking_a_starved_request(make_pair):
+    """As above, but B has already waited `admission_aging_s` (0 here): C may not overtake it any more,
+    so a stream of small requests cannot starve B past the prefill's deadline. A's pages go to B."""
+    p = make_pair(de_pages=16)
+    p.de_role.config = dataclasses.replace(p.de_role.config, admission_aging_s=0.0)
+    rooms = {}
+    for rid, n in (("A", 24), ("B", 40), ("C", 8)):
+        rooms[rid] = new_room()
+        _, dreq = p.requests(prompt(n, start=len(rooms)), 4, rid, rooms[rid])
+        p.de_role.add(dreq, None)
+    p.drive(lambda: rooms["A"] in p.pe_role.early)
+    p.settle(0.05)
+    assert [d.room for d in p.de_role.prealloc] == [rooms["B"], rooms["C"]]  # C waits behind B
+    p.de_role.abort("A")
+    p.drive(lambda: rooms["C"] in p.de_role.transfer)
+    assert [r for t, r in p.de_sent if t is KVRequest] == [rooms["A"], rooms["B"], rooms["C"]]
+
+
 # ---- 8. found by the chaos suite (tests/test_chaos.py) ----------------------------------------------
 def _lossy(control, drop) -> list:
     """Make `control.send` lose the messages `drop(body)` picks; returns the lost ones' (type, room)."""

@@ -29,6 +29,7 @@ class PDConfig:
     abort_lease_s: float = 60.0  # decode frees aborted pages after the prefill's ack or this lease
     num_handoff_slots: int = 256
     growth_reserve_tokens: int = 128  # decode admission: tokens of growth reserved per request
+    admission_aging_s: float = 2.0  # decode admission: after this long in prealloc, nothing overtakes
     # Staging (gather -> one write per region -> scatter) for requests whose decode pages are
     # fragmented: runs / pages above this threshold, pages of at most `staging_max_page_bytes` (bigger
     # pages move as fast directly: docs/benchmarks.md, transfer). A negative threshold stages always.

@@ -63,6 +63,7 @@ class DecodeRoom:
     dst_page_ids: list[int] = field(default_factory=list)
     store_read: object = None  # DE read path: our store read in flight (PendingRead)
     num_hit_tokens: int = 0  # prompt tokens we hold before asking (prefix cache or store)
+    queued_s: float = field(default_factory=time.monotonic)  # when it entered prealloc (aging)
 
 
 class DecodeRole(PDRoleBase, EngineRole):
@@ -218,7 +219,12 @@ class DecodeRole(PDRoleBase, EngineRole):
 
     # ---- admission -----------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Admit prealloc rooms in order while pages last. A room that does not fit is passed by
+        smaller ones (no head-of-line blocking) until it has waited `admission_aging_s`: from then on
+        nothing overtakes it, so sustained load of small requests cannot starve a large one past the
+        prefill's Bootstrapping deadline (seen in a 10-minute soak before this rule)."""
         kv = self.engine.kv
+        now = time.monotonic()
         for dr in list(self.prealloc):
             peer = self.peers[dr.peer_addr]
             if peer.state != "ready":
@@ -229,6 +235,8 @@ class DecodeRole(PDRoleBase, EngineRole):
             num_prompt_pages = -(-req.num_prompt_tokens // self.page_size)
             need = num_prompt_pages - len(hits) + growth
             if need > kv.pool.num_free_pages - self._reserved_pages():
+                if now - dr.queued_s >= self.config.admission_aging_s:
+                    return  # aged: the pages freed from now on are its
                 continue  # does not fit now; smaller requests behind it may
             slot = self.handoff.alloc()
             if slot is None:
