@@ -206,3 +206,39 @@ def test_client_disconnect_mid_stream_frees_both_sides(make_cluster):
     for url in c.urls["prefill"] + c.urls["decode"]:
         m = wait_engine_idle(url, timeout_s=15)
         assert m["pdserve_generation_tokens_total"] < 400
+
+
+def test_frozen_decode_errors_its_clients_and_frees_everything_after_resume(make_cluster):
+    """SIGSTOP a decode mid-stream: once health checks declare it down (2 missed checks) the router
+    ends the stream with an in-band 503 and refuses new requests (503) instead of holding clients
+    forever; after SIGCONT it is routed to again, and the aborted request's pages are freed."""
+    c = make_cluster(1, 1)
+    decode = c.proc("decode0")
+    t0 = time.monotonic()
+    errors = []
+    with httpx.stream(
+        "POST",
+        c.router_url + "/v1/completions",
+        json=body(prompt="freeze", max_tokens=400, stream=True),
+        timeout=60,
+    ) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n == 3:
+                os.kill(decode.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+            if line.startswith("data: {") and "error" in json.loads(line[6:]):
+                errors.append((json.loads(line[6:])["error"]["code"], time.monotonic() - stopped))
+                break
+    try:
+        assert errors and errors[0][0] == 503 and errors[0][1] < 15, errors
+        r = httpx.post(c.router_url + "/v1/completions", json=body(max_tokens=4), timeout=30)
+        assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    wait_until(lambda: httpx.get(c.router_url + "/health").status_code == 200, 15, "decode back")
+    assert (
+        httpx.post(c.router_url + "/v1/completions", json=body(max_tokens=4), timeout=30).status_code == 200
+    )
+    for url in c.urls["prefill"] + c.urls["decode"]:
+        wait_engine_idle(url, timeout_s=15)
+    assert time.monotonic() - t0 < 60

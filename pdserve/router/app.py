@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -39,10 +39,35 @@ class Engine:
     in_flight: int = 0
     misses: int = 0
     deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
+    # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
+    # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
+    down: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class NoEngine(Exception):
     pass
+
+
+class EngineDown(Exception):
+    pass
+
+
+async def unless_down(e: Engine, awaitable):
+    """`await awaitable`, unless engine `e` is declared down first (then EngineDown; it is cancelled)."""
+    if e.down.is_set():
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
+    task = asyncio.ensure_future(awaitable)
+    down = asyncio.ensure_future(e.down.wait())
+    try:
+        await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        down.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
 
 
 class Router:
@@ -91,6 +116,10 @@ class Router:
             e.misses = 0 if ok else e.misses + 1
             was = e.healthy
             e.healthy = ok or (e.healthy and e.misses < 2)
+            if was and not e.healthy:
+                e.down.set()
+            elif e.healthy and e.down.is_set():
+                e.down = asyncio.Event()
             if was != e.healthy and self.placement is not None:
                 self.placement.on_health(e)
 
@@ -230,19 +259,29 @@ class Router:
             )
 
         try:
-            de_resp = await de_task
+            de_resp = await unless_down(de, de_task)
         except httpx.HTTPError as e:
             de.in_flight -= 1
             return JSONResponse(error_body(f"decode {de.url}: {e!r}", 502, "BadGateway"), 502)
+        except EngineDown as e:
+            de.in_flight -= 1
+            return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
 
         async def relay():
+            chunks = de_resp.aiter_raw().__aiter__()
             try:
-                async for chunk in de_resp.aiter_raw():
+                while True:
+                    try:
+                        chunk = await unless_down(de, chunks.__anext__())
+                    except StopAsyncIteration:
+                        break
                     if await http.is_disconnected():
                         break
                     yield chunk
             except httpx.HTTPError as e:
                 yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
+            except EngineDown as e:
+                yield f"data: {json.dumps(error_body(str(e), 503, 'ServiceUnavailable'))}\n\n"
             finally:
                 await de_resp.aclose()
                 de.in_flight -= 1
