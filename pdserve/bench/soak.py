@@ -86,11 +86,13 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict) -> tuple[bool, 
         if body["stream"]:
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 text = (await r.aread()).decode(errors="replace")
-                ok = r.status_code == 200 and '"error"' not in text and text.rstrip().endswith("[DONE]")
-                err = "" if ok else f"HTTP {r.status_code}"
+                events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: {")]
+                bad = [e for e in events if json.loads(e).get("error")]
+                ok = r.status_code == 200 and not bad and text.rstrip().endswith("[DONE]")
+                err = "" if ok else f"HTTP {r.status_code}: " + (bad[0][:200] if bad else text[-200:])
         else:
             r = await client.post(url + "/v1/completions", json=body)
-            ok, err = r.status_code == 200, f"HTTP {r.status_code}"
+            ok, err = r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}"
     except httpx.HTTPError as e:
         ok, err = False, type(e).__name__
     return ok, time.perf_counter() - t0, "" if ok else err
