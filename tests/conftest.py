@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -56,3 +61,31 @@ def demo_model_dir(tmp_path_factory):
     from pdserve.model.demo import make_demo_model
 
     return str(make_demo_model(tmp_path_factory.mktemp("demo")))
+
+
+@contextlib.contextmanager
+def serve_subprocess(model_dir: str, log_dir, *flags: str):
+    """A `pdserve serve` process on 127.0.0.1 (extra `flags` appended); yields (url, proc, log_path).
+    Its log is printed if it fails to come up; it is terminated (then killed) on exit."""
+    from pdserve.demo import free_port, wait_healthy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(log_dir) / "server.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(port), *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_healthy(url, proc, timeout_s=120)
+        except Exception:
+            print(log_path.read_text(errors="replace"))
+            raise
+        yield url, proc, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)

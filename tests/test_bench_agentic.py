@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +27,8 @@ from pdserve.bench.agentic import (
     summarize,
     turn_prompts,
 )
-from pdserve.demo import free_port, wait_healthy
+from pdserve.demo import free_port
+from tests.conftest import serve_subprocess
 
 CFG = WorkloadConfig(
     workload="32k", num_agents=6, max_turns=8, length_scale=0.05, max_context_tokens=4096, vocab_size=4096
@@ -155,28 +154,10 @@ def test_snic_windows_and_balance():
 # ---- end to end ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tmp_path_factory.mktemp("agentic-log")) / "server.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", demo_model_dir, "--port", str(port)]
-    cmd += ["--max-model-len", "1024", "--num-pages", "256", "--page-size", "16", "--dtype", "float32"]
-    cmd += ["--device", "cpu"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_healthy(url, proc, timeout_s=120)
-        except Exception:
-            print(log_path.read_text(errors="replace"))
-            raise
+    flags = ["--max-model-len", "1024", "--num-pages", "256", "--page-size", "16", "--dtype", "float32"]
+    flags += ["--device", "cpu"]
+    with serve_subprocess(demo_model_dir, tmp_path_factory.mktemp("agentic-log"), *flags) as (url, _, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 @pytest.mark.timeout(180)

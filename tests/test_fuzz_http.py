@@ -30,8 +30,6 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -53,9 +51,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from pdserve.demo import free_port, wait_healthy  # noqa: E402
 from pdserve.sampling_params import MAX_TOP_LOGPROBS  # noqa: E402
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest  # noqa: E402
+from tests.conftest import serve_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -526,28 +524,10 @@ def wait_idle(url: str, timeout_s: float) -> dict[str, float]:
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(demo_model_dir, tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tmp_path_factory.mktemp("fuzz-server-log")) / "server.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", demo_model_dir, "--role", "colocated"]
-    cmd += ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", str(NUM_PAGES)]
-    cmd += ["--page-size", str(PAGE_SIZE), "--max-num-seqs", "8"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_healthy(url, proc, timeout_s=120)
-        except Exception:
-            print(log_path.read_text(errors="replace"))
-            raise
-        yield url, proc, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    flags = ["--role", "colocated", "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", str(NUM_PAGES)]
+    flags += ["--page-size", str(PAGE_SIZE), "--max-num-seqs", "8"]
+    with serve_subprocess(demo_model_dir, tmp_path_factory.mktemp("fuzz-server-log"), *flags) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

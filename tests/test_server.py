@@ -10,16 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from pdserve.demo import free_port, wait_healthy
+from tests.conftest import serve_subprocess
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,29 +39,10 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """(base_url, model_name). The server's log is printed if it fails to come up."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tmp_path_factory.mktemp("server-log")) / "server.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--role", "colocated"]
-    cmd += ["--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", str(NUM_PAGES)]
-    cmd += ["--page-size", str(PAGE_SIZE)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_healthy(url, proc, timeout_s=120)
-        except Exception:
-            print(log_path.read_text(errors="replace"))
-            raise
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        yield url, name
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    flags = ["--role", "colocated", "--max-model-len", str(MAX_MODEL_LEN), "--num-pages", str(NUM_PAGES)]
+    flags += ["--page-size", str(PAGE_SIZE)]
+    with serve_subprocess(model_dir, tmp_path_factory.mktemp("server-log"), *flags) as (url, _, _):
+        yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")

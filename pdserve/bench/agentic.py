@@ -67,6 +67,11 @@ class AgentPlan:
         return sum(len(x.append_ids) for x in t[: turn + 1]) + sum(x.gen_tokens for x in t[:turn])
 
 
+def vocab_size_of(model_dir: str | Path) -> int:
+    """The vocabulary size in a model directory's config.json (token ids are drawn below it)."""
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
 def build_agents(cfg: WorkloadConfig) -> list[AgentPlan]:
     """Scaled, cut, tokenized trajectories, deterministic in ``cfg``. Agent a's ids come from an RNG
     seeded by (token_seed, workload name, a): a new ``token_seed`` replays the same shapes against a
@@ -454,7 +459,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
     vocab = args.vocab_size
     if vocab is None and args.model_dir:
-        vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
+        vocab = vocab_size_of(args.model_dir)
     online = args.mode == "online"
     cfg = WorkloadConfig(
         workload=args.workload,

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench.agentic import WorkloadConfig, build_agents, run_agents, summarize
+from pdserve.bench.agentic import WorkloadConfig, build_agents, run_agents, summarize, vocab_size_of
 
 DEFAULT_NODES = "p0:1p,d0:1d,d1:1d"
 
@@ -58,10 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--no-progress", action="store_true")
-
-
-def _vocab_size(model_dir: str) -> int:
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
 def run_policy(a, model_dir: str, policy: str, agents, online: bool) -> dict:
@@ -132,7 +128,7 @@ def run(a: argparse.Namespace) -> int:
         max_turns=a.max_turns,
         length_scale=a.length_scale,
         max_context_tokens=a.max_context_tokens,
-        vocab_size=_vocab_size(model_dir),
+        vocab_size=vocab_size_of(model_dir),
         seed=a.seed,
     )
     out: dict = {"mode": a.mode, "nodes": a.nodes, "snic_mbps": a.snic_mbps, "cnic_mbps": a.cnic_mbps}

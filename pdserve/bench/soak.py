@@ -168,11 +168,12 @@ def _drift(series: list[tuple[float, float]], start_s: float, end_s: float, frac
 def run(a: argparse.Namespace) -> int:
     import tempfile
 
+    from pdserve.bench.agentic import vocab_size_of
     from pdserve.demo import ensure_demo_model
     from pdserve.launch import cluster_args, start_cluster
 
     model_dir = a.model or ensure_demo_model(".demo-model")
-    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    vocab = vocab_size_of(model_dir)
     seconds = a.minutes * 60.0
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-store-") as store:
         cluster = start_cluster(

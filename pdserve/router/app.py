@@ -12,6 +12,7 @@ Engines are health-checked in the background; a dead one gets no new requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -50,6 +51,37 @@ class NoEngine(Exception):
 
 class EngineDown(Exception):
     pass
+
+
+_END, _DOWN = object(), object()
+
+
+async def chunks_unless_down(e: Engine, chunks):
+    """Yield `chunks` (an async iterator) until they end; raise EngineDown once `e` is declared down.
+    One reader task and one watcher per stream, not per chunk: this is the router's per-token path."""
+    q: asyncio.Queue = asyncio.Queue()  # bounded by the response itself (max_tokens)
+
+    async def read() -> None:
+        try:
+            async for chunk in chunks:
+                q.put_nowait(chunk)
+            q.put_nowait(_END)
+        except Exception as exc:  # httpx errors reach the consumer as they would have directly
+            q.put_nowait(exc)
+
+    reader = asyncio.ensure_future(read())
+    watcher = asyncio.ensure_future(e.down.wait())
+    watcher.add_done_callback(lambda f: f.cancelled() or q.put_nowait(_DOWN))
+    try:
+        while (item := await q.get()) is not _END:
+            if item is _DOWN:
+                raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        reader.cancel()
+        watcher.cancel()
 
 
 async def unless_down(e: Engine, awaitable):
@@ -268,16 +300,12 @@ class Router:
             return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
 
         async def relay():
-            chunks = de_resp.aiter_raw().__aiter__()
             try:
-                while True:
-                    try:
-                        chunk = await unless_down(de, chunks.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    if await http.is_disconnected():
-                        break
-                    yield chunk
+                async with contextlib.aclosing(chunks_unless_down(de, de_resp.aiter_raw())) as chunks:
+                    async for chunk in chunks:
+                        if await http.is_disconnected():
+                            break
+                        yield chunk
             except httpx.HTTPError as e:
                 yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
             except EngineDown as e:

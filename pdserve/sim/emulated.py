@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pdserve.bench.workloads import Workload
+from pdserve.bench.workloads import Workload, _assemble
 from pdserve.dualpath.cost_model import QWEN_32B, ModelProfile
 from pdserve.sim.cluster import ClusterSim
 from pdserve.sim.config import HardwareConfig, SimConfig
@@ -66,17 +66,11 @@ def bench_workload(num_agents: int = 16, workload: str = "32k", seed: int = 0) -
             seed=seed,
         )
     )
-    lens = [len(a.turns) for a in agents]
-    offsets = np.zeros(len(agents) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return Workload(
-        name=f"bench-{workload}",
-        offsets=offsets,
-        append=np.array([len(t.append_ids) for a in agents for t in a.turns], dtype=np.int64),
-        gen=np.array([t.gen_tokens for a in agents for t in a.turns], dtype=np.int64),
-        think_s=np.zeros(int(offsets[-1])),
-        hit_override=np.full(int(offsets[-1]), -1, np.int64),
-        start_s=np.zeros(len(agents)),
+    return _assemble(
+        f"bench-{workload}",
+        [np.array([len(t.append_ids) for t in a.turns], dtype=np.int64) for a in agents],
+        [np.array([t.gen_tokens for t in a.turns], dtype=np.int64) for a in agents],
+        np.zeros(len(agents)),
     )
 
 
