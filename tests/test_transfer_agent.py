@@ -65,6 +65,22 @@ def test_fake_agent_ids_reported_once_and_notifications(fake_agents):
     assert b.stats.notifications_received == 20
 
 
+def test_wait_notifications_blocks_until_one_lands(fake_agents):
+    a, b = fake_agents("wn-a"), fake_agents("wn-b")
+    _connect(a, b)
+    t0 = time.monotonic()
+    assert b.wait_notifications(0.05) == []  # nothing sent: returns empty after the timeout
+    assert time.monotonic() - t0 >= 0.05
+    a.submit("wn-b", [(0, 64)], [(64, 64)], b"first")
+    a.submit("wn-b", [(0, 64)], [(64, 64)], b"second")
+    got = b.wait_notifications(5.0)
+    deadline = time.monotonic() + 5.0
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += b.wait_notifications(0.1)
+    assert got == [("wn-a", b"first"), ("wn-a", b"second")]  # in order, each once
+    assert b.poll_notifications() == []
+
+
 def test_fake_agent_failures_are_reported_not_raised(fake_agents):
     a, b = fake_agents("fl-a"), fake_agents("fl-b")
     _connect(a, b)

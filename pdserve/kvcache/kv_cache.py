@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ModelConfig
+from pdserve.kvcache.host_memory import host_zeros
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class KVLayout:
         return f"L{self.num_layers}-ps{self.page_size}-h{self.num_kv_heads}-d{self.head_dim}-{self.dtype}"
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zeroed K or V buffer; on the CPU backed by huge pages (faster cross-process page copies)."""
+    if torch.device(device).type == "cpu":
+        return host_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     def __init__(
         self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str
@@ -53,8 +61,8 @@ class KVCache:
             elem,
         )
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
 
     def flat_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) as [num_pages * page_size, num_kv_heads, head_dim] views (slot-indexed)."""

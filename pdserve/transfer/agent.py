@@ -159,6 +159,15 @@ class TransferAgent:
     def poll_notifications(self) -> list[tuple[str, bytes]]:
         return _drain(self._notifications)
 
+    def wait_notifications(self, timeout_s: float) -> list[tuple[str, bytes]]:
+        """Like `poll_notifications`, but sleeps up to `timeout_s` for the first one: a receiver with
+        nothing else to do wakes when a notification lands instead of spinning on the CPU the copy needs."""
+        try:
+            first = self._notifications.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        return [first, *_drain(self._notifications)]
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread: pending transfers are released (aborted) and the backend is closed."""
         if self._closed:

@@ -34,6 +34,12 @@ RELEASE_WAIT_S = 30.0
 def import_nixl():
     """(nixl_agent, nixl_agent_config) classes, or raise ImportError. Safe to call repeatedly."""
     os.environ.setdefault("UCX_MODULES", "^ib*")
+    # cma copies in segments of this size, one process_vm_writev each (UCX default 512 KiB). Larger
+    # segments cut the per-call page-pinning setup: a 64 MiB merged write went from ~130 calls to 2
+    # and, with huge-page buffers (kvcache/host_memory.py), from ~4.7 to ~5.9 GB/s here
+    # (docs/benchmarks.md). The transfer blocks the owning thread for the whole copy either way (see
+    # the module docstring), so nothing waits longer behind a larger segment.
+    os.environ.setdefault("UCX_CMA_SEG_SIZE", "64m")
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError:

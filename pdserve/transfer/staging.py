@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.kvcache.host_memory import host_zeros
+
 
 def kv_regions(k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-layer K and V pools -> regions in transfer order K0, V0, K1, V1, ... (as `KVCache.regions()`)."""
@@ -114,7 +116,9 @@ class StagingPool:
         self.capacity_pages = capacity_pages
         self.slot_page_nbytes = num_regions * bytes_per_page
         nbytes = capacity_pages * self.slot_page_nbytes
-        if buffer is None:
+        if buffer is None and torch.device(device).type == "cpu" and not pin_memory:
+            buffer = host_zeros(nbytes)  # huge pages: faster cross-process copies (kvcache/host_memory.py)
+        elif buffer is None:
             buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
         elif buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.numel() < nbytes:
             raise ValueError(f"StagingPool: buffer must be a contiguous uint8 tensor of >= {nbytes} bytes")

@@ -1,0 +1,74 @@
+"""Host (CPU) buffers for KV pages, backed by transparent huge pages where the kernel allows.
+
+Who calls it: ``KVCache`` (CPU pools), ``StagingPool`` and ``StoreConnector`` (host buffers that NIXL
+registers) and ``pdserve bench transfer`` (both sides of the transfer and the in-process ceiling, so
+the comparison is made on the same kind of memory).
+
+Why: on one host NIXL's UCX backend moves CPU pages between processes with the ``cma`` transport, i.e.
+the kernel's ``process_vm_writev``, which pins the peer's pages one 4 KiB page at a time. Measured on
+this 2-core machine (64 MiB, one call): 4.6 GB/s on 4 KiB pages vs 6.3 GB/s for an in-process memcpy
+(72%), but 6.9 GB/s vs 6.9 GB/s (100%) when both buffers are advised ``MADV_HUGEPAGE``: the pinning walk
+then covers 2 MiB per step. Large anonymous mappings are only backed by huge pages when advised
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` here), and the advice must come before
+the first touch, so the buffer is allocated, aligned to 2 MiB, advised, and only then zeroed.
+
+Where THP is off (``never``), on other OSes, or for buffers smaller than one huge page, this is a plain
+``torch.zeros``: same shape, dtype and contents; only the speed of cross-process copies differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import sys
+
+import torch
+
+HUGE_PAGE_NBYTES = 2 << 20  # x86-64 and aarch64 (4 KiB base pages) PMD size
+_MADV_HUGEPAGE = 14  # linux/mman-common.h
+
+
+@functools.cache
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(addr: int, nbytes: int) -> bool:
+    """Ask the kernel to back [addr, addr + nbytes) with huge pages; True if the advice was taken.
+
+    `addr` must be 4 KiB aligned. Only pages not yet touched are affected (the advice is a property of
+    the mapping, consulted at page-fault time and by khugepaged)."""
+    madvise = _libc_madvise()
+    if madvise is None or nbytes <= 0:
+        return False
+    return madvise(addr, nbytes, _MADV_HUGEPAGE) == 0
+
+
+def host_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True):
+    """A zeroed, contiguous CPU tensor of `shape`/`dtype` whose data start 2 MiB aligned and are advised
+    to use transparent huge pages (when `huge_pages` and the buffer spans at least one huge page).
+
+    The returned tensor is a view into a slightly larger allocation (+2 MiB for the alignment); the view
+    keeps that allocation alive."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * elem
+    if not huge_pages or nbytes < HUGE_PAGE_NBYTES or _libc_madvise() is None:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE_NBYTES, dtype=torch.uint8)  # untouched: no page faulted yet
+    offset = -raw.data_ptr() % HUGE_PAGE_NBYTES
+    view = raw[offset : offset + nbytes]
+    advise_huge_pages(view.data_ptr(), -(-nbytes // 4096) * 4096)
+    view.zero_()  # first touch: faults in huge pages where the kernel has them
+    return view.view(dtype).view(shape)

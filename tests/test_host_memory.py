@@ -1,0 +1,65 @@
+"""Host KV buffers: zeroed, right shape/dtype, 2 MiB aligned and advised for transparent huge pages."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdserve.kvcache.host_memory import HUGE_PAGE_NBYTES, host_zeros
+from pdserve.kvcache.kv_cache import KVCache
+from pdserve.transfer.staging import StagingPool
+
+
+def _vm_flags(addr: int) -> set[str]:
+    """VmFlags of the mapping holding `addr` (Linux /proc/self/smaps)."""
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= addr < hi
+            elif head == "VmFlags:" and current:
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_small_buffer_is_a_plain_zeros_tensor():
+    t = host_zeros((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16 and t.is_contiguous()
+    assert torch.count_nonzero(t) == 0
+
+
+def test_large_buffer_shape_dtype_alignment_and_contents():
+    t = host_zeros((4, HUGE_PAGE_NBYTES // 8), torch.float32)  # 4 MiB
+    assert t.shape == (4, HUGE_PAGE_NBYTES // 8) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE_NBYTES == 0
+    assert torch.count_nonzero(t) == 0
+    t.fill_(1.5)  # writable over its whole length (the view ends inside the allocation)
+    assert float(t.sum()) == 1.5 * t.numel()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / smaps are Linux")
+def test_large_buffer_is_advised_huge_pages():
+    t = host_zeros(8 * HUGE_PAGE_NBYTES)
+    assert "hg" in _vm_flags(t.data_ptr())  # VM_HUGEPAGE: MADV_HUGEPAGE was taken
+    plain = host_zeros(8 * HUGE_PAGE_NBYTES, huge_pages=False)
+    assert "hg" not in _vm_flags(plain.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / smaps are Linux")
+def test_kv_cache_and_staging_pool_use_huge_page_buffers():
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=8, head_dim=128)  # the fields KVCache reads
+    kv = KVCache(cfg, num_pages=256, page_size=16, dtype=torch.float16, device="cpu")  # 8 MiB per buffer
+    assert len(kv.regions()) == 4
+    for addr, nbytes in kv.regions():
+        assert nbytes == 256 * 16 * 8 * 128 * 2
+        assert addr % HUGE_PAGE_NBYTES == 0 and "hg" in _vm_flags(addr)
+    assert all(torch.count_nonzero(t) == 0 for t in kv.k + kv.v)
+    pool = StagingPool(num_regions=2, bytes_per_page=64 << 10, capacity_pages=64)  # 8 MiB
+    addr, _ = pool.region()
+    assert addr % HUGE_PAGE_NBYTES == 0 and "hg" in _vm_flags(addr)
+    assert torch.count_nonzero(pool.buffer) == 0
