@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--total-mib", type=int, default=64, help="bytes moved per case, MiB")
     p.add_argument("--num-regions", type=int, default=2, help="regions (K/V buffers) the pages span")
-    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per case (median reported)")
+    p.add_argument("--repeats", type=int, default=15, help="timed repetitions per case (median reported)")
     p.add_argument("--staging-chunks", type=int, default=4, help="pipelined chunks of a staged write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
