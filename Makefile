@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 DEMO_DIR ?= .demo-model
 
-.PHONY: demo test lint bench-offline clean
+.PHONY: demo test lint bench-offline sim-accel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# The simulator's event loop compiled with mypyc (~2 min once; same results, ~1.9x faster); used by
+# `pdserve simulate` while the sources match, ignored once they change.
+sim-accel: $(STAMP)
+	$(BIN)/python -m pdserve.sim.accel build
 
 bench-offline: $(STAMP)
 	$(BIN)/pdserve bench offline

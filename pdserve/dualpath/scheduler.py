@@ -542,6 +542,10 @@ class AdditiveBatchCost:
         return self.overhead_s + sum(self.item_cost_s(c, n) for c, n in pairs)
 
 
+def _no_item_cost(num_cached_tokens: int, num_new_tokens: int) -> float:
+    raise AssertionError("only additive batch costs have an item cost")
+
+
 def build_prefill_batch(
     waiting: Iterable[PrefillItem], batch_cost_s: BatchCost, quota_s: float, page_tokens: int = 16
 ) -> BatchPlan:
@@ -560,7 +564,9 @@ def build_prefill_batch(
     pairs: list[tuple[int, int]] = []
     cost = 0.0
     items_s = 0.0  # Σ item costs so far (additive costs only)
-    if additive:
+    overhead_s = 0.0
+    item_cost_s: Callable[[int, int], float] = _no_item_cost
+    if isinstance(batch_cost_s, AdditiveBatchCost):
         overhead_s = batch_cost_s.overhead_s
         item_cost_s = batch_cost_s.item_cost_s
 
@@ -586,8 +592,12 @@ def build_prefill_batch(
         max_pages = (it.num_new_tokens - 1) // page_tokens
         lo, hi = 0, max_pages
         if additive and hi > 0:
+
+            def fits(m: int, cached: int = it.num_cached_tokens) -> bool:
+                return cost_with(cached, m * page_tokens) <= quota_s
+
             lo, hi = _gallop_bracket(
-                lambda m, cached=it.num_cached_tokens: cost_with(cached, m * page_tokens) <= quota_s,
+                fits,
                 (quota_s - overhead_s - items_s) * it.num_new_tokens / one / page_tokens if one > 0 else 0,
                 hi,
             )

@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count, islice
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,9 @@ class _Req:
         "t_done",
     )
 
-    def __init__(self, rid, agent, turn, t_submit, hit, new, gen):
+    def __init__(
+        self, rid: int, agent: int, turn: int, t_submit: float, hit: int, new: int, gen: int
+    ) -> None:
         self.rid = rid
         self.agent = agent
         self.turn = turn
@@ -256,7 +259,7 @@ class ClusterSim:
         self.queue_reqs: deque[_Req] = deque()
         self.fetch_pending = False
         self.last_fetch = -math.inf
-        self.read_q = [deque() for _ in range(n_nodes)]  # (req, tokens)
+        self.read_q: list[deque[tuple[_Req, int]]] = [deque() for _ in range(n_nodes)]
         self.read_q_tokens = [0] * n_nodes
         self.snic_busy = [False] * n_nodes
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
@@ -272,14 +275,14 @@ class ClusterSim:
         self._layerwise, self._oracle = self.mode.layerwise, self.mode.oracle
         self._submit_s = cfg.submit_us_per_copy * 1e-6 / max(cfg.copies_per_submit, 1)
         # Agents.
-        self.agent_ctx = [0] * workload.num_agents
+        self.agent_ctx: list[int] = [0] * workload.num_agents
         # Python lists of the workload's per-turn arrays: the handlers read one element per event and a
         # list index is several times cheaper than a numpy scalar access plus conversion.
-        self._offsets = workload.offsets.tolist()
-        self._hit_override = workload.hit_override.tolist()
-        self._append = workload.append.tolist()
-        self._gen = workload.gen.tolist()
-        self._think = workload.think_s.tolist()
+        self._offsets: list[int] = workload.offsets.tolist()
+        self._hit_override: list[int] = workload.hit_override.tolist()
+        self._append: list[int] = workload.append.tolist()
+        self._gen: list[int] = workload.gen.tolist()
+        self._think: list[float] = workload.think_s.tolist()
         self.agent_done = np.full(workload.num_agents, np.nan)
         self.ttft: list[float] = []
         self.tpot: list[float] = []
@@ -319,7 +322,7 @@ class ClusterSim:
         pop = heapq.heappop
         next_progress = 0.0
         # One handler per event kind, each taking the event's two payload slots.
-        handlers = [None] * 7
+        handlers: list[Callable[[Any, Any], None]] = [self._arrive] * 7
         handlers[_ARRIVE] = self._arrive
         handlers[_FETCH] = lambda a, b: self._fetch()
         handlers[_READ_DONE] = lambda a, b: self._read_done(a)
@@ -489,7 +492,7 @@ class ClusterSim:
             t_loaded = max(in_end, t + n_in * self._submit_s)
             self._push(t_loaded + compute, _BATCH_LOADED, pe, batch)
 
-    def _book_inbound(self, pe: int, batch, t: float) -> tuple[float, int]:
+    def _book_inbound(self, pe: int, batch: list[tuple[_Req, int]], t: float) -> tuple[float, int]:
         """Hit KV of each request into the PE GPU, one layer block per copy; returns (end, copies)."""
         kv, g, bt = self.kv_tok, self.g, self.cfg.block_tokens
         pe_node = pe // g
@@ -514,7 +517,7 @@ class ClusterSim:
             r.inbound_done = True
         return end, copies
 
-    def _book_outbound(self, pe: int, batch, t: float) -> tuple[float, int]:
+    def _book_outbound(self, pe: int, batch: list[tuple[_Req, int]], t: float) -> tuple[float, int]:
         """KV back to the DE host: the new tokens, plus the PE-read hit once (PE path); (end, copies)."""
         kv, g, bt = self.kv_tok, self.g, self.cfg.block_tokens
         end, copies = t, 0
@@ -531,14 +534,14 @@ class ClusterSim:
             copies += -(-tokens // bt) * self.layers
         return end, copies
 
-    def _batch_loaded(self, pe: int, batch) -> None:
+    def _batch_loaded(self, pe: int, batch: list[tuple[_Req, int]]) -> None:
         """Not layerwise: compute finished; now send the whole KV to the DE host."""
         t = self.now
         out_end, n_out = self._book_outbound(pe, batch, t)
         end = max(out_end, t + n_out * self._submit_s)
         self._push(end, _BATCH_DONE, pe, batch)
 
-    def _batch_done(self, pe: int, batch) -> None:
+    def _batch_done(self, pe: int, batch: list[tuple[_Req, int]]) -> None:
         t = self.now
         finished = []
         for r, n in batch:

@@ -1,0 +1,153 @@
+"""The simulator's hot modules compiled with mypyc: same source, same results, ~1.5x faster.
+
+Who calls it: ``pdserve simulate`` calls ``activate()`` before it imports the simulator (``--accel``
+decides: ``auto`` uses a build if one matches the sources, ``on`` builds one first, ``off`` never);
+``make sim-accel`` / ``python -m pdserve.sim.accel`` calls ``build()``; tests compare both.
+
+Why compiled: the 48P96D scale run simulates 2.67 M turns through the event loop, the router
+scheduler and the link bookings; the profile is flat (no single loop to vectorize) and pure Python
+needs ~50 µs per turn. mypyc compiles the three modules of that loop (``sim/links.py``,
+``dualpath/scheduler.py``, ``sim/cluster.py``) from their unchanged, type-annotated source into C
+extensions. The source stays the reference: tests run it directly, and the compiled build is checked
+against it (identical figures, to the last digit).
+
+Where builds live: ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``) ``/sim-mypyc/<digest>/``, where
+the digest covers the sources of the compiled modules and of the modules they import from pdserve, plus
+the interpreter's ABI tag. Editing any of them makes the build stale, and a stale build is never used:
+the extensions never sit next to the sources, so they cannot shadow an edited ``.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../pdserve
+# Compiled together (one mypyc group: calls between them are direct C calls).
+COMPILED = ("sim/links.py", "dualpath/scheduler.py", "sim/cluster.py")
+# What the compiled code imports from pdserve: part of the digest, since mypyc compiles against it.
+IMPORTED = ("sim/config.py", "dualpath/cost_model.py", "bench/workloads.py")
+MODULE_NAMES = tuple("pdserve." + p.removesuffix(".py").replace("/", ".") for p in COMPILED)
+BUILD_TIMEOUT_S = 900
+
+
+class AccelError(RuntimeError):
+    """The compiled simulator cannot be built or used (the reason is in the message)."""
+
+
+def source_digest() -> str:
+    h = hashlib.sha256(sysconfig.get_config_var("EXT_SUFFIX").encode() + sys.version.encode())
+    for rel in COMPILED + IMPORTED:
+        h.update(rel.encode() + b"\0" + (PACKAGE_ROOT / rel).read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def build_dir(digest: str | None = None) -> Path:
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    return root / "sim-mypyc" / (digest or source_digest())
+
+
+def is_built() -> bool:
+    return (build_dir() / "BUILD_OK").is_file()
+
+
+def mypyc_available() -> bool:
+    return importlib.util.find_spec("mypyc") is not None
+
+
+def build(quiet: bool = True) -> Path:
+    """Compile the modules for the current sources (a no-op if that build exists); returns its dir.
+
+    Runs mypyc on a copy of the package (it type-checks the whole import graph), then keeps only the
+    extension files. About 2 minutes on 2 cores. Raises AccelError with mypyc's output on failure."""
+    out = build_dir()
+    if (out / "BUILD_OK").is_file():
+        return out
+    if not mypyc_available():
+        raise AccelError("mypyc is not installed (pip install mypy)")
+    with tempfile.TemporaryDirectory(prefix="pdserve-mypyc-") as tmp:
+        src = Path(tmp) / "pdserve"
+        shutil.copytree(PACKAGE_ROOT, src, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        cmd = [sys.executable, "-m", "mypyc", *(f"pdserve/{p}" for p in COMPILED)]
+        env = {**os.environ, "MYPY_CACHE_DIR": str(out.parent / ".mypy_cache")}
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise AccelError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+        if not quiet:
+            print(proc.stdout[-2000:])
+        staging = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        for so in Path(tmp).glob(f"*{suffix}"):  # the group's shared library, a top-level module
+            shutil.copy2(so, staging / so.name)
+        for rel in COMPILED:
+            so = src / (rel.removesuffix(".py") + suffix)
+            if not so.is_file():
+                raise AccelError(f"mypyc produced no {so.name} for {rel}")
+            dest = staging / "pdserve" / rel.removesuffix(".py")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(so, dest.with_name(so.name))
+        (staging / "BUILD_OK").write_text(" ".join(COMPILED) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)  # atomic: a concurrent reader sees no build or a whole one
+    return out
+
+
+def activate() -> bool:
+    """Make the next imports of the three modules load the compiled build. True if it is (now) in
+    use; False if there is no build for the current sources. Must run before any of the three is
+    imported (mixing compiled and pure copies of one class would break isinstance checks): raises
+    AccelError if a pure one already is."""
+    if active():
+        return True
+    d = build_dir()
+    if not (d / "BUILD_OK").is_file():
+        return False
+    loaded = [m for m in MODULE_NAMES if m in sys.modules]
+    if loaded:
+        raise AccelError(f"activate() after {loaded} were imported as Python; activate first")
+    import pdserve.dualpath
+    import pdserve.sim
+
+    sys.path.insert(0, str(d))  # the group's shared library is a top-level module
+    pdserve.sim.__path__.insert(0, str(d / "pdserve" / "sim"))
+    pdserve.dualpath.__path__.insert(0, str(d / "pdserve" / "dualpath"))
+    return active(check_import=True)
+
+
+def active(check_import: bool = False) -> bool:
+    """Whether ``pdserve.sim.cluster`` is (or, with check_import, will be) the compiled module."""
+    if check_import and "pdserve.sim.cluster" not in sys.modules:
+        import pdserve.sim.cluster  # noqa: F401
+    mod = sys.modules.get("pdserve.sim.cluster")
+    return mod is not None and not str(getattr(mod, "__file__", "")).endswith(".py")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pdserve.sim.accel", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=("build", "status"), nargs="?", default="build")
+    args = p.parse_args(argv)
+    if args.command == "status":
+        print(f"{'built' if is_built() else 'not built'}: {build_dir()}")
+        return 0
+    try:
+        out = build(quiet=False)
+    except AccelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"compiled simulator: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

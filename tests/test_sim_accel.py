@@ -1,0 +1,102 @@
+"""The compiled simulator (mypyc) is the same simulator: identical figures, never a stale build."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.sim import accel
+
+# Runs a small cluster under every mode in a fresh interpreter (activation must precede the imports)
+# and prints the figures, exactly (repr of floats), plus which cluster module ran.
+_SCRIPT = r"""
+import json, sys
+from pdserve.sim import accel
+compiled = sys.argv[1] == "compiled"
+if compiled:
+    assert accel.activate(), "no build"
+from pdserve.dualpath.cost_model import DS_660B
+from pdserve.sim.config import SimConfig
+from pdserve.sim.scenarios import run_one
+import pdserve.sim.cluster as cluster
+out = {"cluster": cluster.__file__, "runs": {}}
+for mode in ("basic", "layerwise", "dual_path", "dualpath", "split", "oracle"):
+    r = run_one(SimConfig(num_prefill_nodes=1, num_decode_nodes=2, model=DS_660B, mode=mode, seed=3), "32k", 48)
+    out["runs"][mode] = [repr(r.jct_s), repr(r.jct_mean_s), repr(float(r.ttft_s.sum())),
+                         repr(float(r.tpot_s.sum())), r.num_turns_done, repr(r.snic_max_over_avg())]
+print(json.dumps(out))
+"""
+
+
+def _run(which: str, env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, which], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_digest_covers_the_compiled_and_imported_sources(tmp_path, monkeypatch):
+    pkg = tmp_path / "pdserve"
+    shutil.copytree(accel.PACKAGE_ROOT, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(accel, "PACKAGE_ROOT", pkg)
+    base = accel.source_digest()
+    assert accel.source_digest() == base  # deterministic
+    for rel in ("sim/cluster.py", "dualpath/scheduler.py", "sim/links.py", "dualpath/cost_model.py"):
+        f = pkg / rel
+        original = f.read_bytes()
+        f.write_bytes(original + b"\n# edited\n")
+        assert accel.source_digest() != base, rel  # an edit makes any existing build stale
+        f.write_bytes(original)
+    (pkg / "sim" / "cli.py").write_bytes(b"# not compiled, not imported by compiled code\n")
+    assert accel.source_digest() == base
+
+
+def test_no_build_means_pure_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert not accel.is_built()
+    assert accel.build_dir().parent == tmp_path / "sim-mypyc"
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from pdserve.sim import accel; print(accel.activate(), accel.active(True))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.stdout.split() == ["False", "False"], proc.stderr
+
+
+def test_activate_refuses_after_a_pure_import(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    marker = accel.build_dir() / "BUILD_OK"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("fake build\n")
+    import pdserve.sim.cluster  # noqa: F401  (this test process runs the pure simulator)
+
+    with pytest.raises(accel.AccelError, match="imported as Python"):
+        accel.activate()
+
+
+@pytest.mark.skipif(not accel.mypyc_available(), reason="mypyc (pip install mypy) not installed")
+def test_compiled_simulator_gives_identical_figures(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("pdserve-cache")
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache)}
+    build = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.accel", "build"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    pure, compiled = _run("pure", env), _run("compiled", env)
+    assert pure["cluster"].endswith("cluster.py")
+    assert compiled["cluster"].endswith(".so") and str(cache) in compiled["cluster"]
+    assert compiled["runs"] == pure["runs"]  # every mode, to the last digit
+    assert all(r[4] > 0 for r in pure["runs"].values())
