@@ -83,7 +83,17 @@ def test_activate_refuses_after_a_pure_import(tmp_path, monkeypatch):
         accel.activate()
 
 
-@pytest.mark.skipif(not accel.mypyc_available(), reason="mypyc (pip install mypy) not installed")
+def _can_compile() -> bool:
+    import sysconfig
+    from pathlib import Path
+
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return (
+        accel.mypyc_available() and headers.is_file() and shutil.which(os.environ.get("CC", "cc")) is not None
+    )
+
+
+@pytest.mark.skipif(not _can_compile(), reason="needs mypyc (pip install mypy), a C compiler and Python.h")
 def test_compiled_simulator_gives_identical_figures(tmp_path_factory):
     cache = tmp_path_factory.mktemp("pdserve-cache")
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache)}

@@ -190,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        payload = {"scenario": sc.name, "runs": result.runs, "checks": result.checks}
+        payload = {
+            "scenario": sc.name,
+            "simulator": "compiled (mypyc)" if accel.active() else "pure Python",
+            "runs": result.runs,
+            "checks": result.checks,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=1))
     if args.plot and result.plot is not None:
         import matplotlib
