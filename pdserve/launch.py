@@ -90,6 +90,13 @@ class Cluster:
         self.commands[name] = (list(args), dict(env))
         return proc
 
+    def replace(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
+        """Start process `name` with a new command (its old process has exited), keeping its place."""
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+        self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+        self.commands[name] = (list(args), dict(env))
+        return proc
+
     def restart(self, name: str, extra_env: dict | None = None, wait: bool = True) -> subprocess.Popen:
         """Start process `name` again with the same command (same ports: its URL, and for a prefill its
         bootstrap URL, stay what the router and the decodes know) after it died or was killed; the others
@@ -208,25 +215,48 @@ def start_cluster(
         "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"),
     }
     cluster = Cluster()
+    handed_out: set[int] = set()
+
+    def fresh_port() -> int:
+        """A free port not yet given to another process of this launch."""
+        while (port := free_port()) in handed_out:
+            pass
+        handed_out.add(port)
+        return port
+
+    def engine_args(role: str, node: str) -> tuple[list[str], str]:
+        port = fresh_port()
+        extra = ["--bootstrap-port", str(fresh_port())] if role == "prefill" else []
+        if cluster.node_dir:
+            extra += ["--node", node, "--node-dir", cluster.node_dir]
+        args = ["serve", *engine_flags(a), "--role", role, "--port", str(port), *pd_flags(a), *extra]
+        return args, f"http://127.0.0.1:{port}"
+
     try:
         if nodes is not None:
             cluster.node_dir = tempfile.mkdtemp(prefix="pdserve-nodes-")
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, node in placement:
-            i = len(urls[role])
-            port = free_port()
-            extra = ["--bootstrap-port", str(free_port())] if role == "prefill" else []
-            if cluster.node_dir:
-                extra += ["--node", node, "--node-dir", cluster.node_dir]
-            cluster.start(
-                f"{role}{i}",
-                ["serve", *engine_flags(a), "--role", role, "--port", str(port), *pd_flags(a), *extra],
-                env,
-            )
-            urls[role].append(f"http://127.0.0.1:{port}")
-        for (_name, proc), url in zip(cluster.procs, urls["prefill"] + urls["decode"], strict=True):
-            wait_healthy(url, proc)
-        router_port = router_port or free_port()
+            args, url = engine_args(role, node)
+            cluster.start(f"{role}{len(urls[role])}", args, env)
+            urls[role].append(url)
+        cluster.urls = urls
+        for (name, _), (role, node) in zip(list(cluster.procs), placement, strict=True):
+            for attempt in range(5):
+                proc = cluster.proc(name)
+                try:
+                    wait_healthy(cluster.url(name), proc)
+                    break
+                except RuntimeError:
+                    # Exit code 3: uvicorn could not bind. free_port() only finds a port that was free a
+                    # moment ago; another process can take it before the engine binds. Take new ports.
+                    if proc.returncode != 3 or attempt == 4:
+                        raise
+                    args, url = engine_args(role, node)
+                    cluster.replace(name, args, env)
+                    i = int(name[len(role) :])
+                    urls[role][i] = url
+        router_port = router_port or fresh_port()
         proc = cluster.start(
             "router",
             [
@@ -242,7 +272,6 @@ def start_cluster(
             env,
         )
         cluster.router_url = f"http://127.0.0.1:{router_port}"
-        cluster.urls = urls
         wait_healthy(cluster.router_url, proc)
         return cluster
     except BaseException:
