@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,9 +84,34 @@ def test_activate_refuses_after_a_pure_import(tmp_path, monkeypatch):
         accel.activate()
 
 
+def test_damaged_build_falls_back_to_pure_python(tmp_path):
+    import sysconfig
+
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
+    d = subprocess.run(
+        [sys.executable, "-c", "from pdserve.sim import accel; print(accel.build_dir())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
+    so = Path(d) / "pdserve" / "sim" / ("cluster" + sysconfig.get_config_var("EXT_SUFFIX"))
+    so.parent.mkdir(parents=True)
+    so.write_bytes(b"not an ELF file")
+    (Path(d) / "BUILD_OK").write_text("damaged\n")
+    script = (
+        "from pdserve.sim import accel\n"
+        "try:\n    accel.activate()\nexcept accel.AccelError as e:\n    print('refused', 'does not import' in str(e))\n"
+        "import pdserve.sim.cluster as c\nprint(c.__file__.endswith('cluster.py'), accel.active())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.split() == ["refused", "True", "True", "False"], proc.stderr[-2000:]
+
+
 def _can_compile() -> bool:
     import sysconfig
-    from pathlib import Path
 
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     return (

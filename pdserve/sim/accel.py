@@ -117,10 +117,21 @@ def activate() -> bool:
     import pdserve.dualpath
     import pdserve.sim
 
-    sys.path.insert(0, str(d))  # the group's shared library is a top-level module
-    pdserve.sim.__path__.insert(0, str(d / "pdserve" / "sim"))
-    pdserve.dualpath.__path__.insert(0, str(d / "pdserve" / "dualpath"))
-    return active(check_import=True)
+    entries = [
+        (sys.path, str(d)),  # the group's shared library is a top-level module
+        (pdserve.sim.__path__, str(d / "pdserve" / "sim")),
+        (pdserve.dualpath.__path__, str(d / "pdserve" / "dualpath")),
+    ]
+    for path, entry in entries:
+        path.insert(0, entry)
+    try:
+        return active(check_import=True)
+    except ImportError as e:  # a damaged build: undo, so the pure modules import as usual
+        for path, entry in entries:
+            path.remove(entry)
+        for m in MODULE_NAMES:
+            sys.modules.pop(m, None)
+        raise AccelError(f"compiled build in {d} does not import ({e}); remove it or rebuild") from e
 
 
 def active(check_import: bool = False) -> bool:
