@@ -34,6 +34,14 @@ print(json.dumps(out))
 """
 
 
+def _python(code: str, cache_dir, *argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter whose build cache is `cache_dir`."""
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache_dir)}
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
 def _run(which: str, env: dict) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, which], env=env, capture_output=True, text=True, timeout=600
@@ -62,14 +70,7 @@ def test_no_build_means_pure_python(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert not accel.is_built()
     assert accel.build_dir().parent == tmp_path / "sim-mypyc"
-    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", "from pdserve.sim import accel; print(accel.activate(), accel.active(True))"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _python("from pdserve.sim import accel; print(accel.activate(), accel.active(True))", tmp_path)
     assert proc.stdout.split() == ["False", "False"], proc.stderr
 
 
@@ -87,14 +88,7 @@ def test_activate_refuses_after_a_pure_import(tmp_path, monkeypatch):
 def test_damaged_build_falls_back_to_pure_python(tmp_path):
     import sysconfig
 
-    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
-    d = subprocess.run(
-        [sys.executable, "-c", "from pdserve.sim import accel; print(accel.build_dir())"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout.strip()
+    d = _python("from pdserve.sim import accel; print(accel.build_dir())", tmp_path).stdout.strip()
     so = Path(d) / "pdserve" / "sim" / ("cluster" + sysconfig.get_config_var("EXT_SUFFIX"))
     so.parent.mkdir(parents=True)
     so.write_bytes(b"not an ELF file")
@@ -104,9 +98,7 @@ def test_damaged_build_falls_back_to_pure_python(tmp_path):
         "try:\n    accel.activate()\nexcept accel.AccelError as e:\n    print('refused', 'does not import' in str(e))\n"
         "import pdserve.sim.cluster as c\nprint(c.__file__.endswith('cluster.py'), accel.active())\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = _python(script, tmp_path)
     assert proc.stdout.split() == ["refused", "True", "True", "False"], proc.stderr[-2000:]
 
 
