@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 
@@ -120,7 +122,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if pd_config is not None:
         from pdserve.server.pd_context import PDContext
 
-        pd = PDContext(engine, a.role, pd_config, host=a.host)
+        try:
+            pd = PDContext(engine, a.role, pd_config, host=a.host)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            # Same exit code as uvicorn's failed bind: `pdserve launch` retries on fresh ports. The
+            # engine's threads are already running, hence the hard exit.
+            print(f"error: bootstrap port {a.bootstrap_port} is in use ({e})", file=sys.stderr, flush=True)
+            os._exit(3)
     app = build_app(engine, pd, enable_fault_injection=a.enable_fault_injection)
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "

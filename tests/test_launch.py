@@ -5,11 +5,13 @@ from __future__ import annotations
 import socket
 
 import httpx
+import pytest
 
 import pdserve.launch as launch
 
 
-def test_engine_port_taken_after_it_was_picked_gets_a_new_one(demo_model_dir, monkeypatch):
+@pytest.mark.parametrize("which", ["http", "bootstrap"])
+def test_engine_port_taken_after_it_was_picked_gets_a_new_one(demo_model_dir, monkeypatch, which):
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
@@ -17,18 +19,22 @@ def test_engine_port_taken_after_it_was_picked_gets_a_new_one(demo_model_dir, mo
     real_free_port = launch.free_port
     calls = []
 
+    victim = 1 if which == "http" else 2  # prefill0 asks for its HTTP port, then its bootstrap port
+
     def racy_free_port() -> int:
-        # The first port handed out (prefill0's HTTP port) is grabbed by someone else before the
-        # engine binds it: what free_port() cannot rule out.
+        # That port is grabbed by someone else before the engine binds it: what free_port() cannot
+        # rule out.
         calls.append(1)
-        return taken if len(calls) == 1 else real_free_port()
+        return taken if len(calls) == victim else real_free_port()
 
     monkeypatch.setattr(launch, "free_port", racy_free_port)
     args = launch.cluster_args(demo_model_dir, num_pages=64, max_model_len=256, served_model_name="demo")
     cluster = launch.start_cluster(args, 1, 1)
     try:
         url = cluster.url("prefill0")
-        assert not url.endswith(f":{taken}")  # it was given a fresh port
+        args = cluster.commands["prefill0"][0]
+        ports = {int(args[args.index(flag) + 1]) for flag in ("--port", "--bootstrap-port")}
+        assert taken not in ports  # it was started again on fresh ports
         assert httpx.get(url + "/health", timeout=5).status_code == 200
         assert cluster.proc("prefill0").poll() is None and not cluster.dead()
         body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "temperature": 0}

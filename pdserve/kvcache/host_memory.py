@@ -1,8 +1,8 @@
 """Host (CPU) buffers for KV pages, backed by transparent huge pages where the kernel allows.
 
-Who calls it: ``KVCache`` (CPU pools), ``StagingPool`` and ``StoreConnector`` (host buffers that NIXL
-registers) and ``pdserve bench transfer`` (both sides of the transfer and the in-process ceiling, so
-the comparison is made on the same kind of memory).
+Who calls it: ``KVCache`` (CPU pools) and ``StagingPool`` (host buffers that NIXL registers), and
+``pdserve bench transfer`` (both sides of the transfer and the in-process ceiling, so the comparison is
+made on the same kind of memory).
 
 Why: on one host NIXL's UCX backend moves CPU pages between processes with the ``cma`` transport, i.e.
 the kernel's ``process_vm_writev``, which pins the peer's pages one 4 KiB page at a time. Measured on
@@ -12,8 +12,9 @@ then covers 2 MiB per step. Large anonymous mappings are only backed by huge pag
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` here), and the advice must come before
 the first touch, so the buffer is allocated, aligned to 2 MiB, advised, and only then zeroed.
 
-Where THP is off (``never``), on other OSes, or for buffers smaller than one huge page, this is a plain
-``torch.zeros``: same shape, dtype and contents; only the speed of cross-process copies differs.
+On other OSes, or for buffers smaller than one huge page, this is a plain ``torch.zeros``. Where THP
+is off (``never``) the advice is refused and the buffer is an ordinary aligned mapping. Either way:
+same shape, dtype and contents; only the speed of cross-process copies differs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import mmap
+import operator
 import sys
+import warnings
 
 import torch
 
@@ -57,18 +61,23 @@ def advise_huge_pages(addr: int, nbytes: int) -> bool:
 
 def host_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True):
     """A zeroed, contiguous CPU tensor of `shape`/`dtype` whose data start 2 MiB aligned and are advised
-    to use transparent huge pages (when `huge_pages` and the buffer spans at least one huge page).
+    to use transparent huge pages (when `huge_pages`, on Linux, and the buffer spans at least one huge
+    page); otherwise a plain ``torch.zeros``.
 
-    The returned tensor is a view into a slightly larger allocation (+2 MiB for the alignment); the view
-    keeps that allocation alive."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    The memory is a private anonymous mapping of its own (not malloc's: glibc may serve a request from
+    heap pages already touched in 4 KiB pages, and advice comes too late for those), 2 MiB larger than
+    asked for the alignment; the tensor keeps the mapping alive and it is unmapped with the last view."""
+    shape = (operator.index(shape),) if not isinstance(shape, tuple | list | torch.Size) else tuple(shape)
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
     if not huge_pages or nbytes < HUGE_PAGE_NBYTES or _libc_madvise() is None:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE_NBYTES, dtype=torch.uint8)  # untouched: no page faulted yet
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # "non-writable buffer" does not apply to a writable mapping
+        warnings.simplefilter("ignore")
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to `mapping`
     offset = -raw.data_ptr() % HUGE_PAGE_NBYTES
     view = raw[offset : offset + nbytes]
     advise_huge_pages(view.data_ptr(), -(-nbytes // 4096) * 4096)
-    view.zero_()  # first touch: faults in huge pages where the kernel has them
+    view.zero_()  # first touch (the pages are zero already): faults in huge pages now, not mid-transfer
     return view.view(dtype).view(shape)

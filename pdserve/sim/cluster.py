@@ -278,11 +278,13 @@ class ClusterSim:
         self.agent_ctx: list[int] = [0] * workload.num_agents
         # Python lists of the workload's per-turn arrays: the handlers read one element per event and a
         # list index is several times cheaper than a numpy scalar access plus conversion.
-        self._offsets: list[int] = workload.offsets.tolist()
-        self._hit_override: list[int] = workload.hit_override.tolist()
-        self._append: list[int] = workload.append.tolist()
-        self._gen: list[int] = workload.gen.tolist()
-        self._think: list[float] = workload.think_s.tolist()
+        # Cast first: the compiled build (sim/accel.py) takes these as native ints and floats and would
+        # reject numpy scalars or float token counts that a caller's own Workload might hold.
+        self._offsets: list[int] = np.asarray(workload.offsets, dtype=np.int64).tolist()
+        self._hit_override: list[int] = np.asarray(workload.hit_override, dtype=np.int64).tolist()
+        self._append: list[int] = np.asarray(workload.append, dtype=np.int64).tolist()
+        self._gen: list[int] = np.asarray(workload.gen, dtype=np.int64).tolist()
+        self._think: list[float] = np.asarray(workload.think_s, dtype=np.float64).tolist()
         self.agent_done = np.full(workload.num_agents, np.nan)
         self.ttft: list[float] = []
         self.tpot: list[float] = []

@@ -8,7 +8,8 @@ Who calls what, when:
   `poll_completions()` (each transfer id exactly once, DONE or FAILED).
 - The decode scheduler drains `poll_notifications()` every step.
 All public methods are non-blocking and thread-safe, except `metadata()`, which waits (once, at
-startup) until the thread has created the backend, and `close()`, which joins the thread.
+startup) until the thread has created the backend, `wait_notifications()`, which sleeps up to its
+timeout, and `close()`, which joins the thread.
 
 The thread loop: apply queued commands (add/remove peer, submit, abort) -> check pending transfers ->
 drain backend notifications -> wait for the next command up to `poll_interval_s`. It polls even when
