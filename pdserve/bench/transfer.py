@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-regions", type=int, default=2, help="regions (K/V buffers) the pages span")
     p.add_argument("--repeats", type=int, default=15, help="timed repetitions per case (median reported)")
     p.add_argument("--staging-chunks", type=int, default=4, help="pipelined chunks of a staged write")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="sweep all cases this many times; the table gives medians over every repetition of every "
+        "round and each round's ratio (drift on a shared machine shows up between rounds)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--torch-threads",
@@ -204,11 +211,13 @@ def run(args: argparse.Namespace) -> int:
         return dt
 
     rng = np.random.default_rng(args.seed)
-    rows = []
+    # (page KiB, pattern, path) -> descriptors, and every repetition's times over all rounds.
+    samples: dict[tuple[int, str, str], dict] = {}
     print(
-        f"moving {args.total_mib} MiB per case over {R} regions; median of {args.repeats}; receiver pid {proc.pid}"
+        f"moving {args.total_mib} MiB per case over {R} regions; median of {args.repeats} x {args.rounds} "
+        f"round(s); receiver pid {proc.pid}"
     )
-    for page_nbytes in page_sizes:
+    for page_nbytes in [p for _ in range(args.rounds) for p in page_sizes]:
         n = total_nbytes // R // page_nbytes  # pages per region
         src = [t.view(2 * n, page_nbytes) for t in src_flat]
         cdst = [t.view(2 * n, page_nbytes) for t in ceil_dst_flat]
@@ -275,29 +284,47 @@ def run(args: argparse.Namespace) -> int:
                 for _ in range(args.repeats):
                     ceil_t.append(_time_ceiling(1, ceiling[0], *ceiling[1]))
                     nixl_t.append(nixl_rep(submit_all))
-                nixl_s, ceil_s = statistics.median(nixl_t), statistics.median(ceil_t)
-                ratio = statistics.median(c / x for c, x in zip(ceil_t, nixl_t, strict=True))
-                rows.append(
-                    (
-                        page_nbytes >> 10,
-                        case,
-                        path,
-                        num_descs,
-                        _gbps(total_nbytes, nixl_s),
-                        _gbps(total_nbytes, ceil_s),
-                        ratio,
-                        _gbps(total_nbytes, memcpy_s),
-                    )
+                ratios = [c / x for c, x in zip(ceil_t, nixl_t, strict=True)]
+                ratio = statistics.median(ratios)
+                acc = samples.setdefault(
+                    (page_nbytes >> 10, case, path),
+                    {
+                        "descs": num_descs,
+                        "nixl": [],
+                        "ceil": [],
+                        "ratios": [],
+                        "round_ratios": [],
+                        "memcpy": [],
+                    },
                 )
-                r = rows[-1]
+                acc["nixl"] += nixl_t
+                acc["ceil"] += ceil_t
+                acc["ratios"] += ratios
+                acc["round_ratios"].append(ratio)
+                acc["memcpy"].append(memcpy_s)
                 print(
-                    f"  {r[0]:>5} KiB {case:<10} {path:<6} descs {r[3]:>6}  nixl {r[4]:6.2f}  copy {r[5]:6.2f}  "
-                    f"ratio {ratio:5.0%}",
+                    f"  {page_nbytes >> 10:>5} KiB {case:<10} {path:<6} descs {num_descs:>6}  "
+                    f"nixl {_gbps(total_nbytes, statistics.median(nixl_t)):6.2f}  "
+                    f"copy {_gbps(total_nbytes, statistics.median(ceil_t)):6.2f}  ratio {ratio:5.0%}",
                     flush=True,
                 )
     call("stop")
     agent.close()
     proc.join(10)
+    rows = [
+        (
+            kib,
+            case,
+            path,
+            acc["descs"],
+            _gbps(total_nbytes, statistics.median(acc["nixl"])),
+            _gbps(total_nbytes, statistics.median(acc["ceil"])),
+            statistics.median(acc["ratios"]),
+            _gbps(total_nbytes, statistics.median(acc["memcpy"])),
+            acc["round_ratios"],
+        )
+        for (kib, case, path), acc in samples.items()
+    ]
     _print_table(rows)
     return 0
 
@@ -313,9 +340,13 @@ def _print_table(rows) -> None:
         "ratio",
         "memcpy GB/s",
     )
+    multi = any(len(r[-1]) > 1 for r in rows)
+    if multi:
+        header = (*header, "ratio per round")
     lines = [header] + [
         (str(k), case, path, str(d), f"{g:.2f}", f"{c:.2f}", f"{ratio:.0%}", f"{m:.2f}")
-        for k, case, path, d, g, c, ratio, m in rows
+        + ((" ".join(f"{x:.0%}" for x in per_round),) if multi else ())
+        for k, case, path, d, g, c, ratio, m, per_round in rows
     ]
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     print()
