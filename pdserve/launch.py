@@ -85,16 +85,18 @@ class Cluster:
         return self.urls[role][i]
 
     def start(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
-        self.procs.append((name, proc))
+        """Start `pdserve <args>` as process `name`; replaces a process of that name in its place
+        (its old process must have exited), else appends it."""
+        proc = self._spawn(name, args, env)
         self.commands[name] = (list(args), dict(env))
         return proc
 
-    def replace(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
-        """Start process `name` with a new command (its old process has exited), keeping its place."""
+    def _spawn(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
-        self.procs = [(n, proc if n == name else p) for n, p in self.procs]
-        self.commands[name] = (list(args), dict(env))
+        if name in dict(self.procs):
+            self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+        else:
+            self.procs.append((name, proc))
         return proc
 
     def restart(self, name: str, extra_env: dict | None = None, wait: bool = True) -> subprocess.Popen:
@@ -110,8 +112,7 @@ class Cluster:
         old.wait()
         args, env = self.commands[name]
         for attempt in range(5):
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env | (extra_env or {}))
-            self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+            proc = self._spawn(name, args, env | (extra_env or {}))
             if not wait:
                 return proc
             try:
@@ -253,7 +254,7 @@ def start_cluster(
                     if proc.returncode != 3 or attempt == 4:
                         raise
                     args, url = engine_args(role, node)
-                    cluster.replace(name, args, env)
+                    cluster.start(name, args, env)
                     i = int(name[len(role) :])
                     urls[role][i] = url
         router_port = router_port or fresh_port()

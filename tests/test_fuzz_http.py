@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -40,7 +39,7 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import Phase, given  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
@@ -54,6 +53,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from pdserve.sampling_params import MAX_TOP_LOGPROBS  # noqa: E402
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest  # noqa: E402
 from tests.conftest import serve_subprocess  # noqa: E402
+from tests.fuzz_helpers import fuzz_settings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -61,8 +61,6 @@ MAX_MODEL_LEN = 64
 NUM_PAGES = 64
 PAGE_SIZE = 16
 MAX_TOKENS = 8
-SCALE = float(os.environ.get("PDSERVE_FUZZ_SCALE", "1"))
-RANDOM = os.environ.get("PDSERVE_FUZZ_RANDOM", "") not in ("", "0")
 
 # (path, method, generation mode, max_examples). GETs without parameters have one distinct case.
 TARGETS = [
@@ -571,13 +569,9 @@ def test_fuzz_endpoint(server, schema, known_bugs, session, path, method, mode, 
     label = f"{method} {path} {mode.value}"
     statuses: Counter[int] = Counter()
 
-    @settings(
-        max_examples=max(1, int(max_examples * SCALE)),
-        deadline=None,
-        derandomize=not RANDOM,
-        database=None,
+    @fuzz_settings(
+        max_examples,
         phases=[Phase.explicit, Phase.generate],  # no shrinking: a failure is reported as found
-        suppress_health_check=list(HealthCheck),
         print_blob=True,
     )
     @given(case=operation.as_strategy(generation_mode=mode))

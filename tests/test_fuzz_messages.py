@@ -12,14 +12,13 @@ Example counts are printed (pytest -s); PDSERVE_FUZZ_SCALE multiplies them.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from pdserve.disagg import messages as m
@@ -41,21 +40,11 @@ from pdserve.disagg.messages import (
     decode,
     encode,
 )
+from tests.fuzz_helpers import fuzz_settings
 
 SECRET = b"fuzz-cluster-secret-0123456789ab"
 OTHER = b"another-secret-of-the-same-size!"
-SCALE = float(os.environ.get("PDSERVE_FUZZ_SCALE", "1"))
 COUNTS: Counter[str] = Counter()
-
-
-def fuzz_settings(n: int):
-    return settings(
-        max_examples=max(1, int(n * SCALE)),
-        deadline=None,
-        derandomize=os.environ.get("PDSERVE_FUZZ_RANDOM", "") in ("", "0"),
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
 
 
 # ---- strategies ----------------------------------------------------------------------------------

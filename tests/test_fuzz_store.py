@@ -13,7 +13,6 @@ Example counts are printed (pytest -s); PDSERVE_FUZZ_SCALE multiplies them.
 
 from __future__ import annotations
 
-import os
 import shutil
 import struct
 import tempfile
@@ -23,15 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.store import BlockLayout, KVBlockStore, block_keys
 from pdserve.store import fileformat as ff
 from pdserve.store.fileformat import HEADER_NBYTES, BlockFormatError, decode_header, encode_header
 from pdserve.store.results import BAD_STATUSES
+from tests.fuzz_helpers import fuzz_settings
 
-SCALE = float(os.environ.get("PDSERVE_FUZZ_SCALE", "1"))
 COUNTS: Counter[str] = Counter()
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, bytes_per_token_layer=16, fingerprint="fuzz|fp")
@@ -42,16 +41,6 @@ FILE_NBYTES = HEADER_NBYTES + LAYOUT.block_nbytes
 NUM_BLOCKS = 4
 TOKENS = list(range(500, 500 + NUM_BLOCKS * LAYOUT.block_size))
 KEYS = block_keys(TOKENS, LAYOUT.block_size, LAYOUT.fingerprint)
-
-
-def fuzz_settings(n: int):
-    return settings(
-        max_examples=max(1, int(n * SCALE)),
-        deadline=None,
-        derandomize=os.environ.get("PDSERVE_FUZZ_RANDOM", "") in ("", "0"),
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
 
 
 def payload(i: int) -> np.ndarray:

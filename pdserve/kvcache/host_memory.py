@@ -19,44 +19,16 @@ same shape, dtype and contents; only the speed of cross-process copies differs.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
 import mmap
 import operator
-import sys
 import warnings
 
 import torch
 
 HUGE_PAGE_NBYTES = 2 << 20  # x86-64 and aarch64 (4 KiB base pages) PMD size
-_MADV_HUGEPAGE = 14  # linux/mman-common.h
-
-
-@functools.cache
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(addr: int, nbytes: int) -> bool:
-    """Ask the kernel to back [addr, addr + nbytes) with huge pages; True if the advice was taken.
-
-    `addr` must be 4 KiB aligned. Only pages not yet touched are affected (the advice is a property of
-    the mapping, consulted at page-fault time and by khugepaged)."""
-    madvise = _libc_madvise()
-    if madvise is None or nbytes <= 0:
-        return False
-    return madvise(addr, nbytes, _MADV_HUGEPAGE) == 0
+# Linux only (Python exposes MADV_HUGEPAGE where the platform has it).
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def host_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, huge_pages: bool = True):
@@ -70,14 +42,17 @@ def host_zeros(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, h
     shape = (operator.index(shape),) if not isinstance(shape, tuple | list | torch.Size) else tuple(shape)
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
-    if not huge_pages or nbytes < HUGE_PAGE_NBYTES or _libc_madvise() is None:
+    if not huge_pages or nbytes < HUGE_PAGE_NBYTES or _MADV_HUGEPAGE is None:
         return torch.zeros(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_NBYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with warnings.catch_warnings():  # "non-writable buffer" does not apply to a writable mapping
         warnings.simplefilter("ignore")
         raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to `mapping`
-    offset = -raw.data_ptr() % HUGE_PAGE_NBYTES
+    offset = -raw.data_ptr() % HUGE_PAGE_NBYTES  # a multiple of the 4 KiB page: madvise accepts it
     view = raw[offset : offset + nbytes]
-    advise_huge_pages(view.data_ptr(), -(-nbytes // 4096) * 4096)
+    try:
+        mapping.madvise(_MADV_HUGEPAGE, offset, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    except OSError:  # THP compiled out (EINVAL): an ordinary aligned mapping
+        pass
     view.zero_()  # first touch (the pages are zero already): faults in huge pages now, not mid-transfer
     return view.view(dtype).view(shape)
