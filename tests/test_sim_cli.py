@@ -73,6 +73,8 @@ def test_tiny_ablation_json_and_plot(tmp_path):
         ):
             assert k in r
         assert r["prefill_nodes"] == 1 and r["gpus_per_node"] == 2 and r["seed"] == 4
+        # DS-660B's EP16 prefill group, cut to the two PE ranks this cluster has.
+        assert r["prefill_ep_gpus"] == 2
     assert data["runs"][0]["jct_change_pct"] == 0.0
     assert png.stat().st_size > 1000
 

@@ -9,10 +9,14 @@ import pytest
 
 from pdserve.bench.workloads import _assemble, table2_workload
 from pdserve.dualpath.cost_model import DS_27B, DS_660B, decode_step_s, prefill_batch_s
-from pdserve.sim.cluster import ClusterSim
+from pdserve.sim.cluster import ClusterSim, _Req
 from pdserve.sim.config import HardwareConfig, SimConfig
 
 HW2 = HardwareConfig(gpus_per_node=2)
+# One rank per EP group (independent engines) and no model traffic: timings a test can write down.
+DS27_ONE_RANK = replace(
+    DS_27B, model_cnic_bytes_per_prefill_token=0.0, model_cnic_bytes_per_decode_token=0.0, prefill_ep_gpus=1
+)
 
 
 def small_cfg(mode: str, **kw) -> SimConfig:
@@ -136,7 +140,7 @@ def one_turn(hit_tokens: int, append: int, gen: int):
 
 def test_single_request_timing_is_exact():
     """TTFT = read + layerwise batch; decode = (gen - 1) x step(1 sequence, prompt context)."""
-    m = replace(DS_27B, model_cnic_bytes_per_prefill_token=0.0, model_cnic_bytes_per_decode_token=0.0)
+    m = DS27_ONE_RANK
     cfg = SimConfig(
         num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="dualpath", submit_us_per_copy=0
     )
@@ -158,7 +162,7 @@ def test_single_request_timing_is_exact():
 
 
 def test_basic_is_serial_load_compute_send():
-    m = replace(DS_27B, model_cnic_bytes_per_prefill_token=0.0, model_cnic_bytes_per_decode_token=0.0)
+    m = DS27_ONE_RANK
     cfg = SimConfig(
         num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="basic", submit_us_per_copy=0
     )
@@ -172,7 +176,7 @@ def test_basic_is_serial_load_compute_send():
 
 
 def test_submit_cost_adds_when_it_dominates():
-    m = replace(DS_27B, model_cnic_bytes_per_prefill_token=0.0, model_cnic_bytes_per_decode_token=0.0)
+    m = DS27_ONE_RANK
     wl = one_turn(64 * 100, 300, 2)
     t = {}
     for us in (0.0, 100.0):
@@ -185,3 +189,55 @@ def test_submit_cost_adds_when_it_dominates():
         read_s + 100e-6 * (100 + 105) * 30 + prefill_batch_s(m, [(6400, 300)]) / 30
     )
     assert t[100.0] > t[0.0]
+
+
+def test_ep_group_spreads_the_moe_share_over_its_ranks():
+    """Two ranks in lockstep, one request: the MoE (linear) share is split over both ranks, the
+    attention stays on the request's rank: compute = overhead + linear x new / 2 + attention."""
+    m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
+    cfg = SimConfig(
+        num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="dualpath", submit_us_per_copy=0
+    )
+    hit, new = 64 * 100, 300
+    res = ClusterSim(cfg, one_turn(hit, new, 2), keep_requests=True).run()
+    (r,) = res.reqs
+    read_s = hit * m.kv_bytes_per_token / cfg.hw.snic_bytes_per_s
+    alone = prefill_batch_s(m, [(hit, new)])
+    linear = new * m.prefill_s_per_new_token
+    compute = alone - linear + linear / 2
+    assert ClusterSim.ep_group_gpus(cfg) == 2
+    assert r.t_first == pytest.approx(read_s + compute * (1 + 1 / m.num_layers), rel=1e-9)
+    # One rank per group: the request's own batch time, as before.
+    one = ClusterSim(replace(cfg, prefill_ep_gpus=1), one_turn(hit, new, 2), keep_requests=True).run()
+    assert one.reqs[0].t_first == pytest.approx(read_s + alone * (1 + 1 / m.num_layers), rel=1e-9)
+
+
+def test_basic_ep_group_waits_for_the_slowest_rank():
+    """Not layerwise, in lockstep: every rank loads, then the group computes, then every rank sends;
+    the forward starts after the slowest load and the step ends after the slowest send."""
+    m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
+    cfg = SimConfig(
+        num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="basic", submit_us_per_copy=0
+    )
+    sim = ClusterSim(cfg, one_turn(64, 1, 2))
+    hits, new = (64 * 50, 64 * 400), 200
+    reqs = []
+    for pe, hit in enumerate(hits):
+        r = _Req(pe, 0, 0, 0.0, hit, new, 2)
+        r.pe, r.de, r.pe_read = pe, pe, hit
+        sim.pe_ready[pe].append(r)
+        reqs.append(r)
+    sim._try_prefill(1)  # any rank of the group starts the group's step
+    assert sim.group_busy == [True]
+    ((t_loaded, _, kind, grp, steps),) = sim.events
+    B, kv = cfg.hw.cnic_bytes_per_s, m.kv_bytes_per_token
+    linear = m.prefill_s_per_new_token * new
+    attn = [prefill_batch_s(m, [(h, new)]) - m.prefill_batch_overhead_s - linear for h in hits]
+    compute = m.prefill_batch_overhead_s + 2 * linear / 2 + max(attn)
+    assert grp == 0 and [pe for pe, _ in steps] == [0, 1]
+    assert t_loaded == pytest.approx(max(hits) * kv / B + compute, rel=1e-9)
+    sim.events.clear()
+    sim.now = t_loaded
+    sim._batch_loaded(grp, steps)
+    ((t_sent, _, _, _, _),) = sim.events
+    assert t_sent == pytest.approx(t_loaded + (max(hits) + new) * kv / B, rel=1e-9)

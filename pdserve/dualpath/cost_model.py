@@ -27,6 +27,9 @@ Constants and their sources:
   layers, the same MLA FP8 KV layout (656 B/token/layer), 4.5B activated parameters and no DSA
   (dense MLA attention, 16 heads), with the same efficiencies as ``ds-660b``. [assumed]
 * HBM free for KV per GPU (H200 141 GB): weights share + runtime buffers subtracted, see each profile.
+* ``prefill_ep_gpus``: the prefill deployment's EP group (DP attention + EP MoE, whose ranks step in
+  lockstep): EP16 over 2 nodes for ds-660b (the size its HBM budget assumes), EP8 for ds-27b
+  [assumed, as its profile]; 1 (independent engines) for dense models and HF configs.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class ModelProfile:
     # Model (high priority) traffic crossing each GPU's CNIC per token (EP all-to-all).
     model_cnic_bytes_per_prefill_token: float = 0.0
     model_cnic_bytes_per_decode_token: float = 0.0
+    # PE ranks that run every forward in lockstep (DP attention + EP MoE); 1 = independent engines.
+    prefill_ep_gpus: int = 1
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -104,6 +109,7 @@ DS_660B = ModelProfile(
     # DeepEP: FP8 dispatch 7 KiB + bf16 combine 14 KiB per token per MoE layer (58), ~1 remote node.
     model_cnic_bytes_per_prefill_token=58 * 21 * 1024,
     model_cnic_bytes_per_decode_token=58 * 21 * 1024,
+    prefill_ep_gpus=16,
 )
 
 DS_27B = ModelProfile(
@@ -125,6 +131,7 @@ DS_27B = ModelProfile(
     decode_hbm_kv_bytes=int(H200_HBM_BYTES - 3.4e9 - 20e9),
     model_cnic_bytes_per_prefill_token=26 * 21 * 1024 / 2,
     model_cnic_bytes_per_decode_token=26 * 21 * 1024 / 2,
+    prefill_ep_gpus=8,
 )
 
 QWEN_32B = ModelProfile(

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quota-ms", type=float, help="PE compute quota per batch (default 300)")
     g.add_argument("--submit-us", type=_floats, help="per-copy submit µs (submit-cost sweep values)")
     g.add_argument("--copies-per-submit", type=int, help="descriptors per doorbell (default 1)")
+    g.add_argument(
+        "--prefill-ep-gpus",
+        type=int,
+        help="PE ranks per EP group that step in lockstep (default: the model's; 1 = independent engines)",
+    )
     g.add_argument("--horizon-s", type=float, help="online: simulated seconds per run (default 3600)")
 
 
@@ -79,6 +84,7 @@ def _overrides(args: argparse.Namespace):
         quota_ms=args.quota_ms,
         submit_us=args.submit_us,
         copies_per_submit=args.copies_per_submit,
+        prefill_ep_gpus=args.prefill_ep_gpus,
         horizon_s=args.horizon_s,
     )
 

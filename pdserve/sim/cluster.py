@@ -8,6 +8,11 @@ Model (one concept, the cluster; the file is long because the event handlers sha
 them would only add indirection):
 
 * P prefill nodes and D decode nodes of g GPUs; one engine per GPU (a DP-attention rank / TP group).
+  Prefill ranks form EP groups (``prefill_ep_gpus``: 16 for DS-660B's EP16, 8 for DS-27B, 1 for a dense
+  model) that run every forward in lockstep, as DP attention + EP MoE does: a group step starts when
+  the group is idle and any rank has ready work; each rank brings its own batch; the step's compute is
+  the overhead + the MoE share of all the group's new tokens spread over the ranks + the slowest rank's
+  attention, and its copies wait for the slowest rank's.
   Per node: one SNIC link (storage reads), one DRAM link (reads + writes add); per GPU: a CNIC read link
   (the NIC reads memory: egress, and the host side of a loopback copy) and a CNIC write link (ingress,
   and the device side of a loopback copy). All GPU traffic, local H2D included, goes through the GPU's
@@ -19,8 +24,9 @@ them would only add indirection):
   compute quota (``build_prefill_batch``), and books the batch's per-layer copies:
   PE path: PE DRAM→PE GPU (loopback on the PE CNIC), then hit+miss KV PE GPU→DE host;
   DE path: DE DRAM→DE CNIC→PE GPU, then only the miss KV back to the DE host.
-  Layerwise: batch time = max(compute, copies, descriptor submission) + one layer of pipeline fill.
-  Not layerwise (Basic): load all, then compute, then send, serially; the batch's KV must fit HBM.
+  Layerwise: step time = max(compute, copies, descriptor submission) + one layer of pipeline fill.
+  Not layerwise (Basic): every rank loads all, then the group computes, then every rank sends,
+  serially; a rank's batch KV must fit its HBM.
   When a request's prefill ends (first token = TTFT) the DE copies its whole prompt KV host→GPU
   (loopback on the DE CNIC), then decodes.
 * Decode: each DE advances all its sequences together; a step costs the cost model's step time for
@@ -155,6 +161,9 @@ class SimResult:
     num_turns_submitted: int
     unanswered_submit_s: np.ndarray  # submit times of turns without a first token when the run stopped
     num_turns_done: int
+    # Mean over EP-group forwards in which every rank has work of the slowest rank's attention time
+    # over the ranks' mean; nan with one rank per group or if no forward had every rank busy.
+    attn_max_over_avg: float
     wall_s: float
     cpu_s: float  # process CPU time: the fair speed figure on a shared machine
     links: dict[str, list[Link]] = field(default_factory=dict)
@@ -265,12 +274,20 @@ class ClusterSim:
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
-        self.pe_busy = [False] * self.num_pe
+        # EP groups of PE ranks that step together (see ``_try_prefill``); the last group may not be cut
+        # short, so the group size divides the PE count.
+        self.ep = ClusterSim.ep_group_gpus(cfg)
+        self.group_busy = [False] * (self.num_pe // self.ep)
+        self.attn_imbalance_sum = 0.0  # Σ over full steps of max/avg attention time across the ranks
+        self.num_full_steps = 0
         self.pe_tokens = [0] * self.num_pe
         self.pe_seqs = [0] * self.num_pe
         self.dec = [_Decode(self.de_pages) for _ in range(self.num_de)]
         self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
+        # Each rank sizes its batch on its own forward as if alone (its tokens' MoE work included): under
+        # even load that is its fair share of the group's step, so loaded steps stay near the quota.
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
+        self._batch_overhead_s, self._linear_s = m.prefill_batch_overhead_s, m.prefill_s_per_new_token
         self._decode_step = decode_step_fn(m)
         self._layerwise, self._oracle = self.mode.layerwise, self.mode.oracle
         self._submit_s = cfg.submit_us_per_copy * 1e-6 / max(cfg.copies_per_submit, 1)
@@ -294,6 +311,12 @@ class ClusterSim:
         self.open_turns: dict[int, float] = {}  # rid -> submit time, until the first token
         self.n_done = 0
         self.now = 0.0
+
+    @staticmethod
+    def ep_group_gpus(cfg: SimConfig) -> int:
+        """PE ranks per lockstep EP group: the config's or the model's, cut to divide the PE count."""
+        want = cfg.prefill_ep_gpus if cfg.prefill_ep_gpus > 0 else cfg.model.prefill_ep_gpus
+        return math.gcd(want, cfg.num_prefill_nodes * cfg.hw.gpus_per_node)
 
     # ---- event plumbing ----
 
@@ -354,6 +377,9 @@ class ClusterSim:
             num_turns_submitted=self.n_submitted,
             unanswered_submit_s=np.array(list(self.open_turns.values())),
             num_turns_done=self.n_done,
+            attn_max_over_avg=(
+                self.attn_imbalance_sum / self.num_full_steps if self.num_full_steps else math.nan
+            ),
             wall_s=time.perf_counter() - wall0,
             cpu_s=time.process_time() - cpu0,
             links={"snic": self.snic, "dram": self.dram, "cnic_rd": self.cnic_rd, "cnic_wr": self.cnic_wr},
@@ -458,41 +484,87 @@ class ClusterSim:
             insort(ready, r, key=_rid)
 
     def _try_prefill(self, pe: int) -> None:
-        if self.pe_busy[pe]:
+        """Start a forward on ``pe``'s EP group if the group is idle and any of its ranks has ready work.
+
+        The ranks of an EP group (DP attention + EP MoE) run each forward in lockstep: every MoE layer's
+        all-to-all waits for every rank. So the step's compute is the per-step overhead, the MoE share of
+        all the group's new tokens spread over the ranks, and the slowest rank's attention; not
+        layerwise, it also waits for the slowest rank's load before and its send after. With one rank
+        per group this is exactly the rank's own predicted batch time.
+        """
+        ep = self.ep
+        grp = pe // ep
+        if self.group_busy[grp]:
             return
-        ready = self.pe_ready[pe][:MAX_READY_SCAN]  # the first ready requests, FIFO order
-        if not ready:
+        steps: list[tuple[int, list[tuple[_Req, int]]]] = []
+        compute = 0.0
+        new_total, attn_max, attn_sum = 0, 0.0, 0.0
+        for p in range(grp * ep, grp * ep + ep):
+            ready = self.pe_ready[p][:MAX_READY_SCAN]  # the first ready requests, FIFO order
+            if not ready:
+                continue
+            if not self._layerwise:
+                # Whole-prompt KV of the batch must sit in HBM: cut the ready list at the HBM limit.
+                cap, acc, cut = self.pe_hbm_tokens, 0, 0
+                for r in ready:
+                    acc += r.prompt
+                    if acc > cap and cut > 0:
+                        break
+                    cut += 1
+                ready = ready[:cut]
+            items = (PrefillItem(r.rid, r.hit + r.new_done, r.new - r.new_done) for r in ready)
+            plan = build_prefill_batch(items, self._cost, self.cfg.compute_quota_s, self.cfg.page_tokens)
+            # The plan is a FIFO prefix of ``items`` (whole requests, then at most one chunk).
+            batch = [(ready[i], it.num_new_tokens) for i, it in enumerate(plan.items)]
+            if plan.chunk is not None:
+                batch.append((ready[len(batch)], plan.chunk.num_new_tokens))
+            steps.append((p, batch))
+            if ep == 1:
+                compute = plan.predicted_s
+            else:
+                n_new = 0
+                for _r, n in batch:
+                    n_new += n
+                new_total += n_new
+                attn = plan.predicted_s - self._batch_overhead_s - n_new * self._linear_s
+                attn_sum += attn
+                if attn > attn_max:
+                    attn_max = attn
+        if not steps:
             return
-        if not self._layerwise:
-            # Whole-prompt KV of the batch must sit in HBM: cut the ready list at the HBM limit.
-            cap, acc, cut = self.pe_hbm_tokens, 0, 0
-            for r in ready:
-                acc += r.prompt
-                if acc > cap and cut > 0:
-                    break
-                cut += 1
-            ready = ready[:cut]
-        items = (PrefillItem(r.rid, r.hit + r.new_done, r.new - r.new_done) for r in ready)
-        plan = build_prefill_batch(items, self._cost, self.cfg.compute_quota_s, self.cfg.page_tokens)
-        # The plan is a FIFO prefix of ``items`` (whole requests, then at most one chunk).
-        batch = [(ready[i], it.num_new_tokens) for i, it in enumerate(plan.items)]
-        if plan.chunk is not None:
-            batch.append((ready[len(batch)], plan.chunk.num_new_tokens))
-        self.pe_busy[pe] = True
+        if ep > 1:
+            compute = self._batch_overhead_s + new_total * self._linear_s / ep + attn_max
+            if len(steps) == ep and attn_sum > 0.0:
+                # Attention-time balance of a step in which every rank has work (the paper's max/avg
+                # over an EP group; steps with idle ranks say more about arrivals than about balance).
+                self.attn_imbalance_sum += attn_max * ep / attn_sum
+                self.num_full_steps += 1
+        self.group_busy[grp] = True
         t = self.now
-        compute = plan.predicted_s
         if self._oracle:
-            self._push(t + compute, _BATCH_DONE, pe, batch)
+            self._push(t + compute, _BATCH_DONE, grp, steps)
             return
-        in_end, n_in = self._book_inbound(pe, batch, t)
+        in_end, n_in_max = t, 0
+        for p, batch in steps:
+            e, n_in = self._book_inbound(p, batch, t)
+            if e > in_end:
+                in_end = e
+            if n_in > n_in_max:
+                n_in_max = n_in
         if self._layerwise:
-            out_end, n_out = self._book_outbound(pe, batch, t)
-            submit = (n_in + n_out) * self._submit_s
+            out_end, n_out_max = t, 0
+            for p, batch in steps:
+                e, n_out = self._book_outbound(p, batch, t)
+                if e > out_end:
+                    out_end = e
+                if n_out > n_out_max:
+                    n_out_max = n_out
+            submit = (n_in_max + n_out_max) * self._submit_s  # ranks post their own copies in parallel
             end = max(t + compute, in_end, out_end, t + submit) + compute / self.layers
-            self._push(end, _BATCH_DONE, pe, batch)
+            self._push(end, _BATCH_DONE, grp, steps)
         else:
-            t_loaded = max(in_end, t + n_in * self._submit_s)
-            self._push(t_loaded + compute, _BATCH_LOADED, pe, batch)
+            t_loaded = max(in_end, t + n_in_max * self._submit_s)
+            self._push(t_loaded + compute, _BATCH_LOADED, grp, steps)
 
     def _book_inbound(self, pe: int, batch: list[tuple[_Req, int]], t: float) -> tuple[float, int]:
         """Hit KV of each request into the PE GPU, one layer block per copy; returns (end, copies)."""
@@ -536,14 +608,25 @@ class ClusterSim:
             copies += -(-tokens // bt) * self.layers
         return end, copies
 
-    def _batch_loaded(self, pe: int, batch: list[tuple[_Req, int]]) -> None:
-        """Not layerwise: compute finished; now send the whole KV to the DE host."""
+    def _batch_loaded(self, grp: int, steps: list[tuple[int, list[tuple[_Req, int]]]]) -> None:
+        """Not layerwise: compute finished; now every rank sends its batch's whole KV to the DE host."""
         t = self.now
-        out_end, n_out = self._book_outbound(pe, batch, t)
-        end = max(out_end, t + n_out * self._submit_s)
-        self._push(end, _BATCH_DONE, pe, batch)
+        end = t
+        for p, batch in steps:
+            out_end, n_out = self._book_outbound(p, batch, t)
+            e = max(out_end, t + n_out * self._submit_s)
+            if e > end:
+                end = e
+        self._push(end, _BATCH_DONE, grp, steps)
 
-    def _batch_done(self, pe: int, batch: list[tuple[_Req, int]]) -> None:
+    def _batch_done(self, grp: int, steps: list[tuple[int, list[tuple[_Req, int]]]]) -> None:
+        for pe, batch in steps:
+            self._rank_done(pe, batch)
+        self.group_busy[grp] = False
+        self._try_prefill(grp * self.ep)
+        self._want_fetch()
+
+    def _rank_done(self, pe: int, batch: list[tuple[_Req, int]]) -> None:
         t = self.now
         finished = []
         for r, n in batch:
@@ -575,9 +658,6 @@ class ClusterSim:
             end = book3(self.dram[de_node], self.cnic_rd[de_gpu], self.cnic_wr[de_gpu], t, b)
             post = t + -(-r.prompt // bt) * layers * submit_s
             heappush(events, (end if end >= post else post, next(seq), _DE_READY, None, r))
-        self.pe_busy[pe] = False
-        self._try_prefill(pe)
-        self._want_fetch()
 
     # ---- decode ----
 

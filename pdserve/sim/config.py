@@ -81,6 +81,8 @@ class SimConfig:
     reads in this many seconds (paper 3 s), β = tokens one PE computes in this many seconds (paper 5 s).
     submit_us_per_copy / copies_per_submit: host time to post one copy descriptor and how many share a
     doorbell (paper: ~1 µs per RDMA write request; cudaMemcpyAsync 5-7 µs, H200 anchor 8-10 µs).
+    prefill_ep_gpus: PE ranks per EP group that run each forward in lockstep (0 = the model profile's
+    ``prefill_ep_gpus``; 1 = independent engines); cut to a divisor of the PE count.
     max_fetch: the router looks at most this many queue-head requests per fetch.
     fetch_interval_s: the router fetches at most this often (10 ms; adds ≤ 10 ms to a TTFT of seconds).
     horizon_s: stop the clock here (online runs); None = run until every agent finished.
@@ -101,6 +103,7 @@ class SimConfig:
     submit_us_per_copy: float = 1.0
     copies_per_submit: int = 1
     decode_nodes_per_group: int = 1
+    prefill_ep_gpus: int = 0
     page_tokens: int = 16
     block_tokens: int = 64
     max_fetch: int = 64

@@ -40,6 +40,7 @@ class Overrides:
     quota_ms: float | None = None
     submit_us: tuple[float, ...] | None = None
     copies_per_submit: int | None = None
+    prefill_ep_gpus: int | None = None
     horizon_s: float | None = None
 
 
@@ -90,6 +91,7 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
         seed=_pick(ov.seed, 0),
         compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
         copies_per_submit=_pick(ov.copies_per_submit, 1),
+        prefill_ep_gpus=_pick(ov.prefill_ep_gpus, 0),
         **kw,
     )
 
@@ -113,6 +115,7 @@ def record(res: SimResult, **setting) -> dict:
         "snic_gbps": cfg.hw.snic_gbps,
         "cnic_gbps": cfg.hw.cnic_gbps,
         "seed": cfg.seed,
+        "prefill_ep_gpus": ClusterSim.ep_group_gpus(cfg),
         **setting,
         "jct_s": _f(res.jct_s),
         "jct_mean_s": _f(res.jct_mean_s),
@@ -121,6 +124,7 @@ def record(res: SimResult, **setting) -> dict:
         "tpot_p50_s": _f(np.median(tpot)) if len(tpot) else None,
         "tpot_mean_s": _f(tpot.mean()) if len(tpot) else None,
         "snic_max_over_avg": _f(res.snic_max_over_avg()) if not cfg.mode == "oracle" else None,
+        "attn_max_over_avg": _f(res.attn_max_over_avg),
         "turns_done": res.num_turns_done,
         "wall_s": round(res.wall_s, 2),
         "cpu_s": round(res.cpu_s, 2),
