@@ -212,32 +212,91 @@ def test_ep_group_spreads_the_moe_share_over_its_ranks():
     assert one.reqs[0].t_first == pytest.approx(read_s + alone * (1 + 1 / m.num_layers), rel=1e-9)
 
 
-def test_basic_ep_group_waits_for_the_slowest_rank():
-    """Not layerwise, in lockstep: every rank loads, then the group computes, then every rank sends;
-    the forward starts after the slowest load and the step ends after the slowest send."""
+def _two_rank_sim(mode: str, hits: tuple[int, int], news: tuple[int, int], submit_us: float = 0.0):
+    """A 2-GPU prefill node as one EP2 group, with one request placed (reads done) on each rank."""
     m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
     cfg = SimConfig(
-        num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="basic", submit_us_per_copy=0
+        num_prefill_nodes=1,
+        num_decode_nodes=1,
+        hw=HW2,
+        model=m,
+        mode=mode,
+        submit_us_per_copy=submit_us,
+        compute_quota_s=10.0,  # no chunking: each rank's batch is its whole request
     )
     sim = ClusterSim(cfg, one_turn(64, 1, 2))
-    hits, new = (64 * 50, 64 * 400), 200
-    reqs = []
-    for pe, hit in enumerate(hits):
+    for pe, (hit, new) in enumerate(zip(hits, news, strict=True)):
         r = _Req(pe, 0, 0, 0.0, hit, new, 2)
         r.pe, r.de, r.pe_read = pe, pe, hit
         sim.pe_ready[pe].append(r)
-        reqs.append(r)
+    return sim, m, cfg
+
+
+def _lockstep_compute(m, hits, news) -> tuple[float, list[float]]:
+    """overhead + the MoE share of both ranks' tokens / 2 + the slowest rank's attention."""
+    lin = m.prefill_s_per_new_token
+    attn = [
+        prefill_batch_s(m, [(h, n)]) - m.prefill_batch_overhead_s - lin * n
+        for h, n in zip(hits, news, strict=True)
+    ]
+    return m.prefill_batch_overhead_s + lin * sum(news) / 2 + max(attn), attn
+
+
+def test_basic_ep_group_waits_for_the_slowest_rank():
+    """Not layerwise, in lockstep: every rank loads, then the group computes, then every rank sends;
+    the forward starts after the slowest load and the step ends after the slowest send. The slow rank
+    is rank 0 and the step is started from rank 1, so "the last rank wins" would fail."""
+    hits, news = (64 * 400, 64 * 50), (100, 700)
+    sim, m, cfg = _two_rank_sim("basic", hits, news)
     sim._try_prefill(1)  # any rank of the group starts the group's step
     assert sim.group_busy == [True]
-    ((t_loaded, _, kind, grp, steps),) = sim.events
+    ((t_loaded, _, _kind, grp, steps),) = sim.events
     B, kv = cfg.hw.cnic_bytes_per_s, m.kv_bytes_per_token
-    linear = m.prefill_s_per_new_token * new
-    attn = [prefill_batch_s(m, [(h, new)]) - m.prefill_batch_overhead_s - linear for h in hits]
-    compute = m.prefill_batch_overhead_s + 2 * linear / 2 + max(attn)
+    compute, _ = _lockstep_compute(m, hits, news)
     assert grp == 0 and [pe for pe, _ in steps] == [0, 1]
     assert t_loaded == pytest.approx(max(hits) * kv / B + compute, rel=1e-9)
     sim.events.clear()
     sim.now = t_loaded
     sim._batch_loaded(grp, steps)
     ((t_sent, _, _, _, _),) = sim.events
-    assert t_sent == pytest.approx(t_loaded + (max(hits) + new) * kv / B, rel=1e-9)
+    sent = max(h + n for h, n in zip(hits, news, strict=True))
+    assert t_sent == pytest.approx(t_loaded + sent * kv / B, rel=1e-9)
+
+
+def test_layerwise_ep_group_waits_for_the_rank_with_most_descriptors():
+    """Layerwise, descriptor posting dominating: each rank posts its own in and out copies in parallel
+    with the other rank, so the step waits for max over ranks of (in + out), not max(in) + max(out)."""
+    # Rank 0 has the most copies in (300 blocks), rank 1 the most out (310): max(in) + max(out) = 610
+    # blocks per layer would be wrong; rank 0's 300 + 301 = 601 is right.
+    hits, news = (64 * 300, 64 * 10), (64, 64 * 300)
+    sim, m, cfg = _two_rank_sim("layerwise", hits, news, submit_us=100.0)
+    sim._try_prefill(0)
+    ((t_end, _, _, _, _),) = sim.events
+    compute, _ = _lockstep_compute(m, hits, news)
+    # Copies per rank: hit blocks in, (new + hit) blocks out, x layers; 64-token blocks.
+    per_rank = [(h // 64 + (h + n) // 64) * m.num_layers for h, n in zip(hits, news, strict=True)]
+    submit = max(per_rank) * 100e-6
+    assert submit > compute  # the case this test is about
+    assert t_end == pytest.approx(submit + compute / m.num_layers, rel=1e-9)
+
+
+def test_attention_balance_metric_is_max_over_mean_of_full_steps():
+    hits, news = (64 * 400, 64 * 50), (300, 300)
+    sim, m, _cfg = _two_rank_sim("oracle", hits, news)
+    sim._try_prefill(0)
+    _, attn = _lockstep_compute(m, hits, news)
+    assert sim.num_full_steps == 1
+    assert sim.attn_imbalance_sum == pytest.approx(max(attn) * 2 / sum(attn), rel=1e-12)
+
+
+def test_requests_ready_at_the_same_instant_share_one_group_step():
+    """Two first turns (no hit, nothing to read) assigned in one fetch to the two ranks of an EP2
+    group: both must run in the group's first step, so their first tokens come out together."""
+    m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
+    cfg = SimConfig(num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="dualpath")
+    wl = _assemble("two", [np.array([300]), np.array([300])], [np.array([5]), np.array([5])], np.zeros(2))
+    res = ClusterSim(cfg, wl, keep_requests=True).run()
+    a, b = res.reqs
+    assert {a.pe, b.pe} == {0, 1}
+    assert a.t_first == b.t_first
+    assert res.attn_max_over_avg == pytest.approx(1.0)

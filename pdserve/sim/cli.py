@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-ep-gpus",
         type=int,
-        help="PE ranks per EP group that step in lockstep (default: the model's; 1 = independent engines)",
+        help="PE ranks per EP group that step in lockstep (default: the model's; 1 = independent engines;"
+        " cut to a divisor of the prefill GPU count)",
     )
     g.add_argument("--horizon-s", type=float, help="online: simulated seconds per run (default 3600)")
 

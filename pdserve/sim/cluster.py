@@ -316,7 +316,7 @@ class ClusterSim:
     def ep_group_gpus(cfg: SimConfig) -> int:
         """PE ranks per lockstep EP group: the config's or the model's, cut to divide the PE count."""
         want = cfg.prefill_ep_gpus if cfg.prefill_ep_gpus > 0 else cfg.model.prefill_ep_gpus
-        return math.gcd(want, cfg.num_prefill_nodes * cfg.hw.gpus_per_node)
+        return math.gcd(max(want, 1), cfg.num_prefill_nodes * cfg.hw.gpus_per_node)
 
     # ---- event plumbing ----
 
@@ -440,10 +440,17 @@ class ClusterSim:
             if req.de_read:
                 req.reads_left += 1
                 self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
+        # Ready every request without reads first, then start steps: requests ready at the same
+        # instant must be able to share one step (one group's, or one engine's batch).
+        groups: list[int] = []
         for _, req in head:
             if req.reads_left == 0:
                 self._ready(req)
-                self._try_prefill(req.pe)
+                grp = req.pe // self.ep
+                if grp not in groups:
+                    groups.append(grp)
+        for grp in groups:
+            self._try_prefill(grp * self.ep)
 
     # ---- storage reads ----
 
@@ -544,26 +551,25 @@ class ClusterSim:
         if self._oracle:
             self._push(t + compute, _BATCH_DONE, grp, steps)
             return
-        in_end, n_in_max = t, 0
+        # Each rank posts its own copy descriptors (in parallel with the other ranks): the step waits
+        # for the rank with the most.
+        end, n_max = t, 0
         for p, batch in steps:
-            e, n_in = self._book_inbound(p, batch, t)
-            if e > in_end:
-                in_end = e
-            if n_in > n_in_max:
-                n_in_max = n_in
+            e, n = self._book_inbound(p, batch, t)
+            if self._layerwise:
+                e_out, n_out = self._book_outbound(p, batch, t)
+                if e_out > e:
+                    e = e_out
+                n += n_out
+            if e > end:
+                end = e
+            if n > n_max:
+                n_max = n
         if self._layerwise:
-            out_end, n_out_max = t, 0
-            for p, batch in steps:
-                e, n_out = self._book_outbound(p, batch, t)
-                if e > out_end:
-                    out_end = e
-                if n_out > n_out_max:
-                    n_out_max = n_out
-            submit = (n_in_max + n_out_max) * self._submit_s  # ranks post their own copies in parallel
-            end = max(t + compute, in_end, out_end, t + submit) + compute / self.layers
+            end = max(t + compute, end, t + n_max * self._submit_s) + compute / self.layers
             self._push(end, _BATCH_DONE, grp, steps)
         else:
-            t_loaded = max(in_end, t + n_in_max * self._submit_s)
+            t_loaded = max(end, t + n_max * self._submit_s)
             self._push(t_loaded + compute, _BATCH_LOADED, grp, steps)
 
     def _book_inbound(self, pe: int, batch: list[tuple[_Req, int]], t: float) -> tuple[float, int]:

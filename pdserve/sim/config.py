@@ -82,7 +82,9 @@ class SimConfig:
     submit_us_per_copy / copies_per_submit: host time to post one copy descriptor and how many share a
     doorbell (paper: ~1 µs per RDMA write request; cudaMemcpyAsync 5-7 µs, H200 anchor 8-10 µs).
     prefill_ep_gpus: PE ranks per EP group that run each forward in lockstep (0 = the model profile's
-    ``prefill_ep_gpus``; 1 = independent engines); cut to a divisor of the PE count.
+    ``prefill_ep_gpus``; 1 = independent engines). A size that does not divide the PE count is cut to
+    the largest one that does (gcd): e.g. DS-660B's EP16 on one prefill node of 8 GPUs runs as EP8,
+    which fits an H200's 141 GB (84 GB of weights per GPU); the profile's HBM budget is not re-derived.
     max_fetch: the router looks at most this many queue-head requests per fetch.
     fetch_interval_s: the router fetches at most this often (10 ms; adds ≤ 10 ms to a TTFT of seconds).
     horizon_s: stop the clock here (online runs); None = run until every agent finished.
@@ -117,3 +119,5 @@ class SimConfig:
         if self.num_prefill_nodes < 1 or self.num_decode_nodes < 1:
             raise ValueError("need at least one prefill and one decode node")
         get_mode(self.mode)
+        if self.prefill_ep_gpus < 0:
+            raise ValueError(f"prefill_ep_gpus must be ≥ 0 (0 = the model's), got {self.prefill_ep_gpus}")
