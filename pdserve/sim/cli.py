@@ -105,6 +105,7 @@ _COLUMNS = (
     "ttft_mean_s",
     "tpot_p50_s",
     "snic_max_over_avg",
+    "attn_max_over_avg",
     "bottleneck",
     "max_aps",
     "wall_s",

@@ -398,6 +398,12 @@ def nic_balance(ov: Overrides, progress: Progress) -> ScenarioResult:
                 vals["dualpath"] <= 1.25, f"scheduler SNIC max/avg {vals['dualpath']:.2f} (paper 1.18; ≤1.25)"
             )
         )
+    attn = {r["policy"]: r["attn_max_over_avg"] for r in out.runs if r["attn_max_over_avg"] is not None}
+    if attn:
+        text = ", ".join(f"{pol} {v:.2f}" for pol, v in attn.items())
+        out.checks.append(
+            f"[INFO] attention max/avg in an EP group (steps with every rank busy): {text} (paper 1.06)"
+        )
     out.plot = lambda runs, plt: _snic_plot(runs, plt)
     return out
 
