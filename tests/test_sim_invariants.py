@@ -205,7 +205,7 @@ def test_ep_group_spreads_the_moe_share_over_its_ranks():
     alone = prefill_batch_s(m, [(hit, new)])
     linear = new * m.prefill_s_per_new_token
     compute = alone - linear + linear / 2
-    assert ClusterSim.ep_group_gpus(cfg) == 2
+    assert cfg.prefill_ep_group == 2
     assert r.t_first == pytest.approx(read_s + compute * (1 + 1 / m.num_layers), rel=1e-9)
     # One rank per group: the request's own batch time, as before.
     one = ClusterSim(replace(cfg, prefill_ep_gpus=1), one_turn(hit, new, 2), keep_requests=True).run()
@@ -215,15 +215,8 @@ def test_ep_group_spreads_the_moe_share_over_its_ranks():
 def _two_rank_sim(mode: str, hits: tuple[int, int], news: tuple[int, int], submit_us: float = 0.0):
     """A 2-GPU prefill node as one EP2 group, with one request placed (reads done) on each rank."""
     m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
-    cfg = SimConfig(
-        num_prefill_nodes=1,
-        num_decode_nodes=1,
-        hw=HW2,
-        model=m,
-        mode=mode,
-        submit_us_per_copy=submit_us,
-        compute_quota_s=10.0,  # no chunking: each rank's batch is its whole request
-    )
+    # small_cfg's 10 s quota: no chunking, each rank's batch is its whole request.
+    cfg = small_cfg(mode, num_decode_nodes=1, model=m, submit_us_per_copy=submit_us, record_intervals=False)
     sim = ClusterSim(cfg, one_turn(64, 1, 2))
     for pe, (hit, new) in enumerate(zip(hits, news, strict=True)):
         r = _Req(pe, 0, 0, 0.0, hit, new, 2)
@@ -300,3 +293,12 @@ def test_requests_ready_at_the_same_instant_share_one_group_step():
     assert {a.pe, b.pe} == {0, 1}
     assert a.t_first == b.t_first
     assert res.attn_max_over_avg == pytest.approx(1.0)
+
+
+def test_ep_group_size_is_cut_to_divide_the_prefill_gpus():
+    three_nodes = SimConfig(num_prefill_nodes=3, num_decode_nodes=1, model=DS_660B)  # 24 PE GPUs
+    assert three_nodes.prefill_ep_group == 8  # EP16 does not divide 24: gcd
+    assert replace(three_nodes, num_prefill_nodes=2).prefill_ep_group == 16
+    assert replace(three_nodes, prefill_ep_gpus=1).prefill_ep_group == 1
+    with pytest.raises(ValueError, match="prefill_ep_gpus"):
+        replace(three_nodes, prefill_ep_gpus=-1)

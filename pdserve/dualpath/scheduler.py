@@ -559,14 +559,15 @@ def build_prefill_batch(
     exceeds the quota, the head runs alone (one page, or whole if shorter) so the engine always makes
     progress. ``waiting`` may be any iterable (a lazy one is consumed only up to the chunk).
     """
-    additive = isinstance(batch_cost_s, AdditiveBatchCost)
     items: list[PrefillItem] = []
     pairs: list[tuple[int, int]] = []
     cost = 0.0
     items_s = 0.0  # Σ item costs so far (additive costs only)
+    additive = False
     overhead_s = 0.0
     item_cost_s: Callable[[int, int], float] = _no_item_cost
     if isinstance(batch_cost_s, AdditiveBatchCost):
+        additive = True
         overhead_s = batch_cost_s.overhead_s
         item_cost_s = batch_cost_s.item_cost_s
 

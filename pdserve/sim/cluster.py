@@ -274,9 +274,8 @@ class ClusterSim:
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
-        # EP groups of PE ranks that step together (see ``_try_prefill``); the last group may not be cut
-        # short, so the group size divides the PE count.
-        self.ep = ClusterSim.ep_group_gpus(cfg)
+        # EP groups of PE ranks that step together (see ``_try_prefill``); the size divides the PE count.
+        self.ep = cfg.prefill_ep_group
         self.group_busy = [False] * (self.num_pe // self.ep)
         self.attn_imbalance_sum = 0.0  # Σ over full steps of max/avg attention time across the ranks
         self.num_full_steps = 0
@@ -311,12 +310,6 @@ class ClusterSim:
         self.open_turns: dict[int, float] = {}  # rid -> submit time, until the first token
         self.n_done = 0
         self.now = 0.0
-
-    @staticmethod
-    def ep_group_gpus(cfg: SimConfig) -> int:
-        """PE ranks per lockstep EP group: the config's or the model's, cut to divide the PE count."""
-        want = cfg.prefill_ep_gpus if cfg.prefill_ep_gpus > 0 else cfg.model.prefill_ep_gpus
-        return math.gcd(max(want, 1), cfg.num_prefill_nodes * cfg.hw.gpus_per_node)
 
     # ---- event plumbing ----
 
@@ -551,26 +544,34 @@ class ClusterSim:
         if self._oracle:
             self._push(t + compute, _BATCH_DONE, grp, steps)
             return
-        # Each rank posts its own copy descriptors (in parallel with the other ranks): the step waits
-        # for the rank with the most.
-        end, n_max = t, 0
+        if self._layerwise:
+            copies_end = self._book_copies(steps, t, inbound=True, outbound=True)
+            end = max(t + compute, copies_end) + compute / self.layers
+            self._push(end, _BATCH_DONE, grp, steps)
+        else:
+            t_loaded = self._book_copies(steps, t, inbound=True, outbound=False)
+            self._push(t_loaded + compute, _BATCH_LOADED, grp, steps)
+
+    def _book_copies(
+        self, steps: list[tuple[int, list[tuple[_Req, int]]]], t: float, inbound: bool, outbound: bool
+    ) -> float:
+        """Book every rank's copies of a step from ``t`` (hit KV in, and/or KV out to the DE host) and
+        return when the slowest rank is done: the later of its links' end and of posting its own copy
+        descriptors (each rank posts in parallel with the other ranks)."""
+        end = t
         for p, batch in steps:
-            e, n = self._book_inbound(p, batch, t)
-            if self._layerwise:
+            e, n = self._book_inbound(p, batch, t) if inbound else (t, 0)
+            if outbound:
                 e_out, n_out = self._book_outbound(p, batch, t)
                 if e_out > e:
                     e = e_out
                 n += n_out
+            posted = t + n * self._submit_s
+            if posted > e:
+                e = posted
             if e > end:
                 end = e
-            if n > n_max:
-                n_max = n
-        if self._layerwise:
-            end = max(t + compute, end, t + n_max * self._submit_s) + compute / self.layers
-            self._push(end, _BATCH_DONE, grp, steps)
-        else:
-            t_loaded = max(end, t + n_max * self._submit_s)
-            self._push(t_loaded + compute, _BATCH_LOADED, grp, steps)
+        return end
 
     def _book_inbound(self, pe: int, batch: list[tuple[_Req, int]], t: float) -> tuple[float, int]:
         """Hit KV of each request into the PE GPU, one layer block per copy; returns (end, copies)."""
@@ -616,13 +617,7 @@ class ClusterSim:
 
     def _batch_loaded(self, grp: int, steps: list[tuple[int, list[tuple[_Req, int]]]]) -> None:
         """Not layerwise: compute finished; now every rank sends its batch's whole KV to the DE host."""
-        t = self.now
-        end = t
-        for p, batch in steps:
-            out_end, n_out = self._book_outbound(p, batch, t)
-            e = max(out_end, t + n_out * self._submit_s)
-            if e > end:
-                end = e
+        end = self._book_copies(steps, self.now, inbound=False, outbound=True)
         self._push(end, _BATCH_DONE, grp, steps)
 
     def _batch_done(self, grp: int, steps: list[tuple[int, list[tuple[_Req, int]]]]) -> None:

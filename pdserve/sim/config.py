@@ -10,6 +10,7 @@ per node; host DRAM bandwidth M = 500 GB/s, reads and writes added. NIC rates ar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.dualpath.cost_model import DS_660B, ModelProfile
@@ -121,3 +122,10 @@ class SimConfig:
         get_mode(self.mode)
         if self.prefill_ep_gpus < 0:
             raise ValueError(f"prefill_ep_gpus must be ≥ 0 (0 = the model's), got {self.prefill_ep_gpus}")
+
+    @property
+    def prefill_ep_group(self) -> int:
+        """PE ranks per lockstep EP group as run: the config's or the model's size, cut to divide the PE
+        count (see ``prefill_ep_gpus``)."""
+        want = self.prefill_ep_gpus if self.prefill_ep_gpus > 0 else self.model.prefill_ep_gpus
+        return math.gcd(max(want, 1), self.num_prefill_nodes * self.hw.gpus_per_node)

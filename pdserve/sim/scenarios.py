@@ -115,7 +115,7 @@ def record(res: SimResult, **setting) -> dict:
         "snic_gbps": cfg.hw.snic_gbps,
         "cnic_gbps": cfg.hw.cnic_gbps,
         "seed": cfg.seed,
-        "prefill_ep_gpus": ClusterSim.ep_group_gpus(cfg),
+        "prefill_ep_gpus": cfg.prefill_ep_group,
         **setting,
         "jct_s": _f(res.jct_s),
         "jct_mean_s": _f(res.jct_mean_s),
