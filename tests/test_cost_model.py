@@ -1,0 +1,72 @@
+"""Model profiles from Hugging Face configs (`pdserve simulate --model path/to/config.json`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.dualpath.cost_model import (
+    QWEN32B_PREFILL_S_PER_TOKEN,
+    QWEN_32B,
+    get_profile,
+    profile_from_hf_config,
+)
+
+# The published Qwen2.5-32B config's fields that the profile reads.
+QWEN25_32B = {
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "intermediate_size": 27648,
+    "vocab_size": 152064,
+    "torch_dtype": "bfloat16",
+}
+
+# DeepSeek-V3's MLA and MoE fields (bf16 checkpoint dtype).
+DEEPSEEK_V3 = {
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "vocab_size": 129280,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_gqa_config_gives_the_named_qwen_profile_kv_layout_and_speed():
+    p = profile_from_hf_config(QWEN25_32B, name="qwen-from-config")
+    # 2 (K, V) x 8 KV heads x 128 x 2 B = 4 KiB per token per layer, as the named profile.
+    assert p.kv_bytes_per_token_layer == 4096 == QWEN_32B.kv_bytes_per_token_layer
+    assert p.num_layers == 64 and p.kv_bytes_per_token == 64 * 4096
+    # ~32 B activated parameters: within 3% of the anchor-fitted per-token prefill cost.
+    assert p.prefill_s_per_new_token == pytest.approx(QWEN32B_PREFILL_S_PER_TOKEN, rel=0.03)
+    assert p.prefill_ep_gpus == 1  # HF configs run as independent engines
+
+
+def test_mla_moe_config_stores_the_latent_and_counts_active_experts_only():
+    p = profile_from_hf_config(DEEPSEEK_V3)
+    assert p.kv_bytes_per_token_layer == (512 + 64) * 2  # BF16 MLA: 1,152 B (notes/dualpath.md)
+    # Activated MLP = top-8 + 1 shared expert, not all 256: far cheaper per token than a dense 671 B.
+    dense_all = profile_from_hf_config({**DEEPSEEK_V3, "num_experts_per_tok": 256})
+    assert p.prefill_s_per_new_token < dense_all.prefill_s_per_new_token / 10
+    assert (
+        profile_from_hf_config({**DEEPSEEK_V3, "torch_dtype": "float8_e4m3fn"}).kv_bytes_per_token_layer
+        == 576
+    )
+
+
+def test_get_profile_reads_a_config_file_or_its_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_32B))
+    assert get_profile(str(tmp_path / "config.json")).kv_bytes_per_token_layer == 4096
+    assert get_profile(str(tmp_path)).num_layers == 64
+    assert get_profile("ds-660b").prefill_ep_gpus == 16
+    with pytest.raises(ValueError, match="unknown model"):
+        get_profile(str(tmp_path / "missing.json"))
