@@ -69,12 +69,16 @@ def test_tiny_ablation_json_and_plot(tmp_path):
             "ttft_p50_s",
             "tpot_p50_s",
             "snic_max_over_avg",
+            "pe_buffer_peak_gb",
+            "de_buffer_peak_gb",
             "wall_s",
         ):
             assert k in r
         assert r["prefill_nodes"] == 1 and r["gpus_per_node"] == 2 and r["seed"] == 4
         # DS-660B's EP16 prefill group, cut to the two PE ranks this cluster has.
         assert r["prefill_ep_gpus"] == 2
+        assert r["host_buffer_gb"] == 80.0  # DS-660B's, in GB
+        assert 0 < r["pe_buffer_peak_gb"] <= 80.0
     assert data["runs"][0]["jct_change_pct"] == 0.0
     assert png.stat().st_size > 1000
 

@@ -27,6 +27,8 @@ Constants and their sources:
   layers, the same MLA FP8 KV layout (656 B/token/layer), 4.5B activated parameters and no DSA
   (dense MLA attention, 16 heads), with the same efficiencies as ``ds-660b``. [assumed]
 * HBM free for KV per GPU (H200 141 GB): weights share + runtime buffers subtracted, see each profile.
+* ``host_buffer_bytes`` (per node, paper §5): 80 GB for the DS models, 320 GB for Qwen2.5-32B; an HF
+  config gets the DS size if it uses MLA, else the Qwen size. [paper; HF rule assumed]
 * ``prefill_ep_gpus``: the prefill deployment's EP group (DP attention + EP MoE, whose ranks step in
   lockstep): EP16 over 2 nodes for ds-660b (the size its HBM budget assumes), EP8 for ds-27b
   [assumed, as its profile]; 1 (independent engines) for dense models and HF configs.
@@ -68,6 +70,10 @@ class ModelProfile:
     model_cnic_bytes_per_decode_token: float = 0.0
     # PE ranks that run every forward in lockstep (DP attention + EP MoE); 1 = independent engines.
     prefill_ep_gpus: int = 1
+    # Pinned host DRAM per node for KV in flight (pe_buffer / de_buffer): storage reads land there and
+    # wait for the prefill; KV returned by the PE waits there for the decode H2D. Paper: 80 GB per node
+    # for the DS models, 320 GB for Qwen2.5-32B.
+    host_buffer_bytes: int = 80_000_000_000
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -151,6 +157,7 @@ QWEN_32B = ModelProfile(
     # One GPU per engine: 65.5 GB bf16 weights + ~10 GB activations.
     prefill_hbm_kv_bytes=int(H200_HBM_BYTES - 65.5e9 - 10e9),
     decode_hbm_kv_bytes=int(H200_HBM_BYTES - 65.5e9 - 10e9),
+    host_buffer_bytes=320_000_000_000,  # 6.5x the DS models' KV per token
 )
 
 PROFILES: dict[str, ModelProfile] = {p.name: p for p in (DS_660B, DS_27B, QWEN_32B)}
@@ -215,6 +222,9 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         decode_attn_bytes_per_ctx_token=float(kv_bytes_layer * layers),
         prefill_hbm_kv_bytes=int(free),
         decode_hbm_kv_bytes=int(free),
+        host_buffer_bytes=DS_660B.host_buffer_bytes
+        if cfg.get("kv_lora_rank")
+        else QWEN_32B.host_buffer_bytes,
     )
 
 

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="PE ranks per EP group that step in lockstep (default: the model's; 1 = independent engines;"
         " cut to a divisor of the prefill GPU count)",
     )
+    g.add_argument(
+        "--host-buffer-gb",
+        type=float,
+        help="pinned host buffer per node for KV in flight, GB (default: the model's, 80 for DS, 320 for"
+        " Qwen; inf = unbounded)",
+    )
     g.add_argument("--horizon-s", type=float, help="online: simulated seconds per run (default 3600)")
 
 
@@ -86,6 +92,7 @@ def _overrides(args: argparse.Namespace):
         submit_us=args.submit_us,
         copies_per_submit=args.copies_per_submit,
         prefill_ep_gpus=args.prefill_ep_gpus,
+        host_buffer_gb=args.host_buffer_gb,
         horizon_s=args.horizon_s,
     )
 
@@ -106,6 +113,8 @@ _COLUMNS = (
     "tpot_p50_s",
     "snic_max_over_avg",
     "attn_max_over_avg",
+    "pe_buffer_peak_gb",
+    "de_buffer_peak_gb",
     "bottleneck",
     "max_aps",
     "wall_s",

@@ -84,7 +84,7 @@ def _rid(r: _Req) -> int:
 
 
 # Event kinds.
-_ARRIVE, _FETCH, _READ_DONE, _BATCH_LOADED, _BATCH_DONE, _DE_READY, _DE_TICK = range(7)
+_ARRIVE, _FETCH, _READ_DONE, _BATCH_LOADED, _BATCH_DONE, _DE_READY, _DE_TICK, _BUF_FREE = range(8)
 
 
 class _Req:
@@ -105,6 +105,8 @@ class _Req:
         "reads_left",
         "new_done",
         "inbound_done",
+        "pe_buf",
+        "de_buf",
         "t_first",
         "t_join",
         "t_done",
@@ -127,6 +129,7 @@ class _Req:
         self.reads_left = 0
         self.new_done = 0
         self.inbound_done = False
+        self.pe_buf = self.de_buf = 0  # host-buffer bytes held on the PE / DE node
         self.t_first = self.t_join = self.t_done = math.nan
 
 
@@ -168,6 +171,17 @@ class SimResult:
     cpu_s: float  # process CPU time: the fair speed figure on a shared machine
     links: dict[str, list[Link]] = field(default_factory=dict)
     reqs: list | None = None  # every request (tests only)
+    buffer_peak_bytes: list[int] = field(default_factory=list)  # per node: prefill nodes, then decode
+
+    @property
+    def pe_buffer_peak_gb(self) -> float:
+        """Largest host-buffer use of any prefill node, GB."""
+        return max(self.buffer_peak_bytes[: self.config.num_prefill_nodes], default=0) / 1e9
+
+    @property
+    def de_buffer_peak_gb(self) -> float:
+        """Largest host-buffer use of any decode node, GB."""
+        return max(self.buffer_peak_bytes[self.config.num_prefill_nodes :], default=0) / 1e9
 
     @property
     def jct_s(self) -> float:
@@ -271,6 +285,11 @@ class ClusterSim:
         self.read_q: list[deque[tuple[_Req, int]]] = [deque() for _ in range(n_nodes)]
         self.read_q_tokens = [0] * n_nodes
         self.snic_busy = [False] * n_nodes
+        # Host buffer per node (bytes): reads reserve theirs before they start (FIFO: a read that does not
+        # fit waits, and so do the reads queued behind it); KV returned by a PE is counted on arrival.
+        self.buf_cap = cfg.host_buffer_bytes
+        self.buf_used = [0] * n_nodes
+        self.buf_peak = [0] * n_nodes
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
@@ -340,7 +359,7 @@ class ClusterSim:
         pop = heapq.heappop
         next_progress = 0.0
         # One handler per event kind, each taking the event's two payload slots.
-        handlers: list[Callable[[Any, Any], None]] = [self._arrive] * 7
+        handlers: list[Callable[[Any, Any], None]] = [self._arrive] * 8
         handlers[_ARRIVE] = self._arrive
         handlers[_FETCH] = lambda a, b: self._fetch()
         handlers[_READ_DONE] = lambda a, b: self._read_done(a)
@@ -348,6 +367,7 @@ class ClusterSim:
         handlers[_BATCH_DONE] = self._batch_done
         handlers[_DE_READY] = lambda a, b: self._de_join(b)
         handlers[_DE_TICK] = self._de_tick
+        handlers[_BUF_FREE] = self._buf_free
         progress = self.progress
         if horizon is None:
             horizon = math.inf
@@ -377,6 +397,7 @@ class ClusterSim:
             cpu_s=time.process_time() - cpu0,
             links={"snic": self.snic, "dram": self.dram, "cnic_rd": self.cnic_rd, "cnic_wr": self.cnic_wr},
             reqs=self.reqs if self.keep_requests else None,
+            buffer_peak_bytes=list(self.buf_peak),
         )
 
     # ---- agents and router ----
@@ -456,10 +477,30 @@ class ClusterSim:
     def _start_read(self, node: int) -> None:
         req, tokens = self.read_q[node][0]
         nbytes = tokens * self.kv_tok
+        used = self.buf_used[node]
+        if used and used + nbytes > self.buf_cap:
+            return  # no room in the host buffer yet: ``_buf_free`` retries (a read larger than the
+            # whole buffer starts when it is empty rather than never)
+        self._buf_take(node, nbytes)
+        if node < self.P:
+            req.pe_buf += nbytes
+        else:
+            req.de_buf += nbytes
         t = self.now
         end = max(self.snic[node].book(t, nbytes), self.dram[node].book(t, nbytes))
         self.snic_busy[node] = True
         self._push(end, _READ_DONE, node)
+
+    def _buf_take(self, node: int, nbytes: int) -> None:
+        used = self.buf_used[node] + nbytes
+        self.buf_used[node] = used
+        if used > self.buf_peak[node]:
+            self.buf_peak[node] = used
+
+    def _buf_free(self, node: int, nbytes: int) -> None:
+        self.buf_used[node] -= nbytes
+        if not self.snic_busy[node] and self.read_q[node]:
+            self._start_read(node)
 
     def _read_done(self, node: int) -> None:
         req, tokens = self.read_q[node].popleft()
@@ -550,6 +591,13 @@ class ClusterSim:
             self._push(end, _BATCH_DONE, grp, steps)
         else:
             t_loaded = self._book_copies(steps, t, inbound=True, outbound=False)
+            # Loaded: the hit KV sits in HBM now (chunks reuse it), so its host buffer is free.
+            g = self.g
+            for p, batch in steps:
+                for r, _n in batch:
+                    if r.pe_buf:
+                        self._push(t_loaded, _BUF_FREE, p // g, r.pe_buf)
+                        r.pe_buf = 0
             self._push(t_loaded + compute, _BATCH_LOADED, grp, steps)
 
     def _book_copies(
@@ -609,6 +657,10 @@ class ClusterSim:
             b = tokens * kv
             de_gpu = self.num_pe + r.de
             de_node = self.P + r.de // g
+            # It lands in the DE host buffer and stays until the decode H2D (``_de_join``). Counted, not
+            # waited for: a PE cannot hold a lockstep step for one DE's buffer; reads wait instead.
+            self._buf_take(de_node, b)
+            r.de_buf += b
             e = book3(self.cnic_rd[pe], self.cnic_wr[de_gpu], self.dram[de_node], t, b)
             if e > end:
                 end = e
@@ -639,6 +691,9 @@ class ClusterSim:
             ready = self.pe_ready[pe]
             for r in finished:
                 ready.remove(r)  # identity (no __eq__); finished ones sit near the front
+                if r.pe_buf:  # layerwise: every chunk re-streamed the hit layers from the buffer
+                    self._buf_free(pe // self.g, r.pe_buf)
+                    r.pe_buf = 0
         self.pe_seqs[pe] -= len(finished)
         self.sched.report_prefill(pe, self.pe_seqs[pe], self.pe_tokens[pe])
         kv, g = self.kv_tok, self.g
@@ -676,6 +731,9 @@ class ClusterSim:
 
     def _de_join(self, r: _Req) -> None:
         r.t_join = self.now
+        if r.de_buf:  # the prompt KV is in the DE GPU now
+            self._buf_free(self.P + r.de // self.g, r.de_buf)
+            r.de_buf = 0
         remaining = r.gen - 1  # the first token came from the PE
         if remaining <= 0:
             self._finish(r)

@@ -86,6 +86,8 @@ class SimConfig:
     ``prefill_ep_gpus``; 1 = independent engines). A size that does not divide the PE count is cut to
     the largest one that does (gcd): e.g. DS-660B's EP16 on one prefill node of 8 GPUs runs as EP8,
     which fits an H200's 141 GB (84 GB of weights per GPU); the profile's HBM budget is not re-derived.
+    host_buffer_gb: pinned host DRAM per node for KV in flight, GB (0 = the model's
+    ``host_buffer_bytes``; ``math.inf`` = unbounded, the model before buffers were counted).
     max_fetch: the router looks at most this many queue-head requests per fetch.
     fetch_interval_s: the router fetches at most this often (10 ms; adds ≤ 10 ms to a TTFT of seconds).
     horizon_s: stop the clock here (online runs); None = run until every agent finished.
@@ -107,6 +109,7 @@ class SimConfig:
     copies_per_submit: int = 1
     decode_nodes_per_group: int = 1
     prefill_ep_gpus: int = 0
+    host_buffer_gb: float = 0.0
     page_tokens: int = 16
     block_tokens: int = 64
     max_fetch: int = 64
@@ -122,6 +125,15 @@ class SimConfig:
         get_mode(self.mode)
         if self.prefill_ep_gpus < 0:
             raise ValueError(f"prefill_ep_gpus must be ≥ 0 (0 = the model's), got {self.prefill_ep_gpus}")
+        if not self.host_buffer_gb >= 0:
+            raise ValueError(f"host_buffer_gb must be ≥ 0 (0 = the model's), got {self.host_buffer_gb}")
+
+    @property
+    def host_buffer_bytes(self) -> float:
+        """Host buffer per node as run, bytes (the config's size, or the model's)."""
+        if self.host_buffer_gb > 0:
+            return self.host_buffer_gb * 1e9
+        return float(self.model.host_buffer_bytes)
 
     @property
     def prefill_ep_group(self) -> int:

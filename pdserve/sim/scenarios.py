@@ -41,6 +41,7 @@ class Overrides:
     submit_us: tuple[float, ...] | None = None
     copies_per_submit: int | None = None
     prefill_ep_gpus: int | None = None
+    host_buffer_gb: float | None = None
     horizon_s: float | None = None
 
 
@@ -92,6 +93,7 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
         compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
         copies_per_submit=_pick(ov.copies_per_submit, 1),
         prefill_ep_gpus=_pick(ov.prefill_ep_gpus, 0),
+        host_buffer_gb=_pick(ov.host_buffer_gb, 0.0),
         **kw,
     )
 
@@ -116,6 +118,7 @@ def record(res: SimResult, **setting) -> dict:
         "cnic_gbps": cfg.hw.cnic_gbps,
         "seed": cfg.seed,
         "prefill_ep_gpus": cfg.prefill_ep_group,
+        "host_buffer_gb": _f(cfg.host_buffer_bytes / 1e9),
         **setting,
         "jct_s": _f(res.jct_s),
         "jct_mean_s": _f(res.jct_mean_s),
@@ -125,6 +128,8 @@ def record(res: SimResult, **setting) -> dict:
         "tpot_mean_s": _f(tpot.mean()) if len(tpot) else None,
         "snic_max_over_avg": _f(res.snic_max_over_avg()) if not cfg.mode == "oracle" else None,
         "attn_max_over_avg": _f(res.attn_max_over_avg),
+        "pe_buffer_peak_gb": _f(res.pe_buffer_peak_gb),
+        "de_buffer_peak_gb": _f(res.de_buffer_peak_gb),
         "turns_done": res.num_turns_done,
         "wall_s": round(res.wall_s, 2),
         "cpu_s": round(res.cpu_s, 2),
@@ -136,7 +141,7 @@ def _f(x) -> float | None:
     if x is None:
         return None
     x = float(x)
-    return None if math.isnan(x) else round(x, 4)
+    return round(x, 4) if math.isfinite(x) else None
 
 
 def _check(ok: bool, text: str) -> str:
