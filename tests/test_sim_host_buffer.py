@@ -16,40 +16,47 @@ from tests.test_sim_invariants import DS27_ONE_RANK, HW2, small_cfg
 
 
 class _Probe(ClusterSim):
-    """Records, for every read that starts, the buffer use just before it; counts refused starts."""
+    """Checks every reservation against the buffer and records every release (time, node, bytes)."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.starts: list[tuple[int, int, int]] = []  # (node, used before, bytes)
-        self.refused = 0
+        self.num_reserved = 0
+        self.num_refused = 0
+        self.frees: list[tuple[float, int, int]] = []
 
-    def _start_read(self, node: int) -> None:
-        req, tokens = self.read_q[node][0]
-        before = self.buf_used[node]
-        super()._start_read(node)
-        if self.snic_busy[node]:
-            self.starts.append((node, before, tokens * self.kv_tok))
-        else:
-            self.refused += 1
+    def _reserve(self, req) -> bool:
+        pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
+        before = {n: self.buf_used[n] for n in (pe_node, de_node)}
+        ok = super()._reserve(req)
+        if not ok:
+            self.num_refused += 1
+            return False
+        self.num_reserved += 1
+        for n, was in before.items():
+            assert was == 0 or self.buf_used[n] <= self.buf_cap, (n, was, self.buf_used[n])
+        assert req.de_buf == req.prompt * self.kv_tok and req.pe_buf == req.pe_read * self.kv_tok
+        return True
+
+    def _buf_free(self, node: int, nbytes: int) -> None:
+        self.frees.append((self.now, node, nbytes))
+        super()._buf_free(node, nbytes)
 
 
 @pytest.mark.parametrize("mode", ["basic", "layerwise", "dual_path", "dualpath", "split"])
 def test_reads_wait_for_room_and_every_byte_is_given_back(mode):
     wl = table2_workload("32k", 12, seed=3)
-    # ~2.5 requests' hit KV per node: the buffer binds often on this small cluster.
+    # ~2.5 requests' KV per node: the buffer binds often on this small cluster.
     cap_gb = 2.5 * 17_000 * DS_660B.kv_bytes_per_token / 1e9
     sim = _Probe(small_cfg(mode, host_buffer_gb=cap_gb, record_intervals=False), wl)
     res = sim.run()
     assert res.num_turns_done == wl.num_turns
-    cap = cap_gb * 1e9
-    assert sim.starts and sim.refused > 0, "the buffer should have made some read wait"
-    for node, before, nbytes in sim.starts:
-        assert before == 0 or before + nbytes <= cap, (node, before, nbytes)
-    assert sim.buf_used == [0] * len(sim.buf_used)  # all reads and returns released
-    # Prefill nodes hold only reads, so they never exceed the buffer (unless one read alone does).
-    biggest_read = max(n for _, _, n in sim.starts)
-    assert res.pe_buffer_peak_gb * 1e9 <= max(cap, biggest_read)
-    assert res.de_buffer_peak_gb > 0 or mode == "oracle"
+    assert sim.num_reserved > 0 and sim.num_refused > 0, "the buffer should have made some read wait"
+    assert sim.buf_used == [0] * len(sim.buf_used)  # every reservation released
+    assert not sim.stalled_nodes and not any(sim.read_stalled)
+    # No node ever holds more than its buffer (a single prompt larger than the buffer would, when it
+    # starts into an empty one; none is here).
+    assert res.pe_buffer_peak_gb <= cap_gb * (1 + 1e-12)
+    assert 0 < res.de_buffer_peak_gb <= cap_gb * (1 + 1e-12)
 
 
 def _two_agents(hit_tokens: int, append: int, gen: int):
@@ -63,14 +70,15 @@ def _two_agents(hit_tokens: int, append: int, gen: int):
 
 
 @pytest.mark.parametrize("fits_both", [True, False])
-def test_basic_second_read_waits_until_the_first_is_loaded(fits_both):
-    """Two Basic requests read through one prefill SNIC into different ranks. With room for one hit,
-    the second read starts only when the first request's KV is loaded into its GPU (its buffer is
-    freed then), which delays its first token by exactly that load."""
+def test_second_read_waits_until_the_first_prompt_leaves_the_de_buffer(fits_both):
+    """Two Basic requests, one prefill node (two ranks) and one decode node. Each reserves its hit on
+    the prefill node and its whole prompt on the decode node when its read starts. With room for one
+    prompt only, the second read starts when the first request's KV has moved into the decode GPU
+    (its decode join); with room for both it follows the first read at once."""
     m = DS27_ONE_RANK
     hit, new = 64 * 100, 300
     kv = m.kv_bytes_per_token
-    cap_gb = (2 if fits_both else 1) * hit * kv / 1e9
+    cap_gb = (2 if fits_both else 1.5) * (hit + new) * kv / 1e9
     cfg = SimConfig(
         num_prefill_nodes=1,
         num_decode_nodes=1,
@@ -80,7 +88,8 @@ def test_basic_second_read_waits_until_the_first_is_loaded(fits_both):
         submit_us_per_copy=0,
         host_buffer_gb=cap_gb,
     )
-    res = ClusterSim(cfg, _two_agents(hit, new, 2), keep_requests=True).run()
+    sim = _Probe(cfg, _two_agents(hit, new, 2), keep_requests=True)
+    res = sim.run()
     r0, r1 = res.reqs
     assert (r0.pe, r1.pe) == (0, 1)  # round robin: one rank each, no shared CNIC
     B = cfg.hw.cnic_bytes_per_s
@@ -88,26 +97,54 @@ def test_basic_second_read_waits_until_the_first_is_loaded(fits_both):
     load_s = hit * kv / B
     rest = prefill_batch_s(m, [(hit, new)]) + (hit + new) * kv / B  # compute, then send everything
     assert r0.t_first == pytest.approx(read_s + load_s + rest, rel=1e-9)
-    second_read_start = read_s if fits_both else read_s + load_s
+    assert r0.t_join == pytest.approx(r0.t_first + (hit + new) * kv / B, rel=1e-9)  # decode H2D
+    second_read_start = read_s if fits_both else r0.t_join
     assert r1.t_first == pytest.approx(second_read_start + read_s + load_s + rest, rel=1e-9)
-    assert res.pe_buffer_peak_gb == pytest.approx(cap_gb)
+    # Basic frees the prefill node's copy once the hit is loaded into the GPU, before compute.
+    pe_frees = sorted(t for t, node, _ in sim.frees if node == 0)
+    assert pe_frees[0] == pytest.approx(read_s + load_s, rel=1e-9)
 
 
-def test_de_buffer_holds_the_prompt_until_the_decode_h2d():
-    """On a decode node the buffer holds the DE-read hit and the KV the PE returns until the request's
-    decode H2D; one request alone: peak = its whole prompt KV, all released after."""
+def test_a_request_with_nothing_to_read_waits_for_room_for_what_comes_back():
+    """Two first turns (no hit): nothing to read, but each needs its prompt's KV room on the decode
+    node for what the PE sends back. With room for one, the second is ready only when the first has
+    moved into the decode GPU."""
+    m = DS27_ONE_RANK
+    new = 3000
+    kv = m.kv_bytes_per_token
+    cfg = SimConfig(
+        num_prefill_nodes=1,
+        num_decode_nodes=1,
+        hw=HW2,
+        model=m,
+        mode="basic",
+        submit_us_per_copy=0,
+        host_buffer_gb=1.5 * new * kv / 1e9,
+    )
+    res = ClusterSim(cfg, _two_agents(0, new, 2), keep_requests=True).run()
+    r0, r1 = res.reqs
+    B = cfg.hw.cnic_bytes_per_s
+    step = prefill_batch_s(m, [(0, new)]) + new * kv / B  # compute, then send
+    assert r0.t_first == pytest.approx(step, rel=1e-9)
+    assert r0.t_join == pytest.approx(step + new * kv / B, rel=1e-9)
+    assert r1.t_first == pytest.approx(r0.t_join + step, rel=1e-9)
+    assert res.de_buffer_peak_gb * 1e9 == new * kv
+
+
+def test_de_buffer_holds_each_prompt_from_its_read_until_the_decode_h2d():
+    """The decode node's buffer holds a request's whole prompt KV (the DE-read hit, then what the PE
+    sends back) from its first read until its decode H2D; two overlapping requests: peak = both."""
     m = DS27_ONE_RANK
     hit, new = 64 * 100, 300
     cfg = SimConfig(
         num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="dualpath", submit_us_per_copy=0
     )
-    sim = ClusterSim(cfg, _two_agents(hit, new, 2), keep_requests=True)
+    sim = _Probe(cfg, _two_agents(hit, new, 2), keep_requests=True)
     res = sim.run()
     kv = m.kv_bytes_per_token
-    de_bytes = sum(r.de_read + r.new + r.pe_read for r in res.reqs) * kv  # read there + returned
-    assert 0 < res.de_buffer_peak_gb * 1e9 <= de_bytes
-    # The two requests overlap in time, so the peak is more than one prompt.
-    assert res.de_buffer_peak_gb * 1e9 > (hit + new) * kv
+    assert res.de_buffer_peak_gb * 1e9 == 2 * (hit + new) * kv
+    de_frees = sorted((t, b) for t, node, b in sim.frees if node == 1)
+    assert de_frees == sorted((r.t_join, r.prompt * kv) for r in res.reqs)
     assert sim.buf_used == [0, 0]
 
 
@@ -116,7 +153,7 @@ def test_unbounded_buffer_never_delays_and_the_default_is_the_models():
     for mode in ("basic", "dualpath"):
         sim = _Probe(small_cfg(mode, host_buffer_gb=math.inf, record_intervals=False), wl)
         res = sim.run()
-        assert sim.refused == 0 and res.num_turns_done == wl.num_turns
+        assert sim.num_refused == 0 and res.num_turns_done == wl.num_turns
         assert res.pe_buffer_peak_gb > 0
     assert SimConfig().host_buffer_bytes == 80e9  # DS-660B (paper: 80 GB per node)
     assert SimConfig(model=QWEN_32B).host_buffer_bytes == 320e9

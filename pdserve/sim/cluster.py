@@ -29,6 +29,13 @@ them would only add indirection):
   serially; a rank's batch KV must fit its HBM.
   When a request's prefill ends (first token = TTFT) the DE copies its whole prompt KV host→GPU
   (loopback on the DE CNIC), then decodes.
+* Host buffers (pinned DRAM per node, ``SimConfig.host_buffer_gb``; paper: 80 GB for the DS models):
+  at its first read a request reserves the PE-read hit on its PE node and its whole prompt's KV on its
+  DE node (the DE-read hit plus what the PE sends back), all at once so that no request holds room
+  while waiting for more (no deadlock). A read without room waits, and the reads queued behind it on
+  that SNIC; a request with nothing to read waits per DE node. Freed: the PE side once loaded into the
+  GPU (Basic) or when the request's prefill ends (layerwise streams the hit again for every chunk);
+  the DE side at the decode H2D. A node with an empty buffer takes any size.
 * Decode: each DE advances all its sequences together; a step costs the cost model's step time for
   the current batch. Instead of one event per step we keep a virtual token clock per DE (tokens each
   sequence has decoded since the DE started), so events happen only when a sequence joins or leaves.
@@ -285,11 +292,13 @@ class ClusterSim:
         self.read_q: list[deque[tuple[_Req, int]]] = [deque() for _ in range(n_nodes)]
         self.read_q_tokens = [0] * n_nodes
         self.snic_busy = [False] * n_nodes
-        # Host buffer per node (bytes): reads reserve theirs before they start (FIFO: a read that does not
-        # fit waits, and so do the reads queued behind it); KV returned by a PE is counted on arrival.
+        # Host buffer per node (bytes), see ``_reserve``: nodes whose head read waits for room.
         self.buf_cap = cfg.host_buffer_bytes
         self.buf_used = [0] * n_nodes
         self.buf_peak = [0] * n_nodes
+        self.read_stalled = [False] * n_nodes
+        self.stalled_nodes: list[int] = []
+        self.buf_waiting: list[deque[_Req]] = [deque() for _ in range(n_nodes)]  # requests with no read
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
@@ -448,6 +457,13 @@ class ClusterSim:
                 self.sched.report_read_queue(req.pe // self.g, 0)
                 self.sched.report_read_queue(self.P + req.de // self.g, 0)
                 continue
+            if not (req.pe_read or req.de_read):
+                # Nothing to read (a first turn), but the KV the PE sends back needs room in the DE's
+                # buffer: without it the request waits, in FIFO order per node, as one read left.
+                waiting = self.buf_waiting[self.P + req.de // self.g]
+                if waiting or not self._reserve(req):
+                    req.reads_left = 1
+                    waiting.append(req)
             if req.pe_read:
                 req.reads_left += 1
                 self._enqueue_read(req.pe // self.g, req, req.pe_read)
@@ -476,20 +492,41 @@ class ClusterSim:
 
     def _start_read(self, node: int) -> None:
         req, tokens = self.read_q[node][0]
+        if not req.de_buf and not self._reserve(req):
+            if not self.read_stalled[node]:
+                self.read_stalled[node] = True
+                self.stalled_nodes.append(node)
+            return  # FIFO: the reads queued behind wait too; ``_buf_free`` retries
+        if self.read_stalled[node]:
+            self.read_stalled[node] = False
+            self.stalled_nodes.remove(node)
         nbytes = tokens * self.kv_tok
-        used = self.buf_used[node]
-        if used and used + nbytes > self.buf_cap:
-            return  # no room in the host buffer yet: ``_buf_free`` retries (a read larger than the
-            # whole buffer starts when it is empty rather than never)
-        self._buf_take(node, nbytes)
-        if node < self.P:
-            req.pe_buf += nbytes
-        else:
-            req.de_buf += nbytes
         t = self.now
         end = max(self.snic[node].book(t, nbytes), self.dram[node].book(t, nbytes))
         self.snic_busy[node] = True
         self._push(end, _READ_DONE, node)
+
+    def _reserve(self, req: _Req) -> bool:
+        """Reserve all of a request's host-buffer room at its first read, or return False if a node
+        lacks it: the PE-read hit on the PE node, and the whole prompt's KV on the DE node (the DE-read
+        hit plus what the PE sends back: hit + miss on the PE path, the miss on the DE path). Taking it
+        all at once means a request never holds room while waiting for more, so reads cannot deadlock
+        (a split request's two reads); a node with an empty buffer takes any size (else a request
+        larger than the buffer would never start)."""
+        kv, cap = self.kv_tok, self.buf_cap
+        used = self.buf_used
+        pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
+        pe_b, de_b = req.pe_read * kv, req.prompt * kv
+        if pe_b and used[pe_node] and used[pe_node] + pe_b > cap:
+            return False
+        if used[de_node] and used[de_node] + de_b > cap:
+            return False
+        if pe_b:
+            self._buf_take(pe_node, pe_b)
+            req.pe_buf = pe_b
+        self._buf_take(de_node, de_b)
+        req.de_buf = de_b
+        return True
 
     def _buf_take(self, node: int, nbytes: int) -> None:
         used = self.buf_used[node] + nbytes
@@ -499,8 +536,16 @@ class ClusterSim:
 
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
-        if not self.snic_busy[node] and self.read_q[node]:
-            self._start_read(node)
+        # A waiting read may need room on this node or on its request's other node: retry them all.
+        for n in list(self.stalled_nodes):
+            if self.read_stalled[n] and not self.snic_busy[n]:
+                self._start_read(n)
+        waiting = self.buf_waiting[node]  # only ever wait for room on their DE node
+        while waiting and self._reserve(waiting[0]):
+            req = waiting.popleft()
+            req.reads_left = 0
+            self._ready(req)
+            self._try_prefill(req.pe)
 
     def _read_done(self, node: int) -> None:
         req, tokens = self.read_q[node].popleft()
@@ -657,10 +702,6 @@ class ClusterSim:
             b = tokens * kv
             de_gpu = self.num_pe + r.de
             de_node = self.P + r.de // g
-            # It lands in the DE host buffer and stays until the decode H2D (``_de_join``). Counted, not
-            # waited for: a PE cannot hold a lockstep step for one DE's buffer; reads wait instead.
-            self._buf_take(de_node, b)
-            r.de_buf += b
             e = book3(self.cnic_rd[pe], self.cnic_wr[de_gpu], self.dram[de_node], t, b)
             if e > end:
                 end = e
