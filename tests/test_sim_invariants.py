@@ -15,7 +15,11 @@ from pdserve.sim.config import HardwareConfig, SimConfig
 HW2 = HardwareConfig(gpus_per_node=2)
 # One rank per EP group (independent engines) and no model traffic: timings a test can write down.
 DS27_ONE_RANK = replace(
-    DS_27B, model_cnic_bytes_per_prefill_token=0.0, model_cnic_bytes_per_decode_token=0.0, prefill_ep_gpus=1
+    DS_27B,
+    model_cnic_bytes_per_prefill_token=0.0,
+    model_cnic_bytes_per_decode_token=0.0,
+    prefill_ep_gpus=1,
+    decode_ep_gpus=1,
 )
 
 
@@ -302,3 +306,12 @@ def test_ep_group_size_is_cut_to_divide_the_prefill_gpus():
     assert replace(three_nodes, prefill_ep_gpus=1).prefill_ep_group == 1
     with pytest.raises(ValueError, match="prefill_ep_gpus"):
         replace(three_nodes, prefill_ep_gpus=-1)
+
+
+def test_decode_ep_group_size_is_cut_to_divide_the_decode_gpus():
+    cfg = SimConfig(num_prefill_nodes=2, num_decode_nodes=3, model=DS_660B)  # 24 DE GPUs
+    assert cfg.decode_ep_group == 8  # EP32 does not divide 24: gcd
+    assert replace(cfg, num_decode_nodes=4).decode_ep_group == 32
+    assert replace(cfg, decode_ep_gpus=1).decode_ep_group == 1
+    with pytest.raises(ValueError, match="decode_ep_gpus"):
+        replace(cfg, decode_ep_gpus=-1)

@@ -32,6 +32,8 @@ Constants and their sources:
 * ``prefill_ep_gpus``: the prefill deployment's EP group (DP attention + EP MoE, whose ranks step in
   lockstep): EP16 over 2 nodes for ds-660b (the size its HBM budget assumes), EP8 for ds-27b
   [assumed, as its profile]; 1 (independent engines) for dense models and HF configs.
+  ``decode_ep_gpus`` likewise for decode: EP32 over 4 nodes for ds-660b (its decode HBM budget), EP8
+  for ds-27b, 1 for dense models and HF configs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class ModelProfile:
     model_cnic_bytes_per_decode_token: float = 0.0
     # PE ranks that run every forward in lockstep (DP attention + EP MoE); 1 = independent engines.
     prefill_ep_gpus: int = 1
+    # DE ranks that run every decode step in lockstep (the decode instance's EP group).
+    decode_ep_gpus: int = 1
     # Pinned host DRAM per node for KV in flight (pe_buffer / de_buffer): storage reads land there and
     # wait for the prefill; KV returned by the PE waits there for the decode H2D. Paper: 80 GB per node
     # for the DS models, 320 GB for Qwen2.5-32B.
@@ -116,6 +120,7 @@ DS_660B = ModelProfile(
     model_cnic_bytes_per_prefill_token=58 * 21 * 1024,
     model_cnic_bytes_per_decode_token=58 * 21 * 1024,
     prefill_ep_gpus=16,
+    decode_ep_gpus=32,
 )
 
 DS_27B = ModelProfile(
@@ -138,6 +143,7 @@ DS_27B = ModelProfile(
     model_cnic_bytes_per_prefill_token=26 * 21 * 1024 / 2,
     model_cnic_bytes_per_decode_token=26 * 21 * 1024 / 2,
     prefill_ep_gpus=8,
+    decode_ep_gpus=8,
 )
 
 QWEN_32B = ModelProfile(
@@ -278,6 +284,27 @@ def decode_step_fn(p: ModelProfile) -> Callable[[int, float], float]:
         return over + num_seqs * per_seq + (sum_ctx_tokens * ctx_b + sparse) / bw
 
     return step
+
+
+def decode_attn_fn(p: ModelProfile) -> Callable[[int, float], float]:
+    """The KV-reading (attention) part of ``decode_step_s``: what differs between the ranks of a
+    lockstep decode group, whose overhead and per-sequence (MoE) work are shared."""
+    topk_b, ctx_b, k, bw = (
+        p.decode_attn_bytes_per_topk_token,
+        p.decode_attn_bytes_per_ctx_token,
+        p.attn_topk_tokens,
+        p.decode_hbm_bytes_per_s,
+    )
+
+    def attn(num_seqs: int, sum_ctx_tokens: float) -> float:
+        if num_seqs <= 0:
+            return 0.0
+        sparse = 0.0
+        if topk_b:
+            sparse = min(sum_ctx_tokens, num_seqs * k) * topk_b
+        return (sum_ctx_tokens * ctx_b + sparse) / bw
+
+    return attn
 
 
 def prefill_batch_s(p: ModelProfile, pairs: Sequence[tuple[int, int]]) -> float:

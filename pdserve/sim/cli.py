@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " cut to a divisor of the prefill GPU count)",
     )
     g.add_argument(
+        "--decode-ep-gpus",
+        type=int,
+        help="DE ranks per decode EP group that step in lockstep (default: the model's; 1 = independent"
+        " engines; cut to a divisor of the decode GPU count)",
+    )
+    g.add_argument(
         "--host-buffer-gb",
         type=float,
         help="pinned host buffer per node for KV in flight, GB (default: the model's, 80 for DS, 320 for"
@@ -92,6 +98,7 @@ def _overrides(args: argparse.Namespace):
         submit_us=args.submit_us,
         copies_per_submit=args.copies_per_submit,
         prefill_ep_gpus=args.prefill_ep_gpus,
+        decode_ep_gpus=args.decode_ep_gpus,
         host_buffer_gb=args.host_buffer_gb,
         horizon_s=args.horizon_s,
     )

@@ -36,9 +36,12 @@ them would only add indirection):
   that SNIC; a request with nothing to read waits per DE node. Freed: the PE side once loaded into the
   GPU (Basic) or when the request's prefill ends (layerwise streams the hit again for every chunk);
   the DE side at the decode H2D. A node with an empty buffer takes any size.
-* Decode: each DE advances all its sequences together; a step costs the cost model's step time for
-  the current batch. Instead of one event per step we keep a virtual token clock per DE (tokens each
-  sequence has decoded since the DE started), so events happen only when a sequence joins or leaves.
+* Decode: DE ranks form decode EP groups (``decode_ep_gpus``: 32 for DS-660B = EP32 over 4 nodes, 8
+  for DS-27B, 1 for a dense model) that step in lockstep: a step costs the overhead + the per-sequence
+  (MoE) work of all the group's sequences spread over its ranks + the slowest rank's attention (KV
+  bytes read); with one rank per group it is the cost model's step for that engine's batch. Instead
+  of one event per step we keep a virtual token clock per group (tokens each sequence has decoded
+  since the group started), so events happen only when a sequence joins or leaves.
 * Agents: when a turn's last token is out, the agent submits its next turn after the turn's think
   time; prompt = previous context + append; hit = previous context rounded down to store blocks.
 
@@ -68,7 +71,12 @@ from typing import Any
 import numpy as np
 
 from pdserve.bench.workloads import Workload
-from pdserve.dualpath.cost_model import decode_step_fn, prefill_request_fn, prefill_tokens_per_s
+from pdserve.dualpath.cost_model import (
+    decode_attn_fn,
+    decode_step_fn,
+    prefill_request_fn,
+    prefill_tokens_per_s,
+)
 from pdserve.dualpath.scheduler import (
     PATH_PE,
     AdditiveBatchCost,
@@ -141,21 +149,35 @@ class _Req:
 
 
 class _Decode:
-    """One decode engine's batch under a virtual token clock."""
+    """One decode engine (a DP-attention rank): its running batch and what the scheduler sees."""
 
-    __slots__ = ("v", "t_last", "step_s", "n", "ctx_base", "heap", "version", "seqs", "tokens", "free_pages")
+    __slots__ = ("n", "ctx_base", "attn_s", "seqs", "tokens", "free_pages")
 
     def __init__(self, free_pages: int):
-        self.v = 0.0
-        self.t_last = 0.0
-        self.step_s = 0.0
-        self.n = 0
-        self.ctx_base = 0.0  # Σ (ctx at join - v at join) over running sequences
-        self.heap: list[tuple[float, int, _Req]] = []
-        self.version = 0
+        self.n = 0  # running sequences
+        self.ctx_base = 0.0  # Σ (ctx at join - group clock v at join) over running sequences
+        self.attn_s = 0.0  # its batch's attention time, as of its last join or leave (lockstep only)
         self.seqs = 0  # assigned and not finished (includes those not yet joined)
         self.tokens = 0
         self.free_pages = free_pages
+
+
+class _DecodeGroup:
+    """Decode ranks that step in lockstep (one decode EP group) under one virtual token clock ``v``:
+    every running sequence of the group has decoded ``v - v_at_join`` tokens, so only joins and leaves
+    are events. ``heap`` holds (v at which the sequence is done, rid, request) for all its ranks."""
+
+    __slots__ = ("v", "t_last", "step_s", "heap", "version", "n", "attn_max", "attn_arg")
+
+    def __init__(self) -> None:
+        self.v = 0.0
+        self.t_last = 0.0
+        self.step_s = 0.0
+        self.heap: list[tuple[float, int, _Req]] = []
+        self.version = 0
+        self.n = 0  # running sequences over all ranks
+        self.attn_max = 0.0  # the slowest rank's attention time and that rank (lockstep only)
+        self.attn_arg = -1
 
 
 @dataclass
@@ -310,12 +332,18 @@ class ClusterSim:
         self.pe_tokens = [0] * self.num_pe
         self.pe_seqs = [0] * self.num_pe
         self.dec = [_Decode(self.de_pages) for _ in range(self.num_de)]
+        # Decode EP groups: ranks [i * dep, (i + 1) * dep) step together (see ``_resched``).
+        self.dep = cfg.decode_ep_group
+        self.dgroups = [_DecodeGroup() for _ in range(self.num_de // self.dep)]
         self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
         # Each rank sizes its batch on its own forward as if alone (its tokens' MoE work included): under
         # even load that is its fair share of the group's step, so loaded steps stay near the quota.
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
         self._batch_overhead_s, self._linear_s = m.prefill_batch_overhead_s, m.prefill_s_per_new_token
         self._decode_step = decode_step_fn(m)
+        self._decode_attn = decode_attn_fn(m)
+        self._decode_over_s = m.decode_step_overhead_s
+        self._decode_per_seq_s = m.decode_s_per_seq
         self._layerwise, self._oracle = self.mode.layerwise, self.mode.oracle
         self._submit_s = cfg.submit_us_per_copy * 1e-6 / max(cfg.copies_per_submit, 1)
         # Agents.
@@ -758,17 +786,49 @@ class ClusterSim:
 
     # ---- decode ----
 
-    def _resched(self, de: int, d: _Decode) -> None:
-        d.version += 1
-        n = d.n
-        if n:
-            v = d.v
-            d.step_s = step = self._decode_step(n, d.ctx_base + n * v)
-            left = d.heap[0][0] - v
-            heapq.heappush(
-                self.events,
-                (self.now + (left if left > 0.0 else 0.0) * step, next(self._seq), _DE_TICK, de, d.version),
-            )
+    def _resched(self, gi: int, grp: _DecodeGroup, changed: list[int]) -> None:
+        """Set the group's step time after its batch changed and schedule its next leave.
+
+        One rank: the cost model's step for its batch. Lockstep (DP attention + EP MoE, like the
+        prefill groups): the overhead, the per-sequence (MoE) work of all the group's sequences spread
+        over its ranks, and the slowest rank's attention. A rank's attention is re-evaluated when its
+        own batch changes (``changed``); the others keep theirs from their last change (their contexts
+        grew by the few tokens decoded since).
+        """
+        grp.version += 1
+        n = grp.n
+        if not n:
+            return
+        v = grp.v
+        dep = self.dep
+        if dep == 1:
+            d = self.dec[gi]
+            step = self._decode_step(n, d.ctx_base + n * v)
+        else:
+            dec, attn_fn = self.dec, self._decode_attn
+            rescan = False
+            for de in changed:
+                d = dec[de]
+                a = attn_fn(d.n, d.ctx_base + d.n * v)
+                d.attn_s = a
+                if a >= grp.attn_max:
+                    grp.attn_max, grp.attn_arg = a, de
+                elif de == grp.attn_arg:
+                    rescan = True  # the slowest rank got faster: find the new slowest
+            if rescan:
+                best, arg = 0.0, -1
+                for de in range(gi * dep, gi * dep + dep):
+                    a = dec[de].attn_s
+                    if a > best:
+                        best, arg = a, de
+                grp.attn_max, grp.attn_arg = best, arg
+            step = self._decode_over_s + n * self._decode_per_seq_s / dep + grp.attn_max
+        grp.step_s = step
+        left = grp.heap[0][0] - v
+        heapq.heappush(
+            self.events,
+            (self.now + (left if left > 0.0 else 0.0) * step, next(self._seq), _DE_TICK, gi, grp.version),
+        )
 
     def _de_join(self, r: _Req) -> None:
         r.t_join = self.now
@@ -779,33 +839,42 @@ class ClusterSim:
         if remaining <= 0:
             self._finish(r)
             return
-        d = self.dec[r.de]
+        gi = r.de // self.dep
+        grp = self.dgroups[gi]
         t = self.now
-        if d.n:
-            d.v += (t - d.t_last) / d.step_s
-        d.t_last = t
-        heapq.heappush(d.heap, (d.v + remaining, r.rid, r))
+        if grp.n:
+            grp.v += (t - grp.t_last) / grp.step_s
+        grp.t_last = t
+        heapq.heappush(grp.heap, (grp.v + remaining, r.rid, r))
+        grp.n += 1
+        d = self.dec[r.de]
         d.n += 1
-        d.ctx_base += r.prompt - d.v
-        self._resched(r.de, d)
+        d.ctx_base += r.prompt - grp.v
+        self._resched(gi, grp, [r.de])
 
-    def _de_tick(self, de: int, version: int) -> None:
-        d = self.dec[de]
-        if version != d.version:
+    def _de_tick(self, gi: int, version: int) -> None:
+        grp = self.dgroups[gi]
+        if version != grp.version:
             return
         t = self.now
-        if d.n:
-            d.v += (t - d.t_last) / d.step_s
-        d.t_last = t
-        heap = d.heap
-        while heap and heap[0][0] <= d.v + 1e-9:
+        if grp.n:
+            grp.v += (t - grp.t_last) / grp.step_s
+        grp.t_last = t
+        heap = grp.heap
+        dec = self.dec
+        changed: list[int] = []
+        while heap and heap[0][0] <= grp.v + 1e-9:
             v_end, _, r = heapq.heappop(heap)
+            grp.n -= 1
+            d = dec[r.de]
             d.n -= 1
             d.ctx_base -= r.prompt - (v_end - (r.gen - 1))
+            if d.n == 0:
+                d.ctx_base = 0.0
+            if r.de not in changed:
+                changed.append(r.de)
             self._finish(r)
-        if d.n == 0:
-            d.ctx_base = 0.0
-        self._resched(de, d)
+        self._resched(gi, grp, changed)
 
     def _finish(self, r: _Req) -> None:
         t = self.now

@@ -86,6 +86,8 @@ class SimConfig:
     ``prefill_ep_gpus``; 1 = independent engines). A size that does not divide the PE count is cut to
     the largest one that does (gcd): e.g. DS-660B's EP16 on one prefill node of 8 GPUs runs as EP8,
     which fits an H200's 141 GB (84 GB of weights per GPU); the profile's HBM budget is not re-derived.
+    decode_ep_gpus: DE ranks per decode EP group that run each step in lockstep (0 = the model's
+    ``decode_ep_gpus``; 1 = independent engines), cut to divide the DE count like ``prefill_ep_gpus``.
     host_buffer_gb: pinned host DRAM per node for KV in flight, GB (0 = the model's
     ``host_buffer_bytes``; ``math.inf`` = unbounded, the model before buffers were counted).
     max_fetch: the router looks at most this many queue-head requests per fetch.
@@ -109,6 +111,7 @@ class SimConfig:
     copies_per_submit: int = 1
     decode_nodes_per_group: int = 1
     prefill_ep_gpus: int = 0
+    decode_ep_gpus: int = 0
     host_buffer_gb: float = 0.0
     page_tokens: int = 16
     block_tokens: int = 64
@@ -125,8 +128,16 @@ class SimConfig:
         get_mode(self.mode)
         if self.prefill_ep_gpus < 0:
             raise ValueError(f"prefill_ep_gpus must be ≥ 0 (0 = the model's), got {self.prefill_ep_gpus}")
+        if self.decode_ep_gpus < 0:
+            raise ValueError(f"decode_ep_gpus must be ≥ 0 (0 = the model's), got {self.decode_ep_gpus}")
         if not self.host_buffer_gb >= 0:
             raise ValueError(f"host_buffer_gb must be ≥ 0 (0 = the model's), got {self.host_buffer_gb}")
+
+    @property
+    def decode_ep_group(self) -> int:
+        """DE ranks per lockstep decode group as run (see ``decode_ep_gpus``)."""
+        want = self.decode_ep_gpus if self.decode_ep_gpus > 0 else self.model.decode_ep_gpus
+        return math.gcd(max(want, 1), self.num_decode_nodes * self.hw.gpus_per_node)
 
     @property
     def host_buffer_bytes(self) -> float:

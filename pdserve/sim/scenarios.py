@@ -41,6 +41,7 @@ class Overrides:
     submit_us: tuple[float, ...] | None = None
     copies_per_submit: int | None = None
     prefill_ep_gpus: int | None = None
+    decode_ep_gpus: int | None = None
     host_buffer_gb: float | None = None
     horizon_s: float | None = None
 
@@ -93,6 +94,7 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
         compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
         copies_per_submit=_pick(ov.copies_per_submit, 1),
         prefill_ep_gpus=_pick(ov.prefill_ep_gpus, 0),
+        decode_ep_gpus=_pick(ov.decode_ep_gpus, 0),
         host_buffer_gb=_pick(ov.host_buffer_gb, 0.0),
         **kw,
     )
@@ -118,6 +120,7 @@ def record(res: SimResult, **setting) -> dict:
         "cnic_gbps": cfg.hw.cnic_gbps,
         "seed": cfg.seed,
         "prefill_ep_gpus": cfg.prefill_ep_group,
+        "decode_ep_gpus": cfg.decode_ep_group,
         "host_buffer_gb": _f(cfg.host_buffer_bytes / 1e9),
         **setting,
         "jct_s": _f(res.jct_s),
