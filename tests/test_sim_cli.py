@@ -50,6 +50,8 @@ def test_tiny_ablation_json_and_plot(tmp_path):
         "basic,dualpath",
         "--seed",
         "4",
+        "--decode-ep-gpus",
+        "1",
         "--json",
         str(js),
         "--plot",
@@ -77,6 +79,7 @@ def test_tiny_ablation_json_and_plot(tmp_path):
         assert r["prefill_nodes"] == 1 and r["gpus_per_node"] == 2 and r["seed"] == 4
         # DS-660B's EP16 prefill group, cut to the two PE ranks this cluster has.
         assert r["prefill_ep_gpus"] == 2
+        assert r["decode_ep_gpus"] == 1  # asked for: independent decode engines
         assert r["host_buffer_gb"] == 80.0  # DS-660B's, in GB
         assert 0 < r["pe_buffer_peak_gb"] <= 80.0
     assert data["runs"][0]["jct_change_pct"] == 0.0
