@@ -4,8 +4,9 @@ Who calls it: scenarios (``pdserve.sim.scenarios``), the CLI and tests: ``Cluste
 workload).run()`` returns a ``SimResult``. It drives the real router scheduler
 (``pdserve.dualpath.scheduler``) with load reports, as the router would.
 
-Model (one concept, the cluster; the file is long because the event handlers share state and splitting
-them would only add indirection):
+Model (one concept, the cluster; the file is long, ~900 lines, because the event handlers of storage
+reads, host buffers, prefill groups and decode groups share the event heap, the clock and each other's
+state, and splitting them would only add indirection, and a module boundary to the compiled build):
 
 * P prefill nodes and D decode nodes of g GPUs; one engine per GPU (a DP-attention rank / TP group).
   Prefill ranks form EP groups (``prefill_ep_gpus``: 16 for DS-660B's EP16, 8 for DS-27B, 1 for a dense
