@@ -59,6 +59,19 @@ def test_reads_wait_for_room_and_every_byte_is_given_back(mode):
     assert 0 < res.de_buffer_peak_gb <= cap_gb * (1 + 1e-12)
 
 
+def _basic_1p1d(host_buffer_gb: float) -> SimConfig:
+    """One prefill and one decode node of two GPUs each, Basic, no submit cost: exact timings."""
+    return SimConfig(
+        num_prefill_nodes=1,
+        num_decode_nodes=1,
+        hw=HW2,
+        model=DS27_ONE_RANK,
+        mode="basic",
+        submit_us_per_copy=0,
+        host_buffer_gb=host_buffer_gb,
+    )
+
+
 def _two_agents(hit_tokens: int, append: int, gen: int):
     return _assemble(
         "two",
@@ -79,15 +92,7 @@ def test_second_read_waits_until_the_first_prompt_leaves_the_de_buffer(fits_both
     hit, new = 64 * 100, 300
     kv = m.kv_bytes_per_token
     cap_gb = (2 if fits_both else 1.5) * (hit + new) * kv / 1e9
-    cfg = SimConfig(
-        num_prefill_nodes=1,
-        num_decode_nodes=1,
-        hw=HW2,
-        model=m,
-        mode="basic",
-        submit_us_per_copy=0,
-        host_buffer_gb=cap_gb,
-    )
+    cfg = _basic_1p1d(cap_gb)
     sim = _Probe(cfg, _two_agents(hit, new, 2), keep_requests=True)
     res = sim.run()
     r0, r1 = res.reqs
@@ -112,15 +117,7 @@ def test_a_request_with_nothing_to_read_waits_for_room_for_what_comes_back():
     m = DS27_ONE_RANK
     new = 3000
     kv = m.kv_bytes_per_token
-    cfg = SimConfig(
-        num_prefill_nodes=1,
-        num_decode_nodes=1,
-        hw=HW2,
-        model=m,
-        mode="basic",
-        submit_us_per_copy=0,
-        host_buffer_gb=1.5 * new * kv / 1e9,
-    )
+    cfg = _basic_1p1d(1.5 * new * kv / 1e9)
     res = ClusterSim(cfg, _two_agents(0, new, 2), keep_requests=True).run()
     r0, r1 = res.reqs
     B = cfg.hw.cnic_bytes_per_s

@@ -266,26 +266,6 @@ def prefill_request_fn(p: ModelProfile) -> Callable[[int, int], float]:
     return cost
 
 
-def decode_step_fn(p: ModelProfile) -> Callable[[int, float], float]:
-    """``decode_step_s`` bound to one profile (constants hoisted; same arithmetic, same floats)."""
-    topk_b, ctx_b, k = (
-        p.decode_attn_bytes_per_topk_token,
-        p.decode_attn_bytes_per_ctx_token,
-        p.attn_topk_tokens,
-    )
-    over, per_seq, bw = p.decode_step_overhead_s, p.decode_s_per_seq, p.decode_hbm_bytes_per_s
-
-    def step(num_seqs: int, sum_ctx_tokens: float) -> float:
-        if num_seqs <= 0:
-            return 0.0
-        sparse = 0.0
-        if topk_b:
-            sparse = min(sum_ctx_tokens, num_seqs * k) * topk_b
-        return over + num_seqs * per_seq + (sum_ctx_tokens * ctx_b + sparse) / bw
-
-    return step
-
-
 def decode_attn_fn(p: ModelProfile) -> Callable[[int, float], float]:
     """The KV-reading (attention) part of ``decode_step_s``: what differs between the ranks of a
     lockstep decode group, whose overhead and per-sequence (MoE) work are shared."""
@@ -305,6 +285,18 @@ def decode_attn_fn(p: ModelProfile) -> Callable[[int, float], float]:
         return (sum_ctx_tokens * ctx_b + sparse) / bw
 
     return attn
+
+
+def decode_step_fn(p: ModelProfile) -> Callable[[int, float], float]:
+    """``decode_step_s`` bound to one profile (constants hoisted; same arithmetic, same floats)."""
+    over, per_seq, attn = p.decode_step_overhead_s, p.decode_s_per_seq, decode_attn_fn(p)
+
+    def step(num_seqs: int, sum_ctx_tokens: float) -> float:
+        if num_seqs <= 0:
+            return 0.0
+        return over + num_seqs * per_seq + attn(num_seqs, sum_ctx_tokens)
+
+    return step
 
 
 def prefill_batch_s(p: ModelProfile, pairs: Sequence[tuple[int, int]]) -> float:
