@@ -321,6 +321,7 @@ class ClusterSim:
         self.buf_peak = [0] * n_nodes
         self.read_stalled = [False] * n_nodes
         self.stalled_nodes: list[int] = []
+        self.reserved_queued = [0] * n_nodes  # queued reads whose request already holds its room
         self.buf_waiting: list[deque[_Req]] = [deque() for _ in range(n_nodes)]  # requests with no read
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
@@ -520,8 +521,28 @@ class ClusterSim:
             self._start_read(node)
 
     def _start_read(self, node: int) -> None:
-        req, tokens = self.read_q[node][0]
-        if not req.de_buf and not self._reserve(req):
+        q = self.read_q[node]
+        req, tokens = q[0]
+        wake = -1  # a node holding this request's second read, to retry once this one has started
+        if req.de_buf:  # its room was reserved at its other read (a split request's second read)
+            self.reserved_queued[node] -= 1
+        elif self._reserve(req):
+            other = self._other_read_node(req, node)
+            if other >= 0:
+                self.reserved_queued[other] += 1
+                wake = other
+        elif self.reserved_queued[node]:
+            # A read whose room is already reserved passes the reads waiting for room: otherwise a
+            # split request holding room here could wait behind a request that waits for that room.
+            for i in range(1, len(q)):
+                if q[i][0].de_buf:
+                    item = q[i]
+                    del q[i]
+                    q.appendleft(item)
+                    break
+            req, tokens = q[0]
+            self.reserved_queued[node] -= 1
+        else:
             if not self.read_stalled[node]:
                 self.read_stalled[node] = True
                 self.stalled_nodes.append(node)
@@ -534,6 +555,14 @@ class ClusterSim:
         end = max(self.snic[node].book(t, nbytes), self.dram[node].book(t, nbytes))
         self.snic_busy[node] = True
         self._push(end, _READ_DONE, node)
+        if wake >= 0 and self.read_stalled[wake] and not self.snic_busy[wake]:
+            self._start_read(wake)
+
+    def _other_read_node(self, req: _Req, node: int) -> int:
+        """The node of ``req``'s other read (a split request reads on both sides), or -1."""
+        if node < self.P:
+            return self.P + req.de // self.g if req.de_read else -1
+        return req.pe // self.g if req.pe_read else -1
 
     def _reserve(self, req: _Req) -> bool:
         """Reserve all of a request's host-buffer room at its first read, or return False if a node
