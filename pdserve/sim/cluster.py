@@ -33,8 +33,9 @@ state, and splitting them would only add indirection, and a module boundary to t
 * Host buffers (pinned DRAM per node, ``SimConfig.host_buffer_gb``; paper: 80 GB for the DS models):
   at its first read a request reserves the PE-read hit on its PE node and its whole prompt's KV on its
   DE node (the DE-read hit plus what the PE sends back), all at once so that no request holds room
-  while waiting for more (no deadlock). A read without room waits, and the reads queued behind it on
-  that SNIC; a request with nothing to read waits per DE node. Freed: the PE side once loaded into the
+  while waiting for more. A read without room waits, and the reads queued behind it on that SNIC,
+  except a split request's second read, whose room is already held: it passes (else two split
+  requests could wait on each other's room); a request with nothing to read waits per DE node. Freed: the PE side once loaded into the
   GPU (Basic) or when the request's prefill ends (layerwise streams the hit again for every chunk);
   the DE side at the decode H2D. A node with an empty buffer takes any size.
 * Decode: DE ranks form decode EP groups (``decode_ep_gpus``: 32 for DS-660B = EP32 over 4 nodes, 8
