@@ -80,3 +80,21 @@ def test_the_slowest_rank_sets_the_step():
     # Had the short one kept its own attention the schedule would differ measurably.
     own = long_.t_join + (short.gen - 1 - decoded) * (over + per_seq + attn(1, short.prompt))
     assert abs(own - expect) > 1e-3
+
+
+def test_a_group_that_empties_forgets_its_slowest_rank():
+    """A long context decodes on rank 0 and leaves, emptying the group; later a short context joins
+    rank 1 alone: its steps cost its own attention, not the departed long context's."""
+    m = replace(DS27_ONE_RANK, decode_ep_gpus=2)
+    wl = _assemble(
+        "one-after-the-other",
+        [np.array([200]), np.array([200])],
+        [np.array([3]), np.array([5])],
+        np.array([0.0, 60.0]),  # the second agent arrives long after the first is done
+        hits=[np.array([64 * 600]), np.array([0])],
+    )
+    cfg = SimConfig(num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=m, mode="basic")
+    long_, short = ClusterSim(cfg, wl, keep_requests=True).run().reqs
+    assert long_.t_done < short.t_join and (long_.de, short.de) == (0, 1)
+    step = m.decode_step_overhead_s + m.decode_s_per_seq / 2 + decode_attn_fn(m)(1, short.prompt)
+    assert short.t_done - short.t_join == pytest.approx((short.gen - 1) * step, rel=1e-12)

@@ -828,14 +828,16 @@ class ClusterSim:
         """
         grp.version += 1
         n = grp.n
-        if not n:
-            return
         v = grp.v
         dep = self.dep
         if dep == 1:
+            if not n:
+                return
             d = self.dec[gi]
             step = self._decode_step(n, d.ctx_base + n * v)
         else:
+            # Update the changed ranks first, even when the group has just emptied: a rank left with
+            # a stale attention time would slow the group's next steps.
             dec, attn_fn = self.dec, self._decode_attn
             rescan = False
             for de in changed:
@@ -853,6 +855,8 @@ class ClusterSim:
                     if a > best:
                         best, arg = a, de
                 grp.attn_max, grp.attn_arg = best, arg
+            if not n:
+                return
             step = self._decode_over_s + n * self._decode_per_seq_s / dep + grp.attn_max
         grp.step_s = step
         left = grp.heap[0][0] - v
