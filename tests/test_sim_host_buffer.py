@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -43,6 +44,14 @@ class _Probe(ClusterSim):
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.frees.append((self.now, node, nbytes))
         super()._buf_free(node, nbytes)
+
+    def _start_read(self, node: int) -> None:
+        was_busy = self.snic_busy[node]
+        super()._start_read(node)
+        if not was_busy and self.snic_busy[node]:
+            req = self.read_q[node][0][0]  # the read that started
+            assert req.de_buf > 0, f"read of request {req.rid} started on node {node} holding no room"
+        assert min(self.reserved_queued) >= 0
 
 
 @pytest.mark.parametrize("mode", ["basic", "layerwise", "dual_path", "dualpath", "split"])
@@ -89,12 +98,14 @@ def _two_agents(hit_tokens: int, append: int, gen: int):
 def test_second_read_waits_until_the_first_prompt_leaves_the_de_buffer(fits_both):
     """Two Basic requests, one prefill node (two ranks) and one decode node. Each reserves its hit on
     the prefill node and its whole prompt on the decode node when its read starts. With room for one
-    prompt only, the second read starts when the first request's KV has moved into the decode GPU
-    (its decode join); with room for both it follows the first read at once."""
+    prompt only on the decode node, the second read starts when the first request's KV has moved into
+    the decode GPU (its decode join); with room for both it follows the first read at once."""
     m = DS27_ONE_RANK
     hit, new = 64 * 100, 300
     kv = m.kv_bytes_per_token
-    cap_gb = (2 if fits_both else 1.5) * (hit + new) * kv / 1e9
+    # Not fitting: room for both hits on the prefill node (2 x 6,400 tokens) but not for both prompts
+    # (2 x 6,700) on the decode node, so only the decode side holds the second read back.
+    cap_gb = (2 * (hit + new) if fits_both else 2 * hit + new) * kv / 1e9
     cfg = _basic_1p1d(cap_gb)
     sim = _Probe(cfg, _two_agents(hit, new, 2), keep_requests=True)
     res = sim.run()
@@ -174,15 +185,67 @@ def test_hf_configs_get_the_papers_buffer_for_their_attention_kind():
     mode=st.sampled_from(["basic", "layerwise", "dual_path", "dualpath", "split"]),
     requests_per_buffer=st.floats(min_value=0.05, max_value=4.0),
     seed=st.integers(min_value=0, max_value=3),
+    num_prefill_nodes=st.integers(min_value=1, max_value=2),
+    num_decode_nodes=st.integers(min_value=1, max_value=3),
 )
-def test_any_buffer_size_finishes_every_request_and_frees_everything(mode, requests_per_buffer, seed):
-    """No deadlock and no leak for any buffer size, down to a fraction of one request (a node with an
-    empty buffer takes any size), in every mode, split reads included."""
-    wl = table2_workload("32k", 12, seed=seed)
+def test_any_buffer_size_finishes_every_request_and_frees_everything(
+    mode, requests_per_buffer, seed, num_prefill_nodes, num_decode_nodes
+):
+    """No deadlock, no read without room and no leak for any buffer size, down to a fraction of one
+    request (a node with an empty buffer takes any size), in every mode (split reads included) and on
+    shapes where a split request's two reads start on different nodes' queues."""
+    wl = table2_workload("32k", 24, seed=seed)
     cap_gb = requests_per_buffer * 17_000 * DS_660B.kv_bytes_per_token / 1e9
-    sim = _Probe(small_cfg(mode, host_buffer_gb=cap_gb, record_intervals=False), wl)
+    cfg = small_cfg(
+        mode,
+        host_buffer_gb=cap_gb,
+        record_intervals=False,
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+    )
+    sim = _Probe(cfg, wl)
     res = sim.run()
     assert res.num_turns_done == wl.num_turns
     assert sim.buf_used == [0] * len(sim.buf_used)
     assert not sim.stalled_nodes and not any(len(w) for w in sim.buf_waiting)
     assert sim.reserved_queued == [0] * len(sim.reserved_queued)
+
+
+def test_basic_load_frees_room_and_restarts_the_waiting_read():
+    """One prefill GPU, two decode nodes of one GPU: the two requests' prompts go to different decode
+    nodes, but their hits share the prefill node's buffer, which holds one. The second read starts
+    exactly when the first request's hit is loaded into the GPU (Basic frees it then), not later."""
+    m = DS27_ONE_RANK
+    hit, new = 64 * 100, 300
+    kv = m.kv_bytes_per_token
+    hw1 = replace(HW2, gpus_per_node=1)
+    cfg = replace(_basic_1p1d(1.5 * hit * kv / 1e9), hw=hw1, num_decode_nodes=2, record_intervals=True)
+    sim = _Probe(cfg, _two_agents(hit, new, 2), keep_requests=True)
+    res = sim.run()
+    r0, r1 = res.reqs
+    assert (r0.pe, r1.pe, r0.de, r1.de) == (0, 0, 0, 1)
+    read_s = hit * kv / hw1.snic_bytes_per_s
+    load_s = hit * kv / hw1.cnic_bytes_per_s
+    (first, _, _), (second, _, _) = res.links["snic"][0].intervals
+    assert first == 0.0
+    assert second == pytest.approx(read_s + load_s, rel=1e-12)  # not at read_s: no room until loaded
+    assert res.buffer_peak_bytes[0] == hit * kv
+
+
+@pytest.mark.parametrize("num_prefill_nodes,num_decode_nodes", [(2, 2), (2, 4)])
+def test_split_reads_never_start_without_room_on_two_prefill_nodes(num_prefill_nodes, num_decode_nodes):
+    """Regression (found in review): a split request reserving at its PE read counted its DE read as
+    able to pass before it was queued, and the stalled DE node then started its head read holding no
+    room (2 x 2 nodes, seed 0: a deadlock). Every started read must hold room."""
+    wl = table2_workload("32k", 24, seed=0)
+    cap_gb = 0.5 * 17_000 * DS_660B.kv_bytes_per_token / 1e9
+    cfg = small_cfg(
+        "split",
+        host_buffer_gb=cap_gb,
+        record_intervals=False,
+        num_prefill_nodes=num_prefill_nodes,
+        num_decode_nodes=num_decode_nodes,
+    )
+    sim = _Probe(cfg, wl)  # asserts in every _start_read
+    assert sim.run().num_turns_done == wl.num_turns
+    assert sim.buf_used == [0] * len(sim.buf_used)

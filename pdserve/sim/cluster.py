@@ -92,6 +92,11 @@ from pdserve.dualpath.scheduler import (
 from pdserve.sim.config import SimConfig, get_mode
 from pdserve.sim.links import Link, book3
 
+
+class SimulationStalled(RuntimeError):
+    """An offline run ran out of events with turns still open: something waits for what never comes."""
+
+
 # A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
 MAX_READY_SCAN = 16
 
@@ -420,6 +425,11 @@ class ClusterSim:
             if progress is not None and t >= next_progress:
                 progress(t)
                 next_progress = t + 5.0
+        if self.cfg.horizon_s is None and self.n_done < self.n_submitted:
+            raise SimulationStalled(
+                f"no event left at t={self.now:.3f} s with {self.n_submitted - self.n_done} turns open"
+                f" ({self.n_done} done): a wait that nothing can end (a simulator bug)"
+            )
         return SimResult(
             config=self.cfg,
             makespan_s=float(np.nanmax(self.agent_done)) if self.n_done else math.nan,
@@ -532,22 +542,26 @@ class ClusterSim:
             if other >= 0:
                 self.reserved_queued[other] += 1
                 wake = other
-        elif self.reserved_queued[node]:
+        else:
             # A read whose room is already reserved passes the reads waiting for room: otherwise a
             # split request holding room here could wait behind a request that waits for that room.
-            for i in range(1, len(q)):
-                if q[i][0].de_buf:
-                    item = q[i]
-                    del q[i]
-                    q.appendleft(item)
-                    break
-            req, tokens = q[0]
+            # (``reserved_queued`` may count a read not queued yet: its request is still in ``_fetch``.)
+            passing = -1
+            if self.reserved_queued[node]:
+                for i in range(1, len(q)):
+                    if q[i][0].de_buf:
+                        passing = i
+                        break
+            if passing < 0:
+                if not self.read_stalled[node]:
+                    self.read_stalled[node] = True
+                    self.stalled_nodes.append(node)
+                return  # FIFO: the reads queued behind wait too; ``_buf_free`` retries
+            item = q[passing]
+            del q[passing]
+            q.appendleft(item)
+            req, tokens = item
             self.reserved_queued[node] -= 1
-        else:
-            if not self.read_stalled[node]:
-                self.read_stalled[node] = True
-                self.stalled_nodes.append(node)
-            return  # FIFO: the reads queued behind wait too; ``_buf_free`` retries
         if self.read_stalled[node]:
             self.read_stalled[node] = False
             self.stalled_nodes.remove(node)
