@@ -14,6 +14,7 @@ from pdserve.bench.workloads import _assemble, table2_workload
 from pdserve.dualpath.cost_model import DS_660B, QWEN_32B, prefill_batch_s, profile_from_hf_config
 from pdserve.sim.cluster import ClusterSim
 from pdserve.sim.config import SimConfig
+from pdserve.sim.errors import SimulationStalled
 from tests.test_cost_model import DEEPSEEK_V3, QWEN25_32B
 from tests.test_sim_invariants import DS27_ONE_RANK, HW2, small_cfg
 
@@ -249,3 +250,16 @@ def test_split_reads_never_start_without_room_on_two_prefill_nodes(num_prefill_n
     sim = _Probe(cfg, wl)  # asserts in every _start_read
     assert sim.run().num_turns_done == wl.num_turns
     assert sim.buf_used == [0] * len(sim.buf_used)
+
+
+def test_an_offline_run_that_runs_out_of_events_raises():
+    """A wait nothing can end (here: a storage NIC that never starts a read) is an error, not a result
+    with missing turns."""
+
+    class NeverReads(ClusterSim):
+        def _start_read(self, node: int) -> None:
+            pass
+
+    wl = table2_workload("32k", 4, seed=1)
+    with pytest.raises(SimulationStalled, match="turns open"):
+        NeverReads(small_cfg("dualpath", record_intervals=False), wl).run()

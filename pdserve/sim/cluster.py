@@ -90,12 +90,8 @@ from pdserve.dualpath.scheduler import (
     policy_config,
 )
 from pdserve.sim.config import SimConfig, get_mode
+from pdserve.sim.errors import SimulationStalled
 from pdserve.sim.links import Link, book3
-
-
-class SimulationStalled(RuntimeError):
-    """An offline run ran out of events with turns still open: something waits for what never comes."""
-
 
 # A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
 MAX_READY_SCAN = 16
