@@ -263,3 +263,23 @@ def test_an_offline_run_that_runs_out_of_events_raises():
     wl = table2_workload("32k", 4, seed=1)
     with pytest.raises(SimulationStalled, match="turns open"):
         NeverReads(small_cfg("dualpath", record_intervals=False), wl).run()
+
+
+def test_requests_given_room_at_the_same_instant_share_one_group_step():
+    """Three first turns; the buffer holds the first one's prompt, so the other two (smaller) wait and
+    get room together when it moves into the decode GPU: on the two ranks of one lockstep prefill group
+    they must share one step, not take two."""
+    m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
+    news = (3000, 1000, 1000)
+    wl = _assemble(
+        "three-first-turns",
+        [np.array([n]) for n in news],
+        [np.array([2])] * 3,
+        np.zeros(3),
+        hits=[np.array([0])] * 3,
+    )
+    cap_gb = news[0] * m.kv_bytes_per_token / 1e9
+    cfg = replace(_basic_1p1d(cap_gb), model=m)
+    r0, r1, r2 = ClusterSim(cfg, wl, keep_requests=True).run().reqs
+    assert (r1.pe, r2.pe) == (1, 0)  # round robin: the two waiting ones on different ranks
+    assert r1.t_first > r0.t_join and r1.t_first == r2.t_first

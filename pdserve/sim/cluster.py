@@ -610,11 +610,21 @@ class ClusterSim:
             if self.read_stalled[n] and not self.snic_busy[n]:
                 self._start_read(n)
         waiting = self.buf_waiting[node]  # only ever wait for room on their DE node
-        while waiting and self._reserve(waiting[0]):
-            req = waiting.popleft()
-            req.reads_left = 0
-            self._ready(req)
-            self._try_prefill(req.pe)
+        if waiting and self._reserve(waiting[0]):
+            # Ready every request that now fits, then start steps: requests ready at the same instant
+            # share one step (as in ``_fetch``).
+            groups: list[int] = []
+            while True:
+                req = waiting.popleft()
+                req.reads_left = 0
+                self._ready(req)
+                grp = req.pe // self.ep
+                if grp not in groups:
+                    groups.append(grp)
+                if not (waiting and self._reserve(waiting[0])):
+                    break
+            for grp in groups:
+                self._try_prefill(grp * self.ep)
 
     def _read_done(self, node: int) -> None:
         req, tokens = self.read_q[node].popleft()
