@@ -299,19 +299,14 @@ def test_requests_ready_at_the_same_instant_share_one_group_step():
     assert res.attn_max_over_avg == pytest.approx(1.0)
 
 
-def test_ep_group_size_is_cut_to_divide_the_prefill_gpus():
-    three_nodes = SimConfig(num_prefill_nodes=3, num_decode_nodes=1, model=DS_660B)  # 24 PE GPUs
-    assert three_nodes.prefill_ep_group == 8  # EP16 does not divide 24: gcd
-    assert replace(three_nodes, num_prefill_nodes=2).prefill_ep_group == 16
-    assert replace(three_nodes, prefill_ep_gpus=1).prefill_ep_group == 1
-    with pytest.raises(ValueError, match="prefill_ep_gpus"):
-        replace(three_nodes, prefill_ep_gpus=-1)
-
-
-def test_decode_ep_group_size_is_cut_to_divide_the_decode_gpus():
-    cfg = SimConfig(num_prefill_nodes=2, num_decode_nodes=3, model=DS_660B)  # 24 DE GPUs
-    assert cfg.decode_ep_group == 8  # EP32 does not divide 24: gcd
-    assert replace(cfg, num_decode_nodes=4).decode_ep_group == 32
-    assert replace(cfg, decode_ep_gpus=1).decode_ep_group == 1
-    with pytest.raises(ValueError, match="decode_ep_gpus"):
-        replace(cfg, decode_ep_gpus=-1)
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_ep_group_size_is_cut_to_divide_the_gpus(side):
+    """DS-660B: EP16 prefill, EP32 decode; on 3 nodes (24 GPUs) neither divides: gcd = 8."""
+    nodes, asked, group = f"num_{side}_nodes", f"{side}_ep_gpus", f"{side}_ep_group"
+    cfg = replace(SimConfig(model=DS_660B), **{nodes: 3})  # 24 GPUs on that side
+    assert getattr(cfg, group) == 8
+    full = {"prefill": (2, 16), "decode": (4, 32)}[side]  # the model's own size fits these nodes
+    assert getattr(replace(cfg, **{nodes: full[0]}), group) == full[1]
+    assert getattr(replace(cfg, **{asked: 1}), group) == 1
+    with pytest.raises(ValueError, match=asked):
+        replace(cfg, **{asked: -1})

@@ -507,15 +507,17 @@ class ClusterSim:
             if req.de_read:
                 req.reads_left += 1
                 self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
-        # Ready every request without reads first, then start steps: requests ready at the same
-        # instant must be able to share one step (one group's, or one engine's batch).
+        self._ready_together([req for _, req in head if req.reads_left == 0])
+
+    def _ready_together(self, reqs: list[_Req]) -> None:
+        """Ready requests that became ready at the same instant, then start their groups' steps: they
+        must be able to share one step (one group's, or one engine's batch)."""
         groups: list[int] = []
-        for _, req in head:
-            if req.reads_left == 0:
-                self._ready(req)
-                grp = req.pe // self.ep
-                if grp not in groups:
-                    groups.append(grp)
+        for req in reqs:
+            self._ready(req)
+            grp = req.pe // self.ep
+            if grp not in groups:
+                groups.append(grp)
         for grp in groups:
             self._try_prefill(grp * self.ep)
 
@@ -579,9 +581,9 @@ class ClusterSim:
         """Reserve all of a request's host-buffer room at its first read, or return False if a node
         lacks it: the PE-read hit on the PE node, and the whole prompt's KV on the DE node (the DE-read
         hit plus what the PE sends back: hit + miss on the PE path, the miss on the DE path). Taking it
-        all at once means a request never holds room while waiting for more, so reads cannot deadlock
-        (a split request's two reads); a node with an empty buffer takes any size (else a request
-        larger than the buffer would never start)."""
+        all at once means a request never holds room while waiting for more room (a split request's
+        second read still needs the passing rule in ``_start_read``); a node with an empty buffer takes
+        any size (else a request larger than the buffer would never start)."""
         kv, cap = self.kv_tok, self.buf_cap
         used = self.buf_used
         pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
@@ -606,25 +608,18 @@ class ClusterSim:
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
         # A waiting read may need room on this node or on its request's other node: retry them all.
-        for n in list(self.stalled_nodes):
-            if self.read_stalled[n] and not self.snic_busy[n]:
-                self._start_read(n)
+        if self.stalled_nodes:
+            for n in list(self.stalled_nodes):
+                if self.read_stalled[n]:  # a stalled node's SNIC is idle; an earlier retry may have woken it
+                    self._start_read(n)
         waiting = self.buf_waiting[node]  # only ever wait for room on their DE node
-        if waiting and self._reserve(waiting[0]):
-            # Ready every request that now fits, then start steps: requests ready at the same instant
-            # share one step (as in ``_fetch``).
-            groups: list[int] = []
-            while True:
-                req = waiting.popleft()
-                req.reads_left = 0
-                self._ready(req)
-                grp = req.pe // self.ep
-                if grp not in groups:
-                    groups.append(grp)
-                if not (waiting and self._reserve(waiting[0])):
-                    break
-            for grp in groups:
-                self._try_prefill(grp * self.ep)
+        fits: list[_Req] = []
+        while waiting and self._reserve(waiting[0]):
+            req = waiting.popleft()
+            req.reads_left = 0
+            fits.append(req)
+        if fits:
+            self._ready_together(fits)
 
     def _read_done(self, node: int) -> None:
         req, tokens = self.read_q[node].popleft()

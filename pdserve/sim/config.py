@@ -126,18 +126,18 @@ class SimConfig:
         if self.num_prefill_nodes < 1 or self.num_decode_nodes < 1:
             raise ValueError("need at least one prefill and one decode node")
         get_mode(self.mode)
-        if self.prefill_ep_gpus < 0:
-            raise ValueError(f"prefill_ep_gpus must be ≥ 0 (0 = the model's), got {self.prefill_ep_gpus}")
-        if self.decode_ep_gpus < 0:
-            raise ValueError(f"decode_ep_gpus must be ≥ 0 (0 = the model's), got {self.decode_ep_gpus}")
+        for name in ("prefill_ep_gpus", "decode_ep_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be ≥ 0 (0 = the model's), got {getattr(self, name)}")
         if not self.host_buffer_gb >= 0:
             raise ValueError(f"host_buffer_gb must be ≥ 0 (0 = the model's), got {self.host_buffer_gb}")
 
     @property
     def decode_ep_group(self) -> int:
         """DE ranks per lockstep decode group as run (see ``decode_ep_gpus``)."""
-        want = self.decode_ep_gpus if self.decode_ep_gpus > 0 else self.model.decode_ep_gpus
-        return math.gcd(max(want, 1), self.num_decode_nodes * self.hw.gpus_per_node)
+        return _ep_group(
+            self.decode_ep_gpus, self.model.decode_ep_gpus, self.num_decode_nodes * self.hw.gpus_per_node
+        )
 
     @property
     def host_buffer_bytes(self) -> float:
@@ -150,5 +150,11 @@ class SimConfig:
     def prefill_ep_group(self) -> int:
         """PE ranks per lockstep EP group as run: the config's or the model's size, cut to divide the PE
         count (see ``prefill_ep_gpus``)."""
-        want = self.prefill_ep_gpus if self.prefill_ep_gpus > 0 else self.model.prefill_ep_gpus
-        return math.gcd(max(want, 1), self.num_prefill_nodes * self.hw.gpus_per_node)
+        return _ep_group(
+            self.prefill_ep_gpus, self.model.prefill_ep_gpus, self.num_prefill_nodes * self.hw.gpus_per_node
+        )
+
+
+def _ep_group(asked: int, model_size: int, num_gpus: int) -> int:
+    """The EP group size as run: the one asked for (0 = the model's), cut to divide ``num_gpus``."""
+    return math.gcd(max(asked if asked > 0 else model_size, 1), num_gpus)
