@@ -49,9 +49,13 @@ def test_store_read_corrupt_is_caught_and_removed(tmp_path):
     put_all(store)
     faults.configure([{"point": "store.read", "action": "corrupt", "count": 1}])
     res, out = read(store, KEYS)
-    assert res.status[0] == "corrupt" and res.status[1:] == ["ok", "ok"]  # only the first read flipped
-    assert np.array_equal(out[1], payload(1))
-    assert store.lookup_keys(KEYS) == 0  # the bad block left the index (and the disk)
+    # Reads run on two I/O threads, so which block takes the one fault is up to the scheduler.
+    bad = [i for i, s in enumerate(res.status) if s != "ok"]
+    assert len(bad) == 1 and res.status[bad[0]] == "corrupt", res.status
+    for i in set(range(len(KEYS))) - set(bad):
+        assert np.array_equal(out[i], payload(i))
+    assert store.lookup_keys(KEYS) == bad[0]  # the bad block left the index (and the disk)
+    assert store.lookup_keys(KEYS[bad[0] :]) == 0
     store.check_integrity()
     store.close()
 
