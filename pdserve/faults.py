@@ -8,8 +8,10 @@ Who calls what:
   switches rules on a running cluster that way) — never without that flag.
 
 A rule: `{"point": "control.send", "action": "drop", "kind": "kv_request", "prob": 1.0, "count": 1,
-"delay_s": 0.5}` — `kind` narrows the point (a message kind, "read" / "write"), `prob` fires it at
-random (seeded by `seed`), `count` limits how many times it fires (None: forever).
+"skip": 0, "delay_s": 0.5}` — `kind` narrows the point (a message kind, "read" / "write"), `prob`
+fires it at random (seeded by `seed`), `count` limits how many times it fires (None: forever), `skip`
+lets that many matching calls through first (a test that needs "some pages sent, the rest in flight"
+gets it deterministically, not by racing the transfer).
 
 Points and the actions each honours:
 | point            | actions                                   | where                          |
@@ -50,8 +52,10 @@ class FaultRule:
     kind: str = ""  # "" matches every kind
     prob: float = 1.0
     count: int | None = None
+    skip: int = 0
     delay_s: float = 0.0
     fired: int = 0
+    skipped: int = 0
 
     def __post_init__(self) -> None:
         if self.point not in POINT_ACTIONS:
@@ -60,10 +64,16 @@ class FaultRule:
             raise FaultConfigError(
                 f"point {self.point} honours {POINT_ACTIONS[self.point]}, not {self.action!r}"
             )
-        if not 0.0 <= self.prob <= 1.0 or self.delay_s < 0 or (self.count is not None and self.count < 0):
-            raise FaultConfigError("prob must be in [0, 1], delay_s >= 0, count >= 0")
+        if (
+            not 0.0 <= self.prob <= 1.0
+            or self.delay_s < 0
+            or self.skip < 0
+            or (self.count is not None and self.count < 0)
+        ):
+            raise FaultConfigError("prob must be in [0, 1], delay_s >= 0, count >= 0, skip >= 0")
 
 
+_COUNTERS = ("fired", "skipped")  # state, not configuration: a snapshot fed back starts them at 0
 _lock = threading.Lock()
 _rules: list[FaultRule] = []
 _rng = random.Random(0)
@@ -72,7 +82,7 @@ _rng = random.Random(0)
 def configure(rules: list[dict] | None, seed: int = 0) -> list[FaultRule]:
     """Replace every rule (None or [] turns injection off). Raises FaultConfigError, changing nothing."""
     global ENABLED
-    parsed = [FaultRule(**{k: v for k, v in r.items() if k != "fired"}) for r in (rules or [])]
+    parsed = [FaultRule(**{k: v for k, v in r.items() if k not in _COUNTERS}) for r in (rules or [])]
     with _lock:
         _rules[:] = parsed
         _rng.seed(seed)
@@ -87,6 +97,9 @@ def check(point: str, kind: str = "") -> FaultRule | None:
             if rule.point != point or (rule.kind and rule.kind != kind):
                 continue
             if rule.count is not None and rule.fired >= rule.count:
+                continue
+            if rule.skipped < rule.skip:
+                rule.skipped += 1
                 continue
             if rule.prob < 1.0 and _rng.random() >= rule.prob:
                 continue

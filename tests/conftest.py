@@ -7,6 +7,7 @@ import contextlib
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,3 +90,14 @@ def serve_subprocess(model_dir: str, log_dir, *flags: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The fake transfer backend's clock, advanced by hand (``fake_clock.now_s += 0.5``): a delayed
+    write stays pending until the test says so, however slowly the test process runs."""
+    from pdserve.transfer import fake_backend
+
+    clock = SimpleNamespace(now_s=1000.0)
+    monkeypatch.setattr(fake_backend, "time", SimpleNamespace(monotonic=lambda: clock.now_s))
+    return clock

@@ -126,7 +126,7 @@ def test_send_to_dead_peer_is_immediate_and_harmless(pair):
         t0 = time.perf_counter()
         assert a.send(dead, Abort(reason="x"), room=1) is True
         elapsed_s = time.perf_counter() - t0
-        assert elapsed_s < 0.05
+        assert elapsed_s < 0.5  # ~0.1 ms; a blocking send would wait for the peer forever
         # Many more: still non-blocking; what the dead peer holds is capped by sndhwm + max_backlog.
         t0 = time.perf_counter()
         for i in range(3000):

@@ -44,6 +44,7 @@ def store_cluster(demo_model_dir, tmp_path_factory):
         pd_abort_lease_s=3.0,
         kv_store=str(store_root),
         kv_block_size=64,
+        enable_fault_injection=True,
     )
     c = start_cluster(args, 1, 1)
     c.store_root = store_root
@@ -69,6 +70,16 @@ def complete(url: str, ids: list[int], read_path: str) -> dict:
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def wait_written_back(cluster, timeout_s: float = 30.0) -> None:
+    """Until every decode's write-back queue is empty: a response ends only after its request queued
+    all its blocks, so then every block of the finished turns is on disk."""
+    deadline = time.monotonic() + timeout_s
+    for url in cluster.urls["decode"]:
+        while metrics(url)["pdserve_store_writes_pending"] > 0:
+            assert time.monotonic() < deadline, f"{url}: write-back still pending"
+            time.sleep(0.02)
 
 
 @pytest.mark.parametrize("read_path", ["none", "pe", "de"])
@@ -98,7 +109,7 @@ def test_multi_turn_read_paths_equal_recompute(store_cluster, colocated, read_pa
         if read_path == "none":
             assert details["cached_tokens_storage"] == 0
         context = context + out_ids
-        time.sleep(0.5)  # the decode writes blocks back off the critical path
+        wait_written_back(store_cluster)  # the decode writes blocks back off the critical path
     for url in store_cluster.urls["prefill"] + store_cluster.urls["decode"]:
         wait_engine_idle(url)
 
@@ -123,7 +134,7 @@ def test_corrupt_stored_block_is_detected_and_recomputed(store_cluster, colocate
     before = block_files()
     context = tok.encode(f"# corrupt {read_path}\n" + "value = compute(value)\n" * 120)
     first = complete(store_cluster.router_url, context, read_path)
-    time.sleep(0.5)
+    wait_written_back(store_cluster)
     new_files = sorted(block_files() - before, key=lambda p: p.stat().st_mtime)
     assert len(new_files) >= 8
     victim = new_files[len(new_files) // 2]
@@ -145,3 +156,22 @@ def test_corrupt_stored_block_is_detected_and_recomputed(store_cluster, colocate
     wait_engine_idle(engine_url)
     assert metrics(engine_url)["pdserve_store_blocks_bad"] == bad_before + 1
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens_storage"] < 0.9 * len(context)
+
+
+def test_write_back_backlog_is_visible_and_drains(store_cluster, colocated):
+    """A slow disk: the response ends before its blocks are on disk; the backlog shows in
+    pdserve_store_writes_pending and drains to 0 with every block written."""
+    de = store_cluster.urls["decode"][0]
+    slow = [{"point": "store.write", "action": "slow", "delay_s": 0.5}]
+    assert httpx.post(de + "/debug/faults", json={"rules": slow}, timeout=10).status_code == 200
+    try:
+        context = colocated.get_tokenizer().encode("# backlog\n" + "total += step(total)\n" * 60)
+        written = metrics(de)["pdserve_store_blocks_written"]
+        complete(store_cluster.router_url, context, "none")
+        num_blocks = (len(context) + GEN - 1) // 64  # full blocks of the turn's computed tokens
+        assert num_blocks >= 4
+        assert metrics(de)["pdserve_store_writes_pending"] >= 1  # 0.5 s a block, 6+ blocks: still writing
+        wait_written_back(store_cluster)
+        assert metrics(de)["pdserve_store_blocks_written"] == written + num_blocks
+    finally:
+        httpx.post(de + "/debug/faults", json={"rules": []}, timeout=10)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.dualpath.scheduler import (
@@ -23,6 +23,7 @@ from pdserve.dualpath.scheduler import (
     policy_config,
     split_hit_tokens,
 )
+from tests.fuzz_helpers import fuzz_settings
 
 PAGE = 16
 
@@ -316,7 +317,7 @@ def test_batch_progress_when_one_page_exceeds_quota():
 # ---------------- property test ----------------
 
 
-@settings(max_examples=150, deadline=None)
+@fuzz_settings(150)
 @given(
     data=st.data(),
     policy=st.sampled_from(["round_robin", "round_robin_dual", "dualpath", "split"]),
@@ -366,7 +367,7 @@ def test_scheduler_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@settings(max_examples=200, deadline=None)
+@fuzz_settings(200)
 @given(
     toks=st.lists(st.integers(0, 300), min_size=1, max_size=12),
     queues=st.lists(st.integers(0, 2000), min_size=4, max_size=4),
@@ -392,7 +393,7 @@ def test_property_pe_choice_equals_brute_force_scan(toks, queues, updates):
     assert s._choose_prefill() is got  # a query leaves the heap as it was
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz_settings(300)
 @given(
     items=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=6),
     quota=st.integers(1, 20_000),

@@ -44,6 +44,21 @@ def test_count_kind_and_probability():
     assert 70 <= sum(h is not None for h in hits) <= 130
 
 
+def test_skip_lets_matching_calls_through_first():
+    faults.configure(
+        [{"point": "transfer.submit", "action": "stall", "kind": "write", "skip": 2, "count": 1}]
+    )
+    assert faults.check("transfer.submit", "read") is None  # another kind: neither skipped nor fired
+    got = [faults.check("transfer.submit", "write") for _ in range(4)]
+    assert [g and g.action for g in got] == [None, None, "stall", None]  # 2 through, 1 fired, used up
+    snap = faults.snapshot()
+    assert snap[0]["skipped"] == 2 and snap[0]["fired"] == 1
+    faults.configure(snap)  # a snapshot fed back is a fresh rule: its counters start at 0
+    assert faults.check("transfer.submit", "write") is None and faults.snapshot()[0]["skipped"] == 1
+    with pytest.raises(faults.FaultConfigError, match="skip >= 0"):
+        faults.configure([{"point": "store.read", "action": "fail", "skip": -1}])
+
+
 def test_store_read_corrupt_is_caught_and_removed(tmp_path):
     store = make_store(tmp_path)
     put_all(store)

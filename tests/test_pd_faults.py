@@ -39,7 +39,7 @@ def make_cluster(demo_model_dir):
     started = []
 
     def make(num_prefill: int, num_decode: int, **kw):
-        kw = {"max_num_batched_tokens": 16} | kw
+        kw = {"max_num_batched_tokens": 16, "enable_fault_injection": True} | kw
         c = start_cluster(cluster_args(demo_model_dir, **kw), num_prefill, num_decode, secret=SECRET)
         started.append(c)
         return c
@@ -90,13 +90,35 @@ def busy(url: str) -> bool:
     return metrics(url)["pdserve_pd_rooms_held"] > 0
 
 
+def hold_mid_transfer(prefill_url: str) -> None:
+    """The prefill's first page write goes over the wire; every later one stalls (never completes), so
+    the room stays mid-transfer until the test kills a peer. Without it the kill races the transfer
+    (~0.5 s on a quiet machine) and a loaded machine can finish the request first."""
+    rules = [{"point": "transfer.submit", "action": "stall", "skip": 1}]
+    r = httpx.post(prefill_url + "/debug/faults", json={"rules": rules}, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def wait_mid_transfer(prefill_url: str) -> None:
+    """Until a page write went out and a later one stalled: the room is mid-transfer, and stays so."""
+    wait_until(lambda: metrics(prefill_url)["pdserve_pd_pages_sent"] > 0, 30, "pages on the wire")
+
+    def stalled() -> bool:
+        rule = httpx.get(prefill_url + "/debug/faults", timeout=10).json()["rules"][0]
+        return rule["skipped"] == 1 and rule["fired"] > 0
+
+    wait_until(stalled, 30, "a later page write to stall")
+
+
 def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
     c = make_cluster(1, 2)
     pe = c.urls["prefill"][0]
+    hold_mid_transfer(pe)
     res = post_in_background(c.router_url, body())
-    wait_until(lambda: metrics(pe)["pdserve_pd_pages_sent"] > 0, 30, "the prefill to start sending pages")
+    wait_mid_transfer(pe)
     victim = next(i for i, u in enumerate(c.urls["decode"]) if busy(u))
     c.proc(f"decode{victim}").send_signal(signal.SIGKILL)
+    httpx.post(pe + "/debug/faults", json={"rules": []}, timeout=10)  # writes stalled so far stay stalled
     res["thread"].join(60)
     assert not res["thread"].is_alive(), "the client hung"
     assert "error" in res or res["status"] != 200 or '"error"' in res["text"]
@@ -121,8 +143,9 @@ def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
 def test_kill_prefill_mid_transfer_errors_client_and_frees_decode(make_cluster):
     c = make_cluster(1, 1)
     de = c.urls["decode"][0]
+    hold_mid_transfer(c.urls["prefill"][0])
     res = post_in_background(c.router_url, body())
-    wait_until(lambda: metrics(c.urls["prefill"][0])["pdserve_pd_pages_sent"] > 0, 30, "pages on the wire")
+    wait_mid_transfer(c.urls["prefill"][0])
     c.proc("prefill0").send_signal(signal.SIGKILL)
     res["thread"].join(60)
     assert not res["thread"].is_alive(), "the client hung"

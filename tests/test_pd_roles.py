@@ -893,8 +893,10 @@ def test_layout_mismatch_refused_at_registration(make_pair):
 # ---- 7. decode admission --------------------------------------------------------------------------
 def test_decode_admission_has_no_head_of_line_blocking(make_pair):
     """16 decode pages of 4 tokens, growth reserve 1 page each. A (6 + 1 pages) is admitted; B (10 + 1)
-    does not fit in the 9 left; C (2 + 1), behind B, is admitted. Freeing A lets B in."""
+    does not fit in the 9 left; C (2 + 1), behind B, is admitted. Freeing A lets B in. (Aging is off:
+    it runs on the real clock, and a stalled test process must not turn it on; the next test covers it.)"""
     p = make_pair(de_pages=16)
+    p.de_role.config = dataclasses.replace(p.de_role.config, admission_aging_s=3600.0)
     rooms = {}
     for rid, n in (("A", 24), ("B", 40), ("C", 8)):
         rooms[rid] = new_room()

@@ -102,11 +102,14 @@ def test_reports_keep_reads_in_transit_until_a_later_report():
     node = pl.node_ids["p0"] if a.read_path == "pe" else pl.node_ids[f"d{a.decode_engine}"]
     reporter = pe[0] if a.read_path == "pe" else de[a.decode_engine]
     name = "p0" if a.read_path == "pe" else f"d{a.decode_engine}"
+    # Report times relative to when the router assigned the read (not to "now": a slow machine must not
+    # move a report across the assignment).
+    (assigned_s, _tokens), *_ = pl._recent_reads[node]
     # A report taken before the assignment reached the engine shows an idle node: the read counts.
-    pl.on_load(reporter, report(name, reporter.role, time_s=time.time() - 1.0))
+    pl.on_load(reporter, report(name, reporter.role, time_s=assigned_s - 0.5))
     assert pl.scheduler.read_queue_tokens[node] == 320
     # A report taken well after it: the engine's own figure (here its link's backlog) is the truth.
-    pl.on_load(reporter, report(name, reporter.role, node_read_queue_bytes=64 * BPT, time_s=time.time() + 1))
+    pl.on_load(reporter, report(name, reporter.role, node_read_queue_bytes=64 * BPT, time_s=assigned_s + 1))
     assert pl.scheduler.read_queue_tokens[node] == 64
 
 

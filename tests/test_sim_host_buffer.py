@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve.bench.workloads import _assemble, table2_workload
@@ -15,6 +15,7 @@ from pdserve.dualpath.cost_model import DS_660B, QWEN_32B, prefill_batch_s, prof
 from pdserve.sim.cluster import ClusterSim
 from pdserve.sim.config import SimConfig
 from pdserve.sim.errors import SimulationStalled
+from tests.fuzz_helpers import fuzz_settings
 from tests.test_cost_model import DEEPSEEK_V3, QWEN25_32B
 from tests.test_sim_invariants import DS27_ONE_RANK, HW2, small_cfg
 
@@ -181,7 +182,7 @@ def test_hf_configs_get_the_papers_buffer_for_their_attention_kind():
     assert profile_from_hf_config(QWEN25_32B).host_buffer_bytes == 320e9  # GQA: Qwen's
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(40)
 @given(
     mode=st.sampled_from(["basic", "layerwise", "dual_path", "dualpath", "split"]),
     requests_per_buffer=st.floats(min_value=0.05, max_value=4.0),

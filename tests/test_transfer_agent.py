@@ -99,8 +99,8 @@ def test_fake_agent_failures_are_reported_not_raised(fake_agents):
     assert _wait(b.poll_notifications) == [("fl-a", b"ok")]
 
 
-def test_fake_agent_injected_failure_and_abort(fake_agents):
-    a = fake_agents("ab-a", delay_s=0.2)
+def test_fake_agent_injected_failure_and_abort(fake_agents, fake_clock):
+    a = fake_agents("ab-a", delay_s=0.5)  # the backend's clock only moves when the test moves it
     b = fake_agents("ab-b")
     _connect(a, b)
     a.metadata()
@@ -109,8 +109,12 @@ def test_fake_agent_injected_failure_and_abort(fake_agents):
     t_abort = a.submit("ab-b", [(0, 8)], [(0, 8)], b"abort")
     a.abort(t_abort)
     a.abort(t_abort)  # twice: still reported once
-    done = _wait(a.poll_completions, timeout_s=2, until=lambda acc: len(acc) >= 2)
-    time.sleep(0.25)
+    # The abort is reported at once; the injected failure only when the write would have finished.
+    done = _wait(a.poll_completions, timeout_s=10, until=lambda acc: len(acc) >= 1)
+    assert done == [(t_abort, TransferStatus.FAILED)]
+    fake_clock.now_s += 1.0  # past both writes' finish time: the aborted one must not complete now
+    done += _wait(a.poll_completions, timeout_s=10, until=lambda acc: len(acc) >= 1)
+    time.sleep(0.1)  # a few more agent-loop iterations
     done += a.poll_completions()
     assert sorted(done) == [(t_fail, TransferStatus.FAILED), (t_abort, TransferStatus.FAILED)]
     assert a.stats.transfers_aborted == 1

@@ -53,24 +53,31 @@ def test_fake_rejects_bad_writes(fake_pair):
         a.write("fake-b", [(0, 1)], [(0, 2)], b"")
 
 
-def test_fake_delay_then_done(fake_pair):
+def test_fake_delay_then_done(fake_pair, fake_clock):
     a, b = fake_pair
-    a.delay_s = 0.05
+    a.delay_s = 0.5  # binary fractions: the sums below are exact
     h = a.write("fake-b", [(0, 8)], [(0, 8)], b"late")
+    fake_clock.now_s += 0.25
     assert a.status(h) == TransferStatus.PENDING
     assert b.get_notifications() == []  # the notif never precedes the bytes
-    time.sleep(0.06)
+    fake_clock.now_s += 0.25
     assert a.status(h) == TransferStatus.DONE
     assert b.get_notifications() == [("fake-a", b"late")]
 
 
-def test_fake_abort_pending_drops_notification(fake_pair):
+def test_fake_abort_pending_drops_notification(fake_pair, fake_clock):
     a, b = fake_pair
-    a.delay_s = 0.03
+    a.delay_s = 0.5
     h = a.write("fake-b", [(0, 8)], [(0, 8)], b"aborted")
+    fake_clock.now_s += 0.25
     a.release(h)
-    time.sleep(0.04)
+    fake_clock.now_s += 1.0
     assert b.get_notifications() == []
+    # Released after it finished: the bytes (and so the notification) had already landed.
+    h = a.write("fake-b", [(0, 8)], [(0, 8)], b"landed")
+    fake_clock.now_s += 0.5
+    a.release(h)
+    assert b.get_notifications() == [("fake-a", b"landed")]
 
 
 def test_fake_injected_failures(fake_pair):

@@ -124,6 +124,13 @@ class StoreConnector:
         self.persisted[req.request_id] = num_full
         return num_full - done
 
+    @property
+    def num_writes_pending(self) -> int:
+        """Blocks queued for write-back and not yet on disk (or failed): the writer's backlog. Every
+        block a request queued is counted here before its response ends, so 0 after a response means
+        its write-back is done (tests wait on it; operators watch it grow when the disk is behind)."""
+        return self._writes.unfinished_tasks
+
     def forget(self, request_id: str) -> None:
         self.persisted.pop(request_id, None)
 
@@ -136,14 +143,15 @@ class StoreConnector:
     def _write_loop(self) -> None:
         while True:
             key, payload = self._writes.get()
-            if key is None:
-                payload.set()
-                continue
             try:
-                if self.store.put(key, np.ascontiguousarray(payload)):
+                if key is None:
+                    payload.set()
+                elif self.store.put(key, np.ascontiguousarray(payload)):
                     self.num_blocks_written += 1
                 else:
                     self.num_write_failures += 1
             except Exception:  # noqa: BLE001 - the store never fails a request
                 self.num_write_failures += 1
                 log.exception("kv store write failed")
+            finally:
+                self._writes.task_done()

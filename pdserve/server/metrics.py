@@ -121,14 +121,22 @@ class PDMetrics:
         self.store_bad = Gauge(
             "pdserve_store_blocks_bad", "Stored blocks found corrupt, truncated or missing", registry=r
         )
+        self.store_pending = Gauge(
+            "pdserve_store_writes_pending", "Blocks queued for write-back, not yet on disk", registry=r
+        )
 
     def update_control(self) -> None:
-        """Control-channel drop counters: plain ints, safe to read from any thread (also at scrape time,
-        so drops are visible while the engine idles)."""
+        """Control-channel drop counters and the store writer's counters: plain ints, safe to read from
+        any thread (also at scrape time, so drops and write-back progress are visible while the engine
+        idles)."""
         control = self.pd.control
         self.dropped.labels("forged").set(control.num_forged)
         self.dropped.labels("malformed").set(control.num_malformed)
         self.dropped.labels("wrong_version").set(control.num_wrong_version)
+        store = getattr(self.pd.role, "store", None)
+        if store is not None:
+            self.store_written.set(store.num_blocks_written)
+            self.store_pending.set(store.num_writes_pending)
 
     def update(self) -> None:
         role, agent = self.pd.role, self.pd.agent
@@ -146,7 +154,6 @@ class PDMetrics:
         if hasattr(role, "layerwise"):
             self.layerwise.set(role.layerwise.num_runs)
         if getattr(role, "store", None) is not None:
-            self.store_written.set(role.store.num_blocks_written)
             self.store_bad.set(role.num_store_blocks_bad)
             for name, value in vars(role.store.store.stats()).items():
                 if isinstance(value, int | float):
