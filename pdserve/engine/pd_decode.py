@@ -14,6 +14,9 @@ Queues of a room:   prealloc ──pages + KVRequest──> transfer ──all w
   in our prefix cache and the request decodes from token 2 with no recompute.
 * Abort after a KVRequest went out is two-phase: Abort → the prefill stops and acks (or its lease
   expires) → only then are the pages freed, so no late write can land in a reused page.
+
+Length (~420 lines): like ``pd_prefill.py``, one state machine (a room's queues and its failure and
+release rules) that reads best in one place; page runs, staging and the store live elsewhere.
 """
 
 from __future__ import annotations

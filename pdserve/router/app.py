@@ -7,6 +7,10 @@ decode's response. The decode's bytes are held back until the prefill answered, 
 fails before any KV could have been sent is retried on another prefill (fresh room) without the
 client noticing. A client that disconnects aborts both sides (their handlers see the disconnect).
 Engines are health-checked in the background; a dead one gets no new requests.
+
+Length (~440 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+abort both on disconnect) and the HTTP routes that call it; DualPath placement lives in
+``router/placement.py``.
 """
 
 from __future__ import annotations

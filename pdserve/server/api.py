@@ -3,6 +3,9 @@
 
 Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
 request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
+
+Length (~430 lines): one ``build_app`` whose routes share the validation, usage and streaming
+closures; the request schemas are in ``protocol.py``, the metrics in ``metrics.py``.
 """
 
 from __future__ import annotations
