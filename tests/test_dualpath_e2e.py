@@ -9,13 +9,13 @@ so that the store is the only source of cached KV.
 from __future__ import annotations
 
 import os
-import time
 
 import httpx
 import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
+from tests.chaos_helpers import set_faults, wait_until
 from tests.test_pd_e2e import metrics, wait_engine_idle
 
 pytestmark = [
@@ -75,11 +75,11 @@ def complete(url: str, ids: list[int], read_path: str) -> dict:
 def wait_written_back(cluster, timeout_s: float = 30.0) -> None:
     """Until every decode's write-back queue is empty: a response ends only after its request queued
     all its blocks, so then every block of the finished turns is on disk."""
-    deadline = time.monotonic() + timeout_s
-    for url in cluster.urls["decode"]:
-        while metrics(url)["pdserve_store_writes_pending"] > 0:
-            assert time.monotonic() < deadline, f"{url}: write-back still pending"
-            time.sleep(0.02)
+
+    def drained() -> bool:
+        return all(metrics(u)["pdserve_store_writes_pending"] == 0 for u in cluster.urls["decode"])
+
+    wait_until(drained, timeout_s, "the decodes' write-back", interval_s=0.02)
 
 
 @pytest.mark.parametrize("read_path", ["none", "pe", "de"])
@@ -162,8 +162,7 @@ def test_write_back_backlog_is_visible_and_drains(store_cluster, colocated):
     """A slow disk: the response ends before its blocks are on disk; the backlog shows in
     pdserve_store_writes_pending and drains to 0 with every block written."""
     de = store_cluster.urls["decode"][0]
-    slow = [{"point": "store.write", "action": "slow", "delay_s": 0.5}]
-    assert httpx.post(de + "/debug/faults", json={"rules": slow}, timeout=10).status_code == 200
+    set_faults(de, [{"point": "store.write", "action": "slow", "delay_s": 0.5}])
     try:
         context = colocated.get_tokenizer().encode("# backlog\n" + "total += step(total)\n" * 60)
         written = metrics(de)["pdserve_store_blocks_written"]
@@ -174,4 +173,4 @@ def test_write_back_backlog_is_visible_and_drains(store_cluster, colocated):
         wait_written_back(store_cluster)
         assert metrics(de)["pdserve_store_blocks_written"] == written + num_blocks
     finally:
-        httpx.post(de + "/debug/faults", json={"rules": []}, timeout=10)
+        set_faults(de, [])

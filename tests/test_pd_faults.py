@@ -19,6 +19,7 @@ import zmq
 
 from pdserve.disagg import messages
 from pdserve.transfer.nixl_backend import nixl_available
+from tests.chaos_helpers import fired, set_faults, wait_until
 from tests.test_pd_e2e import cluster_args, metrics, wait_engine_idle
 
 pytestmark = [
@@ -78,14 +79,6 @@ def post_in_background(url: str, payload: dict) -> dict:
     return out
 
 
-def wait_until(pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def busy(url: str) -> bool:
     return metrics(url)["pdserve_pd_rooms_held"] > 0
 
@@ -94,20 +87,13 @@ def hold_mid_transfer(prefill_url: str) -> None:
     """The prefill's first page write goes over the wire; every later one stalls (never completes), so
     the room stays mid-transfer until the test kills a peer. Without it the kill races the transfer
     (~0.5 s on a quiet machine) and a loaded machine can finish the request first."""
-    rules = [{"point": "transfer.submit", "action": "stall", "skip": 1}]
-    r = httpx.post(prefill_url + "/debug/faults", json={"rules": rules}, timeout=10)
-    assert r.status_code == 200, r.text
+    set_faults(prefill_url, [{"point": "transfer.submit", "action": "stall", "skip": 1}])
 
 
 def wait_mid_transfer(prefill_url: str) -> None:
     """Until a page write went out and a later one stalled: the room is mid-transfer, and stays so."""
     wait_until(lambda: metrics(prefill_url)["pdserve_pd_pages_sent"] > 0, 30, "pages on the wire")
-
-    def stalled() -> bool:
-        rule = httpx.get(prefill_url + "/debug/faults", timeout=10).json()["rules"][0]
-        return rule["skipped"] == 1 and rule["fired"] > 0
-
-    wait_until(stalled, 30, "a later page write to stall")
+    wait_until(lambda: fired(prefill_url)[0] > 0, 30, "a later page write to stall")  # after the skip
 
 
 def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
@@ -118,7 +104,7 @@ def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
     wait_mid_transfer(pe)
     victim = next(i for i, u in enumerate(c.urls["decode"]) if busy(u))
     c.proc(f"decode{victim}").send_signal(signal.SIGKILL)
-    httpx.post(pe + "/debug/faults", json={"rules": []}, timeout=10)  # writes stalled so far stay stalled
+    set_faults(pe, [])  # writes stalled so far stay stalled
     res["thread"].join(60)
     assert not res["thread"].is_alive(), "the client hung"
     assert "error" in res or res["status"] != 200 or '"error"' in res["text"]
