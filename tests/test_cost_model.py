@@ -7,9 +7,14 @@ import json
 import pytest
 
 from pdserve.dualpath.cost_model import (
+    PROFILES,
     QWEN32B_PREFILL_S_PER_TOKEN,
     QWEN_32B,
+    decode_attn_fn,
+    decode_step_s,
     get_profile,
+    prefill_request_fn,
+    prefill_request_s,
     profile_from_hf_config,
 )
 
@@ -70,3 +75,17 @@ def test_get_profile_reads_a_config_file_or_its_directory(tmp_path):
     assert get_profile("ds-660b").prefill_ep_gpus == 16
     with pytest.raises(ValueError, match="unknown model"):
         get_profile(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_bound_cost_functions_give_the_reference_floats_exactly(name):
+    """The simulator's hoisted copies (``prefill_request_fn``, ``decode_attn_fn`` + overhead + per
+    sequence) must equal the reference formulas bit for bit: figures are compared to the last digit."""
+    p = PROFILES[name]
+    req, attn = prefill_request_fn(p), decode_attn_fn(p)
+    for cached, new in ((0, 1), (0, 4096), (1000, 429), (33_000, 429), (200_000, 17)):
+        assert req(cached, new) == prefill_request_s(p, cached, new)
+    # Contexts below and above the sparse models' top-k, and an empty batch.
+    for n, ctx in ((0, 0.0), (1, 500.0), (1, 33_000.0), (7, 7 * 1500.5), (64, 64 * 40_000.0)):
+        step = p.decode_step_overhead_s + n * p.decode_s_per_seq + attn(n, ctx) if n else 0.0
+        assert step == decode_step_s(p, n, ctx)

@@ -195,7 +195,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype", "")) else 2
-    if cfg.get("kv_lora_rank"):
+    mla = bool(cfg.get("kv_lora_rank"))
+    if mla:
         kv_elems = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 64))
     else:
         kv_elems = 2 * kv_heads * head_dim
@@ -228,9 +229,7 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         decode_attn_bytes_per_ctx_token=float(kv_bytes_layer * layers),
         prefill_hbm_kv_bytes=int(free),
         decode_hbm_kv_bytes=int(free),
-        host_buffer_bytes=DS_660B.host_buffer_bytes
-        if cfg.get("kv_lora_rank")
-        else QWEN_32B.host_buffer_bytes,
+        host_buffer_bytes=DS_660B.host_buffer_bytes if mla else QWEN_32B.host_buffer_bytes,
     )
 
 
@@ -285,18 +284,6 @@ def decode_attn_fn(p: ModelProfile) -> Callable[[int, float], float]:
         return (sum_ctx_tokens * ctx_b + sparse) / bw
 
     return attn
-
-
-def decode_step_fn(p: ModelProfile) -> Callable[[int, float], float]:
-    """``decode_step_s`` bound to one profile (constants hoisted; same arithmetic, same floats)."""
-    over, per_seq, attn = p.decode_step_overhead_s, p.decode_s_per_seq, decode_attn_fn(p)
-
-    def step(num_seqs: int, sum_ctx_tokens: float) -> float:
-        if num_seqs <= 0:
-            return 0.0
-        return over + num_seqs * per_seq + attn(num_seqs, sum_ctx_tokens)
-
-    return step
 
 
 def prefill_batch_s(p: ModelProfile, pairs: Sequence[tuple[int, int]]) -> float:

@@ -289,7 +289,7 @@ def build_app(
     @app.get("/metrics")
     async def prom():
         if metrics.pd is not None:
-            metrics.pd.update_control()
+            metrics.pd.update_any_thread()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

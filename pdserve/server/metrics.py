@@ -125,7 +125,7 @@ class PDMetrics:
             "pdserve_store_writes_pending", "Blocks queued for write-back, not yet on disk", registry=r
         )
 
-    def update_control(self) -> None:
+    def update_any_thread(self) -> None:
         """Control-channel drop counters and the store writer's counters: plain ints, safe to read from
         any thread (also at scrape time, so drops and write-back progress are visible while the engine
         idles)."""
@@ -148,7 +148,7 @@ class PDMetrics:
         for reason, n in role.failures.items():
             self.failures.labels(reason).set(n)
         self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
-        self.update_control()
+        self.update_any_thread()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
         self.staged.set(getattr(role, "num_staged", 0))
         if hasattr(role, "layerwise"):

@@ -53,7 +53,7 @@ replay) is submitted inside the finishing handler instead of through the heap.
 
 Speed (the 48P96D scale run simulates 2.67 M turns): handlers index a table by event kind; per-turn
 workload arrays are Python lists; the cost model is bound once per profile (``prefill_request_fn``,
-``decode_step_fn``); the three links of every KV copy are booked in one call (``links.book3``); the
+``decode_attn_fn``); the three links of every KV copy are booked in one call (``links.book3``); the
 cyclic GC is paused during the run.
 """
 
@@ -75,7 +75,6 @@ import numpy as np
 from pdserve.bench.workloads import Workload
 from pdserve.dualpath.cost_model import (
     decode_attn_fn,
-    decode_step_fn,
     prefill_request_fn,
     prefill_tokens_per_s,
 )
@@ -344,7 +343,6 @@ class ClusterSim:
         # even load that is its fair share of the group's step, so loaded steps stay near the quota.
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
         self._batch_overhead_s, self._linear_s = m.prefill_batch_overhead_s, m.prefill_s_per_new_token
-        self._decode_step = decode_step_fn(m)
         self._decode_attn = decode_attn_fn(m)
         self._decode_over_s = m.decode_step_overhead_s
         self._decode_per_seq_s = m.decode_s_per_seq
@@ -835,50 +833,50 @@ class ClusterSim:
     def _resched(self, gi: int, grp: _DecodeGroup, changed: list[int]) -> None:
         """Set the group's step time after its batch changed and schedule its next leave.
 
-        One rank: the cost model's step for its batch. Lockstep (DP attention + EP MoE, like the
-        prefill groups): the overhead, the per-sequence (MoE) work of all the group's sequences spread
-        over its ranks, and the slowest rank's attention. A rank's attention is re-evaluated when its
-        own batch changes (``changed``); the others keep theirs from their last change (their contexts
-        grew by the few tokens decoded since).
+        Lockstep (DP attention + EP MoE, like the prefill groups): the overhead, the per-sequence
+        (MoE) work of all the group's sequences spread over its ranks, and the slowest rank's
+        attention; with one rank this is the cost model's ``decode_step_s`` for its batch, to the last
+        bit. A rank's attention is re-evaluated when its own batch changes (``changed``); the others
+        keep theirs from their last change (their contexts grew by the few tokens decoded since).
         """
         grp.version += 1
         n = grp.n
         v = grp.v
         dep = self.dep
-        if dep == 1:
-            if not n:
-                return
-            d = self.dec[gi]
-            step = self._decode_step(n, d.ctx_base + n * v)
-        else:
-            # Update the changed ranks first, even when the group has just emptied: a rank left with
-            # a stale attention time would slow the group's next steps.
-            dec, attn_fn = self.dec, self._decode_attn
-            rescan = False
-            for de in changed:
-                d = dec[de]
-                a = attn_fn(d.n, d.ctx_base + d.n * v)
-                d.attn_s = a
-                if a >= grp.attn_max:
-                    grp.attn_max, grp.attn_arg = a, de
-                elif de == grp.attn_arg:
-                    rescan = True  # the slowest rank got faster: find the new slowest
-            if rescan:
-                best, arg = 0.0, -1
-                for de in range(gi * dep, gi * dep + dep):
-                    a = dec[de].attn_s
-                    if a > best:
-                        best, arg = a, de
-                grp.attn_max, grp.attn_arg = best, arg
-            if not n:
-                return
-            step = self._decode_over_s + n * self._decode_per_seq_s / dep + grp.attn_max
-        grp.step_s = step
+        # Update the changed ranks first, even when the group has just emptied: a rank left with a
+        # stale attention time would slow the group's next steps.
+        dec, attn_fn = self.dec, self._decode_attn
+        rescan = False
+        for de in changed:
+            d = dec[de]
+            a = attn_fn(d.n, d.ctx_base + d.n * v)
+            d.attn_s = a
+            if a >= grp.attn_max:
+                grp.attn_max, grp.attn_arg = a, de
+            elif de == grp.attn_arg:
+                rescan = True  # the slowest rank got faster: find the new slowest
+        if rescan:
+            best, arg = 0.0, -1
+            for de in range(gi * dep, gi * dep + dep):
+                a = dec[de].attn_s
+                if a > best:
+                    best, arg = a, de
+            grp.attn_max, grp.attn_arg = best, arg
+        if not n:
+            return
+        grp.step_s = step = self._decode_over_s + n * self._decode_per_seq_s / dep + grp.attn_max
         left = grp.heap[0][0] - v
         heapq.heappush(
             self.events,
             (self.now + (left if left > 0.0 else 0.0) * step, next(self._seq), _DE_TICK, gi, grp.version),
         )
+
+    def _advance(self, grp: _DecodeGroup) -> None:
+        """Move the group's token clock to now: its running sequences decoded one token per step."""
+        t = self.now
+        if grp.n:
+            grp.v += (t - grp.t_last) / grp.step_s
+        grp.t_last = t
 
     def _de_join(self, r: _Req) -> None:
         r.t_join = self.now
@@ -891,10 +889,7 @@ class ClusterSim:
             return
         gi = r.de // self.dep
         grp = self.dgroups[gi]
-        t = self.now
-        if grp.n:
-            grp.v += (t - grp.t_last) / grp.step_s
-        grp.t_last = t
+        self._advance(grp)
         heapq.heappush(grp.heap, (grp.v + remaining, r.rid, r))
         grp.n += 1
         d = self.dec[r.de]
@@ -906,10 +901,7 @@ class ClusterSim:
         grp = self.dgroups[gi]
         if version != grp.version:
             return
-        t = self.now
-        if grp.n:
-            grp.v += (t - grp.t_last) / grp.step_s
-        grp.t_last = t
+        self._advance(grp)
         heap = grp.heap
         dec = self.dec
         changed: list[int] = []

@@ -133,6 +133,14 @@ class SimConfig:
             raise ValueError(f"host_buffer_gb must be ≥ 0 (0 = the model's), got {self.host_buffer_gb}")
 
     @property
+    def prefill_ep_group(self) -> int:
+        """PE ranks per lockstep EP group as run: the config's or the model's size, cut to divide the PE
+        count (see ``prefill_ep_gpus``)."""
+        return _ep_group(
+            self.prefill_ep_gpus, self.model.prefill_ep_gpus, self.num_prefill_nodes * self.hw.gpus_per_node
+        )
+
+    @property
     def decode_ep_group(self) -> int:
         """DE ranks per lockstep decode group as run (see ``decode_ep_gpus``)."""
         return _ep_group(
@@ -145,14 +153,6 @@ class SimConfig:
         if self.host_buffer_gb > 0:
             return self.host_buffer_gb * 1e9
         return float(self.model.host_buffer_bytes)
-
-    @property
-    def prefill_ep_group(self) -> int:
-        """PE ranks per lockstep EP group as run: the config's or the model's size, cut to divide the PE
-        count (see ``prefill_ep_gpus``)."""
-        return _ep_group(
-            self.prefill_ep_gpus, self.model.prefill_ep_gpus, self.num_prefill_nodes * self.hw.gpus_per_node
-        )
 
 
 def _ep_group(asked: int, model_size: int, num_gpus: int) -> int:
