@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from pdserve.dualpath.scheduler import (
     PATH_PE,
     PATH_SPLIT,
     AdditiveBatchCost,
+    Assignment,
     DualPathScheduler,
     EngineLoad,
     PendingRequest,
@@ -418,3 +420,336 @@ def test_property_additive_gallop_equals_plain_binary_search(items, quota, overh
     assert fast == plain
     lazy = build_prefill_batch(iter(waiting), AdditiveBatchCost(float(overhead), item), float(quota), PAGE)
     assert lazy == fast
+
+
+# ---------------- audit follow-ups: exact expectations for the remaining branches ----------------
+
+
+def plain_pe_scan(s: DualPathScheduler) -> EngineLoad | None:
+    """Algorithm 1's PE choice as a plain scan: min (read_q(node) > α, tok_e, id) over tok_e ≤ β."""
+    alpha, beta = s.config.alpha_tokens, s.config.beta_tokens
+    ok = [e for e in s.prefill if e.num_tokens <= beta]
+    return min(
+        ok, key=lambda e: (s.read_queue_tokens[e.node_id] > alpha, e.num_tokens, e.engine_id), default=None
+    )
+
+
+def test_de_phase1_heap_follows_the_min_group_across_and_between_fetches():
+    # 8 groups, one DE each, engine i in group 7 - i (so engine ids and group ids disagree). Groups 0
+    # and 1 are light, groups 2..7 carry 1000 tokens and never win.
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1] * 8, de_groups=[7 - i for i in range(8)])
+    for e in range(8):
+        s.report_decode(e, 0, 1000, 10_000)
+    s.report_decode(7, 0, 100, 10_000)  # group 0: 100
+    s.report_decode(6, 0, 40, 10_000)  # group 1: 40
+    out = s.assign([req(i, dec=d) for i, d in enumerate([50, 30, 15, 25, 10])])
+    # r0 (50): g1 40 -> 90;  r1 (30): g1 90 < g0 100 -> 120;  r2 (15): g0 100 < 120 -> 115;
+    # r3 (25): g0 115 < g1 120 -> 140;  r4 (10): g1 120 < g0 140 -> 130.
+    assert [7 - a.decode_engine for a in out] == [1, 1, 0, 0, 1]
+    assert [a.decode_engine for a in out] == [6, 6, 7, 7, 6]
+    assert s.decode[7].num_tokens == 140 and s.decode[6].num_tokens == 130
+    # Second fetch: only groups 0 and 1 changed (4 x 2 dirty <= 8 groups), so the heap is updated
+    # incrementally and still holds the stale entries (40, g1) and (100, g0) of the first fetch.
+    s.report_decode(7, 2, 60, 10_000)  # group 0's DE finished work: 140 -> 60
+    assert s._group_dirty == {0, 1}
+    out = s.assign([req(10, dec=5), req(11, dec=80), req(12, dec=1)])
+    # r10 (5): g0 60 < g1 130 -> 65;  r11 (80): g0 65 -> 145;  r12 (1): g1 130 < g0 145 -> 131.
+    # (The stale (40, g1) would send r10 to g1; the stale (140, g0) from the first fetch equals g0's
+    # tentative sum after r11, which is exactly when it is correct again.)
+    assert [a.decode_engine for a in out] == [7, 7, 6]
+    assert [s.decode[7].num_tokens, s.decode[6].num_tokens] == [145, 131]
+    # Third fetch stops: r20 goes to g1 (131 < 145), whose DE has no pages; nothing is committed, so
+    # g1 is not dirty and its tentative entry (136, g1) is stale. Its real sum must be back in the heap:
+    # once the pages return (same tokens, still not dirty) the next request goes to g1, not g0. Three
+    # more dirty groups (5 of 8) make that fetch rebuild the heap first: one entry per group, no
+    # leftover duplicate of (131, g1) to hide a missing re-insert.
+    for e in (0, 1, 2):
+        s.report_decode(e, 0, 999, 10_000)  # groups 7, 6, 5: still far above g0 and g1
+    s.report_decode(6, 3, 131, 0)
+    assert s.assign([req(20, dec=5)]) == []
+    s.report_decode(6, 3, 131, 10_000)
+    assert not s._group_dirty
+    assert [a.decode_engine for a in s.assign([req(21, dec=5)])] == [6]
+
+
+def test_pe_heap_compaction_keeps_choices_equal_to_a_plain_scan(monkeypatch):
+    # The PE heap is compacted when it holds more than 4 x nodes + 64 entries (72 for 2 nodes). A
+    # report that lowers an engine below its node's best pushes a fresh entry, so 300 falling reports
+    # push ~300 entries; the old ones sit below the live bests, so queries pop few of them away.
+    s = make(cfg(alpha_tokens=100, beta_tokens=250), pe_nodes=[0, 0, 1, 1], de_nodes=[2], num_nodes=3)
+    s.report_read_queue(1, 500)  # node 1 is over α: its engines only win when node 0 has none under β
+    compactions = []
+    heapify = heapq.heapify
+
+    def counting_heapify(x):
+        if x is s._pe_heap:
+            compactions.append(len(x))
+        heapify(x)
+
+    monkeypatch.setattr(heapq, "heapify", counting_heapify)
+    for k in range(300):
+        s.report_prefill(k % 4, 0, 400 - k)
+        if k % 7 == 3:
+            s.report_prefill((k + 1) % 4, 0, 350)  # a rise: rescans the node when it hits the best
+        assert len(s._pe_heap) <= 4 * 2 + 64
+        want = plain_pe_scan(s)
+        assert s._choose_prefill() is want
+    assert len(compactions) >= 3
+    assert all(n == 2 for n in compactions)  # rebuilt from the two nodes' live bests
+    s.report_prefill(0, 0, 300)  # > β
+    s.report_prefill(1, 0, 120)
+    s.report_prefill(2, 0, 100)
+    s.report_prefill(3, 0, 240)
+    out = s.assign([req(i, new=100) for i in range(6)])
+    # r0: node 0 (short queue) has e1 120 -> 220; r1: e1 220 <= β -> 320; r2: node 0 has none under β,
+    # fall back to node 1: e2 100 -> 200; r3: e2 200 < e3 240 -> 300; r4: e3 240 -> 340; r5: none.
+    assert [a.prefill_engine for a in out] == [1, 1, 2, 2, 3]
+    assert plain_pe_scan(s) is None and s._choose_prefill() is None
+
+
+def test_read_path_equal_queues_prefers_side_that_read_less_so_far():
+    # PE on node 0, DE on node 1. First request: equal queues and totals -> PE reads 640.
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1])
+    a = s.assign([req(1, hit=640)])[0]
+    assert (a.read_path, a.num_pe_read_tokens) == (PATH_PE, 640)
+    assert s.read_tokens_total[:2] == [640, 0]
+    s.report_read_queue(0, 100)
+    s.report_read_queue(1, 100)  # queues equal again; totals 640 (PE) vs 0 (DE)
+    b = s.assign([req(2, hit=64)])[0]
+    assert (b.read_path, b.num_pe_read_tokens, b.num_de_read_tokens) == (PATH_DE, 0, 64)
+    assert s.read_tokens_total[:2] == [640, 64]
+    # Mirror: the DE node has read more so far (640 vs 0, then 640 vs 64) -> the PE side. Together with
+    # the case above this fails if the totals were ignored (on either side) or compared the wrong way.
+    t = make(cfg(), pe_nodes=[0], de_nodes=[1])
+    t.report_read_queue(0, 1000)  # force the first read onto the DE node
+    c = t.assign([req(1, hit=640)])[0]
+    assert (c.read_path, c.num_de_read_tokens) == (PATH_DE, 640)
+    assert t.read_tokens_total[:2] == [0, 640]
+    t.report_read_queue(0, 100)
+    t.report_read_queue(1, 100)
+    d = t.assign([req(2, hit=64)])[0]
+    assert (d.read_path, d.num_pe_read_tokens, d.num_de_read_tokens) == (PATH_PE, 64, 0)
+    t.report_read_queue(0, 100)
+    t.report_read_queue(1, 100)  # totals 64 (PE) vs 640 (DE), both non-zero
+    e = t.assign([req(3, hit=64)])[0]
+    assert (e.read_path, e.num_pe_read_tokens) == (PATH_PE, 64)
+    assert t.read_tokens_total[:2] == [128, 640]
+    # Unequal queues still dominate: the PE node has read less but its queue is longer.
+    t.report_read_queue(0, 101)
+    t.report_read_queue(1, 100)
+    f = t.assign([req(4, hit=64)])[0]
+    assert (f.read_path, f.num_de_read_tokens) == (PATH_DE, 64)
+
+
+def test_de_high_engines_tied_on_tokens_take_fewer_requests_then_lowest_id():
+    s = make(cfg(z_factor=0.5), pe_nodes=[0], de_nodes=[1, 1, 1, 1])
+    s.report_decode(0, 5, 100, 10_000)
+    s.report_decode(1, 3, 100, 10_000)
+    s.report_decode(2, 3, 100, 10_000)
+    s.report_decode(3, 1, 101, 10_000)
+    # Z = 0.5 x (20 + 401) / 4 = 52.6: all high (>= 120). Min (tok, seq, id): e1 and e2 have 100
+    # tokens and 3 seqs -> e1 (e0 has 5 seqs; e3 has the fewest seqs but 101 tokens).
+    assert s.assign([req(1, new=5, dec=20)])[0].decode_engine == 1
+
+
+def test_de_phase1_tie_between_groups_goes_to_lowest_group_id():
+    # Engine i is in group 2 - i, every group at 200 tokens: ties go to the lowest *group* id.
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1, 1, 1], de_groups=[2, 1, 0])
+    for e in range(3):
+        s.report_decode(e, 0, 200, 10_000)
+    out = s.assign([req(i, dec=10) for i in range(4)])
+    # r0: g0 (200,200,200) -> 210; r1: g1 (200,200) -> 210; r2: g2 200 -> 210; r3: all 210 -> g0.
+    assert [a.decode_engine for a in out] == [2, 1, 0, 2]
+
+
+def test_de_z_uses_requests_that_fit_group_pages_when_several_fit():
+    # One group of 3 DEs with 12 + 12 + 11 = 35 free pages; tokens 225 / 200 / 175 (sum 600);
+    # seqs 0 / 1 / 2. Queue pages: 10, 10, 10, 8, 2 (tokens 160, 160, 160, 128, 32).
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1, 1, 1])
+    s.report_decode(0, 0, 225, 12)
+    s.report_decode(1, 1, 200, 12)
+    s.report_decode(2, 2, 175, 11)
+    queue = [req(i, new=100, dec=d) for i, d in enumerate([160, 160, 160, 128, 32])]
+    # R = the first three (30 pages); the 4th needs 8 of the 5 left, so R stops there (the 5th
+    # would fit but comes after). Z = 1.05 x (480 + 600) / 3 = 378.
+    # r0 (160): e0 385 > 378 high; e1 360 low; e2 335 low -> low with fewest seqs: e1.
+    # r1 (160): e1 has 2 pages left; e0 385 high; e2 335 low -> e2.
+    # r2 (160): only e0 has 10 pages (12) -> e0 (high, the only candidate).
+    # r3 (8 pages): e0 2, e1 2, e2 1 -> no DE has the pages: the fetch stops.
+    out = s.assign(queue)
+    assert [a.decode_engine for a in out] == [1, 2, 0]
+    assert [e.num_free_pages for e in s.decode] == [2, 2, 1]
+    # What other thresholds would have chosen for r0 (the test fails if Z is computed differently):
+    engines = [
+        EngineLoad(0, 1, 0, 0, 225, 12),
+        EngineLoad(1, 1, 0, 1, 200, 12),
+        EngineLoad(2, 1, 0, 2, 175, 11),
+    ]
+    choose = DualPathScheduler._choose_decode
+    assert choose(queue[0], 10, engines, 1.05 * (480 + 600) / 3).engine_id == 1  # R = first 3
+    assert choose(queue[0], 10, engines, 1.05 * (512 + 600) / 3).engine_id == 0  # R skipping r3
+    assert choose(queue[0], 10, engines, 1.05 * (640 + 600) / 3).engine_id == 0  # R = whole queue
+    assert choose(queue[0], 10, engines, 1.05 * (320 + 600) / 3).engine_id == 2  # R = first 2
+    assert choose(queue[0], 10, engines, 1.05 * (160 + 600) / 3).engine_id == 2  # R = {r0}
+
+
+def test_prefill_room_cut_with_beta_binding_places_what_algorithm_1_places(monkeypatch):
+    # β = 250, two PEs at 50 tokens, every request 100 new tokens: each PE takes 3 (50 -> 150 -> 250
+    # -> 350) and then the fetch stops, so Algorithm 1 places exactly 6 of the 8. The room bound is
+    # (200 + 200) // 100 + 2 = 6, so the cut binds and is tight.
+    def build() -> DualPathScheduler:
+        s = make(cfg(beta_tokens=250), pe_nodes=[0, 1], de_nodes=[2])
+        s.report_prefill(0, 0, 50)
+        s.report_prefill(1, 0, 50)
+        return s
+
+    queue = [req(i, new=100) for i in range(8)]
+    s = build()
+    assert s._prefill_room(queue) == 6
+    out = s.assign(queue)
+    assert [a.request_id for a in out] == [0, 1, 2, 3, 4, 5]
+    assert [a.prefill_engine for a in out] == [0, 1, 0, 1, 0, 1]
+    assert [e.num_tokens for e in s.prefill] == [350, 350]
+    uncut = build()
+    monkeypatch.setattr(uncut, "_prefill_room", lambda q: len(q))
+    assert uncut.assign(queue) == out
+
+
+def test_prefill_room_requests_without_new_tokens_are_all_placed_under_beta():
+    # Regression: _prefill_room used to clamp the minimum new-token count to 1, so the room was
+    # 0 // 1 + 1 = 1 and only one request was placed. Algorithm 1: the PE stays at 100 <= β after each 0-token request, so all three are placed.
+    s = make(cfg(beta_tokens=100), pe_nodes=[0], de_nodes=[1])
+    s.report_prefill(0, 1, 100)
+    out = s.assign([req(i, hit=64, new=0) for i in range(3)])
+    assert [(a.request_id, a.prefill_engine, a.decode_engine) for a in out] == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (2, 0, 0),
+    ]
+
+
+def test_read_path_alternate_skips_requests_without_hits():
+    """``alternate`` counts only requests that read something.
+
+    A request with no hit returns the PE path with no read and leaves the alternation where it was,
+    so the next request with hits takes the side that was due; the cursor survives across fetches.
+    """
+    c = policy_config("round_robin_dual", alpha_tokens=1, beta_tokens=1)
+    s = make(c, pe_nodes=[0], de_nodes=[1])
+    hits = [64, 0, 64, 0, 0, 64, 64]
+    out = s.assign([req(i, hit=h) for i, h in enumerate(hits)])
+    assert [(a.read_path, a.num_pe_read_tokens, a.num_de_read_tokens) for a in out] == [
+        (PATH_PE, 64, 0),
+        (PATH_PE, 0, 0),  # no hit: not counted
+        (PATH_DE, 0, 64),
+        (PATH_PE, 0, 0),
+        (PATH_PE, 0, 0),
+        (PATH_PE, 64, 0),
+        (PATH_DE, 0, 64),
+    ]
+    assert s.read_tokens_total[:2] == [128, 128]
+    nxt = s.assign([req(9, hit=0), req(10, hit=128)])
+    assert [(a.read_path, a.num_pe_read_tokens) for a in nxt] == [(PATH_PE, 0), (PATH_PE, 128)]
+
+
+@fuzz_settings(150)
+@given(
+    data=st.data(),
+    policy=st.sampled_from(["round_robin", "round_robin_dual", "dualpath", "split"]),
+    num_pe=st.integers(1, 4),
+    num_de=st.integers(1, 5),
+)
+def test_property_finite_beta_stops_only_when_head_is_unplaceable_and_drains_to_exactly_once(
+    data, policy, num_pe, num_de
+):
+    """β finite (it binds): each fetch assigns a FIFO prefix, never a request twice, never a PE over β
+    (load aware) and never more pages than a DE has; a fetch that stops early leaves a head that cannot
+    be placed at that moment; once engines drain, every request is assigned exactly once.
+
+    Stopping conditions read off the code: round robin stops when the DE under the cursor lacks the
+    pages. Load aware stops when no PE is ≤ β, or when no DE of the head's phase-1 group (min Σ tok_e,
+    then lowest id, over the loads after this fetch's commits) has the pages; the ``_prefill_room`` cut
+    only stops a fetch when every PE is over β (with 0 new tokens drawn too: the room is then unbounded).
+    """
+    beta = data.draw(st.integers(0, 600))
+    c = policy_config(policy, alpha_tokens=data.draw(st.integers(0, 5000)), beta_tokens=beta)
+    load_aware = c.engine_choice == "load_aware"
+    cap = [data.draw(st.integers(25, 60)) for _ in range(num_de)]  # 25 pages hold any request (≤ 400)
+    de_free = [data.draw(st.integers(0, k)) for k in cap]
+    pes = [EngineLoad(i, i % 2) for i in range(num_pe)]
+    des = [EngineLoad(i, 2 + i % 3, i % 2, num_free_pages=f) for i, f in enumerate(de_free)]
+    s = DualPathScheduler(c, pes, des, num_nodes=5)
+    pe_tok = [data.draw(st.integers(0, 700)) for _ in range(num_pe)]
+    for i, t in enumerate(pe_tok):
+        s.report_prefill(i, 0, t)
+    de_tok = [0] * num_de
+    for n in range(5):
+        s.report_read_queue(n, data.draw(st.integers(0, 3000)))
+    queue = [
+        PendingRequest(
+            rid,
+            data.draw(st.integers(0, 20)) * 64,
+            data.draw(st.integers(0, 300)),
+            data.draw(st.integers(1, 400)),
+        )
+        for rid in range(data.draw(st.integers(0, 30)))
+    ]
+    assigned: dict[int, Assignment] = {}
+    pending = list(queue)
+    rr = 0  # round robin cursor (PE and DE cursors move together from 0)
+
+    def fetch() -> int:
+        nonlocal pending, rr
+        out = s.assign(pending)
+        assert [a.request_id for a in out] == [r.request_id for r in pending[: len(out)]]
+        for a, r in zip(out, pending, strict=False):
+            assert a.request_id not in assigned
+            assigned[a.request_id] = a
+            assert a.num_pe_read_tokens + a.num_de_read_tokens == r.num_hit_tokens
+            if load_aware:
+                assert pe_tok[a.prefill_engine] <= beta
+            else:
+                assert (a.prefill_engine, a.decode_engine) == (rr % num_pe, rr % num_de)
+                rr += 1
+            pe_tok[a.prefill_engine] += r.num_new_tokens
+            de_tok[a.decode_engine] += r.num_decode_tokens
+            de_free[a.decode_engine] -= r.num_decode_pages(PAGE)
+            assert de_free[a.decode_engine] >= 0
+        assert [e.num_tokens for e in s.prefill] == pe_tok
+        assert [(e.num_tokens, e.num_free_pages) for e in s.decode] == list(zip(de_tok, de_free, strict=True))
+        pending = pending[len(out) :]
+        if pending:
+            pages = pending[0].num_decode_pages(PAGE)
+            if not load_aware:
+                assert de_free[rr % num_de] < pages
+            else:
+                groups = sorted({i % 2 for i in range(num_de)})
+                g = min(groups, key=lambda g: (sum(de_tok[i] for i in range(num_de) if i % 2 == g), g))
+                no_pe = all(t > beta for t in pe_tok)
+                no_de = all(de_free[i] < pages for i in range(num_de) if i % 2 == g)
+                assert no_pe or no_de
+        return len(out)
+
+    def drain(pe_mask: list[bool], de_mask: list[bool]) -> None:
+        for i in range(num_pe):
+            if pe_mask[i]:
+                pe_tok[i] = 0
+                s.report_prefill(i, 0, 0)
+        for i in range(num_de):
+            if de_mask[i]:
+                de_tok[i], de_free[i] = 0, cap[i]
+                s.report_decode(i, 0, 0, cap[i])
+
+    for _ in range(3):  # loads only grow, then some engines finish their work
+        fetch()
+        drain(
+            data.draw(st.lists(st.booleans(), min_size=num_pe, max_size=num_pe)),
+            data.draw(st.lists(st.booleans(), min_size=num_de, max_size=num_de)),
+        )
+    for _ in range(len(queue) + 1):
+        if not pending:
+            break
+        drain([True] * num_pe, [True] * num_de)
+        assert fetch() >= 1  # every PE at 0 <= β and every DE empty: the head always fits
+    assert not pending
+    assert sorted(assigned) == [r.request_id for r in queue]

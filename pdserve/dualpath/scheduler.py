@@ -280,13 +280,18 @@ class DualPathScheduler:
 
         An engine with tok_e ≤ β accepts requests until it passes β, i.e. at most
         floor((β - tok_e) / m) + 1 of them, m = the fewest new tokens in the queue head; summed over
-        engines this is ≤ slack // m + count. Phase 1 and Z then look only at requests this fetch could
-        place, which keeps a fetch over a long blocked queue cheap; it never changes which requests
-        are placed.
+        engines this is ≤ slack // m + count (no bound when a request has no new tokens: it leaves
+        tok_e as it is). Phase 1 and Z then look only at requests this fetch could place, which keeps a
+        fetch over a long blocked queue cheap. It never turns away a request the PE choice would
+        accept, but it is also our reading of R in Z = 1.05 x mean: the requests being assigned now,
+        not the whole queue; with the whole queue Z is higher and a DE choice can differ
+        (``test_prefill_room_cut_with_beta_binding_places_what_algorithm_1_places``).
         """
         if self._beta_count == 0:
             return 0
-        m = max(1, min(r.num_new_tokens for r in queue))
+        m = min(r.num_new_tokens for r in queue)
+        if m == 0:
+            return len(queue)  # a request with no new tokens leaves tok_e as it is: no bound
         return min(len(queue), self._beta_slack // m + self._beta_count)
 
     def _assign_load_aware(self, queue: Sequence[PendingRequest]) -> list[Assignment]:
