@@ -68,6 +68,30 @@ def test_mla_moe_config_stores_the_latent_and_counts_active_experts_only():
     )
 
 
+def test_moe_config_spreads_its_experts_over_an_ep_group_that_leaves_half_the_hbm():
+    """Per GPU: 34.2 GB of attention, shared expert and embeddings in bf16, plus 1/ep of 1.375 TB of
+    routed experts; the smallest power of two with ≤ 70.5 GB (half an H200) is 64 (EP32: 77 GB). With
+    fp8 weights (17.1 GB + 687.7 GB / ep) it is 16. A dense model stays on one GPU."""
+    bf16 = profile_from_hf_config(DEEPSEEK_V3)
+    fp8 = profile_from_hf_config({**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}})
+    assert (bf16.prefill_ep_gpus, bf16.decode_ep_gpus) == (64, 64)
+    assert (fp8.prefill_ep_gpus, fp8.decode_ep_gpus) == (16, 16)
+    per_gpu_bf16 = 34_153_168_896 + 1_375_463_276_544 / 64
+    assert bf16.decode_hbm_kv_bytes == int(141e9 - per_gpu_bf16 - 10e9)
+    assert fp8.decode_hbm_kv_bytes > 70e9  # room for KV: before, the whole 1.4 TB counted on one GPU
+    assert profile_from_hf_config(QWEN25_32B).decode_ep_gpus == 1
+
+
+def test_a_bad_config_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        get_profile(str(bad))
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="not an HF config.json: missing or bad 'num_hidden_layers'"):
+        get_profile(str(bad))
+
+
 def test_get_profile_reads_a_config_file_or_its_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_32B))
     assert get_profile(str(tmp_path / "config.json")).kv_bytes_per_token_layer == 4096

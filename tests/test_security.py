@@ -299,7 +299,7 @@ def test_cli_binds_loopback_by_default():
     for path, parser in _all_parsers(build_parser()):
         for action in parser._actions:
             names = " ".join(action.option_strings) + " " + (action.dest or "")
-            if action.type in (int, float):
+            if action.type in (int, float) or getattr(action.type, "is_number", False):
                 continue  # a number is never an address (e.g. `simulate --host-buffer-gb`)
             if any(w in names for w in ("host", "bind", "listen", "address")) and "url" not in names:
                 seen.append(path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from pdserve.sim.cli import add_arguments, run
 
 
@@ -89,3 +91,135 @@ def test_tiny_ablation_json_and_plot(tmp_path):
 def test_bad_scenario_and_model():
     assert run(parse("--scenario", "nope")) == 2
     assert run(parse("--scenario", "ablation", "--model", "no-such-model", "--agents", "2")) == 2
+
+
+def _usage_error(capsys, *argv: str) -> str:
+    """Parsing ``argv`` exits with argparse's usage error (status 2); returns its message."""
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_out_of_range_numbers_are_usage_errors(capsys):
+    for argv, text in [
+        (("--prefill-nodes", "0"), "0 must be > 0"),
+        (("--decode-nodes", "-1"), "-1 must be > 0"),
+        (("--snic-gbps", "0"), "0 must be > 0"),
+        (("--cnic-gbps", "nan"), "nan must be > 0"),
+        (("--dram-gbytes-per-s", "-5"), "-5 must be > 0"),
+        (("--agents", "16,0"), "0 must be > 0"),
+        (("--agents", ","), "empty list"),
+        (("--gpus-per-node", "two"), "'two' is not an integer"),
+        (("--submit-us", "-1"), "-1 must be ≥ 0"),
+        (("--seed", "-3"), "-3 must be ≥ 0"),
+    ]:
+        assert text in _usage_error(capsys, *argv), argv
+    # In range: an unbounded buffer, a zero submit cost, the alias of Basic's policy name.
+    ns = parse("--host-buffer-gb", "inf", "--submit-us", "0,1.5", "--policy", "round_robin,dualpath")
+    assert ns.host_buffer_gb == float("inf") and ns.submit_us == (0.0, 1.5)
+    assert ns.policy == ("basic", "dualpath")
+
+
+def test_a_list_where_a_scenario_runs_one_setting_is_refused(capsys):
+    assert run(parse("--scenario", "ablation", "--agents", "8,16")) == 2
+    assert "ablation runs one --agents setting; got 8, 16" in capsys.readouterr().err
+    assert run(parse("--scenario", "submit-cost", "--policy", "basic,dualpath", "--agents", "4")) == 2
+    assert run(parse("--scenario", "online", "--agents", "8")) == 2
+    assert "--agents does not apply" in capsys.readouterr().err
+
+
+def test_scale_honours_the_cluster_shape_and_every_policy(tmp_path):
+    out = tmp_path / "scale.json"
+    argv = ["--scenario", "scale", "--prefill-nodes", "1", "--decode-nodes", "1", "--gpus-per-node", "1"]
+    argv += ["--agents", "2", "--policy", "basic,dualpath", "--workload", "32k", "--json", str(out)]
+    assert run(parse(*argv)) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["policy"], r["shape"], r["agents"]) for r in runs] == [
+        ("basic", "1P1D", 2),
+        ("basic", "24P24D", 48),
+        ("dualpath", "1P1D", 2),
+        ("dualpath", "24P24D", 48),
+    ]
+
+
+def test_an_hf_moe_config_runs(tmp_path):
+    """DeepSeek-V3's config.json: its experts spread over an EP group, so its KV fits and the run ends
+    (before, all 1.4 TB of weights counted on one GPU, no turn fitted and the run stalled)."""
+    from tests.test_cost_model import DEEPSEEK_V3
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DEEPSEEK_V3))
+    out = tmp_path / "o.json"
+    argv = ("--scenario", "offline-660b", "--model", str(cfg), "--agents", "4", "--json", str(out))
+    assert run(parse(*argv, "--policy", "dualpath", "--workload", "32k")) == 0
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["turns_done"] > 4 and (r["prefill_ep_gpus"], r["decode_ep_gpus"]) == (16, 32)
+
+
+def test_a_turn_no_decode_engine_can_hold_is_a_clear_error(capsys):
+    from dataclasses import replace
+
+    from pdserve.bench.workloads import table2_workload
+    from pdserve.dualpath.cost_model import DS_27B
+    from pdserve.sim.cluster import ClusterSim
+    from pdserve.sim.config import SimConfig
+    from pdserve.sim.errors import TurnDoesNotFit
+
+    tiny = replace(DS_27B, decode_hbm_kv_bytes=1000 * DS_27B.kv_bytes_per_token)  # 1,000 tokens
+    cfg = SimConfig(num_prefill_nodes=1, num_decode_nodes=1, model=tiny, mode="dualpath")
+    with pytest.raises(TurnDoesNotFit, match="holds 992"):  # 62 pages of 16 tokens
+        ClusterSim(cfg, table2_workload("32k", 2, seed=0)).run()
+
+
+def test_light_load_and_missing_baselines_do_not_crash(tmp_path, capsys):
+    # Too few agents for any SNIC to reach 20% in a window: max/avg is undefined, said so.
+    assert run(parse("--scenario", "nic-balance", "--agents", "2", "--gpus-per-node", "1")) == 0
+    assert "max/avg undefined" in capsys.readouterr().out
+    # No dualpath run: no speedup check, but the runs are still written.
+    out = tmp_path / "o.json"
+    argv = ("--scenario", "offline-660b", "--policy", "basic,oracle", "--agents", "2", "--json", str(out))
+    assert run(parse(*argv)) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())["runs"]] == ["basic", "oracle"]
+    # An SLO no policy meets: no ratio, no division by zero.
+    argv = ("--scenario", "online", "--aps", "3", "--horizon-s", "60", "--snic-gbps", "1", "--cnic-gbps", "1")
+    assert run(parse(*argv)) == 0
+    assert "basic met the SLO at no APS tried" in capsys.readouterr().out
+
+
+def test_hardware_must_be_positive():
+    from pdserve.sim.config import HardwareConfig
+
+    for kw in (
+        {"snic_gbps": 0},
+        {"cnic_gbps": -1.0},
+        {"dram_gbytes_per_s": float("nan")},
+        {"gpus_per_node": 0},
+    ):
+        with pytest.raises(ValueError, match="must be"):
+            HardwareConfig(**kw)
+    assert HardwareConfig(snic_gbps=float("inf")).snic_bytes_per_s == float("inf")
+
+
+def test_online_tpot_is_measured_over_the_same_turns_as_ttft():
+    """After warm-up only: a run's TPOT figures are those of the turns submitted after the warm-up."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from pdserve.bench.workloads import load_workload
+    from pdserve.dualpath.cost_model import DS_27B
+    from pdserve.sim.cluster import ClusterSim
+    from pdserve.sim.config import HardwareConfig
+    from pdserve.sim.scenarios import Overrides, _config, _online_run
+
+    ov = Overrides(gpus_per_node=2)
+    cfg = _config(ov, 1, 1, DS_27B, "dualpath")
+    assert cfg.hw == HardwareConfig(gpus_per_node=2)
+    row = _online_run(ov, cfg, "32k", 0.5, 120.0, 60.0)
+    # The same run by hand (``_online_run`` draws 0.5 x 120 + 1 agents).
+    res = ClusterSim(replace(cfg, horizon_s=120.0), load_workload("32k", 61, 0, 0.5)).run()
+    late = res.tpot_s[res.tpot_submit_s >= 60.0]
+    assert 0 < len(late) < len(res.tpot_s)  # the warm-up's turns are left out
+    assert row["tpot_mean_s"] == pytest.approx(float(np.mean(late)), abs=1e-4)
+    assert row["tpot_mean_s"] != pytest.approx(float(np.mean(res.tpot_s)), abs=1e-4)

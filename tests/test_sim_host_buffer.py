@@ -21,21 +21,30 @@ from tests.test_sim_invariants import DS27_ONE_RANK, HW2, small_cfg
 
 
 class _Probe(ClusterSim):
-    """Checks every reservation against the buffer and records every release (time, node, bytes)."""
+    """Checks every reservation against the buffer and against FIFO order, and records every release
+    (time, node, bytes)."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.num_reserved = 0
         self.num_refused = 0
         self.frees: list[tuple[float, int, int]] = []
+        # rid -> the nodes it needs room on, for every request refused room and not given it yet: kept
+        # from ``_reserve``'s answers alone, independently of the simulator's own waiting lists.
+        self.refused: dict[int, set[int]] = {}
 
     def _reserve(self, req) -> bool:
         pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
+        needs = {de_node, pe_node} if req.pe_read else {de_node}
         before = {n: self.buf_used[n] for n in (pe_node, de_node)}
         ok = super()._reserve(req)
         if not ok:
             self.num_refused += 1
+            self.refused[req.rid] = needs
             return False
+        older = sorted(rid for rid, nodes in self.refused.items() if rid < req.rid and nodes & needs)
+        assert not older, f"request {req.rid} given room on {needs} while older {older} wait there"
+        self.refused.pop(req.rid, None)
         self.num_reserved += 1
         for n, was in before.items():
             if self.buf_used[n] != was:  # took room here: it fitted, or the buffer was empty
@@ -211,6 +220,37 @@ def test_any_buffer_size_finishes_every_request_and_frees_everything(
     assert sim.buf_used == [0] * len(sim.buf_used)
     assert not sim.stalled_nodes and not any(len(w) for w in sim.buf_waiting)
     assert sim.reserved_queued == [0] * len(sim.reserved_queued)
+    assert not sim.refused and not any(sim.room_wait)
+
+
+def test_a_read_does_not_take_room_an_older_first_turn_waits_for():
+    """Room on a node goes in FIFO order over reads and first turns. Request 0 reads a large hit and
+    holds its prompt's room on the decode node; request 1, a first turn, does not fit beside it and
+    waits; request 2's small read would fit, but it is younger than request 1, so its read starts only
+    when request 1 has been given room (request 0's KV moved into the decode GPU), not as soon as the
+    storage NIC is free."""
+    m = DS27_ONE_RANK
+    kv = m.kv_bytes_per_token
+    hits, news = (6400, 0, 640), (300, 1000, 60)
+    cap_tokens = hits[0] + news[0] + hits[2] + news[2]  # requests 0 and 2 fit together, 0 and 1 do not
+    wl = _assemble(
+        "read-behind-first-turn",
+        [np.array([n]) for n in news],
+        [np.array([2])] * 3,
+        np.zeros(3),
+        hits=[np.array([h]) for h in hits],
+    )
+    cfg = replace(_basic_1p1d(cap_tokens * kv / 1e9), record_intervals=True)
+    sim = _Probe(cfg, wl, keep_requests=True)
+    res = sim.run()
+    r0, r1, r2 = res.reqs
+    (first, _, _), (second, _, _) = res.links["snic"][0].intervals
+    assert first == 0.0
+    read0_s = hits[0] * kv / cfg.hw.snic_bytes_per_s
+    assert r0.t_join > read0_s
+    assert second == pytest.approx(r0.t_join, rel=1e-12)  # not read0_s: request 1 goes first
+    assert r1.t_first > r0.t_join  # request 1 waited for that room too
+    assert sim.num_refused >= 2  # request 1 for room, request 2 behind it
 
 
 def test_basic_load_frees_room_and_restarts_the_waiting_read():

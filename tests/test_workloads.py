@@ -83,3 +83,30 @@ def test_weka_sessions_reuse_their_prefix():
     ratio = w.hit_override[later].sum() / (w.hit_override[later] + w.append[later]).sum()
     assert ratio > 0.9  # README: consecutive turns share ~96% of their prefix
     assert (w.think_s[first] == 0).all() and (w.think_s >= 0).all()
+
+
+def test_mooncake_follows_offline_and_online_like_every_workload(tmp_path):
+    """Offline: every request at t=0; online: Poisson at the APS (the same draw as ``arrivals``);
+    ``@trace``: the trace's own timestamps (ms), with which an APS is an error."""
+    import json
+
+    rows = [
+        {"timestamp": 0, "input_length": 1200, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1500, "input_length": 1100, "output_length": 20, "hash_ids": [1, 2, 4]},
+        {"timestamp": 4000, "input_length": 700, "output_length": 5, "hash_ids": [5, 6]},
+    ]
+    (tmp_path / "conversation_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    offline = load_workload("mooncake", 3, seed=0, data_dir=tmp_path)
+    assert (offline.start_s == 0).all()
+    online = load_workload("mooncake", 3, seed=4, aps=2.0, data_dir=tmp_path)
+    assert np.array_equal(online.start_s, arrivals(3, 2.0, 4))
+    timed = load_workload("mooncake@trace", 3, seed=0, data_dir=tmp_path)
+    assert timed.start_s.tolist() == [0.0, 1.5, 4.0]
+    # The replay itself is the same in every timing: request 1 hits request 0's first two 512-token
+    # blocks (1,024 tokens, a multiple of 64), request 2 nothing.
+    for w in (offline, online, timed):
+        assert w.hit_override.tolist() == [0, 1024, 0] and w.append.tolist() == [1200, 76, 700]
+    with pytest.raises(ValueError, match="own arrival times"):
+        load_workload("mooncake@trace", 3, seed=0, aps=1.0, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("mooncake@later", 3, seed=0, data_dir=tmp_path)

@@ -24,6 +24,7 @@ agents per second (seeded).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,8 +226,11 @@ def _prefix_hits(hash_lists: list[list[int]], block_tokens: int, input_lens: lis
     return hits
 
 
-def mooncake_trace(path: str | Path, limit: int | None = None) -> Workload:
-    """Mooncake FAST'25 trace: each request is a one-turn agent arriving at its timestamp (ms).
+def mooncake_trace(
+    path: str | Path, limit: int | None = None, start_s: Callable[[int], np.ndarray] | None = None
+) -> Workload:
+    """Mooncake FAST'25 trace: each request is a one-turn agent arriving at its timestamp (ms), or at
+    ``start_s(number of requests)`` when given (offline: all at 0; online: Poisson, see ``arrivals``).
 
     ``hash_ids`` are 512-token block hashes shared across requests, so hits come from the global prefix
     set (infinite cache). Hit tokens are rounded down to whole 64-token store blocks.
@@ -244,7 +248,10 @@ def mooncake_trace(path: str | Path, limit: int | None = None) -> Workload:
     hit_arr = [np.array([h // BLOCK_TOKENS * BLOCK_TOKENS]) for h in hits]
     # Fix appends so prompt = hit + append equals the trace's input length after block rounding.
     appends = [np.array([r["input_length"] - int(h[0])]) for r, h in zip(rows, hit_arr, strict=True)]
-    start = np.array([r["timestamp"] / 1000.0 for r in rows])
+    if start_s is None:
+        start = np.array([r["timestamp"] / 1000.0 for r in rows])
+    else:
+        start = start_s(len(rows))
     return _assemble(Path(path).stem, appends, gens, start, hits=hit_arr)
 
 
@@ -289,15 +296,23 @@ def load_workload(
     name: str, num_agents: int, seed: int, aps: float | None = None, data_dir: Path | None = None
 ) -> Workload:
     """By name: ``32k``/``48k``/``64k`` (Table 2), ``mooncake`` / ``mooncake-synthetic`` (trace files,
-    ``num_agents`` requests), ``weka_cc`` (coding-agent sessions)."""
+    ``num_agents`` requests), ``weka_cc`` (coding-agent sessions). Every workload follows ``aps``: all
+    agents at t=0 when None (offline), Poisson arrivals at ``aps`` agents/s otherwise (online); a
+    Mooncake name with ``@trace`` (``mooncake@trace``) keeps the trace's own arrival times instead."""
     data_dir = data_dir or default_data_dir()
     if name in TABLE2:
         return table2_workload(name, num_agents, seed, aps)
-    if name in ("mooncake", "mooncake-synthetic"):
-        fname = "conversation_trace.jsonl" if name == "mooncake" else "synthetic_trace.jsonl"
-        return mooncake_trace(data_dir / fname, limit=num_agents)
+    base, _, timing = name.partition("@")
+    if base in ("mooncake", "mooncake-synthetic") and timing in ("", "trace"):
+        fname = "conversation_trace.jsonl" if base == "mooncake" else "synthetic_trace.jsonl"
+        if timing == "trace":
+            if aps is not None:
+                raise ValueError(f"{name} replays the trace's own arrival times; an APS does not apply")
+            return mooncake_trace(data_dir / fname, limit=num_agents)
+        return mooncake_trace(data_dir / fname, limit=num_agents, start_s=lambda n: arrivals(n, aps, seed))
     if name == "weka_cc":
         return weka_workload(sorted((data_dir / "weka_cc").glob("trace_*.json")), num_agents, seed, aps)
     raise ValueError(
-        f"unknown workload {name!r}; known: {sorted(TABLE2)} + mooncake, mooncake-synthetic, weka_cc"
+        f"unknown workload {name!r}; known: {sorted(TABLE2)} + mooncake, mooncake-synthetic (either"
+        " with @trace for the trace's arrival times), weka_cc"
     )

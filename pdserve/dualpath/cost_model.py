@@ -31,9 +31,9 @@ Constants and their sources:
   config gets the DS size if it uses MLA, else the Qwen size. [paper; HF rule assumed]
 * ``prefill_ep_gpus``: the prefill deployment's EP group (DP attention + EP MoE, whose ranks step in
   lockstep): EP16 over 2 nodes for ds-660b (the size its HBM budget assumes), EP8 for ds-27b
-  [assumed, as its profile]; 1 (independent engines) for dense models and HF configs.
-  ``decode_ep_gpus`` likewise for decode: EP32 over 4 nodes for ds-660b (its decode HBM budget), EP8
-  for ds-27b, 1 for dense models and HF configs.
+  [assumed, as its profile]; 1 (independent engines) for dense models; for an HF MoE config the
+  group its experts need (``profile_from_hf_config``). ``decode_ep_gpus`` likewise for decode: EP32
+  over 4 nodes for ds-660b (its decode HBM budget), EP8 for ds-27b, 1 for dense models.
 """
 
 from __future__ import annotations
@@ -177,7 +177,15 @@ def get_profile(name_or_path: str) -> ModelProfile:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return profile_from_hf_config(json.loads(path.read_text()), name=str(name_or_path))
+        try:
+            cfg = json.loads(path.read_text())
+            return profile_from_hf_config(cfg, name=str(name_or_path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model config {str(path)!r} is not JSON: {e}") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"model config {str(path)!r} is not an HF config.json: missing or bad {e}"
+            ) from None
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(PROFILES)} or a config.json path")
 
 
@@ -187,7 +195,10 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     KV bytes per token per layer: MLA (``kv_lora_rank``) stores kv_lora_rank + qk_rope_head_dim values;
     GQA stores 2 x num_key_value_heads x head_dim. Both in bf16 (2 B) unless ``torch_dtype`` says fp8.
     Activated parameters: attention projections + (dense or top-k experts') MLP per layer + lm head.
-    Efficiencies are the Qwen2.5-32B anchor fits (dense bf16 on H200).
+    Efficiencies are the Qwen2.5-32B anchor fits (dense bf16 on H200). Weights are fp8 when the config's
+    ``quantization_config`` says so. A MoE model's routed experts are spread over an EP group (DP
+    attention + EP MoE, as DeepSeek deploys it; prefill and decode alike): the smallest power of two
+    that leaves at least half of an H200 for KV and activations [assumed]; a dense model runs on one GPU.
     """
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
@@ -209,12 +220,24 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         shared = int(cfg.get("n_shared_experts", 0) or 0)
         mlp = 3 * hidden * moe_inter * (top_k + shared)
         mlp_total = 3 * hidden * moe_inter * (n_experts + shared)
+        mlp_shared = 3 * hidden * moe_inter * shared
     else:
         mlp = mlp_total = 3 * hidden * inter
+        mlp_shared = 0
     attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     vocab = int(cfg.get("vocab_size", 32000))
     active = layers * (attn_params + mlp) + vocab * hidden
-    weights_bytes = (layers * (attn_params + mlp_total) + 2 * vocab * hidden) * dtype_bytes
+    quant = cfg.get("quantization_config") or {}
+    weight_bytes = 1 if "fp8" in str(quant.get("quant_method", "")).lower() else dtype_bytes
+    # Per GPU: everything but the routed experts, plus 1/ep of them.
+    routed_bytes = layers * (mlp_total - mlp_shared) * weight_bytes if n_experts else 0
+    other_bytes = (
+        layers * (attn_params + (mlp_shared if n_experts else mlp_total)) + 2 * vocab * hidden
+    ) * weight_bytes
+    ep = 1
+    while routed_bytes and ep < 256 and other_bytes + routed_bytes / ep > H200_HBM_BYTES / 2:
+        ep *= 2
+    weights_bytes = other_bytes + routed_bytes / ep
     flops_per_pair = 4 * heads * head_dim * layers
     free = max(H200_HBM_BYTES - weights_bytes - 10e9, 1e9)
     return replace(
@@ -230,6 +253,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         prefill_hbm_kv_bytes=int(free),
         decode_hbm_kv_bytes=int(free),
         host_buffer_bytes=DS_660B.host_buffer_bytes if mla else QWEN_32B.host_buffer_bytes,
+        prefill_ep_gpus=ep,
+        decode_ep_gpus=ep,
     )
 
 

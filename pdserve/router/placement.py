@@ -98,7 +98,8 @@ class Placement:
     ) -> None:
         if policy == "split":
             raise ValueError(
-                "policy 'split' exists only in the simulator: it gains < 5% there (docs/simulation.md), "
+                "policy 'split' exists only in the simulator: it gains at most ~0.5% there and loses up to ~6% "
+                "on small clusters (docs/simulation.md), "
                 "so the real read paths do not implement split reads"
             )
         if policy not in REAL_POLICIES:

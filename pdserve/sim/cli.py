@@ -3,30 +3,64 @@
 Who calls it: ``pdserve/cli.py`` wires ``add_arguments`` and ``run`` to the ``simulate`` sub-command;
 ``python -m pdserve.sim.cli ...`` works on its own. ``--json OUT`` writes
 ``{"scenario": NAME, "runs": [...], "checks": [...]}`` with one object per (policy, setting).
-List-valued overrides (``--agents``, ``--aps``, ``--policy``, ``--submit-us``) take comma lists.
+List-valued overrides (``--agents``, ``--aps``, ``--policy``, ``--submit-us``) take comma lists; a
+scenario that runs one setting refuses a list rather than use its first value. Numbers are checked
+here (a node count of 0 or a NIC of 0 Gbit/s is a usage error, not a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.sim import accel
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x)
+def _number(kind: type, low: float, low_ok: bool) -> Callable[[str], float]:
+    """An argparse type: a ``kind`` number above ``low`` (or equal to it when ``low_ok``)."""
+    bound = f"{'≥' if low_ok else '>'} {low:g}"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if math.isnan(v) or v < low or (v == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
+        return v
+
+    parse.is_number = True  # type: ignore[attr-defined]  # (for tests that scan options for addresses)
+    return parse
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x)
+_positive_int = _number(int, 0, low_ok=False)
+_positive = _number(float, 0.0, low_ok=False)
+_non_negative = _number(float, 0.0, low_ok=True)
 
 
-def _strs(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
+def _list(item: Callable[[str], object]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        values = tuple(item(x.strip()) for x in text.split(",") if x.strip())
+        if not values:
+            raise argparse.ArgumentTypeError("empty list")
+        return values
+
+    return parse
+
+
+# The issue's and the scheduler's name for Basic's engine choice.
+_POLICY_ALIASES = {"round_robin": "basic"}
+
+
+def _policy(text: str) -> str:
+    return _POLICY_ALIASES.get(text, text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,40 +76,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that matches the sources if there is one; on = build it first (~2 min once); off = pure Python",
     )
     g = parser.add_argument_group("overrides (default: the scenario's own)")
-    g.add_argument("--prefill-nodes", type=int)
-    g.add_argument("--decode-nodes", type=int)
-    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("--prefill-nodes", type=_positive_int)
+    g.add_argument("--decode-nodes", type=_positive_int)
+    g.add_argument("--gpus-per-node", type=_positive_int)
     g.add_argument("--model", help="named profile (ds-660b, ds-27b, qwen2.5-32b) or an HF config.json path")
-    g.add_argument("--workload", help="32k, 48k, 64k (Table 2), mooncake, mooncake-synthetic, weka_cc")
-    g.add_argument("--agents", type=_ints, help="agent count(s), comma separated")
-    g.add_argument("--aps", type=_floats, help="online: agents per second to try, comma separated")
-    g.add_argument("--policy", type=_strs, help="basic, layerwise, dual_path, dualpath, split, oracle")
-    g.add_argument("--snic-gbps", type=float, help="storage NIC per node, Gbit/s (default 400)")
-    g.add_argument("--cnic-gbps", type=float, help="compute NIC per GPU, Gbit/s (default 400)")
-    g.add_argument("--dram-gbytes-per-s", type=float, help="host DRAM bandwidth per node, GB/s (default 500)")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--quota-ms", type=float, help="PE compute quota per batch (default 300)")
-    g.add_argument("--submit-us", type=_floats, help="per-copy submit µs (submit-cost sweep values)")
-    g.add_argument("--copies-per-submit", type=int, help="descriptors per doorbell (default 1)")
+    g.add_argument(
+        "--workload",
+        help="32k, 48k, 64k (Table 2), mooncake, mooncake-synthetic (+ @trace: the trace's arrival"
+        " times, not offline / --aps), weka_cc",
+    )
+    g.add_argument("--agents", type=_list(_positive_int), help="agent count(s), comma separated")
+    g.add_argument("--aps", type=_list(_positive), help="online: agents per second to try, comma separated")
+    g.add_argument(
+        "--policy",
+        type=_list(_policy),
+        help="basic (alias round_robin), layerwise, dual_path, dualpath, split, oracle; comma separated",
+    )
+    g.add_argument("--snic-gbps", type=_positive, help="storage NIC per node, Gbit/s (default 400)")
+    g.add_argument("--cnic-gbps", type=_positive, help="compute NIC per GPU, Gbit/s (default 400)")
+    g.add_argument(
+        "--dram-gbytes-per-s", type=_positive, help="host DRAM bandwidth per node, GB/s (default 500)"
+    )
+    g.add_argument("--seed", type=_number(int, 0, low_ok=True))
+    g.add_argument("--quota-ms", type=_positive, help="PE compute quota per batch (default 300)")
+    g.add_argument(
+        "--submit-us", type=_list(_non_negative), help="per-copy submit µs (submit-cost sweep values)"
+    )
+    g.add_argument("--copies-per-submit", type=_positive_int, help="descriptors per doorbell (default 1)")
     g.add_argument(
         "--prefill-ep-gpus",
-        type=int,
+        type=_positive_int,
         help="PE ranks per EP group that step in lockstep (default: the model's; 1 = independent engines;"
         " cut to a divisor of the prefill GPU count)",
     )
     g.add_argument(
         "--decode-ep-gpus",
-        type=int,
+        type=_positive_int,
         help="DE ranks per decode EP group that step in lockstep (default: the model's; 1 = independent"
         " engines; cut to a divisor of the decode GPU count)",
     )
     g.add_argument(
         "--host-buffer-gb",
-        type=float,
+        type=_positive,
         help="pinned host buffer per node for KV in flight, GB (default: the model's, 80 for DS, 320 for"
         " Qwen; inf = unbounded)",
     )
-    g.add_argument("--horizon-s", type=float, help="online: simulated seconds per run (default 3600)")
+    g.add_argument("--horizon-s", type=_positive, help="online: simulated seconds per run (default 3600)")
 
 
 def _overrides(args: argparse.Namespace):

@@ -35,9 +35,10 @@ state, and splitting them would only add indirection, and a module boundary to t
   DE node (the DE-read hit plus what the PE sends back), all at once so that no request holds room
   while waiting for more. A read without room waits, and the reads queued behind it on that SNIC,
   except a split request's second read, whose room is already held: it passes (else two split
-  requests could wait on each other's room); a request with nothing to read waits per DE node. Freed: the PE side once loaded into the
-  GPU (Basic) or when the request's prefill ends (layerwise streams the hit again for every chunk);
-  the DE side at the decode H2D. A node with an empty buffer takes any size.
+  requests could wait on each other's room); a request with nothing to read waits per DE node. Room
+  on a node goes in FIFO order over both kinds of waiter (``_reserve``). Freed: the PE side once
+  loaded into the GPU (Basic) or when the request's prefill ends (layerwise streams the hit again for
+  every chunk); the DE side at the decode H2D. A node with an empty buffer takes any size.
 * Decode: DE ranks form decode EP groups (``decode_ep_gpus``: 32 for DS-660B = EP32 over 4 nodes, 8
   for DS-27B, 1 for a dense model) that step in lockstep: a step costs the overhead + the per-sequence
   (MoE) work of all the group's sequences spread over its ranks + the slowest rank's attention (KV
@@ -89,7 +90,7 @@ from pdserve.dualpath.scheduler import (
     policy_config,
 )
 from pdserve.sim.config import SimConfig, get_mode
-from pdserve.sim.errors import SimulationStalled
+from pdserve.sim.errors import SimulationStalled, TurnDoesNotFit
 from pdserve.sim.links import Link, book3
 
 # A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
@@ -124,6 +125,7 @@ class _Req:
         "inbound_done",
         "pe_buf",
         "de_buf",
+        "waits_room",
         "t_first",
         "t_join",
         "t_done",
@@ -147,6 +149,7 @@ class _Req:
         self.new_done = 0
         self.inbound_done = False
         self.pe_buf = self.de_buf = 0  # host-buffer bytes held on the PE / DE node
+        self.waits_room = False  # refused room and not given it yet (in ``ClusterSim.room_wait``)
         self.t_first = self.t_join = self.t_done = math.nan
 
 
@@ -191,7 +194,8 @@ class SimResult:
     agent_done_s: np.ndarray
     ttft_s: np.ndarray
     tpot_s: np.ndarray
-    turn_submit_s: np.ndarray
+    turn_submit_s: np.ndarray  # submit time of the turn behind each ``ttft_s``
+    tpot_submit_s: np.ndarray  # submit time of the turn behind each ``tpot_s``
     num_turns_submitted: int
     unanswered_submit_s: np.ndarray  # submit times of turns without a first token when the run stopped
     num_turns_done: int
@@ -324,6 +328,11 @@ class ClusterSim:
         self.stalled_nodes: list[int] = []
         self.reserved_queued = [0] * n_nodes  # queued reads whose request already holds its room
         self.buf_waiting: list[deque[_Req]] = [deque() for _ in range(n_nodes)]  # requests with no read
+        self.first_turn_nodes: list[int] = []  # nodes whose ``buf_waiting`` is not empty
+        # Per node, the rids of the requests waiting for room that need room there, ascending: room
+        # goes in FIFO order over both kinds of waiter (a stalled read and a first turn), see ``_reserve``.
+        self.room_wait: list[list[int]] = [[] for _ in range(n_nodes)]
+        self._retrying_room = False
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
@@ -362,6 +371,7 @@ class ClusterSim:
         self.agent_done = np.full(workload.num_agents, np.nan)
         self.ttft: list[float] = []
         self.tpot: list[float] = []
+        self.tpot_submit_t: list[float] = []
         self.submit_t: list[float] = []
         self.reqs: list[_Req] = []
         self.n_submitted = 0
@@ -431,6 +441,7 @@ class ClusterSim:
             ttft_s=np.array(self.ttft),
             tpot_s=np.array(self.tpot),
             turn_submit_s=np.array(self.submit_t),
+            tpot_submit_s=np.array(self.tpot_submit_t),
             num_turns_submitted=self.n_submitted,
             unanswered_submit_s=np.array(list(self.open_turns.values())),
             num_turns_done=self.n_done,
@@ -457,7 +468,14 @@ class ClusterSim:
         self.open_turns[req.rid] = self.now
         if self.keep_requests:
             self.reqs.append(req)
-        self.queue.append(PendingRequest(req.rid, hit, new, req.prompt + req.gen))
+        pend = PendingRequest(req.rid, hit, new, req.prompt + req.gen)
+        if pend.num_decode_pages(self.cfg.page_tokens) > self.de_pages:
+            raise TurnDoesNotFit(
+                f"turn {turn} of agent {agent} needs {req.prompt + req.gen} tokens of KV, but a decode engine"
+                f" of {self.cfg.model.name} holds {self.de_pages * self.cfg.page_tokens}"
+                f" ({self.cfg.model.decode_hbm_kv_bytes / 1e9:.1f} GB of HBM for KV): no schedule can place it"
+            )
+        self.queue.append(pend)
         self.queue_reqs.append(req)
         if not self.fetch_pending:
             self._want_fetch()
@@ -495,10 +513,14 @@ class ClusterSim:
             if not (req.pe_read or req.de_read):
                 # Nothing to read (a first turn), but the KV the PE sends back needs room in the DE's
                 # buffer: without it the request waits, in FIFO order per node, as one read left.
-                waiting = self.buf_waiting[self.P + req.de // self.g]
-                if waiting or not self._reserve(req):
+                if not self._reserve(req):
                     req.reads_left = 1
+                    de_node = self.P + req.de // self.g
+                    waiting = self.buf_waiting[de_node]
+                    if not waiting:
+                        self.first_turn_nodes.append(de_node)
                     waiting.append(req)
+                    self._wait_room(req)
             if req.pe_read:
                 req.reads_left += 1
                 self._enqueue_read(req.pe // self.g, req, req.pe_read)
@@ -531,6 +553,7 @@ class ClusterSim:
         q = self.read_q[node]
         req, tokens = q[0]
         wake = -1  # a node holding this request's second read, to retry once this one has started
+        was_waiting = req.waits_room
         if req.de_buf:  # its room was reserved at its other read (a split request's second read)
             self.reserved_queued[node] -= 1
         elif self._reserve(req):
@@ -539,6 +562,9 @@ class ClusterSim:
                 self.reserved_queued[other] += 1
                 wake = other
         else:
+            if not req.waits_room:
+                self._wait_room(req)
+            was_waiting = False
             # A read whose room is already reserved passes the reads waiting for room: otherwise a
             # split request holding room here could wait behind a request that waits for that room.
             # (``reserved_queued`` may count a read not queued yet: its request is still in ``_fetch``.)
@@ -568,6 +594,8 @@ class ClusterSim:
         self._push(end, _READ_DONE, node)
         if wake >= 0 and self.read_stalled[wake] and not self.snic_busy[wake]:
             self._start_read(wake)
+        if was_waiting and not self._retrying_room:
+            self._retry_room()  # younger waiters on its nodes may go now
 
     def _other_read_node(self, req: _Req, node: int) -> int:
         """The node of ``req``'s other read (a split request reads on both sides), or -1."""
@@ -581,11 +609,20 @@ class ClusterSim:
         hit plus what the PE sends back: hit + miss on the PE path, the miss on the DE path). Taking it
         all at once means a request never holds room while waiting for more room (a split request's
         second read still needs the passing rule in ``_start_read``); a node with an empty buffer takes
-        any size (else a request larger than the buffer would never start)."""
+        any size (else a request larger than the buffer would never start).
+
+        FIFO per node: room on a node is refused while an older request waits for room there (a read
+        stalled at the head of its SNIC queue, or a first turn), so neither kind overtakes the other.
+        No cycle: a waiter is held back only by older waiters and by room, and the oldest waiter's room
+        is freed by requests that already hold theirs."""
         kv, cap = self.kv_tok, self.buf_cap
-        used = self.buf_used
+        used, wait, rid = self.buf_used, self.room_wait, req.rid
         pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
         pe_b, de_b = req.pe_read * kv, req.prompt * kv
+        if wait[de_node] and wait[de_node][0] < rid:
+            return False
+        if pe_b and wait[pe_node] and wait[pe_node][0] < rid:
+            return False
         if pe_b and used[pe_node] and used[pe_node] + pe_b > cap:
             return False
         if used[de_node] and used[de_node] + de_b > cap:
@@ -595,7 +632,19 @@ class ClusterSim:
             req.pe_buf = pe_b
         self._buf_take(de_node, de_b)
         req.de_buf = de_b
+        if req.waits_room:
+            req.waits_room = False
+            wait[de_node].remove(rid)
+            if pe_b:
+                wait[pe_node].remove(rid)
         return True
+
+    def _wait_room(self, req: _Req) -> None:
+        """``req`` was refused room: hold back younger requests that need room on its nodes."""
+        req.waits_room = True
+        insort(self.room_wait[self.P + req.de // self.g], req.rid)
+        if req.pe_read:
+            insort(self.room_wait[req.pe // self.g], req.rid)
 
     def _buf_take(self, node: int, nbytes: int) -> None:
         used = self.buf_used[node] + nbytes
@@ -605,17 +654,38 @@ class ClusterSim:
 
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
-        # A waiting read may need room on this node or on its request's other node: retry them all.
-        if self.stalled_nodes:
-            for n in list(self.stalled_nodes):
-                if self.read_stalled[n]:  # a stalled node's SNIC is idle; an earlier retry may have woken it
-                    self._start_read(n)
-        waiting = self.buf_waiting[node]  # only ever wait for room on their DE node
+        if self.stalled_nodes or self.first_turn_nodes:
+            self._retry_room()
+
+    def _retry_room(self) -> None:
+        """Retry every request waiting for room: the stalled reads (one may need room on either of its
+        request's nodes), then the first turns. ``_reserve`` keeps the order FIFO whatever the order of
+        the retries; but a grant may let a younger waiter that was held back by it go, so the pass is
+        repeated while it grants anything. First turns given room are made ready together."""
+        self._retrying_room = True
         fits: list[_Req] = []
-        while waiting and self._reserve(waiting[0]):
-            req = waiting.popleft()
-            req.reads_left = 0
-            fits.append(req)
+        granted = True
+        while granted:
+            granted = False
+            if self.stalled_nodes:
+                for n in list(self.stalled_nodes):
+                    if self.read_stalled[
+                        n
+                    ]:  # a stalled node's SNIC is idle; an earlier retry may have woken it
+                        self._start_read(n)
+                        granted = granted or not self.read_stalled[n]
+            for n in list(self.first_turn_nodes):
+                waiting = self.buf_waiting[n]  # first turns only ever wait for room on their DE node
+                while waiting and self._reserve(waiting[0]):
+                    req = waiting.popleft()
+                    req.reads_left = 0
+                    fits.append(req)
+                    granted = True
+                if not waiting:
+                    self.first_turn_nodes.remove(n)
+            if not (self.stalled_nodes or self.first_turn_nodes):
+                break
+        self._retrying_room = False
         if fits:
             self._ready_together(fits)
 
@@ -923,6 +993,7 @@ class ClusterSim:
         r.t_done = t
         if r.gen > 1:
             self.tpot.append((t - r.t_join) / (r.gen - 1))
+            self.tpot_submit_t.append(r.t_submit)
         d = self.dec[r.de]
         d.seqs -= 1
         d.tokens -= r.prompt + r.gen

@@ -25,6 +25,13 @@ class HardwareConfig:
     snic_gbps: float = 400.0  # per node, storage reads
     dram_gbytes_per_s: float = 500.0  # per node, reads + writes
 
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be ≥ 1, got {self.gpus_per_node}")
+        for name in ("cnic_gbps", "snic_gbps", "dram_gbytes_per_s"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
     @property
     def cnic_bytes_per_s(self) -> float:
         return self.cnic_gbps * GBIT

@@ -4,3 +4,8 @@ exception, and ``cluster.py`` is compiled by ``sim/accel.py``)."""
 
 class SimulationStalled(RuntimeError):
     """An offline run ran out of events with turns still open: something waits for what never comes."""
+
+
+class TurnDoesNotFit(ValueError):
+    """A turn needs more KV pages than a decode engine has in all: the model's KV budget (its profile's
+    ``decode_hbm_kv_bytes``) is too small for the workload's contexts; no schedule can place it."""
