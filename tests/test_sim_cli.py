@@ -84,6 +84,9 @@ def test_tiny_ablation_json_and_plot(tmp_path):
         assert r["decode_ep_gpus"] == 1  # asked for: independent decode engines
         assert r["host_buffer_gb"] == 80.0  # DS-660B's, in GB
         assert 0 < r["pe_buffer_peak_gb"] <= 80.0
+        # Every hardware and batching parameter of the setting, defaults included.
+        assert (r["snic_gbps"], r["cnic_gbps"], r["dram_gbytes_per_s"]) == (400.0, 400.0, 500.0)
+        assert (r["quota_ms"], r["submit_us_per_copy"], r["copies_per_submit"]) == (300.0, 1.0, 1)
     assert data["runs"][0]["jct_change_pct"] == 0.0
     assert png.stat().st_size > 1000
 
@@ -223,3 +226,14 @@ def test_online_tpot_is_measured_over_the_same_turns_as_ttft():
     assert 0 < len(late) < len(res.tpot_s)  # the warm-up's turns are left out
     assert row["tpot_mean_s"] == pytest.approx(float(np.mean(late)), abs=1e-4)
     assert row["tpot_mean_s"] != pytest.approx(float(np.mean(res.tpot_s)), abs=1e-4)
+
+
+def test_online_runs_have_no_jct(tmp_path):
+    """Agents arrive until the horizon, so no job completes as a whole: the JSON says so (null) rather
+    than report the horizon-truncated makespan."""
+    out = tmp_path / "o.json"
+    argv = ("--scenario", "online", "--aps", "0.2", "--horizon-s", "40", "--policy", "dualpath")
+    assert run(parse(*argv, "--prefill-nodes", "1", "--decode-nodes", "1", "--json", str(out))) == 0
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["jct_s"] is None and r["jct_mean_s"] is None
+    assert r["ttft_mean_s"] is not None and r["horizon_s"] == 40.0 and r["aps"] == 0.2

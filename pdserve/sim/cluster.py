@@ -377,6 +377,7 @@ class ClusterSim:
         self.n_submitted = 0
         self.open_turns: dict[int, float] = {}  # rid -> submit time, until the first token
         self.n_done = 0
+        self.n_agents_done = 0
         self.now = 0.0
 
     # ---- event plumbing ----
@@ -436,7 +437,7 @@ class ClusterSim:
             )
         return SimResult(
             config=self.cfg,
-            makespan_s=float(np.nanmax(self.agent_done)) if self.n_done else math.nan,
+            makespan_s=float(np.nanmax(self.agent_done)) if self.n_agents_done else math.nan,
             agent_done_s=self.agent_done,
             ttft_s=np.array(self.ttft),
             tpot_s=np.array(self.tpot),
@@ -1013,5 +1014,6 @@ class ClusterSim:
                 self._arrive(agent, nxt)
         else:
             self.agent_done[agent] = t
+            self.n_agents_done += 1
         if not self.fetch_pending:
             self._want_fetch()

@@ -136,6 +136,10 @@ def record(res: SimResult, **setting) -> dict:
         "model": cfg.model.name,
         "snic_gbps": cfg.hw.snic_gbps,
         "cnic_gbps": cfg.hw.cnic_gbps,
+        "dram_gbytes_per_s": cfg.hw.dram_gbytes_per_s,
+        "quota_ms": _f(cfg.compute_quota_s * 1e3),
+        "submit_us_per_copy": cfg.submit_us_per_copy,
+        "copies_per_submit": cfg.copies_per_submit,
         "seed": cfg.seed,
         "prefill_ep_gpus": cfg.prefill_ep_group,
         "decode_ep_gpus": cfg.decode_ep_group,
@@ -303,6 +307,8 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s) -> dict:
     pend = horizon_s - pend[pend >= warmup_s]
     ttft = np.concatenate([res.ttft_s[keep], pend])
     row = record(res, aps=aps, workload=wl_name, horizon_s=horizon_s)
+    # Agents keep arriving until the horizon: no job completes as a whole, so no JCT.
+    row["jct_s"] = row["jct_mean_s"] = None
     row["ttft_p50_s"] = _f(np.median(ttft)) if len(ttft) else None
     row["ttft_mean_s"] = _f(ttft.mean()) if len(ttft) else None
     tpot = res.tpot_s[res.tpot_submit_s >= warmup_s]  # the same measured turns as TTFT (those that finished)
