@@ -125,6 +125,76 @@ def test_oracle_le_dualpath_le_basic_jct():
     assert jct["basic"] / jct["dualpath"] > 1.1  # dual path must matter when storage binds
 
 
+@pytest.mark.parametrize("seed", [6, 7])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_oracle_le_dualpath_le_basic_in_mean_and_makespan_on_every_shape(seed, shape):
+    wl = table2_workload("64k", 48, seed=seed)
+    hw = HardwareConfig(gpus_per_node=2, snic_gbps=100)
+    got = {}
+    for mode in ("oracle", "dualpath", "basic"):
+        cfg = small_cfg(mode, record_intervals=False, compute_quota_s=0.3, hw=hw)
+        cfg = replace(cfg, num_prefill_nodes=shape[0], num_decode_nodes=shape[1])
+        res = ClusterSim(cfg, wl).run()
+        got[mode] = (res.jct_mean_s, res.jct_s)
+    for i in (0, 1):  # mean JCT, then makespan
+        assert got["oracle"][i] <= got["dualpath"][i] <= got["basic"][i], (i, got)
+
+
+class _CountSteps(ClusterSim):
+    """Counts the prefill steps each request takes part in (more than one when it is chunked)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.steps: dict[int, int] = {}
+
+    def _rank_done(self, pe, batch) -> None:
+        for r, _n in batch:
+            self.steps[r.rid] = self.steps.get(r.rid, 0) + 1
+        super()._rank_done(pe, batch)
+
+
+@pytest.mark.parametrize("mode", ["basic", "layerwise", "dualpath", "split"])
+def test_bytes_conserved_per_link_when_prompts_are_chunked(mode, wl):
+    """A 20 ms quota cuts most prompts into several steps. Layerwise streams the hit into the PE GPU
+    again for every step (only the current layer is resident); Basic loads it once and keeps it in
+    HBM. New tokens' KV goes to the decode host as computed, the PE-read hit once."""
+    sim = _CountSteps(small_cfg(mode, compute_quota_s=0.02), wl, keep_requests=True)
+    res = sim.run()
+    assert max(sim.steps.values()) > 2  # chunking did happen
+    kv = res.config.model.kv_bytes_per_token
+    P, g = res.config.num_prefill_nodes, res.config.hw.gpus_per_node
+    reqs = res.reqs
+    loads = {r.rid: 1 if mode == "basic" else sim.steps[r.rid] for r in reqs}
+    pe_in = sum(loads[r.rid] * r.pe_read for r in reqs)  # hit KV into the PE GPU, PE path
+    de_in = sum(loads[r.rid] * r.de_read for r in reqs)  # and DE path
+    hit = sum(r.hit for r in reqs)
+    out = sum(r.new + r.pe_read for r in reqs)  # what the PE sends to the decode host
+    prompt = sum(r.prompt for r in reqs)  # decode H2D
+    pe_read = sum(r.pe_read for r in reqs)
+    de_read = sum(r.de_read for r in reqs)
+    expect = {
+        "snic": hit,
+        "pe_cnic_wr": pe_in + de_in,
+        "pe_cnic_rd": pe_in + out,
+        "de_cnic_wr": out + prompt,
+        "de_cnic_rd": de_in + prompt,
+        "pe_dram": pe_read + pe_in,
+        "de_dram": de_read + de_in + out + prompt,
+    }
+    L = res.links
+    got = {
+        "snic": sum(x.bytes_total for x in L["snic"]),
+        "pe_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][: P * g]),
+        "pe_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][: P * g]),
+        "de_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][P * g :]),
+        "de_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][P * g :]),
+        "pe_dram": sum(x.bytes_total for x in L["dram"][:P]),
+        "de_dram": sum(x.bytes_total for x in L["dram"][P:]),
+    }
+    for k, tokens in expect.items():
+        assert got[k] == pytest.approx(tokens * kv, rel=1e-9), (mode, k)
+
+
 def test_deterministic(wl):
     a = ClusterSim(small_cfg("dualpath", record_intervals=False), wl).run()
     b = ClusterSim(small_cfg("dualpath", record_intervals=False), wl).run()
