@@ -319,13 +319,30 @@ def test_batch_progress_when_one_page_exceeds_quota():
 # ---------------- property test ----------------
 
 
-@fuzz_settings(150)
-@given(
+# A fetch's inputs for the property tests: a policy, 1-4 PEs and 1-5 DEs (the rest drawn in the test).
+_CLUSTER_DRAWS = given(
     data=st.data(),
     policy=st.sampled_from(["round_robin", "round_robin_dual", "dualpath", "split"]),
     num_pe=st.integers(1, 4),
     num_de=st.integers(1, 5),
 )
+
+
+def _draw_queue(data, min_new_tokens: int) -> list[PendingRequest]:
+    """Up to 30 requests: hits of 0-20 blocks of 64 tokens, new and decode tokens drawn."""
+    return [
+        PendingRequest(
+            rid,
+            data.draw(st.integers(0, 20)) * 64,
+            data.draw(st.integers(min_new_tokens, 300)),
+            data.draw(st.integers(1, 400)),
+        )
+        for rid in range(data.draw(st.integers(0, 30)))
+    ]
+
+
+@fuzz_settings(150)
+@_CLUSTER_DRAWS
 def test_property_never_exceeds_free_pages_and_assigns_once(data, policy, num_pe, num_de):
     c = policy_config(policy, alpha_tokens=data.draw(st.integers(0, 5000)), beta_tokens=10**9)
     pes = [EngineLoad(i, i % 2) for i in range(num_pe)]
@@ -334,15 +351,7 @@ def test_property_never_exceeds_free_pages_and_assigns_once(data, policy, num_pe
     s = DualPathScheduler(c, pes, des, num_nodes=5)
     for n in range(5):
         s.report_read_queue(n, data.draw(st.integers(0, 3000)))
-    queue = [
-        PendingRequest(
-            rid,
-            data.draw(st.integers(0, 20)) * 64,
-            data.draw(st.integers(1, 300)),
-            data.draw(st.integers(1, 400)),
-        )
-        for rid in range(data.draw(st.integers(0, 30)))
-    ]
+    queue = _draw_queue(data, min_new_tokens=1)
     assigned: dict[int, object] = {}
     used = [0] * num_de
     pending = list(queue)
@@ -507,37 +516,35 @@ def test_pe_heap_compaction_keeps_choices_equal_to_a_plain_scan(monkeypatch):
     assert plain_pe_scan(s) is None and s._choose_prefill() is None
 
 
+def _one_read(s: DualPathScheduler, rid: int, hit: int, queues: tuple[int, int]) -> Assignment:
+    """Report the PE node's (0) and DE node's (1) read queues, then place one request."""
+    for node, tokens in enumerate(queues):
+        s.report_read_queue(node, tokens)
+    return s.assign([req(rid, hit=hit)])[0]
+
+
 def test_read_path_equal_queues_prefers_side_that_read_less_so_far():
     # PE on node 0, DE on node 1. First request: equal queues and totals -> PE reads 640.
     s = make(cfg(), pe_nodes=[0], de_nodes=[1])
     a = s.assign([req(1, hit=640)])[0]
     assert (a.read_path, a.num_pe_read_tokens) == (PATH_PE, 640)
     assert s.read_tokens_total[:2] == [640, 0]
-    s.report_read_queue(0, 100)
-    s.report_read_queue(1, 100)  # queues equal again; totals 640 (PE) vs 0 (DE)
-    b = s.assign([req(2, hit=64)])[0]
+    b = _one_read(s, 2, 64, queues=(100, 100))  # queues equal again; totals 640 (PE) vs 0 (DE)
     assert (b.read_path, b.num_pe_read_tokens, b.num_de_read_tokens) == (PATH_DE, 0, 64)
     assert s.read_tokens_total[:2] == [640, 64]
     # Mirror: the DE node has read more so far (640 vs 0, then 640 vs 64) -> the PE side. Together with
     # the case above this fails if the totals were ignored (on either side) or compared the wrong way.
     t = make(cfg(), pe_nodes=[0], de_nodes=[1])
-    t.report_read_queue(0, 1000)  # force the first read onto the DE node
-    c = t.assign([req(1, hit=640)])[0]
+    c = _one_read(t, 1, 640, queues=(1000, 0))  # force the first read onto the DE node
     assert (c.read_path, c.num_de_read_tokens) == (PATH_DE, 640)
     assert t.read_tokens_total[:2] == [0, 640]
-    t.report_read_queue(0, 100)
-    t.report_read_queue(1, 100)
-    d = t.assign([req(2, hit=64)])[0]
+    d = _one_read(t, 2, 64, queues=(100, 100))
     assert (d.read_path, d.num_pe_read_tokens, d.num_de_read_tokens) == (PATH_PE, 64, 0)
-    t.report_read_queue(0, 100)
-    t.report_read_queue(1, 100)  # totals 64 (PE) vs 640 (DE), both non-zero
-    e = t.assign([req(3, hit=64)])[0]
+    e = _one_read(t, 3, 64, queues=(100, 100))  # totals 64 (PE) vs 640 (DE), both non-zero
     assert (e.read_path, e.num_pe_read_tokens) == (PATH_PE, 64)
     assert t.read_tokens_total[:2] == [128, 640]
     # Unequal queues still dominate: the PE node has read less but its queue is longer.
-    t.report_read_queue(0, 101)
-    t.report_read_queue(1, 100)
-    f = t.assign([req(4, hit=64)])[0]
+    f = _one_read(t, 4, 64, queues=(101, 100))
     assert (f.read_path, f.num_de_read_tokens) == (PATH_DE, 64)
 
 
@@ -653,12 +660,7 @@ def test_read_path_alternate_skips_requests_without_hits():
 
 
 @fuzz_settings(150)
-@given(
-    data=st.data(),
-    policy=st.sampled_from(["round_robin", "round_robin_dual", "dualpath", "split"]),
-    num_pe=st.integers(1, 4),
-    num_de=st.integers(1, 5),
-)
+@_CLUSTER_DRAWS
 def test_property_finite_beta_stops_only_when_head_is_unplaceable_and_drains_to_exactly_once(
     data, policy, num_pe, num_de
 ):
@@ -685,15 +687,7 @@ def test_property_finite_beta_stops_only_when_head_is_unplaceable_and_drains_to_
     de_tok = [0] * num_de
     for n in range(5):
         s.report_read_queue(n, data.draw(st.integers(0, 3000)))
-    queue = [
-        PendingRequest(
-            rid,
-            data.draw(st.integers(0, 20)) * 64,
-            data.draw(st.integers(0, 300)),
-            data.draw(st.integers(1, 400)),
-        )
-        for rid in range(data.draw(st.integers(0, 30)))
-    ]
+    queue = _draw_queue(data, min_new_tokens=0)
     assigned: dict[int, Assignment] = {}
     pending = list(queue)
     rr = 0  # round robin cursor (PE and DE cursors move together from 0)

@@ -59,12 +59,25 @@ def test_every_request_finishes(runs, wl):
         assert all(r.t_done >= r.t_first >= r.t_submit for r in res.reqs), mode
 
 
+def _bytes_by_link_class(res) -> dict[str, float]:
+    """Bytes booked per link class (the prefill nodes' GPUs and nodes come first)."""
+    P, g, L = res.config.num_prefill_nodes, res.config.hw.gpus_per_node, res.links
+    return {
+        "snic": sum(x.bytes_total for x in L["snic"]),
+        "pe_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][: P * g]),
+        "pe_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][: P * g]),
+        "de_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][P * g :]),
+        "de_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][P * g :]),
+        "pe_dram": sum(x.bytes_total for x in L["dram"][:P]),
+        "de_dram": sum(x.bytes_total for x in L["dram"][P:]),
+    }
+
+
 def test_bytes_conserved_per_link(runs):
     for mode, res in runs.items():
         if mode == "oracle":
             continue
         kv = res.config.model.kv_bytes_per_token
-        P, g = res.config.num_prefill_nodes, res.config.hw.gpus_per_node
         # Independent accounting from the requests' read paths (layerwise or not, bytes are the same).
         hit = sum(r.hit for r in res.reqs)
         pe_read = sum(r.pe_read for r in res.reqs)
@@ -81,16 +94,8 @@ def test_bytes_conserved_per_link(runs):
             "pe_dram": 2 * pe_read,
             "de_dram": 2 * de_read + (new + pe_read) + prompt,
         }
+        got = _bytes_by_link_class(res)
         L = res.links
-        got = {
-            "snic": sum(x.bytes_total for x in L["snic"]),
-            "pe_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][: P * g]),
-            "pe_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][: P * g]),
-            "de_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][P * g :]),
-            "de_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][P * g :]),
-            "pe_dram": sum(x.bytes_total for x in L["dram"][:P]),
-            "de_dram": sum(x.bytes_total for x in L["dram"][P:]),
-        }
         for k, tokens in expect.items():
             assert got[k] == pytest.approx(tokens * kv, rel=1e-9), (mode, k)
         # Per link: bookings == total == Σ windows.
@@ -162,7 +167,6 @@ def test_bytes_conserved_per_link_when_prompts_are_chunked(mode, wl):
     res = sim.run()
     assert max(sim.steps.values()) > 2  # chunking did happen
     kv = res.config.model.kv_bytes_per_token
-    P, g = res.config.num_prefill_nodes, res.config.hw.gpus_per_node
     reqs = res.reqs
     loads = {r.rid: 1 if mode == "basic" else sim.steps[r.rid] for r in reqs}
     pe_in = sum(loads[r.rid] * r.pe_read for r in reqs)  # hit KV into the PE GPU, PE path
@@ -181,16 +185,7 @@ def test_bytes_conserved_per_link_when_prompts_are_chunked(mode, wl):
         "pe_dram": pe_read + pe_in,
         "de_dram": de_read + de_in + out + prompt,
     }
-    L = res.links
-    got = {
-        "snic": sum(x.bytes_total for x in L["snic"]),
-        "pe_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][: P * g]),
-        "pe_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][: P * g]),
-        "de_cnic_wr": sum(x.bytes_total for x in L["cnic_wr"][P * g :]),
-        "de_cnic_rd": sum(x.bytes_total for x in L["cnic_rd"][P * g :]),
-        "pe_dram": sum(x.bytes_total for x in L["dram"][:P]),
-        "de_dram": sum(x.bytes_total for x in L["dram"][P:]),
-    }
+    got = _bytes_by_link_class(res)
     for k, tokens in expect.items():
         assert got[k] == pytest.approx(tokens * kv, rel=1e-9), (mode, k)
 
