@@ -82,6 +82,45 @@ def test_moe_config_spreads_its_experts_over_an_ep_group_that_leaves_half_the_hb
     assert profile_from_hf_config(QWEN25_32B).decode_ep_gpus == 1
 
 
+def test_kv_budget_follows_the_ep_group_a_run_uses():
+    """A cluster smaller than the model's EP group holds more experts per GPU, so less KV; one too small
+    for the weights at all is an error. Named profiles keep their documented budgets."""
+    from pdserve.dualpath.cost_model import DS_660B, hbm_kv_bytes
+
+    p = profile_from_hf_config(DEEPSEEK_V3)  # bf16: EP64
+    full = hbm_kv_bytes(p, True, 64)
+    assert full == p.decode_hbm_kv_bytes
+    ep16 = hbm_kv_bytes(p, True, 16)
+    assert full - ep16 == pytest.approx(1_375_463_276_544 * (1 / 16 - 1 / 64), rel=1e-9)
+    with pytest.raises(ValueError, match="EP8 leave no HBM for KV"):
+        hbm_kv_bytes(p, True, 8)
+    assert hbm_kv_bytes(DS_660B, False, 8) == DS_660B.prefill_hbm_kv_bytes
+
+
+def test_moe_detection_covers_mixtral_and_qwen_moe_and_caps_ep_at_the_expert_count():
+    # Mixtral-8x22B: num_local_experts; 8 experts cap the group at 8 (before: sized as a dense model).
+    mixtral = {
+        "hidden_size": 6144,
+        "num_hidden_layers": 56,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "intermediate_size": 16384,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32768,
+        "torch_dtype": "bfloat16",
+        "quantization_config": "not a dict",  # tolerated: no fp8 weights
+    }
+    p = profile_from_hf_config(mixtral)
+    assert p.prefill_ep_gpus == 8 and p.routed_weight_bytes == 56 * 3 * 6144 * 16384 * 8 * 2
+    # Qwen-MoE sizes its one shared expert with shared_expert_intermediate_size.
+    qwen_moe = {**QWEN25_32B, "num_experts": 64, "moe_intermediate_size": 2560, "num_experts_per_tok": 8}
+    with_shared = profile_from_hf_config({**qwen_moe, "shared_expert_intermediate_size": 20480})
+    assert with_shared.other_weight_bytes - profile_from_hf_config(qwen_moe).other_weight_bytes == (
+        64 * 3 * 5120 * 20480 * 2
+    )
+
+
 def test_a_bad_config_file_is_a_clear_error(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("not json")

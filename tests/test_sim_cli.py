@@ -116,12 +116,27 @@ def test_out_of_range_numbers_are_usage_errors(capsys):
         (("--gpus-per-node", "two"), "'two' is not an integer"),
         (("--submit-us", "-1"), "-1 must be ≥ 0"),
         (("--seed", "-3"), "-3 must be ≥ 0"),
+        (("--snic-gbps", "inf"), "inf must be > 0 and finite"),
+        (("--aps", "inf"), "inf must be > 0 and finite"),
+        (("--submit-us", "inf"), "inf must be ≥ 0 and finite"),
     ]:
         assert text in _usage_error(capsys, *argv), argv
     # In range: an unbounded buffer, a zero submit cost, the alias of Basic's policy name.
     ns = parse("--host-buffer-gb", "inf", "--submit-us", "0,1.5", "--policy", "round_robin,dualpath")
     assert ns.host_buffer_gb == float("inf") and ns.submit_us == (0.0, 1.5)
     assert ns.policy == ("basic", "dualpath")
+
+
+def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
+    """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
+    its baseline would put another run in its place."""
+    assert run(parse("--scenario", "ablation", "--policy", "layerwise,dualpath", "--agents", "4")) == 2
+    assert "include it in --policy" in capsys.readouterr().err
+    assert run(parse("--scenario", "submit-cost", "--submit-us", "1,2", "--agents", "4")) == 2
+    assert "include 0 in --submit-us" in capsys.readouterr().err
+    # The bandwidth model's analytic bounds need g·B > s·B (else a division by zero).
+    assert run(parse("--scenario", "bandwidth-model", "--snic-gbps", "800", "--cnic-gbps", "100")) == 2
+    assert "CNICs to outrun its SNIC" in capsys.readouterr().err
 
 
 def test_a_list_where_a_scenario_runs_one_setting_is_refused(capsys):
@@ -198,10 +213,10 @@ def test_hardware_must_be_positive():
         {"cnic_gbps": -1.0},
         {"dram_gbytes_per_s": float("nan")},
         {"gpus_per_node": 0},
+        {"snic_gbps": float("inf")},  # an infinite rate has no meaning (and broke α's token count)
     ):
         with pytest.raises(ValueError, match="must be"):
             HardwareConfig(**kw)
-    assert HardwareConfig(snic_gbps=float("inf")).snic_bytes_per_s == float("inf")
 
 
 def test_online_tpot_is_measured_over_the_same_turns_as_ttft():

@@ -78,6 +78,11 @@ class ModelProfile:
     # wait for the prefill; KV returned by the PE waits there for the decode H2D. Paper: 80 GB per node
     # for the DS models, 320 GB for Qwen2.5-32B.
     host_buffer_bytes: int = 80_000_000_000
+    # Routed-expert weights of a MoE model (bytes, all of them) and the rest of its weights per GPU:
+    # set for HF configs, so the KV budget can follow the EP group a run actually uses
+    # (``hbm_kv_bytes``). 0 = the ``*_hbm_kv_bytes`` above hold whatever the group.
+    routed_weight_bytes: float = 0.0
+    other_weight_bytes: float = 0.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -213,29 +218,36 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         kv_elems = 2 * kv_heads * head_dim
     kv_bytes_layer = kv_elems * dtype_bytes
     inter = int(cfg.get("intermediate_size", 4 * hidden))
-    n_experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    # DeepSeek: n_routed_experts; Qwen-MoE: num_experts; Mixtral: num_local_experts.
+    n_experts = int(
+        cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    )
     if n_experts:
         moe_inter = int(cfg.get("moe_intermediate_size", inter))
         top_k = int(cfg.get("num_experts_per_tok", 2))
-        shared = int(cfg.get("n_shared_experts", 0) or 0)
-        mlp = 3 * hidden * moe_inter * (top_k + shared)
-        mlp_total = 3 * hidden * moe_inter * (n_experts + shared)
-        mlp_shared = 3 * hidden * moe_inter * shared
+        # Shared experts: DeepSeek counts them (n_shared_experts x moe size), Qwen-MoE sizes one.
+        shared_inter = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
+        if not shared_inter:
+            shared_inter = moe_inter * int(cfg.get("n_shared_experts", 0) or 0)
+        mlp_shared = 3 * hidden * shared_inter
+        mlp = 3 * hidden * moe_inter * top_k + mlp_shared
+        mlp_total = 3 * hidden * moe_inter * n_experts + mlp_shared
     else:
         mlp = mlp_total = 3 * hidden * inter
         mlp_shared = 0
     attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     vocab = int(cfg.get("vocab_size", 32000))
     active = layers * (attn_params + mlp) + vocab * hidden
-    quant = cfg.get("quantization_config") or {}
-    weight_bytes = 1 if "fp8" in str(quant.get("quant_method", "")).lower() else dtype_bytes
+    quant = cfg.get("quantization_config")
+    quant_method = str(quant.get("quant_method", "")) if isinstance(quant, dict) else ""
+    weight_bytes = 1 if "fp8" in quant_method.lower() else dtype_bytes
     # Per GPU: everything but the routed experts, plus 1/ep of them.
     routed_bytes = layers * (mlp_total - mlp_shared) * weight_bytes if n_experts else 0
     other_bytes = (
         layers * (attn_params + (mlp_shared if n_experts else mlp_total)) + 2 * vocab * hidden
     ) * weight_bytes
-    ep = 1
-    while routed_bytes and ep < 256 and other_bytes + routed_bytes / ep > H200_HBM_BYTES / 2:
+    ep = 1  # at most one expert per rank: a larger group holds no fewer weights per GPU
+    while routed_bytes and ep * 2 <= n_experts and other_bytes + routed_bytes / ep > H200_HBM_BYTES / 2:
         ep *= 2
     weights_bytes = other_bytes + routed_bytes / ep
     flops_per_pair = 4 * heads * head_dim * layers
@@ -255,7 +267,27 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         host_buffer_bytes=DS_660B.host_buffer_bytes if mla else QWEN_32B.host_buffer_bytes,
         prefill_ep_gpus=ep,
         decode_ep_gpus=ep,
+        routed_weight_bytes=float(routed_bytes),
+        other_weight_bytes=float(other_bytes),
     )
+
+
+def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
+    """HBM per GPU for KV on a decode (else prefill) engine whose EP group has ``ep_gpus`` ranks, as
+    run: for a profile that knows its weights (an HF config), H200 minus the rest of the weights, 1/ep of
+    the routed experts and 10 GB of runtime buffers (a cluster too small for the model's EP group holds
+    more experts per GPU, hence less KV); else the profile's fixed budget. Raises ``ValueError`` when the
+    weights alone do not fit."""
+    if not p.routed_weight_bytes:
+        return p.decode_hbm_kv_bytes if decode else p.prefill_hbm_kv_bytes
+    free = H200_HBM_BYTES - p.other_weight_bytes - p.routed_weight_bytes / ep_gpus - 10e9
+    if free <= 0:
+        raise ValueError(
+            f"{p.name}: {(p.other_weight_bytes + p.routed_weight_bytes / ep_gpus) / 1e9:.0f} GB of weights per"
+            f" GPU with EP{ep_gpus} leave no HBM for KV (the model asks for EP{p.decode_ep_gpus}): add nodes"
+            " or use fp8 weights"
+        )
+    return int(free)
 
 
 # ---- cost functions ----

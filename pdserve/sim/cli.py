@@ -21,9 +21,10 @@ from pathlib import Path
 from pdserve.sim import accel
 
 
-def _number(kind: type, low: float, low_ok: bool) -> Callable[[str], float]:
-    """An argparse type: a ``kind`` number above ``low`` (or equal to it when ``low_ok``)."""
-    bound = f"{'≥' if low_ok else '>'} {low:g}"
+def _number(kind: type, low: float, low_ok: bool, inf_ok: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` number above ``low`` (or equal to it when ``low_ok``);
+    ``inf`` only when ``inf_ok`` (an unbounded buffer; an infinite rate or horizon means nothing)."""
+    bound = f"{'≥' if low_ok else '>'} {low:g}" + ("" if inf_ok else " and finite")
 
     def parse(text: str):
         try:
@@ -32,7 +33,7 @@ def _number(kind: type, low: float, low_ok: bool) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not {'an integer' if kind is int else 'a number'}"
             ) from None
-        if math.isnan(v) or v < low or (v == low and not low_ok):
+        if math.isnan(v) or v < low or (v == low and not low_ok) or (math.isinf(v) and not inf_ok):
             raise argparse.ArgumentTypeError(f"{text} must be {bound}")
         return v
 
@@ -42,6 +43,7 @@ def _number(kind: type, low: float, low_ok: bool) -> Callable[[str], float]:
 
 _positive_int = _number(int, 0, low_ok=False)
 _positive = _number(float, 0.0, low_ok=False)
+_positive_or_inf = _number(float, 0.0, low_ok=False, inf_ok=True)
 _non_negative = _number(float, 0.0, low_ok=True)
 
 
@@ -117,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--host-buffer-gb",
-        type=_positive,
+        type=_positive_or_inf,
         help="pinned host buffer per node for KV in flight, GB (default: the model's, 80 for DS, 320 for"
         " Qwen; inf = unbounded)",
     )

@@ -76,6 +76,7 @@ import numpy as np
 from pdserve.bench.workloads import Workload
 from pdserve.dualpath.cost_model import (
     decode_attn_fn,
+    hbm_kv_bytes,
     prefill_request_fn,
     prefill_tokens_per_s,
 )
@@ -299,7 +300,8 @@ class ClusterSim:
             block_tokens=cfg.block_tokens,
             page_tokens=cfg.page_tokens,
         )
-        self.de_pages = int(m.decode_hbm_kv_bytes // (cfg.page_tokens * self.kv_tok))
+        self.de_kv_bytes = hbm_kv_bytes(m, True, cfg.decode_ep_group)
+        self.de_pages = int(self.de_kv_bytes // (cfg.page_tokens * self.kv_tok))
         pes = [EngineLoad(i, i // g) for i in range(self.num_pe)]
         des = [
             EngineLoad(
@@ -347,7 +349,7 @@ class ClusterSim:
         # Decode EP groups: ranks [i * dep, (i + 1) * dep) step together (see ``_resched``).
         self.dep = cfg.decode_ep_group
         self.dgroups = [_DecodeGroup() for _ in range(self.num_de // self.dep)]
-        self.pe_hbm_tokens = int(m.prefill_hbm_kv_bytes // self.kv_tok)
+        self.pe_hbm_tokens = int(hbm_kv_bytes(m, False, cfg.prefill_ep_group) // self.kv_tok)
         # Each rank sizes its batch on its own forward as if alone (its tokens' MoE work included): under
         # even load that is its fair share of the group's step, so loaded steps stay near the quota.
         self._cost = AdditiveBatchCost(m.prefill_batch_overhead_s, prefill_request_fn(m))
@@ -474,7 +476,7 @@ class ClusterSim:
             raise TurnDoesNotFit(
                 f"turn {turn} of agent {agent} needs {req.prompt + req.gen} tokens of KV, but a decode engine"
                 f" of {self.cfg.model.name} holds {self.de_pages * self.cfg.page_tokens}"
-                f" ({self.cfg.model.decode_hbm_kv_bytes / 1e9:.1f} GB of HBM for KV): no schedule can place it"
+                f" ({self.de_kv_bytes / 1e9:.1f} GB of HBM for KV): no schedule can place it"
             )
         self.queue.append(pend)
         self.queue_reqs.append(req)

@@ -29,8 +29,9 @@ class HardwareConfig:
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be ≥ 1, got {self.gpus_per_node}")
         for name in ("cnic_gbps", "snic_gbps", "dram_gbytes_per_s"):
-            if not getattr(self, name) > 0:  # also refuses NaN
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):  # also refuses NaN
+                raise ValueError(f"{name} must be > 0 and finite, got {v}")
 
     @property
     def cnic_bytes_per_s(self) -> float:

@@ -216,13 +216,16 @@ def ablation(ov: Overrides, progress: Progress) -> ScenarioResult:
     wl = _pick(ov.workload, "64k")
     agents = _one(ov.agents, 1024, "--agents", "ablation")
     steps = _pick(ov.policy, ("basic", "layerwise", "dual_path", "dualpath", "oracle"))
+    if "basic" not in steps:
+        raise ValueError("ablation measures every step against basic: include it in --policy")
     for pol in steps:
         progress(pol)
         res = run_one(_config(ov, P, D, model, pol), wl, agents)
         out.runs.append(record(res, agents=agents, workload=wl))
     # The paper's ablation reports the *average* JCT (mean agent completion time; seed 002: "平均 JCT");
     # the makespan change is kept beside it.
-    base_mean, base = out.runs[0]["jct_mean_s"], out.runs[0]["jct_s"]
+    basic = next(r for r in out.runs if r["policy"] == "basic")
+    base_mean, base = basic["jct_mean_s"], basic["jct_s"]
     for r in out.runs:
         r["jct_mean_change_pct"] = round(100 * (r["jct_mean_s"] / base_mean - 1), 2)
         r["jct_change_pct"] = round(100 * (r["jct_s"] / base - 1), 2)
@@ -510,6 +513,13 @@ def bandwidth_model(ov: Overrides, progress: Progress) -> ScenarioResult:
     a CNIC or the DE DRAM saturates first and the aggregate read rate falls below (P+D)·s·B.
     """
     out = ScenarioResult("bandwidth-model")
+    hw = _hw(ov)
+    g, s = hw.gpus_per_node, hw.snic_gbps / hw.cnic_gbps
+    if g <= s:
+        raise ValueError(
+            f"bandwidth-model: the analytic bounds need a node's CNICs to outrun its SNIC (g = {g} GPUs"
+            f" x {hw.cnic_gbps:g} Gbit/s vs {hw.snic_gbps:g} Gbit/s)"
+        )
     base = _model(ov, "ds-27b")
     # Only KV traffic, and compute far from binding, so the links alone decide.
     model = replace(
@@ -530,8 +540,6 @@ def bandwidth_model(ov: Overrides, progress: Progress) -> ScenarioResult:
         row = record(res, agents=per_node * (P + D), workload=wl, p_over_d=round(P / D, 3))
         row.update(_link_loads(res, P))
         out.runs.append(row)
-    hw = _hw(ov)
-    g, s = hw.gpus_per_node, hw.snic_gbps / hw.cnic_gbps
     lo = s / (g - s)
     hi = min((g - 2 * s) / s, (g - s) / (2 * s), (hw.dram_bytes_per_s / (hw.cnic_bytes_per_s * s) - 3) / 2)
     inside = [r for r in out.runs if lo <= r["p_over_d"] <= hi]
@@ -583,12 +591,14 @@ def submit_cost(ov: Overrides, progress: Progress) -> ScenarioResult:
     agents = _one(ov.agents, 1024, "--agents", "submit-cost")
     pol = _one(ov.policy, "dualpath", "--policy", "submit-cost")
     sweep = _pick(ov.submit_us, (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0))
+    if 0.0 not in sweep:
+        raise ValueError("submit-cost measures JCT against free submission: include 0 in --submit-us")
     for us in sweep:
         progress(f"{us} µs/copy")
         cfg = replace(_config(ov, P, D, model, pol), submit_us_per_copy=us)
         res = run_one(cfg, wl, agents)
         out.runs.append(record(res, agents=agents, workload=wl, submit_us_per_copy=us))
-    base = out.runs[0]["jct_s"]
+    base = next(r["jct_s"] for r in out.runs if r["submit_us_per_copy"] == 0.0)
     for r in out.runs:
         r["jct_vs_free_submit"] = round(r["jct_s"] / base, 3)
     out.plot = lambda runs, plt: _line_plot(
