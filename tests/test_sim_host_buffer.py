@@ -95,14 +95,19 @@ def _basic_1p1d(host_buffer_gb: float) -> SimConfig:
     )
 
 
-def _two_agents(hit_tokens: int, append: int, gen: int):
+def _one_turn_agents(hits: tuple[int, ...], appends: tuple[int, ...], gen: int = 2):
+    """One agent per (hit, append) pair, each a single turn of ``gen`` output tokens, all at t=0."""
     return _assemble(
-        "two",
-        [np.array([append])] * 2,
-        [np.array([gen])] * 2,
-        np.zeros(2),
-        hits=[np.array([hit_tokens])] * 2,
+        "one-turn",
+        [np.array([a]) for a in appends],
+        [np.array([gen])] * len(appends),
+        np.zeros(len(appends)),
+        hits=[np.array([h]) for h in hits],
     )
+
+
+def _two_agents(hit_tokens: int, append: int, gen: int):
+    return _one_turn_agents((hit_tokens,) * 2, (append,) * 2, gen)
 
 
 @pytest.mark.parametrize("fits_both", [True, False])
@@ -233,13 +238,7 @@ def test_a_read_does_not_take_room_an_older_first_turn_waits_for():
     kv = m.kv_bytes_per_token
     hits, news = (6400, 0, 640), (300, 1000, 60)
     cap_tokens = hits[0] + news[0] + hits[2] + news[2]  # requests 0 and 2 fit together, 0 and 1 do not
-    wl = _assemble(
-        "read-behind-first-turn",
-        [np.array([n]) for n in news],
-        [np.array([2])] * 3,
-        np.zeros(3),
-        hits=[np.array([h]) for h in hits],
-    )
+    wl = _one_turn_agents(hits, news)
     cfg = replace(_basic_1p1d(cap_tokens * kv / 1e9), record_intervals=True)
     sim = _Probe(cfg, wl, keep_requests=True)
     res = sim.run()
@@ -312,13 +311,7 @@ def test_requests_given_room_at_the_same_instant_share_one_group_step():
     they must share one step, not take two."""
     m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
     news = (3000, 1000, 1000)
-    wl = _assemble(
-        "three-first-turns",
-        [np.array([n]) for n in news],
-        [np.array([2])] * 3,
-        np.zeros(3),
-        hits=[np.array([0])] * 3,
-    )
+    wl = _one_turn_agents((0, 0, 0), news)
     cap_gb = news[0] * m.kv_bytes_per_token / 1e9
     cfg = replace(_basic_1p1d(cap_gb), model=m)
     r0, r1, r2 = ClusterSim(cfg, wl, keep_requests=True).run().reqs

@@ -24,8 +24,7 @@ agents per second (seeded).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -226,11 +225,8 @@ def _prefix_hits(hash_lists: list[list[int]], block_tokens: int, input_lens: lis
     return hits
 
 
-def mooncake_trace(
-    path: str | Path, limit: int | None = None, start_s: Callable[[int], np.ndarray] | None = None
-) -> Workload:
-    """Mooncake FAST'25 trace: each request is a one-turn agent arriving at its timestamp (ms), or at
-    ``start_s(number of requests)`` when given (offline: all at 0; online: Poisson, see ``arrivals``).
+def mooncake_trace(path: str | Path, limit: int | None = None) -> Workload:
+    """Mooncake FAST'25 trace: each request is a one-turn agent arriving at its timestamp (ms).
 
     ``hash_ids`` are 512-token block hashes shared across requests, so hits come from the global prefix
     set (infinite cache). Hit tokens are rounded down to whole 64-token store blocks.
@@ -248,10 +244,7 @@ def mooncake_trace(
     hit_arr = [np.array([h // BLOCK_TOKENS * BLOCK_TOKENS]) for h in hits]
     # Fix appends so prompt = hit + append equals the trace's input length after block rounding.
     appends = [np.array([r["input_length"] - int(h[0])]) for r, h in zip(rows, hit_arr, strict=True)]
-    if start_s is None:
-        start = np.array([r["timestamp"] / 1000.0 for r in rows])
-    else:
-        start = start_s(len(rows))
+    start = np.array([r["timestamp"] / 1000.0 for r in rows])
     return _assemble(Path(path).stem, appends, gens, start, hits=hit_arr)
 
 
@@ -305,11 +298,10 @@ def load_workload(
     base, _, timing = name.partition("@")
     if base in ("mooncake", "mooncake-synthetic") and timing in ("", "trace"):
         fname = "conversation_trace.jsonl" if base == "mooncake" else "synthetic_trace.jsonl"
-        if timing == "trace":
-            if aps is not None:
-                raise ValueError(f"{name} replays the trace's own arrival times; an APS does not apply")
-            return mooncake_trace(data_dir / fname, limit=num_agents)
-        return mooncake_trace(data_dir / fname, limit=num_agents, start_s=lambda n: arrivals(n, aps, seed))
+        if timing == "trace" and aps is not None:
+            raise ValueError(f"{name} replays the trace's own arrival times; an APS does not apply")
+        wl = mooncake_trace(data_dir / fname, limit=num_agents)
+        return wl if timing == "trace" else replace(wl, start_s=arrivals(wl.num_agents, aps, seed))
     if name == "weka_cc":
         return weka_workload(sorted((data_dir / "weka_cc").glob("trace_*.json")), num_agents, seed, aps)
     raise ValueError(

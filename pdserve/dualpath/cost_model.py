@@ -222,6 +222,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     n_experts = int(
         cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     )
+    # MLP parameters per layer: on every GPU (dense MLP or shared experts), routed (spread over the EP
+    # group), and activated per token.
     if n_experts:
         moe_inter = int(cfg.get("moe_intermediate_size", inter))
         top_k = int(cfg.get("num_experts_per_tok", 2))
@@ -229,29 +231,26 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         shared_inter = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
         if not shared_inter:
             shared_inter = moe_inter * int(cfg.get("n_shared_experts", 0) or 0)
-        mlp_shared = 3 * hidden * shared_inter
-        mlp = 3 * hidden * moe_inter * top_k + mlp_shared
-        mlp_total = 3 * hidden * moe_inter * n_experts + mlp_shared
+        mlp_fixed = 3 * hidden * shared_inter
+        mlp_routed = 3 * hidden * moe_inter * n_experts
+        mlp_active = 3 * hidden * moe_inter * top_k + mlp_fixed
     else:
-        mlp = mlp_total = 3 * hidden * inter
-        mlp_shared = 0
+        mlp_fixed = mlp_active = 3 * hidden * inter
+        mlp_routed = 0
     attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     vocab = int(cfg.get("vocab_size", 32000))
-    active = layers * (attn_params + mlp) + vocab * hidden
+    active = layers * (attn_params + mlp_active) + vocab * hidden
     quant = cfg.get("quantization_config")
     quant_method = str(quant.get("quant_method", "")) if isinstance(quant, dict) else ""
     weight_bytes = 1 if "fp8" in quant_method.lower() else dtype_bytes
-    # Per GPU: everything but the routed experts, plus 1/ep of them.
-    routed_bytes = layers * (mlp_total - mlp_shared) * weight_bytes if n_experts else 0
-    other_bytes = (
-        layers * (attn_params + (mlp_shared if n_experts else mlp_total)) + 2 * vocab * hidden
-    ) * weight_bytes
+    routed_bytes = layers * mlp_routed * weight_bytes
+    other_bytes = (layers * (attn_params + mlp_fixed) + 2 * vocab * hidden) * weight_bytes
     ep = 1  # at most one expert per rank: a larger group holds no fewer weights per GPU
     while routed_bytes and ep * 2 <= n_experts and other_bytes + routed_bytes / ep > H200_HBM_BYTES / 2:
         ep *= 2
     weights_bytes = other_bytes + routed_bytes / ep
     flops_per_pair = 4 * heads * head_dim * layers
-    free = max(H200_HBM_BYTES - weights_bytes - 10e9, 1e9)
+    free = max(_free_hbm_bytes(other_bytes, routed_bytes, ep), 1e9)
     return replace(
         QWEN_32B,
         name=name,
@@ -272,6 +271,12 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     )
 
 
+def _free_hbm_bytes(other_weight_bytes: float, routed_weight_bytes: float, ep_gpus: int) -> float:
+    """An H200's HBM left for KV: minus the weights every GPU holds, its 1/ep of the routed experts and
+    10 GB of runtime buffers [assumed]."""
+    return H200_HBM_BYTES - other_weight_bytes - routed_weight_bytes / ep_gpus - 10e9
+
+
 def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
     """HBM per GPU for KV on a decode (else prefill) engine whose EP group has ``ep_gpus`` ranks, as
     run: for a profile that knows its weights (an HF config), H200 minus the rest of the weights, 1/ep of
@@ -280,7 +285,7 @@ def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
     weights alone do not fit."""
     if not p.routed_weight_bytes:
         return p.decode_hbm_kv_bytes if decode else p.prefill_hbm_kv_bytes
-    free = H200_HBM_BYTES - p.other_weight_bytes - p.routed_weight_bytes / ep_gpus - 10e9
+    free = _free_hbm_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus)
     if free <= 0:
         raise ValueError(
             f"{p.name}: {(p.other_weight_bytes + p.routed_weight_bytes / ep_gpus) / 1e9:.0f} GB of weights per"

@@ -98,9 +98,8 @@ class Placement:
     ) -> None:
         if policy == "split":
             raise ValueError(
-                "policy 'split' exists only in the simulator: it gains at most ~0.5% there and loses up to ~6% "
-                "on small clusters (docs/simulation.md), "
-                "so the real read paths do not implement split reads"
+                "policy 'split' exists only in the simulator: it gains at most ~0.5% there and loses up to"
+                " ~6% on small clusters (docs/simulation.md), so the real read paths do not implement it"
             )
         if policy not in REAL_POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {list(REAL_POLICIES)}")

@@ -302,6 +302,7 @@ class ClusterSim:
         )
         self.de_kv_bytes = hbm_kv_bytes(m, True, cfg.decode_ep_group)
         self.de_pages = int(self.de_kv_bytes // (cfg.page_tokens * self.kv_tok))
+        self.de_tokens = self.de_pages * cfg.page_tokens  # the most KV a turn can need (prompt + output)
         pes = [EngineLoad(i, i // g) for i in range(self.num_pe)]
         des = [
             EngineLoad(
@@ -471,14 +472,14 @@ class ClusterSim:
         self.open_turns[req.rid] = self.now
         if self.keep_requests:
             self.reqs.append(req)
-        pend = PendingRequest(req.rid, hit, new, req.prompt + req.gen)
-        if pend.num_decode_pages(self.cfg.page_tokens) > self.de_pages:
+        total = req.prompt + req.gen
+        if total > self.de_tokens:
             raise TurnDoesNotFit(
-                f"turn {turn} of agent {agent} needs {req.prompt + req.gen} tokens of KV, but a decode engine"
-                f" of {self.cfg.model.name} holds {self.de_pages * self.cfg.page_tokens}"
-                f" ({self.de_kv_bytes / 1e9:.1f} GB of HBM for KV): no schedule can place it"
+                f"turn {turn} of agent {agent} needs {total} tokens of KV, but a decode engine of"
+                f" {self.cfg.model.name} holds {self.de_tokens} ({self.de_kv_bytes / 1e9:.1f} GB of HBM for"
+                " KV): no schedule can place it"
             )
-        self.queue.append(pend)
+        self.queue.append(PendingRequest(req.rid, hit, new, total))
         self.queue_reqs.append(req)
         if not self.fetch_pending:
             self._want_fetch()
@@ -556,18 +557,19 @@ class ClusterSim:
         q = self.read_q[node]
         req, tokens = q[0]
         wake = -1  # a node holding this request's second read, to retry once this one has started
-        was_waiting = req.waits_room
+        waited = req.waits_room  # (``_reserve`` clears it)
+        granted_waiter = False
         if req.de_buf:  # its room was reserved at its other read (a split request's second read)
             self.reserved_queued[node] -= 1
         elif self._reserve(req):
+            granted_waiter = waited
             other = self._other_read_node(req, node)
             if other >= 0:
                 self.reserved_queued[other] += 1
                 wake = other
         else:
-            if not req.waits_room:
+            if not waited:
                 self._wait_room(req)
-            was_waiting = False
             # A read whose room is already reserved passes the reads waiting for room: otherwise a
             # split request holding room here could wait behind a request that waits for that room.
             # (``reserved_queued`` may count a read not queued yet: its request is still in ``_fetch``.)
@@ -597,7 +599,7 @@ class ClusterSim:
         self._push(end, _READ_DONE, node)
         if wake >= 0 and self.read_stalled[wake] and not self.snic_busy[wake]:
             self._start_read(wake)
-        if was_waiting and not self._retrying_room:
+        if granted_waiter and not self._retrying_room:
             self._retry_room()  # younger waiters on its nodes may go now
 
     def _other_read_node(self, req: _Req, node: int) -> int:
@@ -670,13 +672,11 @@ class ClusterSim:
         granted = True
         while granted:
             granted = False
-            if self.stalled_nodes:
-                for n in list(self.stalled_nodes):
-                    if self.read_stalled[
-                        n
-                    ]:  # a stalled node's SNIC is idle; an earlier retry may have woken it
-                        self._start_read(n)
-                        granted = granted or not self.read_stalled[n]
+            for n in list(self.stalled_nodes):
+                # A stalled node's SNIC is idle; an earlier retry in this pass may have woken it.
+                if self.read_stalled[n]:
+                    self._start_read(n)
+                    granted = granted or not self.read_stalled[n]
             for n in list(self.first_turn_nodes):
                 waiting = self.buf_waiting[n]  # first turns only ever wait for room on their DE node
                 while waiting and self._reserve(waiting[0]):

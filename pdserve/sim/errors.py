@@ -7,5 +7,5 @@ class SimulationStalled(RuntimeError):
 
 
 class TurnDoesNotFit(ValueError):
-    """A turn needs more KV pages than a decode engine has in all: the model's KV budget (its profile's
-    ``decode_hbm_kv_bytes``) is too small for the workload's contexts; no schedule can place it."""
+    """A turn needs more KV pages than a decode engine has in all: the model's KV budget per decode GPU
+    (``cost_model.hbm_kv_bytes``) is too small for the workload's contexts; no schedule can place it."""
