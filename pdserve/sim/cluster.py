@@ -500,6 +500,10 @@ class ClusterSim:
         head = [(self.queue.popleft(), self.queue_reqs.popleft()) for _ in out]
         oracle = self._oracle
         pages_per = self.cfg.page_tokens
+        # Ready now: Oracle requests and first turns given room here. Collected as they are placed
+        # (not by ``reads_left == 0`` afterwards), so a request is never made ready twice even if a
+        # room retry inside this fetch readies a waiter itself.
+        instant: list[_Req] = []
         for asg, (pend, req) in zip(out, head, strict=True):
             req.pe, req.de, req.path = asg.prefill_engine, asg.decode_engine, asg.read_path
             req.pe_read, req.de_read = asg.num_pe_read_tokens, asg.num_de_read_tokens
@@ -513,11 +517,14 @@ class ClusterSim:
                 # No I/O: reads are free; the scheduler sees empty read queues.
                 self.sched.report_read_queue(req.pe // self.g, 0)
                 self.sched.report_read_queue(self.P + req.de // self.g, 0)
+                instant.append(req)
                 continue
             if not (req.pe_read or req.de_read):
                 # Nothing to read (a first turn), but the KV the PE sends back needs room in the DE's
                 # buffer: without it the request waits, in FIFO order per node, as one read left.
-                if not self._reserve(req):
+                if self._reserve(req):
+                    instant.append(req)
+                else:
                     req.reads_left = 1
                     de_node = self.P + req.de // self.g
                     waiting = self.buf_waiting[de_node]
@@ -531,7 +538,7 @@ class ClusterSim:
             if req.de_read:
                 req.reads_left += 1
                 self._enqueue_read(self.P + req.de // self.g, req, req.de_read)
-        self._ready_together([req for _, req in head if req.reads_left == 0])
+        self._ready_together(instant)
 
     def _ready_together(self, reqs: list[_Req]) -> None:
         """Ready requests that became ready at the same instant, then start their groups' steps: they
