@@ -551,6 +551,48 @@ def _no_item_cost(num_cached_tokens: int, num_new_tokens: int) -> float:
     raise AssertionError("only additive batch costs have an item cost")
 
 
+class _BatchSoFar:
+    """The batch ``build_prefill_batch`` has built so far, to price it with one more (cached, new).
+
+    A class, not closures over the builder's locals: compiled with mypyc (``pdserve.sim.accel``), a
+    closure's environment and the closure refer to each other, so every batch built would leave a
+    reference cycle that only the cyclic GC frees (the simulator pauses it while it runs)."""
+
+    __slots__ = ("batch_cost_s", "additive", "overhead_s", "item_cost_s", "pairs", "items_s", "quota_s")
+
+    def __init__(self, batch_cost_s: BatchCost, quota_s: float) -> None:
+        self.batch_cost_s = batch_cost_s
+        self.quota_s = quota_s
+        self.pairs: list[tuple[int, int]] = []
+        self.items_s = 0.0  # Σ item costs so far (additive costs only)
+        self.additive = False
+        self.overhead_s = 0.0
+        self.item_cost_s: Callable[[int, int], float] = _no_item_cost
+        if isinstance(batch_cost_s, AdditiveBatchCost):
+            self.additive = True
+            self.overhead_s = batch_cost_s.overhead_s
+            self.item_cost_s = batch_cost_s.item_cost_s
+
+    def cost_with(self, cached: int, new: int) -> float:
+        if self.additive:
+            return self.overhead_s + self.items_s + self.item_cost_s(cached, new)
+        return self.batch_cost_s(self.pairs + [(cached, new)])
+
+
+class _ChunkFits:
+    """``fits(m)``: does the batch so far plus the first ``m`` pages of one request stay in quota?"""
+
+    __slots__ = ("so_far", "cached", "page_tokens")
+
+    def __init__(self, so_far: _BatchSoFar, cached: int, page_tokens: int) -> None:
+        self.so_far = so_far
+        self.cached = cached
+        self.page_tokens = page_tokens
+
+    def __call__(self, m: int) -> bool:
+        return self.so_far.cost_with(self.cached, m * self.page_tokens) <= self.so_far.quota_s
+
+
 def build_prefill_batch(
     waiting: Iterable[PrefillItem], batch_cost_s: BatchCost, quota_s: float, page_tokens: int = 16
 ) -> BatchPlan:
@@ -565,65 +607,50 @@ def build_prefill_batch(
     progress. ``waiting`` may be any iterable (a lazy one is consumed only up to the chunk).
     """
     items: list[PrefillItem] = []
-    pairs: list[tuple[int, int]] = []
+    so_far = _BatchSoFar(batch_cost_s, quota_s)
+    additive, overhead_s, item_cost_s = so_far.additive, so_far.overhead_s, so_far.item_cost_s
     cost = 0.0
-    items_s = 0.0  # Σ item costs so far (additive costs only)
-    additive = False
-    overhead_s = 0.0
-    item_cost_s: Callable[[int, int], float] = _no_item_cost
-    if isinstance(batch_cost_s, AdditiveBatchCost):
-        additive = True
-        overhead_s = batch_cost_s.overhead_s
-        item_cost_s = batch_cost_s.item_cost_s
-
-    def cost_with(cached: int, new: int) -> float:
-        if additive:
-            return overhead_s + items_s + item_cost_s(cached, new)
-        return batch_cost_s(pairs + [(cached, new)])
-
     for it in waiting:
         if additive:  # same sum as cost_with, item cost evaluated once
             one = item_cost_s(it.num_cached_tokens, it.num_new_tokens)
-            c = overhead_s + items_s + one
+            c = overhead_s + so_far.items_s + one
         else:
-            c = cost_with(it.num_cached_tokens, it.num_new_tokens)
+            c = so_far.cost_with(it.num_cached_tokens, it.num_new_tokens)
         if c <= quota_s:
             items.append(it)
-            pairs.append((it.num_cached_tokens, it.num_new_tokens))
+            so_far.pairs.append((it.num_cached_tokens, it.num_new_tokens))
             if additive:
-                items_s += one
+                so_far.items_s += one
             cost = c
             continue
         # Chunk ``it``: largest n (page multiple, < new tokens) with cost(batch + (cached, n)) ≤ quota.
         max_pages = (it.num_new_tokens - 1) // page_tokens
         lo, hi = 0, max_pages
         if additive and hi > 0:
-
-            def fits(m: int, cached: int = it.num_cached_tokens) -> bool:
-                return cost_with(cached, m * page_tokens) <= quota_s
-
             lo, hi = _gallop_bracket(
-                fits,
-                (quota_s - overhead_s - items_s) * it.num_new_tokens / one / page_tokens if one > 0 else 0,
+                _ChunkFits(so_far, it.num_cached_tokens, page_tokens),
+                (quota_s - overhead_s - so_far.items_s) * it.num_new_tokens / one / page_tokens
+                if one > 0
+                else 0,
                 hi,
             )
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if cost_with(it.num_cached_tokens, mid * page_tokens) <= quota_s:
+            if so_far.cost_with(it.num_cached_tokens, mid * page_tokens) <= quota_s:
                 lo = mid
             else:
                 hi = mid - 1
         if lo > 0:
             n = lo * page_tokens
             chunk = PrefillItem(it.request_id, it.num_cached_tokens, n)
-            return BatchPlan(tuple(items), chunk, cost_with(it.num_cached_tokens, n))
+            return BatchPlan(tuple(items), chunk, so_far.cost_with(it.num_cached_tokens, n))
         if not items:
             # Progress guarantee: run one page of the head (or all of it when it is at most a page).
             n = min(page_tokens, it.num_new_tokens)
             if n == it.num_new_tokens:
                 return BatchPlan((it,), None, c)
             chunk = PrefillItem(it.request_id, it.num_cached_tokens, n)
-            return BatchPlan((), chunk, cost_with(it.num_cached_tokens, n))
+            return BatchPlan((), chunk, so_far.cost_with(it.num_cached_tokens, n))
         return BatchPlan(tuple(items), None, cost)
     return BatchPlan(tuple(items), None, cost)
 

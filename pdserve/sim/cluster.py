@@ -127,6 +127,7 @@ class _Req:
         "pe_buf",
         "de_buf",
         "waits_room",
+        "room_seen",
         "t_first",
         "t_join",
         "t_done",
@@ -151,6 +152,7 @@ class _Req:
         self.inbound_done = False
         self.pe_buf = self.de_buf = 0  # host-buffer bytes held on the PE / DE node
         self.waits_room = False  # refused room and not given it yet (in ``ClusterSim.room_wait``)
+        self.room_seen = -1  # ``ClusterSim.room_ver`` of its two nodes, summed, when last refused room
         self.t_first = self.t_join = self.t_done = math.nan
 
 
@@ -335,6 +337,10 @@ class ClusterSim:
         # Per node, the rids of the requests waiting for room that need room there, ascending: room
         # goes in FIFO order over both kinds of waiter (a stalled read and a first turn), see ``_reserve``.
         self.room_wait: list[list[int]] = [[] for _ in range(n_nodes)]
+        # Per node, a counter bumped whenever a refused request could have become able to get room
+        # there: room freed, or a waiter leaving ``room_wait``. A waiter whose two nodes' counters have
+        # not moved since it was refused would be refused again: ``_retry_room`` skips it.
+        self.room_ver = [0] * n_nodes
         self._retrying_room = False
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
@@ -631,13 +637,14 @@ class ClusterSim:
         used, wait, rid = self.buf_used, self.room_wait, req.rid
         pe_node, de_node = req.pe // self.g, self.P + req.de // self.g
         pe_b, de_b = req.pe_read * kv, req.prompt * kv
-        if wait[de_node] and wait[de_node][0] < rid:
-            return False
-        if pe_b and wait[pe_node] and wait[pe_node][0] < rid:
-            return False
-        if pe_b and used[pe_node] and used[pe_node] + pe_b > cap:
-            return False
-        if used[de_node] and used[de_node] + de_b > cap:
+        if (
+            (wait[de_node] and wait[de_node][0] < rid)
+            or (pe_b and wait[pe_node] and wait[pe_node][0] < rid)
+            or (pe_b and used[pe_node] and used[pe_node] + pe_b > cap)
+            or (used[de_node] and used[de_node] + de_b > cap)
+        ):
+            # The answer depends only on these two nodes' room and waiters: remember their state.
+            req.room_seen = self.room_ver[pe_node] + self.room_ver[de_node]
             return False
         if pe_b:
             self._buf_take(pe_node, pe_b)
@@ -647,8 +654,10 @@ class ClusterSim:
         if req.waits_room:
             req.waits_room = False
             wait[de_node].remove(rid)
+            self.room_ver[de_node] += 1
             if pe_b:
                 wait[pe_node].remove(rid)
+                self.room_ver[pe_node] += 1
         return True
 
     def _wait_room(self, req: _Req) -> None:
@@ -666,7 +675,8 @@ class ClusterSim:
 
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
-        if self.stalled_nodes or self.first_turn_nodes:
+        self.room_ver[node] += 1
+        if self.room_wait[node]:  # else no waiter needs room here, and nothing else changed
             self._retry_room()
 
     def _retry_room(self) -> None:
@@ -676,17 +686,26 @@ class ClusterSim:
         repeated while it grants anything. First turns given room are made ready together."""
         self._retrying_room = True
         fits: list[_Req] = []
+        ver, g, P = self.room_ver, self.g, self.P
         granted = True
         while granted:
             granted = False
             for n in list(self.stalled_nodes):
                 # A stalled node's SNIC is idle; an earlier retry in this pass may have woken it.
                 if self.read_stalled[n]:
+                    if not self.reserved_queued[n]:  # (else a read may pass the stalled head)
+                        r = self.read_q[n][0][0]
+                        if r.room_seen == ver[r.pe // g] + ver[P + r.de // g]:
+                            continue  # nothing changed on its nodes since it was refused
                     self._start_read(n)
                     granted = granted or not self.read_stalled[n]
             for n in list(self.first_turn_nodes):
                 waiting = self.buf_waiting[n]  # first turns only ever wait for room on their DE node
-                while waiting and self._reserve(waiting[0]):
+                while (
+                    waiting
+                    and waiting[0].room_seen != ver[waiting[0].pe // g] + ver[P + waiting[0].de // g]
+                    and self._reserve(waiting[0])
+                ):
                     req = waiting.popleft()
                     req.reads_left = 0
                     fits.append(req)
