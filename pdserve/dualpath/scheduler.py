@@ -578,6 +578,12 @@ class _BatchSoFar:
             return self.overhead_s + self.items_s + self.item_cost_s(cached, new)
         return self.batch_cost_s(self.pairs + [(cached, new)])
 
+    def add(self, cached: int, new: int, item_s: float) -> None:
+        """Put (cached, new) in the batch; ``item_s`` is its item cost (additive costs only)."""
+        self.pairs.append((cached, new))
+        if self.additive:
+            self.items_s += item_s
+
 
 class _ChunkFits:
     """``fits(m)``: does the batch so far plus the first ``m`` pages of one request stay in quota?"""
@@ -608,9 +614,10 @@ def build_prefill_batch(
     """
     items: list[PrefillItem] = []
     so_far = _BatchSoFar(batch_cost_s, quota_s)
-    additive, overhead_s, item_cost_s = so_far.additive, so_far.overhead_s, so_far.item_cost_s
+    additive, overhead_s, item_cost_s = so_far.additive, so_far.overhead_s, so_far.item_cost_s  # read-only
     cost = 0.0
     for it in waiting:
+        one = 0.0
         if additive:  # same sum as cost_with, item cost evaluated once
             one = item_cost_s(it.num_cached_tokens, it.num_new_tokens)
             c = overhead_s + so_far.items_s + one
@@ -618,9 +625,7 @@ def build_prefill_batch(
             c = so_far.cost_with(it.num_cached_tokens, it.num_new_tokens)
         if c <= quota_s:
             items.append(it)
-            so_far.pairs.append((it.num_cached_tokens, it.num_new_tokens))
-            if additive:
-                so_far.items_s += one
+            so_far.add(it.num_cached_tokens, it.num_new_tokens, one)
             cost = c
             continue
         # Chunk ``it``: largest n (page multiple, < new tokens) with cost(batch + (cached, n)) ≤ quota.

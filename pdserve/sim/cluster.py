@@ -338,8 +338,9 @@ class ClusterSim:
         # goes in FIFO order over both kinds of waiter (a stalled read and a first turn), see ``_reserve``.
         self.room_wait: list[list[int]] = [[] for _ in range(n_nodes)]
         # Per node, a counter bumped whenever a refused request could have become able to get room
-        # there: room freed, or a waiter leaving ``room_wait``. A waiter whose two nodes' counters have
-        # not moved since it was refused would be refused again: ``_retry_room`` skips it.
+        # there: room freed, or a waiter leaving ``room_wait`` (taking room or adding a waiter only make
+        # a refusal more certain). A waiter whose two nodes' counters have not moved since it was
+        # refused would be refused again: ``_retry_room`` skips it (``_room_unchanged``).
         self.room_ver = [0] * n_nodes
         self._retrying_room = False
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
@@ -673,39 +674,44 @@ class ClusterSim:
         if used > self.buf_peak[node]:
             self.buf_peak[node] = used
 
+    def _room_unchanged(self, req: _Req) -> bool:
+        """Nothing that ``_reserve``'s answer for ``req`` depends on has loosened since it refused it.
+        A sum is enough: each counter only grows and the two nodes differ, so an equal sum means
+        neither moved."""
+        ver = self.room_ver
+        return req.room_seen == ver[req.pe // self.g] + ver[self.P + req.de // self.g]
+
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
         self.room_ver[node] += 1
-        if self.room_wait[node]:  # else no waiter needs room here, and nothing else changed
+        # Every loosening (this, or a waiter given room) is followed by a retry run to a fixed point,
+        # so before this release no waiter could get room; now only one that needs room here can.
+        if self.room_wait[node]:
             self._retry_room()
 
     def _retry_room(self) -> None:
-        """Retry every request waiting for room: the stalled reads (one may need room on either of its
-        request's nodes), then the first turns. ``_reserve`` keeps the order FIFO whatever the order of
-        the retries; but a grant may let a younger waiter that was held back by it go, so the pass is
-        repeated while it grants anything. First turns given room are made ready together."""
+        """Retry the requests waiting for room: the stalled reads (one may need room on either of its
+        request's nodes), then the first turns; a waiter is skipped when nothing it depends on loosened
+        since it was refused (``_room_unchanged``: the retry would refuse it, with no side effect).
+        ``_reserve`` keeps the order FIFO whatever the order of the retries; but a grant may let a
+        younger waiter that was held back by it go, so the pass is repeated while it grants anything.
+        First turns given room are made ready together."""
         self._retrying_room = True
         fits: list[_Req] = []
-        ver, g, P = self.room_ver, self.g, self.P
         granted = True
         while granted:
             granted = False
             for n in list(self.stalled_nodes):
                 # A stalled node's SNIC is idle; an earlier retry in this pass may have woken it.
                 if self.read_stalled[n]:
-                    if not self.reserved_queued[n]:  # (else a read may pass the stalled head)
-                        r = self.read_q[n][0][0]
-                        if r.room_seen == ver[r.pe // g] + ver[P + r.de // g]:
-                            continue  # nothing changed on its nodes since it was refused
+                    # (Unless a read whose room is held may pass the stalled head.)
+                    if not self.reserved_queued[n] and self._room_unchanged(self.read_q[n][0][0]):
+                        continue
                     self._start_read(n)
                     granted = granted or not self.read_stalled[n]
             for n in list(self.first_turn_nodes):
                 waiting = self.buf_waiting[n]  # first turns only ever wait for room on their DE node
-                while (
-                    waiting
-                    and waiting[0].room_seen != ver[waiting[0].pe // g] + ver[P + waiting[0].de // g]
-                    and self._reserve(waiting[0])
-                ):
+                while waiting and not self._room_unchanged(waiting[0]) and self._reserve(waiting[0]):
                     req = waiting.popleft()
                     req.reads_left = 0
                     fits.append(req)
