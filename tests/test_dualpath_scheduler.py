@@ -624,7 +624,8 @@ def test_prefill_room_cut_with_beta_binding_places_what_algorithm_1_places(monke
 
 def test_prefill_room_requests_without_new_tokens_are_all_placed_under_beta():
     # Regression: _prefill_room used to clamp the minimum new-token count to 1, so the room was
-    # 0 // 1 + 1 = 1 and only one request was placed. Algorithm 1: the PE stays at 100 <= β after each 0-token request, so all three are placed.
+    # 0 // 1 + 1 = 1 and only one request was placed. Algorithm 1: the PE stays at 100 <= β after each
+    # 0-token request, so all three are placed.
     s = make(cfg(beta_tokens=100), pe_nodes=[0], de_nodes=[1])
     s.report_prefill(0, 1, 100)
     out = s.assign([req(i, hit=64, new=0) for i in range(3)])

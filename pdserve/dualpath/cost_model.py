@@ -246,9 +246,13 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     routed_bytes = layers * mlp_routed * weight_bytes
     other_bytes = (layers * (attn_params + mlp_fixed) + 2 * vocab * hidden) * weight_bytes
     ep = 1  # at most one expert per rank: a larger group holds no fewer weights per GPU
-    while routed_bytes and ep * 2 <= n_experts and other_bytes + routed_bytes / ep > H200_HBM_BYTES / 2:
+    while (
+        routed_bytes
+        and ep * 2 <= n_experts
+        and _gpu_weight_bytes(other_bytes, routed_bytes, ep) > H200_HBM_BYTES / 2
+    ):
         ep *= 2
-    weights_bytes = other_bytes + routed_bytes / ep
+    weights_bytes = _gpu_weight_bytes(other_bytes, routed_bytes, ep)
     flops_per_pair = 4 * heads * head_dim * layers
     free = max(_free_hbm_bytes(other_bytes, routed_bytes, ep), 1e9)
     return replace(
@@ -271,10 +275,14 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     )
 
 
+def _gpu_weight_bytes(other_weight_bytes: float, routed_weight_bytes: float, ep_gpus: int) -> float:
+    """Weights on one GPU of an EP group: those every GPU holds, and its 1/ep of the routed experts."""
+    return other_weight_bytes + routed_weight_bytes / ep_gpus
+
+
 def _free_hbm_bytes(other_weight_bytes: float, routed_weight_bytes: float, ep_gpus: int) -> float:
-    """An H200's HBM left for KV: minus the weights every GPU holds, its 1/ep of the routed experts and
-    10 GB of runtime buffers [assumed]."""
-    return H200_HBM_BYTES - other_weight_bytes - routed_weight_bytes / ep_gpus - 10e9
+    """An H200's HBM left for KV: minus the GPU's weights and 10 GB of runtime buffers [assumed]."""
+    return H200_HBM_BYTES - _gpu_weight_bytes(other_weight_bytes, routed_weight_bytes, ep_gpus) - 10e9
 
 
 def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
@@ -287,10 +295,11 @@ def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
         return p.decode_hbm_kv_bytes if decode else p.prefill_hbm_kv_bytes
     free = _free_hbm_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus)
     if free <= 0:
+        weights = _gpu_weight_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus)
+        wanted = p.decode_ep_gpus if decode else p.prefill_ep_gpus
         raise ValueError(
-            f"{p.name}: {(p.other_weight_bytes + p.routed_weight_bytes / ep_gpus) / 1e9:.0f} GB of weights per"
-            f" GPU with EP{ep_gpus} leave no HBM for KV (the model asks for EP{p.decode_ep_gpus}): add nodes"
-            " or use fp8 weights"
+            f"{p.name}: {weights / 1e9:.0f} GB of weights per GPU with EP{ep_gpus} leave no HBM for KV"
+            f" (the model asks for EP{wanted}): add nodes or use fp8 weights"
         )
     return int(free)
 

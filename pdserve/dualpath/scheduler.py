@@ -558,11 +558,21 @@ class _BatchSoFar:
     closure's environment and the closure refer to each other, so every batch built would leave a
     reference cycle that only the cyclic GC frees (the simulator pauses it while it runs)."""
 
-    __slots__ = ("batch_cost_s", "additive", "overhead_s", "item_cost_s", "pairs", "items_s", "quota_s")
+    __slots__ = (
+        "batch_cost_s",
+        "additive",
+        "overhead_s",
+        "item_cost_s",
+        "pairs",
+        "items_s",
+        "quota_s",
+        "page_tokens",
+    )
 
-    def __init__(self, batch_cost_s: BatchCost, quota_s: float) -> None:
+    def __init__(self, batch_cost_s: BatchCost, quota_s: float, page_tokens: int) -> None:
         self.batch_cost_s = batch_cost_s
         self.quota_s = quota_s
+        self.page_tokens = page_tokens
         self.pairs: list[tuple[int, int]] = []
         self.items_s = 0.0  # Σ item costs so far (additive costs only)
         self.additive = False
@@ -578,25 +588,16 @@ class _BatchSoFar:
             return self.overhead_s + self.items_s + self.item_cost_s(cached, new)
         return self.batch_cost_s(self.pairs + [(cached, new)])
 
+    def fits(self, cached: int, num_pages: int) -> bool:
+        """Does the batch plus the first ``num_pages`` pages of a request with ``cached`` tokens stay
+        within the quota?"""
+        return self.cost_with(cached, num_pages * self.page_tokens) <= self.quota_s
+
     def add(self, cached: int, new: int, item_s: float) -> None:
         """Put (cached, new) in the batch; ``item_s`` is its item cost (additive costs only)."""
         self.pairs.append((cached, new))
         if self.additive:
             self.items_s += item_s
-
-
-class _ChunkFits:
-    """``fits(m)``: does the batch so far plus the first ``m`` pages of one request stay in quota?"""
-
-    __slots__ = ("so_far", "cached", "page_tokens")
-
-    def __init__(self, so_far: _BatchSoFar, cached: int, page_tokens: int) -> None:
-        self.so_far = so_far
-        self.cached = cached
-        self.page_tokens = page_tokens
-
-    def __call__(self, m: int) -> bool:
-        return self.so_far.cost_with(self.cached, m * self.page_tokens) <= self.so_far.quota_s
 
 
 def build_prefill_batch(
@@ -613,7 +614,7 @@ def build_prefill_batch(
     progress. ``waiting`` may be any iterable (a lazy one is consumed only up to the chunk).
     """
     items: list[PrefillItem] = []
-    so_far = _BatchSoFar(batch_cost_s, quota_s)
+    so_far = _BatchSoFar(batch_cost_s, quota_s, page_tokens)
     additive, overhead_s, item_cost_s = so_far.additive, so_far.overhead_s, so_far.item_cost_s  # read-only
     cost = 0.0
     for it in waiting:
@@ -633,7 +634,8 @@ def build_prefill_batch(
         lo, hi = 0, max_pages
         if additive and hi > 0:
             lo, hi = _gallop_bracket(
-                _ChunkFits(so_far, it.num_cached_tokens, page_tokens),
+                so_far.fits,
+                it.num_cached_tokens,
                 (quota_s - overhead_s - so_far.items_s) * it.num_new_tokens / one / page_tokens
                 if one > 0
                 else 0,
@@ -641,7 +643,7 @@ def build_prefill_batch(
             )
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if so_far.cost_with(it.num_cached_tokens, mid * page_tokens) <= quota_s:
+            if so_far.fits(it.num_cached_tokens, mid):
                 lo = mid
             else:
                 hi = mid - 1
@@ -660,8 +662,11 @@ def build_prefill_batch(
     return BatchPlan(tuple(items), None, cost)
 
 
-def _gallop_bracket(fits: Callable[[int], bool], estimate: float, max_pages: int) -> tuple[int, int]:
-    """Narrow [0, max_pages] around the largest m with fits(m), from an estimate, by doubling steps.
+def _gallop_bracket(
+    fits: Callable[[int, int], bool], cached: int, estimate: float, max_pages: int
+) -> tuple[int, int]:
+    """Narrow [0, max_pages] around the largest m with fits(cached, m), from an estimate, by doubling
+    steps.
 
     Returns (lo, hi) with fits(lo) or lo == 0, and not fits(m) for every m > hi; a binary search on it
     gives the same m as one on [0, max_pages] (fits is monotone: cost grows with the chunk).
@@ -669,11 +674,11 @@ def _gallop_bracket(fits: Callable[[int], bool], estimate: float, max_pages: int
     lo, hi = 0, max_pages
     guess = min(max(int(estimate), 1), max_pages)
     step = 1
-    if fits(guess):
+    if fits(cached, guess):
         lo = guess
         while lo < hi:
             nxt = min(lo + step, hi)
-            if not fits(nxt):
+            if not fits(cached, nxt):
                 return lo, nxt - 1
             lo = nxt
             step *= 2
@@ -681,7 +686,7 @@ def _gallop_bracket(fits: Callable[[int], bool], estimate: float, max_pages: int
     hi = guess - 1
     while lo < hi:
         nxt = max(hi - step, lo + 1)
-        if fits(nxt):
+        if fits(cached, nxt):
             return nxt, hi
         hi = nxt - 1
         step *= 2

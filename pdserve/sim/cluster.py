@@ -718,8 +718,6 @@ class ClusterSim:
                     granted = True
                 if not waiting:
                     self.first_turn_nodes.remove(n)
-            if not (self.stalled_nodes or self.first_turn_nodes):
-                break
         self._retrying_room = False
         if fits:
             self._ready_together(fits)
