@@ -29,8 +29,19 @@ def test_list(capsys):
         "bandwidth-model",
         "submit-cost",
         "split",
+        "emulated",
     ):
         assert name in out
+
+
+def test_emulated_scenario_runs_both_policies(tmp_path):
+    """The scenario lives in its own module (imported when run); it predicts the emulated CPU cluster
+    of `pdserve bench dualpath`: layerwise round robin vs DualPath on the same agents."""
+    out = tmp_path / "e.json"
+    assert run(parse("--scenario", "emulated", "--json", str(out))) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["layerwise", "dualpath"]
+    assert runs[1]["jct_s"] < runs[0]["jct_s"]
 
 
 def test_tiny_ablation_json_and_plot(tmp_path):

@@ -636,6 +636,13 @@ def split_sweep(ov: Overrides, progress: Progress) -> ScenarioResult:
     return out
 
 
+def _emulated(ov: Overrides, progress: Progress) -> ScenarioResult:
+    # Imported here: pdserve.sim.emulated uses this module's record helpers.
+    from pdserve.sim.emulated import emulated
+
+    return emulated(ov, progress)
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -676,9 +683,7 @@ SCENARIOS: dict[str, Scenario] = {
             "emulated",
             "pdserve bench dualpath's emulated 1P2D CPU cluster (demo model, 8 MB/s SNICs): sim vs real",
             2,
-            lambda ov, progress: __import__("pdserve.sim.emulated", fromlist=["emulated"]).emulated(
-                ov, progress
-            ),
+            _emulated,
         ),
     )
 }
