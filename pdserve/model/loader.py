@@ -6,6 +6,7 @@ concatenated here in the order the forward splits them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -42,6 +43,40 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors files in {str(model_dir)!r}")
     return files
+
+
+CHECKPOINT_SAMPLE_BYTES = 64 << 10  # tensor bytes hashed at each end of each file's data section
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """A short, deterministic identity of a checkpoint's weights (16 hex chars, blake2b).
+
+    KV written by one model must never be read by another with the same shape (a fine-tune, new
+    weights after an upgrade): the KV store keys blocks by it, and PD peers compare it. It covers
+    `config.json`, every safetensors file's size and header (tensor names, dtypes, shapes, offsets) and
+    the first and last `CHECKPOINT_SAMPLE_BYTES` of its tensor data: cheap at any model size, and a
+    different training run changes the sampled bytes. Copies of one checkpoint at different paths
+    agree (file names are hashed, directories are not).
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.blake2b(digest_size=8)
+    cfg = model_dir / "config.json"
+    h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    for path in safetensors_files(model_dir):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise CheckpointError(f"{path.name} is not a safetensors file (header of {header_len} bytes)")
+            header = f.read(header_len)
+            data_start, data_len = 8 + header_len, size - 8 - header_len
+            head = f.read(min(CHECKPOINT_SAMPLE_BYTES, data_len))
+            f.seek(max(data_start, size - CHECKPOINT_SAMPLE_BYTES))
+            tail = f.read()
+        for part in (path.name.encode(), size.to_bytes(8, "little"), header, head, tail):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
 
 
 def load_model(

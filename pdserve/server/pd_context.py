@@ -19,12 +19,21 @@ from pdserve.engine.pd_common import PDConfig
 from pdserve.engine.pd_decode import DecodeRole
 from pdserve.engine.pd_load import load_report
 from pdserve.engine.pd_prefill import PrefillRole
+from pdserve.model.loader import checkpoint_digest
 from pdserve.transfer.agent import TransferAgent
 
 
-def layout_fingerprint(engine: LLMEngine) -> str:
+def model_identity(engine: LLMEngine) -> str:
+    """Which model's KV this is: architecture, vocabulary and the weights' digest. The KV store keys its
+    blocks by it (so engines of one model share blocks whatever their page size, and a fine-tune with
+    the same shape never reads another's), and it begins the PD fingerprint."""
     mc = engine.config.model_config
-    return f"{mc.architecture}|v{mc.vocab_size}|{engine.runner.kv_cache.layout.fingerprint()}"
+    return f"{mc.architecture}|v{mc.vocab_size}|w{checkpoint_digest(engine.config.model)}"
+
+
+def layout_fingerprint(engine: LLMEngine, identity: str) -> str:
+    """What PD peers compare before exchanging pages: the same model and the same pool layout."""
+    return f"{identity}|{engine.runner.kv_cache.layout.fingerprint()}"
 
 
 class PDContext:
@@ -35,7 +44,8 @@ class PDContext:
         self.config = config
         name = f"{role_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.control = ControlChannel(host, config.cluster_secret, name)
-        fingerprint = layout_fingerprint(engine)
+        identity = model_identity(engine)
+        fingerprint = layout_fingerprint(engine, identity)
         role_cls = PrefillRole if role_name == "prefill" else DecodeRole
         self.role = role_cls(engine, config, self.control, None, fingerprint)
         # Everything a peer may write to or we may write from: KV pool, handoff slots, staging slots.
@@ -70,7 +80,7 @@ class PDContext:
             from pdserve.store.layout import BlockLayout
 
             block_layout = BlockLayout.from_kv_layout(
-                engine.runner.kv_cache.layout, config.kv_block_size, model=fingerprint
+                engine.runner.kv_cache.layout, config.kv_block_size, model=identity
             )
             self.store = KVBlockStore(config.kv_store_dir, block_layout, int(config.kv_store_gib * (1 << 30)))
             self.store.traffic = self.traffic
