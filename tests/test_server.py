@@ -569,6 +569,37 @@ def test_generate_custom_rid(url):
     assert r.json()["meta_info"]["id"] == "my-rid-1"
 
 
+def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url):
+    """A second request with a live request's rid gets a 409; the first streams on to its end."""
+    body = {"input_ids": [1, 2, 3], "rid": "dup-rid", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", url + "/generate", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the first is running
+        second = {"input_ids": [4, 5, 6], "rid": "dup-rid", "sampling_params": {"max_new_tokens": 2}}
+        err = assert_openai_error(c.post(url + "/generate", json=second), 409)
+        assert "already active" in err["message"]
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["finish_reason"] == "length" and len(last["output_ids"]) == 60
+    wait_idle(url)
+
+
+def test_streamed_text_never_shows_a_stop_string_the_final_text_cuts(client, model_name):
+    """A stop string spanning two tokens: the streamed deltas join to exactly the non-streamed text
+    (the stream holds back what could be a stop string's start, as vLLM does)."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=20, temperature=0)
+    deltas = [ch.choices[0].text for ch in client.completions.create(**kw, stream=True)]
+    i = next(i for i in range(1, len(deltas) - 1) if len(deltas[i]) >= 2 and len(deltas[i + 1]) >= 2)
+    stop = deltas[i][-2:] + deltas[i + 1][:2]  # spans the boundary between two tokens' text
+    full = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert full.finish_reason == "stop" and stop not in full.text
+    streamed = [ch.choices[0] for ch in client.completions.create(**kw, stop=[stop], stream=True)]
+    assert "".join(c.text for c in streamed) == full.text
+    assert streamed[-1].finish_reason == "stop"
+
+
 def test_metrics_histograms_and_final_state(url):
     m = wait_idle(url)
     assert m["pdserve_time_to_first_token_seconds_count"] > 0

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
 
@@ -86,6 +86,10 @@ class AsyncEngine:
         """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating."""
         if not self.alive:
             raise EngineDeadError("engine is not running")
+        if self.is_active(req.request_id):
+            # Refused before touching the other stream: replacing its queue (and aborting the id on the
+            # way out) would cut off the caller that owns it.
+            raise InvalidRequest(f"request id {req.request_id!r} is already active")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         self._send(("add", req, prompt_text))
@@ -103,6 +107,10 @@ class AsyncEngine:
             self._streams.pop(req.request_id, None)
             if not finished:
                 self._send(("abort", req.request_id))
+
+    def is_active(self, request_id: str) -> bool:
+        """Event-loop thread: whether a caller is iterating `generate()` for this id."""
+        return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

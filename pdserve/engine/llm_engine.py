@@ -232,12 +232,18 @@ class LLMEngine:
     def output(self, req: Request) -> RequestOutput:
         """The request as its caller sees it now (text with stop strings cut)."""
         text = self._text(req)
+        stop = req.sampling_params.stop
         if isinstance(req.stop_reason, str) and req.status.finished:
             cut = text.find(req.stop_reason)
             if cut >= 0:
                 text = text[
                     : cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)
                 ]
+        elif stop and not req.status.finished:
+            # Hold back what may be the start of a stop string: a streamed delta must never show text
+            # that the final output cuts. The stop is not complete yet, so it starts at or after
+            # len(text) - (longest - 1).
+            text = text[: max(0, len(text) - (max(len(s) for s in stop) - 1))]
         finish = req.status.value if req.status.finished else None
         return RequestOutput(
             request_id=req.request_id,

@@ -401,6 +401,8 @@ def build_app(
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
         req, text = validate(lambda: prompt, lambda: SamplingParams(**sp))
         if body.rid:
+            if aengine.is_active(body.rid):
+                raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
 
         def native(out: RequestOutput) -> dict:
@@ -420,8 +422,13 @@ def build_app(
         if body.stream:
 
             async def events():
-                async for out in aengine.generate(req, text):
-                    yield sse(native(out))
+                try:
+                    async for out in aengine.generate(req, text):
+                        yield sse(native(out))
+                except InvalidRequest as e:  # the stream already started: report in-band
+                    yield sse(error_body(str(e), 400))
+                except (RuntimeError, EngineDeadError) as e:
+                    yield sse(error_body(str(e), 503, "ServiceUnavailable"))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
