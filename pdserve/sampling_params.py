@@ -6,6 +6,7 @@ engine state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
@@ -59,7 +60,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
-        _check(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
+        _check(0.0 <= self.temperature < math.inf, "temperature must be finite and >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
         _check(0 <= self.top_k < 2**63, "top_k must be -1, 0 (disabled) or >= 1", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)

@@ -238,6 +238,12 @@ def test_completion_logprobs(client, model_name):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(8)]  # where each token starts
+    streamed = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5, stream=True
+    )
+    offsets = [o for ch in streamed for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset  # chunks continue the offsets where the previous chunk ended
     for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 5
         assert all(v <= 0 for v in top.values())
@@ -326,6 +332,26 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
 
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_name, prompt=PROMPT, extra_body={"n": 2})
+    # OpenAI fields we do not implement are refused, not silently ignored; their "off" values pass.
+    for extra in (
+        {"echo": True},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -1},
+        {"repetition_penalty": 1.2},
+        {"logit_bias": {"5": 10}},
+        {"best_of": 2},
+        {"stream_options": {"include_usage": True}},  # without stream
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert next(iter(extra)) in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
+        )
+    raw = b'{"prompt": "x", "max_tokens": 2, "temperature": Infinity}'  # Python's json reads it
+    r = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert "temperature" in assert_openai_error(r, 400)["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_name, messages=[], max_tokens=4)
     with pytest.raises(openai.BadRequestError):
@@ -383,6 +409,9 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     assert finished == finished_before
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+    off = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1}
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, extra_body=off)
+    assert r.usage.completion_tokens == 2  # the unsupported fields' "off" values are accepted
     after = wait_idle(url)
     assert after["pdserve_kv_pages_used"] == 0
     assert after["pdserve_kv_pages_total"] == total

@@ -161,15 +161,20 @@ def build_app(
     def token_str(tid: int) -> str:
         return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
 
-    def completion_logprobs(lps, start: int) -> dict | None:
+    def completion_logprobs(lps, start: int, starts: list[int]) -> dict | None:
+        """`starts`: the request's running character offsets, starts[i] = where token i begins in the
+        completion; kept by the caller across a stream's chunks and extended here as tokens arrive."""
         if lps is None:
             return None
         items = lps[start:]
+        tokens = [token_str(lp.token_id) for lp in items]
+        while len(starts) <= len(lps):
+            starts.append(starts[-1] + len(token_str(lps[len(starts) - 1].token_id)))
         return {
-            "tokens": [token_str(lp.token_id) for lp in items],
+            "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in items],
             "top_logprobs": [{token_str(t): v for t, v in lp.top} for lp in items],
-            "text_offset": [],
+            "text_offset": starts[start : len(lps)],
         }
 
     def chat_logprobs(lps, start: int) -> dict | None:
@@ -317,13 +322,14 @@ def build_app(
         created, rid = int(time.time()), req.request_id
         # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
         want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
+        token_starts = [0]
 
         def chunk(delta, o, start, finish):
             choice = {
                 "index": 0,
                 "text": delta,
                 "finish_reason": finish,
-                "logprobs": completion_logprobs(o.logprobs, start) if o is not None else None,
+                "logprobs": completion_logprobs(o.logprobs, start, token_starts) if o is not None else None,
             }
             if want_ids and o is not None:
                 choice["token_ids"] = list(o.token_ids[start:])

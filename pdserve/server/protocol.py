@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.sampling_params import SamplingParams
 
@@ -14,10 +14,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI / vLLM fields whose meaning we do not implement, with the values that mean "off". Any other
+# value is a 400: a client asking for a penalty or an echo must not get a plain completion instead.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+}
+
+
 class _SamplingFields(BaseModel):
     # Unknown OpenAI fields (user, ...) are ignored; known ones must have their JSON type (strict: no
     # false -> 0, "1" -> 1, "no" -> False coercions).
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            off = UNSUPPORTED_FIELDS.get(name)
+            if (
+                off is not None
+                and value is not None
+                and not any(value == v and type(value) is type(v) for v in off)
+            ):
+                raise ValueError(f"{name}={value!r} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
 
     model: str | None = None
     max_tokens: int | None = None
@@ -56,7 +84,6 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
 
     def single_prompt(self) -> str | dict:
         p = self.prompt
@@ -92,6 +119,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
 
 
 class GenerateRequest(BaseModel):
