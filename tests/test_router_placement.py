@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdserve.router.app import Engine, prompt_shape
-from pdserve.router.placement import Placement, PlacementError, PrefixIndex
+from pdserve.router.app import Engine
+from pdserve.router.placement import Placement, PlacementError, PrefixIndex, prompt_shape
 
 BPT = 4096  # KV bytes per token
 

@@ -5,10 +5,12 @@ requests in flight), post the client's body to both — the prefill's copy marke
 and not stream, the decode's copy told where the prefill's bootstrap server is — and relay the
 decode's response. The decode's bytes are held back until the prefill answered, so a prefill that
 fails before any KV could have been sent is retried on another prefill (fresh room) without the
-client noticing. A client that disconnects aborts both sides (their handlers see the disconnect).
+client noticing. A client that disconnects aborts both sides: while it streams, the engines' handlers
+see their connections close; while the router waits for it (placement, the prefill's answer, a
+non-streamed decode), the router polls the client's connection and closes both legs itself.
 Engines are health-checked in the background; a dead one gets no new requests.
 
-Length (~440 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+Length (~470 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
 abort both on disconnect) and the HTTP routes that call it; DualPath placement lives in
 ``router/placement.py``.
 """
@@ -27,7 +29,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.pd_common import new_room
-from pdserve.router.placement import Placement, PlacementError
+from pdserve.router.placement import (
+    DEFAULT_PLACEMENT_TOKENS,
+    Placement,
+    PlacementError,
+    prompt_shape,
+    requested_max_tokens,
+)
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body
 
@@ -55,6 +63,38 @@ class NoEngine(Exception):
 
 class EngineDown(Exception):
     pass
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the router waited on its behalf."""
+
+
+CLIENT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+
+
+async def unless_gone(http: Request, awaitable):
+    """`await awaitable`, unless the client disconnects first: then it is cancelled and ClientGone
+    raised. The router waits on a client's behalf in three places (placement, the prefill's answer,
+    a non-streamed decode's headers, which come only when generation ends); without this check a
+    client that hung up left both engines working until max_tokens."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def client_gone() -> JSONResponse:
+    """What a handler returns for a client that left (nobody reads it; logs and metrics do)."""
+    return JSONResponse(error_body("client disconnected", 499, "ClientClosedRequest"), 499)
 
 
 _END, _DOWN = object(), object()
@@ -229,10 +269,17 @@ class Router:
                 ),
                 400,
             )
-        prompt_ids, prompt_len = prompt_shape(body)
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_PLACEMENT_TOKENS
         try:
-            a = await self.placement.place(prompt_ids, prompt_len, int(max_tokens))
+            prompt_ids, prompt_len = prompt_shape(body)
+            max_tokens = requested_max_tokens(path, body)
+        except ValueError as e:  # what the engines would refuse too, but placement needs the numbers first
+            return JSONResponse(error_body(str(e), 400), 400)
+        if max_tokens is None:
+            max_tokens = DEFAULT_PLACEMENT_TOKENS
+        try:
+            a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens))
+        except ClientGone:
+            return client_gone()
         except PlacementError as e:
             code = 503 if "retry" in str(e) else 400
             return JSONResponse(error_body(str(e), code), code)
@@ -271,9 +318,13 @@ class Router:
             de_req = self.client.build_request("POST", de.url + path, json=de_body)
             de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
             try:
-                pe_resp = await self.client.post(
-                    pe.url + path, json=pe_body, timeout=self.prefill_timeout(pe)
+                pe_resp = await unless_gone(
+                    http, self.client.post(pe.url + path, json=pe_body, timeout=self.prefill_timeout(pe))
                 )
+            except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
+                await _cancel(de_task)
+                de.in_flight -= 1
+                return client_gone()
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             if pe_resp is not None and pe_resp.status_code == 200:
@@ -295,7 +346,11 @@ class Router:
             )
 
         try:
-            de_resp = await unless_down(de, de_task)
+            de_resp = await unless_gone(http, unless_down(de, de_task))
+        except ClientGone:
+            await _cancel(de_task)  # closing the decode's connection aborts its request
+            de.in_flight -= 1
+            return client_gone()
         except httpx.HTTPError as e:
             de.in_flight -= 1
             return JSONResponse(error_body(f"decode {de.url}: {e!r}", 502, "BadGateway"), 502)
@@ -322,25 +377,7 @@ class Router:
         return StreamingResponse(relay(), status_code=de_resp.status_code, media_type=media)
 
 
-DEFAULT_PLACEMENT_TOKENS = 256  # a request without max_tokens reserves this much growth in placement
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
-
-
-def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
-    """(token ids or None, prompt length in tokens) of a completion or chat body, for placement.
-    Text is estimated at 4 characters per token (only placement uses it; engines tokenize)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt, len(prompt)
-    if isinstance(prompt, str):
-        return None, max(1, len(prompt) // 4)
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-        return None, max(1, chars // 4)
-    return None, 1
 
 
 async def _cancel(task: asyncio.Future) -> None:

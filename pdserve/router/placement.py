@@ -289,3 +289,41 @@ class Placement:
             "read_paths": dict(self.read_paths),
             "read_queue_tokens": dict(zip(self.node_ids, s.read_queue_tokens, strict=True)) if s else {},
         }
+
+
+DEFAULT_PLACEMENT_TOKENS = 256  # a request without max_tokens reserves this much growth in placement
+MAX_TOKEN_ID = 2**63 - 1  # placement hashes ids as signed 64-bit; no vocabulary comes near
+
+
+def requested_max_tokens(path: str, body: dict) -> int | None:
+    """The client's output-token limit as the engines read it (chat: `max_completion_tokens` wins over
+    `max_tokens`); None when absent. ValueError unless it is a positive JSON integer."""
+    keys = ("max_completion_tokens", "max_tokens") if path.endswith("/chat/completions") else ("max_tokens",)
+    for key in keys:
+        value = body.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        return value
+    return None
+
+
+def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
+    """(token ids or None, prompt length in tokens) of a completion or chat body, for placement.
+    Text is estimated at 4 characters per token (only placement uses it; engines tokenize).
+    ValueError for a token id that is not a non-negative 64-bit integer."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise ValueError("prompt token ids must be in [0, 2**63)")
+        return prompt, len(prompt)
+    if isinstance(prompt, str):
+        return None, max(1, len(prompt) // 4)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        return None, max(1, chars // 4)
+    return None, 1

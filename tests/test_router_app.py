@@ -1,0 +1,143 @@
+"""The router's HTTP front alone: its app in process, the engines behind it answered by an
+`httpx.MockTransport` that records every call. What is checked is the router's own work: what it
+refuses before any engine sees a request, and that a client who leaves while the router waits for it
+gets both engine legs closed and its placement withdrawn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from pdserve.router.app import Router, build_router_app
+from pdserve.router.placement import prompt_shape, requested_max_tokens
+from tests.test_router_placement import report
+
+
+class Engines:
+    """One prefill (`pe`) and one decode (`de`) behind a mock transport; `posts` lists each POST's
+    (host, path). A completion blocks until `release` is set, or answers at once when it is set."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, str]] = []
+        self.release = asyncio.Event()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        role = "prefill" if host == "pe" else "decode"
+        if path == "/pd/info":
+            return httpx.Response(200, json={"role": role, "model": "m", "bootstrap_url": "http://pe:1"})
+        if path == "/pd/load":
+            return httpx.Response(200, json=report(host, role))
+        self.posts.append((host, path))
+        await self.release.wait()
+        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+
+async def started_router(engines: Engines, policy: str) -> Router:
+    router = Router(["http://pe"], ["http://de"], policy=policy)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
+    await router.check_health()
+    if router.placement is not None:
+        for e in router.prefills + router.decodes:
+            router.placement.on_load(e, report(e.url.split("//")[1], e.role))
+        assert router.placement.scheduler is not None
+    return router
+
+
+@pytest.mark.parametrize(
+    "field",
+    ['"max_tokens": "16"', '"max_tokens": [1]', '"max_tokens": 0', '"max_tokens": -5', '"max_tokens": 1e400',
+     '"max_tokens": true', '"prompt": [1, 2, 9223372036854775808]', '"prompt": [[1, -1]]'],
+)  # fmt: skip
+def test_bad_numbers_are_400s_before_any_engine_is_asked(field):
+    """These used to reach `int()` or the prefix hash inside placement: a plain-text 500."""
+
+    async def go():
+        engines = Engines()
+        engines.release.set()  # a request that got through is answered, not left hanging
+        router = await started_router(engines, "dualpath")
+        body = '{"prompt": [1, 2, 3], "max_tokens": 4, ' + field + "}"  # the last of a repeated key wins
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        return r, engines, router
+
+    r, engines, router = asyncio.run(go())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and ("max_tokens" in err["message"] or "token ids" in err["message"])
+    assert engines.posts == [] and list(router.placement.queue) == [] and router.placement.num_placed == 0
+
+
+def test_requested_max_tokens_reads_what_the_engines_read():
+    chat, completion = "/v1/chat/completions", "/v1/completions"
+    assert requested_max_tokens(chat, {"max_tokens": 9, "max_completion_tokens": 5}) == 5
+    assert requested_max_tokens(chat, {"max_tokens": 9}) == 9
+    assert requested_max_tokens(completion, {"max_tokens": 9, "max_completion_tokens": 5}) == 9
+    assert requested_max_tokens(completion, {}) is None
+    with pytest.raises(ValueError, match="max_completion_tokens"):
+        requested_max_tokens(chat, {"max_completion_tokens": 0, "max_tokens": 9})
+    with pytest.raises(ValueError, match="token ids"):
+        prompt_shape({"prompt": [-1]})
+
+
+@pytest.mark.parametrize("policy", ["none", "dualpath"])
+def test_a_non_streamed_client_that_leaves_closes_both_legs(policy):
+    """The decode answers a non-streamed request only when generation ends, so the router waits on
+    the client's behalf; a client that leaves meanwhile gets both engine connections closed (the
+    engines abort) and the decode's in-flight count back to 0. Before, the router waited to the end."""
+
+    async def go():
+        engines = Engines()
+        router = await started_router(engines, policy)
+        app = build_router_app(router)
+        sent = json.dumps({"prompt": [1, 2, 3], "max_tokens": 400}).encode()
+        messages = [{"type": "http.request", "body": sent, "more_body": False}]
+        gone = asyncio.Event()
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        replies: list[dict] = []
+
+        async def send(message):
+            replies.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(sent)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        call = asyncio.ensure_future(app(scope, receive, send))
+        for _ in range(100):  # both legs are posted and waiting
+            if len(engines.posts) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(engines.posts) == [("de", "/v1/completions"), ("pe", "/v1/completions")]
+        assert router.decodes[0].in_flight == 1
+        gone.set()  # the client hangs up
+        try:
+            await asyncio.wait_for(call, 5)  # the router notices within CLIENT_POLL_S
+        finally:
+            engines.release.set()  # a router that did not notice must not hang the test
+        return replies, router
+
+    replies, router = asyncio.run(go())
+    assert replies[0]["status"] == 499
+    assert router.decodes[0].in_flight == 0
+    if router.placement is not None:
+        assert list(router.placement.queue) == []
