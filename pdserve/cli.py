@@ -33,7 +33,13 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     """Flags of prefill/decode engines, shared by `serve` and `launch` (which passes them on)."""
     p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
     p.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
-    p.add_argument("--pd-abort-lease-s", type=float, default=60.0)
+    p.add_argument(
+        "--pd-abort-lease-s",
+        type=float,
+        default=0.0,
+        help="how long a decode holds aborted pages without the prefill's ack; 0 (default): 3 x "
+        "--pd-deadline-s + 10 s, the safe minimum plus a margin (a lease below 3 x the deadline is refused)",
+    )
     p.add_argument(
         "--pd-staging-threshold",
         type=float,
@@ -107,7 +113,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             transfer_backend=a.transfer_backend,
             bootstrap_port=a.bootstrap_port,
             deadline_s=a.pd_deadline_s,
-            abort_lease_s=a.pd_abort_lease_s,
+            abort_lease_s=a.pd_abort_lease_s or None,  # 0: derived from the deadline
             staging_threshold=a.pd_staging_threshold,
             kv_store_dir=a.kv_store,
             kv_store_gib=a.kv_store_gib,

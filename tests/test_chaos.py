@@ -135,14 +135,14 @@ class Chaos:
 
     def block_file(self, ids: list[int], k: int):
         """The store's file of block k of `ids` (the keys every engine computes for these tokens)."""
-        from pdserve.server.pd_context import layout_fingerprint
+        from pdserve.server.pd_context import model_identity
         from pdserve.store.index import block_path
         from pdserve.store.keys import block_keys
         from pdserve.store.layout import BlockLayout
 
-        engine = self.llm.engine  # same checkpoint, dtype and page size as the cluster's engines
+        engine = self.llm.engine  # same checkpoint and dtype as the cluster's engines
         layout = BlockLayout.from_kv_layout(
-            engine.runner.kv_cache.layout, BLOCK, model=layout_fingerprint(engine)
+            engine.runner.kv_cache.layout, BLOCK, model=model_identity(engine)
         )
         (store_dir,) = [p for p in self.store_root.iterdir() if p.is_dir()]
         return block_path(store_dir, block_keys(ids, BLOCK, layout.fingerprint)[k])

@@ -43,6 +43,7 @@ def _register() -> Register:
 
 ALL_BODIES = [
     _register(),
+    msgspec.structs.replace(_register(), kv_num_pages=12345),
     RegisterAck(ok=True, agent_name="prefill-0", agent_metadata=b"meta"),
     RegisterAck(ok=False, error="layout mismatch: a != b"),
     KVRequest(dst_page_ids=[3, 4, 5, 9], handoff_slot=7, decode_prefix_len=32),
@@ -206,3 +207,19 @@ def test_encode_rejects_caller_bugs():
         decode(encode(Abort("x"), 1, "d", SECRET), b"")
     with pytest.raises(ValueError):
         Register(**{**msgspec.structs.asdict(_register()), "kv_bytes_per_page": [1]})
+
+
+def test_register_of_an_older_decode_parses_without_its_pool_size():
+    """`kv_num_pages` was added within version 1: a Register without it still parses (0: not announced),
+    so the prefill can refuse it with a reason rather than drop it as malformed."""
+    fields = msgspec.structs.asdict(_register())
+    del fields["kv_num_pages"]
+    body = msgspec.msgpack.encode({"type": "register", **fields})
+    header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register", 0, "decode-0"])
+    env = decode(m.seal([header, body], SECRET), SECRET)
+    assert env.body == _register() and env.body.kv_num_pages == 0
+    with pytest.raises(BadMessage):  # never negative
+        encode_fields = {**fields, "kv_num_pages": -1}
+        decode(
+            m.seal([header, msgspec.msgpack.encode({"type": "register", **encode_fields})], SECRET), SECRET
+        )

@@ -1,8 +1,9 @@
 """PD under failure: killed peers, forged control messages, duplicate rooms, client disconnects.
 
 Each test starts its own small cluster (real processes, loopback, NIXL) with short deadlines (8 s)
-and abort leases (3 s), and ends by checking that every surviving engine is idle with zero pages and
-zero rooms held and still passes its integrity checks.
+and the shortest abort lease the engines accept for them (25 s: the prefill's three deadlines + 1 s),
+and ends by checking that every surviving engine is idle with zero pages and zero rooms held and still
+passes its integrity checks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ pytestmark = [
 ]
 
 SECRET = "test-secret-0123456789"
+DEADLINE_S = 8.0
+LEASE_S = 3 * DEADLINE_S + 1.0  # >= state.min_lease_s (PDConfig refuses less)
 # ~810 tokens; with a 16-token step budget the prefill takes ~50 steps: a wide "mid-transfer" window.
 LONG_PROMPT = "def handler(request, context):\n    result = process(request.body, context.user)\n" * 30
 
@@ -40,7 +43,12 @@ def make_cluster(demo_model_dir):
     started = []
 
     def make(num_prefill: int, num_decode: int, **kw):
-        kw = {"max_num_batched_tokens": 16, "enable_fault_injection": True} | kw
+        kw = {
+            "max_num_batched_tokens": 16,
+            "enable_fault_injection": True,
+            "pd_deadline_s": DEADLINE_S,
+            "pd_abort_lease_s": LEASE_S,
+        } | kw
         c = start_cluster(cluster_args(demo_model_dir, **kw), num_prefill, num_decode, secret=SECRET)
         started.append(c)
         return c
@@ -138,7 +146,7 @@ def test_kill_prefill_mid_transfer_errors_client_and_frees_decode(make_cluster):
     assert "error" in res or res["status"] != 200 or '"error"' in res["text"], res
     assert res["elapsed_s"] < 40
     # The decode fails the room (deadline or lost peer), waits out the abort lease, frees everything.
-    m = wait_engine_idle(de, timeout_s=30)
+    m = wait_engine_idle(de, timeout_s=LEASE_S + 20)
     assert m["pdserve_kv_pages_used"] == 0 and m["pdserve_pd_rooms_held"] == 0
 
 

@@ -21,7 +21,10 @@ import itertools
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import Future
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -29,13 +32,15 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.control import ControlChannel
 from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
-from pdserve.disagg.state import AbortTracker, KVState, RoomTable
+from pdserve.disagg.state import AbortTracker, KVState, RoomTable, min_lease_s
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, decode_notif
+from pdserve.engine.pd_common import LEASE_MARGIN_S, PDConfig, decode_notif
 from pdserve.engine.pd_decode import DecodeRole
+from pdserve.engine.pd_load import _pending_read_tokens
 from pdserve.engine.pd_prefill import PrefillRole
-from pdserve.server.pd_context import layout_fingerprint
+from pdserve.server.pd_context import layout_fingerprint, model_identity
 from pdserve.transfer.agent import TransferAgent
+from pdserve.transfer.pages import RegionTable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +48,7 @@ SECRET = b"pd-roles-test-secret"
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 256
 DEADLINE_S = 5.0  # with the fake clock, deadlines pass only when a test moves the clock
-LEASE_S = 7.0
+LEASE_S = 3 * DEADLINE_S + 1.0  # >= state.min_lease_s (PDConfig refuses less)
 _rooms = itertools.count(1001)
 
 
@@ -101,6 +106,11 @@ def record_transitions(rooms: RoomTable) -> list[tuple[int, KVState]]:
     return log
 
 
+def fingerprint(engine: LLMEngine) -> str:
+    """The layout fingerprint `PDContext` gives a role of this engine."""
+    return layout_fingerprint(engine, model_identity(engine))
+
+
 def make_engine(ckpt: str, num_pages: int = 64, budget: int = 64, page_size: int = PAGE_SIZE) -> LLMEngine:
     return LLMEngine(
         EngineConfig.create(
@@ -154,7 +164,7 @@ class Pair:
             PrefillRole,
             self.pe_engine,
             f"prefill-{tag}",
-            layout_fingerprint(self.pe_engine),
+            fingerprint(self.pe_engine),
             pe_backend,
             self.pe_clock,
         )
@@ -162,7 +172,7 @@ class Pair:
             DecodeRole,
             self.de_engine,
             f"decode-{tag}",
-            de_fingerprint or layout_fingerprint(self.de_engine),
+            de_fingerprint or fingerprint(self.de_engine),
             None,
             self.de_clock,
         )
@@ -807,8 +817,12 @@ def test_duplicate_request_id_leaves_no_room_behind(make_pair, side):
     assert second not in role.rooms
 
 
-def test_replayed_kv_request_mid_transfer_never_frees_decode_pages_early(make_pair):
-    p = make_pair(pe_budget=8, pe_backend={"delay_s": 2.0})
+@pytest.mark.parametrize("replay", ["identical", "one_page_short"])
+def test_replayed_kv_request_mid_transfer_never_frees_decode_pages_early(make_pair, replay):
+    """A second KVRequest for a room past Bootstrapping is ignored, whatever it asks. (A mismatched one
+    used to fail the room and send Status(Failed) at once, with the first request's writes in flight:
+    the decode would have freed pages under them.)"""
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 2.0}, copy_bytes=True)
     kv_requests = []
     handle = p.pe_role._on_kv_request
 
@@ -830,13 +844,24 @@ def test_replayed_kv_request_mid_transfer_never_frees_decode_pages_early(make_pa
         return send(addr, body, r)
 
     p.pe_control.send = spy_send
-    # A captured KVRequest replayed with the decode's identity (HMAC does not stop replays).
-    p.de_control.send(p.prefill_addr, kv_requests[0], room)
+    # A captured KVRequest replayed with the decode's identity (HMAC does not stop replays), as is or
+    # one destination page short.
+    first = kv_requests[0]
+    replayed = (
+        first
+        if replay == "identical"
+        else msgspec.structs.replace(first, dst_page_ids=first.dst_page_ids[:-1])
+    )
+    p.de_control.send(p.prefill_addr, replayed, room)
+    p.drive(lambda: p.pe_role.failures.get("duplicate KVRequest ignored") == 1)
+    assert p.pe_role.by_room[room].in_flight  # the replay arrived while the first writes were in flight
     p.drive(lambda: p.idle())
     # The replay is ignored and counted; the room is not failed under writes in flight (no
     # Status(Failed) is ever sent while one could still land), and the real request completes.
-    assert all(n == 0 for n in in_flight_at_status)
-    assert p.pe_role.failures.get("duplicate KVRequest ignored") == 1
+    assert in_flight_at_status == []
+    assert p.pe_role.failures == {"duplicate KVRequest ignored": 1}
+    assert p.de_sink.errors("replay") == [] and len(p.de_sink.final("replay").outputs[0].token_ids) == 8
+    p.assert_clean()
 
 
 # ---- 5. transfer failure ----------------------------------------------------------------------------
@@ -872,7 +897,7 @@ def test_transfer_failure_mid_chunked_prefill(make_pair):
 # ---- 6. layout fingerprint --------------------------------------------------------------------------
 def test_layout_mismatch_refused_at_registration(make_pair):
     p = make_pair(de_page_size=8)  # the decode's pages are twice as big: incompatible layouts
-    assert layout_fingerprint(p.pe_engine) != layout_fingerprint(p.de_engine)
+    assert fingerprint(p.pe_engine) != fingerprint(p.de_engine)
     room = p.submit_both(prompt(9), 4, "lm")
     p.drive(lambda: p.idle())
     errors = p.de_sink.errors("lm")
@@ -1011,3 +1036,317 @@ def test_room_that_failed_while_its_store_read_was_in_flight_never_computes(make
     assert p.pe_role.layerwise.num_runs == 0 and p.submits == []
     p.drive(lambda: p.idle())
     p.assert_clean()
+
+
+# ---- 9. found by a review of the transfer path ------------------------------------------------------
+@pytest.mark.parametrize("source", ["prefix_cache", "store"])
+def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair, source):
+    """16 decode pages. r1's 6 prompt pages end up cached (evictable); another request holds 9 pages,
+    leaving 1 free + those 6. r3 shares r1's 6 pages and needs 2 more plus 2 of growth. Counted as free,
+    the 6 hits made r3 look like 4 of 7 pages; acquired, they are not allocatable, and `allocate`
+    refused under an `assert` that killed the engine (leaking the handoff slot taken just before).
+    Store (DE read path): the store covers more than the hits, so the whole prompt needs fresh pages
+    (8 + 2 > 7), where the check had subtracted the hits it then dropped."""
+    p = make_pair(de_pages=16, copy_bytes=True)
+    ids1 = prompt(24, start=3)
+    p.submit_both(ids1, 1, "r1")
+    p.drive(lambda: p.idle())
+    pool = p.de_engine.kv.pool
+    cached = sorted(pool.evictable_page_ids())
+    assert len(cached) == 6
+    other = p.de_engine.make_request(prompt(36, start=9), SamplingParams(max_tokens=4), "other")
+    assert p.de_engine.kv.allocate(other, 36)  # a running decode's 9 pages
+    assert pool.num_free_pages == 7 and sorted(pool.evictable_page_ids()) == cached
+    if source == "store":
+        read = Future()
+        p.de_role.store = SimpleNamespace(
+            layout=SimpleNamespace(block_size=7 * PAGE_SIZE),  # one block: 28 tokens > the 24 hit tokens
+            lookup=lambda req: 1,
+            start_read=lambda req, n: SimpleNamespace(future=read, buffer=None, keys=[b"k0"]),
+            persist=lambda req: None,
+            persisted={},
+        )
+    room = new_room()
+    preq, dreq = p.requests(ids1 + prompt(8, start=7), 8, "r3", room)
+    dreq.read_path = "de" if source == "store" else None
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    for _ in range(20):
+        p.turn(prefill=False)
+    assert [d.req.request_id for d in p.de_role.prealloc] == ["r3"]  # waits; the engine is alive
+    assert p.de_role.handoff.num_free == p.de_role.handoff.num_slots
+    assert pool.num_free_pages == 7 and sorted(pool.evictable_page_ids()) == cached  # nothing acquired
+    assert (KVRequest, room) not in p.de_sent
+
+    p.de_engine.kv.free(other)  # 16 pages allocatable: r3 fits now
+    if source == "store":
+        p.drive(lambda: room in p.de_role.transfer, prefill=False)
+        assert len(dreq.page_ids) == 8 and not set(dreq.page_ids) & set(cached)  # fresh; the hits unused
+        assert p.de_role.transfer[room].num_hit_tokens == 0
+        read.set_result(SimpleNamespace(num_prefix_ok=0, keys=[b"k0"], num_ok=0))  # computes it all
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("r3") == [] and len(p.de_sink.final("r3").outputs[0].token_ids) == 8
+    # Prefix cache: the KVRequest asked only for pages 6 and 7. Store (nothing read): for all 8 pages,
+    # of which the prefill's own prefix cache held 6 (sent before it computed the rest).
+    sent = [s for s in p.submits if s[0] == room]
+    assert sent == ([(room, 1, 1, 2)] if source == "prefix_cache" else [(room, 1, 0, 6), (room, 2, 2, 2)])
+    p.assert_clean()
+
+
+def test_prefill_pins_the_source_pages_of_writes_in_flight_across_preemption(make_pair, colocated):
+    """16 prefill pages, two 40-token prompts chunked 24 tokens a step: B is preempted while its first
+    writes are in flight (each takes 1 s). Its pages used to go straight back to the pool, where the
+    next allocation could overwrite them while the data plane still copied them to the decode. Each
+    write now holds a reference on its source pages until the agent reports it."""
+    p = make_pair(pe_pages=16, pe_budget=24, pe_backend={"delay_s": 1.0}, copy_bytes=True)
+    kv = p.pe_engine.runner.kv_cache
+    base, page_bytes = kv.regions()[0][0], kv.layout.bytes_per_page
+    srcs: dict[int, set[int]] = defaultdict(set)  # room -> our pages its writes read
+
+    def on_submit(room, seq, total, local, remote):
+        for addr, n in local:
+            if base <= addr < base + page_bytes * 16:  # region 0: pages of every region are alike
+                srcs[room].update(range((addr - base) // page_bytes, (addr - base + n) // page_bytes))
+
+    p.on_submit = on_submit
+    a, b = prompt(40, start=1), prompt(40, start=5)
+    p.submit_both(a, 4, "A")
+    rb = p.submit_both(b, 4, "B")
+    pool, sched = p.pe_engine.kv.pool, p.pe_engine.scheduler
+    p.drive(lambda: sched.num_preemptions and srcs[rb])
+    assert p.pe_agent.stats.transfers_done + p.pe_agent.stats.transfers_failed == 0  # all in flight
+    pr = p.pe_role.by_room[rb]
+    assert pr.in_flight and not pr.req.page_ids  # B was preempted: it holds no page itself
+    assert {pg: pool.ref_count(pg) for pg in srcs[rb]} == dict.fromkeys(srcs[rb], 1)  # the writes' pins
+    taken = pool.allocate(pool.num_free_pages)
+    assert not set(taken) & srcs[rb]
+    pool.release(taken)
+
+    p.drive(lambda: p.idle())
+    ref = colocated.generate(
+        [{"prompt_token_ids": a}, {"prompt_token_ids": b}], SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert p.de_sink.final("A").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert p.de_sink.final("B").outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert p.pe_role.pinned == {}
+    p.assert_clean()
+
+
+def _register_like(de: DecodeRole, **changes) -> Register:
+    """The decode's own Register, with `changes`."""
+    kv = de.local_kv
+    fields = dict(
+        agent_name=de.agent.agent_name,
+        agent_metadata=de.agent.metadata(),
+        kv_base_addrs=list(kv.base_addrs),
+        kv_bytes_per_page=list(kv.bytes_per_page),
+        handoff_base_addr=de.handoff.base_addr,
+        handoff_slot_bytes=de.handoff.slot_bytes,
+        num_handoff_slots=de.handoff.num_slots,
+        staging_base_addr=de.staging.region()[0],
+        staging_bytes=de.staging.region()[1],
+        layout_fingerprint=de.fingerprint,
+        reply_addr=de.control.address,
+        kv_num_pages=de.engine.kv.pool.num_pages,
+    )
+    return Register(**(fields | changes))
+
+
+def _capture_sends(control: ControlChannel) -> list:
+    """Record (body, room) of everything `control` sends from now on."""
+    sent, send = [], control.send
+
+    def wrapped(addr, body, room):
+        sent.append((body, room))
+        return send(addr, body, room)
+
+    control.send = wrapped
+    return sent
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ("one_region_short", "KV region mismatch: prefill has"),
+        ("bytes_per_page", "KV region mismatch"),
+        ("handoff_slot_bytes", "handoff slot size mismatch"),
+        ("kv_num_pages_missing", "did not announce its KV pool size"),
+    ],
+)
+def test_register_that_does_not_match_our_regions_is_refused(make_pair, change, error):
+    """Only the fingerprint used to be compared: a Register with another region table was acked, and
+    building the first write's descriptors raised inside the engine's step (killing the engine)."""
+    p = make_pair(copy_bytes=True)
+    p.submit_both(prompt(12), 1, "warm")
+    p.drive(lambda: p.idle())
+    de, kv = p.de_role, p.de_role.local_kv
+    changes = {
+        "one_region_short": dict(
+            kv_base_addrs=list(kv.base_addrs[:-1]), kv_bytes_per_page=list(kv.bytes_per_page[:-1])
+        ),
+        "bytes_per_page": dict(kv_bytes_per_page=[kv.bytes_per_page[0] * 2] * kv.num_regions),
+        "handoff_slot_bytes": dict(handoff_slot_bytes=de.handoff.slot_bytes // 2),
+        "kv_num_pages_missing": dict(kv_num_pages=0),  # a decode of before the field
+    }[change]
+    acks = _capture_sends(p.pe_control)
+    p.de_control.send(p.prefill_addr, _register_like(de, **changes), 99)  # same decode identity
+    p.drive(lambda: acks)
+    [(ack, reg_id)] = acks
+    assert reg_id == 99 and isinstance(ack, RegisterAck) and not ack.ok and error in ack.error
+    assert sum(p.pe_role.failures.values()) == 1
+    # The refusal left the earlier, valid registration in place: requests still go through.
+    p.submit_both(prompt(12, start=4), 4, "after")
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("after") == [] and len(p.de_sink.final("after").outputs[0].token_ids) == 4
+    p.assert_clean()
+
+
+def test_a_destination_we_cannot_describe_fails_only_its_room(make_pair):
+    """The last line of defence behind the Register check: a write whose descriptors cannot be built
+    (here: a peer entry with one region short, set behind the check's back) fails that room; the
+    engine's step goes on, and the next request is served."""
+    p = make_pair(copy_bytes=True)
+    p.submit_both(prompt(12), 1, "warm")
+    p.drive(lambda: p.idle())
+    [(sender, good)] = p.pe_role.peers.items()
+    short = RegionTable(good.kv.base_addrs[:-1], good.kv.bytes_per_page[:-1])
+    p.pe_role.peers[sender] = dataclasses.replace(good, kv=short)
+    room = p.submit_both(prompt(12, start=4), 4, "bad")
+    p.drive(lambda: p.idle())
+    assert p.pe_role.failures == {"bad destination": 1}
+    assert p.de_sink.errors("bad")[0].startswith("PD transfer failed: prefill failed: bad destination")
+    assert (Status, room) in p.pe_sent and p.submits[-1][0] != room  # nothing of the room went out
+    p.pe_role.peers[sender] = good
+    p.submit_both(prompt(12, start=6), 4, "next")
+    p.drive(lambda: p.idle())
+    assert len(p.de_sink.final("next").outputs[0].token_ids) == 4
+    p.assert_clean()
+
+
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        (dict(dst_page_ids=[10**9, 0]), "a page id beyond the decode's 64 pages"),
+        (dict(dst_page_ids=[64, 0]), "a page id beyond the decode's 64 pages"),
+        (dict(dst_page_ids=[5, 5]), "a page id appears twice"),
+        (dict(handoff_slot=8), "handoff slot 8 of 8"),
+        (dict(handoff_slot=10**6), "handoff slot 1000000 of 8"),
+        (dict(staging_offset=63), "staging pages [63, +2) outside the decode's 64"),
+        (
+            dict(dst_page_ids=[1], decode_prefix_len=4, hit_page_ids=[64]),
+            "a page id beyond the decode's 64 pages",
+        ),
+        (dict(dst_page_ids=[1], decode_prefix_len=4, hit_page_ids=[1]), "a page id appears twice"),
+    ],
+    ids=["page_far", "page_64", "dup_page", "slot_8", "slot_far", "staging", "hit_page", "hit_overlap"],
+)
+def test_kv_request_out_of_the_decodes_registered_bounds_fails_the_room(make_pair, fields, error):
+    """KVRequest fields were checked for sign only: one authenticated KVRequest could aim our writes
+    (and DE-path reads) anywhere in the decode's registered memory. Checked against what its Register
+    announced (64 pages, 8 handoff slots, 64 staging pages), it fails the room while it is still
+    Bootstrapping: nothing was written, so Status(Failed) goes out at once."""
+    p = make_pair()
+    p.submit_both(prompt(12), 1, "warm")
+    p.drive(lambda: p.idle())
+    room = new_room()
+    preq, _ = p.requests(prompt(8, start=2), 1, "x", room)  # 2 pages
+    p.pe_role.add(preq, None)
+    request = KVRequest(**(dict(dst_page_ids=[0, 1], handoff_slot=0, decode_prefix_len=0) | fields))
+    p.de_control.send(p.prefill_addr, request, room)
+    p.drive(lambda: p.idle(), decode=False)
+    assert p.pe_sink.errors("x") == [f"prefill failed: bad KVRequest: {error}"]
+    assert states(p.pe_log, room) == [KVState.Bootstrapping, KVState.Failed]
+    assert p.pe_sent[-1] == (Status, room) and all(r != room for r, *_ in p.submits)
+    assert p.pe_role.layerwise.num_runs == 0
+    p.assert_clean()
+
+
+@pytest.mark.parametrize("state", [KVState.WaitingForInput, KVState.Transferring])
+def test_success_before_the_last_write_is_ignored(make_pair, state):
+    """Status(Success) used to be accepted in any state: the room jumped to Success, `_reap` released it
+    and the last write (remaining pages and the handoff row) never went out; the decode waited for it
+    until its deadline. Now only the ack of a sent last write counts."""
+    p = make_pair(pe_budget=8, copy_bytes=True)
+    room = p.submit_both(prompt(30), 8, "early")
+    if state == KVState.WaitingForInput:
+        p.drive(lambda: p.pe_role.rooms.state(room) == state, step_prefill=False)
+    else:
+        p.drive(lambda: len(p.submits) >= 1)
+    assert p.pe_role.rooms.state(room) == state and not p.pe_role.by_room[room].sent_last
+    p.de_control.send(p.prefill_addr, Status(state=KVState.Success), room)
+    p.drive(lambda: p.pe_role.failures, step_prefill=False)
+    assert p.pe_role.failures == {"early Success ignored": 1}
+    assert p.pe_role.rooms.state(room) == state
+    p.drive(lambda: p.idle())
+    assert p.submits[-1] == (room, 4, 4, 2)  # the last write went out: 4 writes, pages 6-7 last
+    assert p.de_sink.errors("early") == [] and len(p.de_sink.final("early").outputs[0].token_ids) == 8
+    assert states(p.pe_log, room) == FULL_PATH
+    p.assert_clean()
+
+
+def test_timed_out_layerwise_pull_keeps_its_staging_slot_until_the_read_is_released(make_pair):
+    """DE path: a pull of the decode's hit pages into our staging slot outlives its wait. `abort` only
+    queues the request to the agent, so the slot used to be freed (and reusable) while the read could
+    still land in it. It is freed once the agent reports the read released."""
+    p = make_pair(pe_backend={"delay_s": 2.0})
+    p.submit_both(prompt(12), 1, "warm")
+    p.drive(lambda: p.idle(), timeout_s=15)
+    p.pe_role.config = dataclasses.replace(p.pe_role.config, deadline_s=0.05)  # the wait's timeout
+    [peer] = p.pe_role.peers.values()
+    pr = SimpleNamespace(peer=peer, in_flight=set())
+    start, finish = p.pe_role.layerwise.from_decode_pages(pr, [0, 1])
+    start(0)
+    assert p.pe_role.staging.num_used_pages == 2 and len(pr.in_flight) == 1
+    with pytest.raises(RuntimeError, match="pulling the decode's stored KV failed"):
+        finish(0)
+    assert pr.in_flight == set()
+    assert p.pe_role.staging.num_used_pages == 2  # not reusable: the read may still write into it
+    p.pe_role.check_integrity()
+    p.drive(lambda: p.pe_role.staging.num_used_pages == 0, decode=False)  # reported: freed
+    assert p.pe_agent.stats.transfers_aborted == 1 and p.pe_role.abandoned_reads == {}
+    p.pe_role.check_integrity()
+
+
+def test_load_report_reads_survive_the_engine_thread_changing_rooms():
+    """`pd_load.load_report` runs on the HTTP thread, unlocked. Two reads were not snapshots: the sum
+    over the live `transfer` dict (the engine thread admits a room mid-iteration: RuntimeError) and a
+    room's `store_read` read twice (the engine thread finishes the read in between: AttributeError).
+    Deterministic stand-ins for the engine thread's interleaving:"""
+    role = SimpleNamespace(transfer={})
+
+    class Admitting:
+        @property
+        def growth_pages(self) -> int:
+            role.transfer[len(role.transfer) + 1] = SimpleNamespace(growth_pages=5)  # admitted meanwhile
+            return 2
+
+    role.transfer[0] = Admitting()
+    assert DecodeRole._reserved_pages(role) == 2
+
+    class Finishing:
+        reads = 0
+
+        @property
+        def store_read(self):
+            self.reads += 1
+            return SimpleNamespace(keys=[b"k0", b"k1"]) if self.reads == 1 else None  # done meanwhile
+
+    assert _pending_read_tokens([Finishing()], block_size=64) == 128
+
+
+def test_abort_lease_is_never_below_the_prefills_longest_room_life():
+    """state.min_lease_s: a lease shorter than the prefill's three deadlines lets the decode reuse pages
+    a partitioned prefill may still write. The defaults were 60 s against a bound of 90 s (and 60 s
+    against 180 s with the benchmark's 60 s deadlines); nothing checked a configured one."""
+    default = PDConfig(cluster_secret=b"s")
+    assert default.abort_lease_s == min_lease_s(default.deadlines(), 0.0) + LEASE_MARGIN_S == 100.0
+    bench = PDConfig(cluster_secret=b"s", deadline_s=60.0)
+    assert bench.abort_lease_s == 190.0
+    assert PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=6.0).abort_lease_s == 6.0
+    for lease_s in (5.99, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="below the safe minimum of 6.0 s"):
+            PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=lease_s)
+    # `pdserve serve` / `launch`: 0 (the default) asks for the derived lease.
+    from pdserve.launch import cluster_args
+
+    assert cluster_args("model-dir").pd_abort_lease_s == 0.0

@@ -40,6 +40,9 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
+# A field added to a message within a version carries a default meaning "not sent": an older peer's
+# message still parses, and a receiver that needs the field refuses the message with a reason instead of
+# guessing (Register.kv_num_pages). An older receiver drops the newer message as BadMessage (unknown field).
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32
 # Largest message (all frames together) `decode` accepts unless told otherwise. ControlChannel passes its
@@ -86,7 +89,13 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     """decode -> prefill, once per (decode, prefill) pair, room 0. Describes where the prefill may write.
 
     Regions are ordered K0, V0, K1, V1, ...; page p of region r lives at kv_base_addrs[r] + p *
-    kv_bytes_per_page[r]. A prefill whose own fingerprint differs answers RegisterAck(ok=False)."""
+    kv_bytes_per_page[r], for p < kv_num_pages. The prefill writes nothing outside these bounds (pages,
+    handoff slots, staging bytes): it checks every KVRequest against them. A prefill whose own
+    fingerprint, region table or handoff slot size differs answers RegisterAck(ok=False).
+
+    `kv_num_pages` was added within protocol version 1, so it has a default: 0 means "not announced"
+    (an older decode), which the prefill refuses with RegisterAck(ok=False) and the reason -- it cannot
+    bound the page ids of that decode's KVRequests."""
 
     agent_name: ShortStr
     agent_metadata: bytes
@@ -99,6 +108,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     staging_bytes: NonNeg
     layout_fingerprint: ShortStr
     reply_addr: ZmqAddr
+    kv_num_pages: NonNeg = 0  # pages of each KV region (0: not announced; refused)
 
     def __post_init__(self) -> None:
         # Raised during decode; `decode` turns it into BadMessage.

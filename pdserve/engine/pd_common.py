@@ -12,10 +12,13 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from pdserve.disagg.state import KVState
+from pdserve.disagg.state import KVState, min_lease_s
 from pdserve.transfer.pages import RegionTable
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+# Default abort lease = the prefill's longest room life (its three deadlines) + this margin, which covers
+# the tail of writes the prefill's backend is still cancelling and the Abort's delivery delay.
+LEASE_MARGIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,9 @@ class PDConfig:
     transfer_backend: str = "nixl"
     bootstrap_port: int = 8998  # prefill only; 0 = pick a free port
     deadline_s: float = 30.0  # per non-terminal state
-    abort_lease_s: float = 60.0  # decode frees aborted pages after the prefill's ack or this lease
+    # The decode frees aborted pages after the prefill's ack or this lease. None: the smallest safe one
+    # for `deadline_s` plus LEASE_MARGIN_S (100 s by default); a lease below `min_lease_s` is refused.
+    abort_lease_s: float | None = None
     num_handoff_slots: int = 256
     growth_reserve_tokens: int = 128  # decode admission: tokens of growth reserved per request
     admission_aging_s: float = 2.0  # decode admission: after this long in prealloc, nothing overtakes
@@ -47,6 +52,19 @@ class PDConfig:
     node_dir: str | None = None
     snic_bytes_per_s: float = float("inf")
     cnic_bytes_per_s: float = float("inf")
+
+    def __post_init__(self) -> None:
+        # A lease shorter than the prefill's longest room life lets the decode reuse pages that a
+        # prefill which never got the Abort (partitioned, ack lost) may still write: refuse it.
+        floor_s = min_lease_s(self.deadlines(), margin_s=0.0)
+        if self.abort_lease_s is None:
+            object.__setattr__(self, "abort_lease_s", floor_s + LEASE_MARGIN_S)  # frozen: set once here
+        elif not self.abort_lease_s >= floor_s:
+            raise ValueError(
+                f"abort_lease_s={self.abort_lease_s} s is below the safe minimum of {floor_s} s (the "
+                f"prefill's three state deadlines of {self.deadline_s} s, see disagg.state.min_lease_s): "
+                "a decode could free pages that a late write still lands in"
+            )
 
     def deadlines(self) -> dict[KVState, float]:
         return {

@@ -5,7 +5,8 @@ Queues of a room:   prealloc ──pages + KVRequest──> transfer ──all w
 
 * `add`: the request (its prefill's control address already looked up by the HTTP handler, off
   this thread) waits in `prealloc`. The first request for a prefill registers this engine with it
-  (transfer-agent metadata, KV region addresses, handoff slots, layout fingerprint), once per peer.
+  (transfer-agent metadata, KV region addresses and pool size, handoff slots, layout fingerprint), once
+  per peer.
 * Admission (`_admit`) matches our own prefix cache first and asks only for the rest
   (`decode_prefix_len`); it needs pages for the prompt plus a growth reserve for every admitted
   request. A request that does not fit does not block smaller ones behind it (no head-of-line).
@@ -15,7 +16,7 @@ Queues of a room:   prealloc ──pages + KVRequest──> transfer ──all w
 * Abort after a KVRequest went out is two-phase: Abort → the prefill stops and acks (or its lease
   expires) → only then are the pages freed, so no late write can land in a reused page.
 
-Length (~420 lines): like ``pd_prefill.py``, one state machine (a room's queues and its failure and
+Length (~460 lines): like ``pd_prefill.py``, one state machine (a room's queues and its failure and
 release rules) that reads best in one place; page runs, staging and the store live elsewhere.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +71,15 @@ class DecodeRoom:
     queued_s: float = field(default_factory=time.monotonic)  # when it entered prealloc (aging)
 
 
+class _PagePlan(NamedTuple):
+    """How admission fills a request's prompt pages (`DecodeRole._plan_pages`)."""
+
+    hit_page_ids: list[int]  # prefix-cache hits shared into the request
+    hit_keys: list  # their keys
+    num_hit_tokens: int  # tokens those pages hold (the KVRequest asks for the rest)
+    num_store_blocks: int  # DE read path: leading blocks to read from the store first (0: none)
+
+
 class DecodeRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
@@ -85,8 +96,12 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.num_handoff_mismatches = 0
 
     def _reserved_pages(self) -> int:
-        """Growth reserved by requests whose KV is still arriving (they will need it at once)."""
-        return sum(d.growth_pages for d in self.transfer.values())
+        """Growth reserved by requests whose KV is still arriving (they will need it at once).
+
+        Also called from the HTTP thread (`pd_load.load_report`) while this engine's thread adds and
+        removes rooms: iterate a copy taken by one C-level call (atomic under the GIL), never the live
+        dict, whose change mid-iteration raises RuntimeError."""
+        return sum(d.growth_pages for d in list(self.transfer.values()))
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request, prompt_text: str | None) -> None:
@@ -124,6 +139,7 @@ class DecodeRole(PDRoleBase, EngineRole):
                 staging_bytes=self.staging.region()[1],
                 layout_fingerprint=self.fingerprint,
                 reply_addr=self.control.address,
+                kv_num_pages=self.engine.kv.pool.num_pages,
             ),
             peer.reg_id,
         )
@@ -232,35 +248,51 @@ class DecodeRole(PDRoleBase, EngineRole):
             peer = self.peers[dr.peer_addr]
             if peer.state != "ready":
                 continue
+            if self.handoff.num_free == 0:
+                return  # taken only once the pages are in hand (below): nothing to give back on a miss
             req = dr.req
             growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
-            hits, keys = kv.match_prefix(req)
-            num_prompt_pages = -(-req.num_prompt_tokens // self.page_size)
-            need = num_prompt_pages - len(hits) + growth
-            if need > kv.pool.num_free_pages - self._reserved_pages():
+            plan = self._plan_pages(req, kv.pool.num_free_pages - self._reserved_pages() - growth)
+            if plan is None or not kv.allocate(
+                req, req.num_prompt_tokens - plan.num_hit_tokens, plan.hit_page_ids, plan.hit_keys
+            ):
+                # (`allocate` agrees with the plan's count; were it ever to refuse, the request waits
+                # like one that does not fit, rather than the engine dying in an assert.)
                 if now - dr.queued_s >= self.config.admission_aging_s:
                     return  # aged: the pages freed from now on are its
                 continue  # does not fit now; smaller requests behind it may
-            slot = self.handoff.alloc()
-            if slot is None:
-                return
-            num_hit_tokens = len(hits) * self.page_size
-            num_store_blocks = self.store.lookup(req) if req.read_path == "de" and self.store else 0
-            use_store = (
-                num_store_blocks * self.store.layout.block_size > num_hit_tokens if self.store else False
-            )
-            if use_store:
-                hits, keys, num_hit_tokens = [], [], 0  # the store covers more: take the prompt from it
-            ok = kv.allocate(req, req.num_prompt_tokens - num_hit_tokens, hits, keys)
-            assert ok, "checked above"
-            kv.record_admission(req, num_hit_tokens)
-            dr.handoff_slot, dr.growth_pages, dr.num_hit_tokens = slot, growth, num_hit_tokens
+            kv.record_admission(req, plan.num_hit_tokens)
+            dr.handoff_slot = self.handoff.alloc()  # a free one exists: checked above, same thread
+            dr.growth_pages, dr.num_hit_tokens = growth, plan.num_hit_tokens
             self.prealloc.remove(dr)
             self.transfer[dr.room] = dr
-            if use_store:  # DE read path: read first, ask the prefill once the blocks are in our pages
-                dr.store_read = self.store.start_read(req, num_store_blocks)
+            if plan.num_store_blocks:  # DE read path: read first, ask the prefill once the blocks are in
+                dr.store_read = self.store.start_read(req, plan.num_store_blocks)
             else:
                 self._request_kv(dr)
+
+    def _plan_pages(self, req: Request, num_free_pages: int) -> _PagePlan | None:
+        """Where the prompt's KV comes from (our prefix cache, the store, the prefill) if its pages fit
+        in `num_free_pages` (free + evictable, less every reserve), else None.
+
+        The fresh pages an admission takes: the prompt's pages less the prefix hits it shares, plus
+        the hits that sit in the LRU -- `num_free_pages` counts those as allocatable, and they stop
+        being so once acquired. On the DE read path, when the store covers more than our hits, the
+        hits are not used: the whole prompt needs fresh pages (the blocks are read into them)."""
+        kv = self.engine.kv
+        hits, keys = kv.match_prefix(req)
+        num_prompt_pages = -(-req.num_prompt_tokens // self.page_size)
+        num_evictable_hits = sum(1 for p in hits if kv.pool.ref_count(p) == 0)
+        if num_prompt_pages - len(hits) + num_evictable_hits > num_free_pages:
+            return None  # (the store path needs more still: no store lookup for a request that waits)
+        num_hit_tokens = len(hits) * self.page_size
+        if req.read_path == "de" and self.store is not None:
+            num_store_blocks = self.store.lookup(req)
+            if num_store_blocks * self.store.layout.block_size > num_hit_tokens:
+                if num_prompt_pages > num_free_pages:
+                    return None
+                return _PagePlan([], [], 0, num_store_blocks)
+        return _PagePlan(hits, keys, num_hit_tokens, 0)
 
     def _request_kv(self, dr: DecodeRoom, hit_page_ids: list[int] = ()) -> None:
         """Ask the prefill for the prompt's KV from token `dr.num_hit_tokens` on. With `hit_page_ids`
@@ -424,3 +456,5 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.rooms.check_integrity()
         self.handoff.check_integrity()
         self.staging.check_integrity()
+        self.aborts.check_integrity()
+        assert set(self.aborts.pending()) == set(self.releasing), "an aborted room's pages lost their lease"

@@ -92,10 +92,9 @@ class LayerwisePrefill:
 
         def finish(layer: int):
             tid, slot = pending.pop(layer)
-            ok = role.wait_for_transfer(tid)
+            ok = role.wait_for_transfer(tid, slot)
             pr.in_flight.discard(tid)
-            if not ok:
-                role.staging.free(slot)
+            if not ok:  # the slot is the role's now: freed once nothing can land in it
                 raise RuntimeError("pulling the decode's stored KV failed")
             view = role.staging.view(slot, m)  # [regions, m, page_bytes]; regions 0, 1 hold K, V
             # Copy out (the layer's "device" copy) before the slot is reused by this layer's send.
@@ -106,9 +105,9 @@ class LayerwisePrefill:
 
         def abandon() -> None:  # a failed run: release slots of pulls started ahead
             for tid, slot in pending.values():
-                role.wait_for_transfer(tid)  # done or aborted: nothing lands in the slot afterwards
+                if role.wait_for_transfer(tid, slot):  # else the role frees it once it is released
+                    role.staging.free(slot)
                 pr.in_flight.discard(tid)
-                role.staging.free(slot)
             pending.clear()
 
         finish.abandon = abandon

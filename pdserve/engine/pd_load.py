@@ -47,7 +47,9 @@ class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _pending_read_tokens(rooms, block_size: int) -> int:
-    return sum(len(r.store_read.keys) * block_size for r in rooms if r.store_read is not None)
+    # Read `store_read` once per room: the engine thread sets it to None when the read completes, so a
+    # second read of the attribute (test, then use) could see None.
+    return sum(len(read.keys) * block_size for r in rooms if (read := r.store_read) is not None)
 
 
 def load_report(role, node: str, traffic=None) -> LoadReport:

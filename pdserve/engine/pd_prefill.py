@@ -12,11 +12,15 @@ Queues of a room (DESIGN.md §4):   bootstrap ──KVRequest──> waiting ─
 * When token 1 is sampled, the last write carries the remaining pages (the partial last one
   included) and the handoff row; its notification tells the decode how many writes to expect.
 * Pages are freed only when the decode acks Success, or the room fails and no write of it is still
-  in flight (a late read of a freed page could send another request's KV).
+  in flight (a late read of a freed page could send another request's KV). Each write also holds a
+  reference on the pages it reads until it is reported, which covers a request preempted (its pages
+  freed by the scheduler) with writes in flight.
+* The decode is trusted only within what it registered: a Register that does not match our regions
+  is refused, and a KVRequest aiming outside the registered pages, slots or staging fails its room.
 * DualPath: a request with stored KV (read here, PE path; or held by the decode, DE path) skips the
   scheduler and runs the layerwise lane (`pd_layerwise.py`).
 
-Why one ~480-line file: it is one state machine (a room's queues, its writes, its failure and release
+Why one ~620-line file: it is one state machine (a room's queues, its writes, its failure and release
 rules). The pieces that stand alone — page runs, staging, the layerwise compute, the wire — live in
 their own modules; what remains here is the protocol, which reads best in one place.
 """
@@ -45,12 +49,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecodePeer:
+    """A registered decode: where we may write (from its Register), and the bounds of each buffer that
+    every KVRequest is checked against -- we never write outside them."""
+
     agent_name: str
     reply_addr: str
     kv: RegionTable
+    num_kv_pages: int  # pages of each KV region
     handoff_base_addr: int
     handoff_slot_bytes: int
+    num_handoff_slots: int
     staging_base_addr: int
+    staging_capacity_pages: int  # its staging buffer in pages of every region
 
 
 @dataclass
@@ -82,6 +92,14 @@ class PrefillRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
+        # Transfer id -> our KV pages a write reads, each holding one extra reference until the agent
+        # reports the write done or released: a preempted (or freed) request's pages must not be
+        # reallocated and overwritten while the data plane still copies them to the decode.
+        self.pinned: dict[int, list[int]] = {}
+        # Layerwise pulls that timed out (transfer id -> our staging slot they read into): aborted, but
+        # the slot is freed only when the agent reports the read released, so no late byte lands in a
+        # reused slot.
+        self.abandoned_reads: dict[int, int] = {}
         self.store = None  # StoreConnector when the engine has a persistent KV store (PE read path)
         self.layerwise = LayerwisePrefill(self)
         self.awaited: dict[int, object] = {}  # transfer id -> status once done (None: pending)
@@ -153,10 +171,16 @@ class PrefillRole(PDRoleBase, EngineRole):
         return bool(self.transfers) or bool(self.by_room)
 
     def _on_completion(self, tid: int, status) -> None:
+        # Reported: the transfer is done or released, so none of its bytes moves any more.
+        pages = self.pinned.pop(tid, None)
+        if pages is not None:
+            self.engine.kv.pool.release(reversed(pages))  # tail first, as KVManager.free
         if tid in self.awaited:  # a layerwise pull: its waiter collects it
             self.awaited[tid] = status
             return
         slot = self.staging_slots.pop(tid, None)
+        if slot is None:
+            slot = self.abandoned_reads.pop(tid, None)
         if slot is not None:
             self.staging.free(slot)
         room = self.transfers.pop(tid, None)
@@ -167,9 +191,14 @@ class PrefillRole(PDRoleBase, EngineRole):
         if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
             self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
 
-    def wait_for_transfer(self, tid: int, timeout_s: float | None = None) -> bool:
-        """Block (engine thread) until transfer `tid` completes; other completions are handled as usual.
-        Used by the layerwise lane, whose next layer needs this one's data. True if it succeeded."""
+    def wait_for_transfer(self, tid: int, staging_slot: int, timeout_s: float | None = None) -> bool:
+        """Block (engine thread) until read `tid` into our `staging_slot` completes; other completions
+        are handled as usual. Used by the layerwise lane, whose next layer needs this one's data.
+
+        True if it succeeded: the slot is the caller's to read and free. False: the slot is no longer
+        the caller's -- freed now if the read was reported failed, or, if it timed out, freed once the
+        agent reports the aborted read released (`abort` only queues the request: until then the read
+        may still write into the slot)."""
         deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
         self.awaited.setdefault(tid, None)
         while self.awaited[tid] is None and time.monotonic() < deadline:
@@ -178,9 +207,14 @@ class PrefillRole(PDRoleBase, EngineRole):
             if self.awaited[tid] is None:
                 time.sleep(0.0002)
         status = self.awaited.pop(tid)
+        if status == TransferStatus.DONE:
+            return True
         if status is None:
             self.agent.abort(tid)
-        return status == TransferStatus.DONE
+            self.abandoned_reads[tid] = staging_slot  # `_on_completion` frees it
+        else:
+            self.staging.free(staging_slot)
+        return False
 
     def alloc_staging(self, num_pages: int, timeout_s: float | None = None) -> int | None:
         """A staging slot of `num_pages` for the layerwise lane (engine thread), waiting for in-flight
@@ -190,7 +224,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             return None
         deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
         while (slot := self.staging.alloc(num_pages)) is None:
-            if not self.staging_slots or time.monotonic() > deadline:
+            if not (self.staging_slots or self.abandoned_reads) or time.monotonic() > deadline:
                 return None  # nothing in flight holds a slot: waiting cannot help
             for t, status in self.agent.poll_completions():
                 self._on_completion(t, status)
@@ -201,13 +235,19 @@ class PrefillRole(PDRoleBase, EngineRole):
         """Mark `tid` as one that `wait_for_transfer` will collect (so no other loop consumes it)."""
         self.awaited.setdefault(tid, None)
 
-    def submit_write(self, pr: PrefillRoom, local, remote, last: bool, staging_slot: int = -1) -> int:
-        """Queue one write of the room to its decode; the last one's notification carries the count."""
+    def submit_write(
+        self, pr: PrefillRoom, local, remote, last: bool, staging_slot: int = -1, src_page_ids=()
+    ) -> int:
+        """Queue one write of the room to its decode; the last one's notification carries the count.
+        `src_page_ids`: our KV pages the write reads, pinned until it is reported (see `pinned`)."""
         pr.seq += 1
+        self.engine.kv.pool.acquire(src_page_ids)
         tid = self.agent.submit(
             pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
         )
         self.transfers[tid] = pr.room
+        if src_page_ids:
+            self.pinned[tid] = list(src_page_ids)
         if staging_slot >= 0:
             self.staging_slots[tid] = staging_slot
         pr.in_flight.add(tid)
@@ -225,7 +265,15 @@ class PrefillRole(PDRoleBase, EngineRole):
                 self.early[room] = (time.monotonic(), env.sender, body)
         elif isinstance(body, Status):
             if body.state == KVState.Success and room in self.by_room:
-                self.rooms.advance(room, KVState.Success)
+                # The decode's ack of the last write. Before that write went out, a Success (a confused
+                # or hostile peer, a replay) would let `_reap` release the room without ever sending
+                # the rest of the prompt: ignore it and count it. (On a terminal room it is a late or
+                # repeated ack: nothing to do.)
+                state = self.rooms.state(room)
+                if self.by_room[room].sent_last and state == KVState.Transferring:
+                    self.rooms.advance(room, KVState.Success)
+                elif state not in (KVState.Success, KVState.Failed):
+                    self.count_failure("early Success ignored")
             elif body.state == KVState.Failed and room in self.by_room:
                 self._fail(room, f"decode failed: {body.error}")
         elif isinstance(body, Abort):
@@ -250,61 +298,113 @@ class PrefillRole(PDRoleBase, EngineRole):
 
     def _on_register(self, msg: Register, reg_id: int, sender: str) -> None:
         """A decode introduces itself (once). `reg_id` (the envelope's room field) is echoed back so
-        the decode can tell which of its pending registrations this ack answers."""
-        if msg.layout_fingerprint != self.fingerprint:
-            error = (
-                f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
-            )
-            self.count_failure("layout_mismatch")
+        the decode can tell which of its pending registrations this ack answers. A registration we
+        could not write to exactly as described is refused here, with the reason; accepted, it is
+        only ever used within the bounds it announced (`_kv_request_error`). A refused Register
+        leaves an earlier registration of the same sender in place."""
+        error, reason = self._register_error(msg)
+        if error is not None:
+            self.count_failure(reason)
             self.control.send(msg.reply_addr, RegisterAck(ok=False, error=error), reg_id)
             return
-        try:
-            self.agent.add_peer(msg.agent_name, msg.agent_metadata)
-        except Exception as e:  # noqa: BLE001 - a bad peer must not kill the engine
-            self.control.send(msg.reply_addr, RegisterAck(ok=False, error=f"transfer agent: {e}"), reg_id)
-            return
+        # Only queued: a backend that rejects the metadata logs it on the agent thread, and our writes
+        # to this peer then fail as transfers, which fails their rooms (never the engine).
+        self.agent.add_peer(msg.agent_name, msg.agent_metadata)
+        slot_page_bytes = self.local_kv.num_regions * self.local_kv.bytes_per_page[0]
         self.peers[sender] = DecodePeer(
             msg.agent_name,
             msg.reply_addr,
             RegionTable(tuple(msg.kv_base_addrs), tuple(msg.kv_bytes_per_page)),
+            msg.kv_num_pages,
             msg.handoff_base_addr,
             msg.handoff_slot_bytes,
+            msg.num_handoff_slots,
             msg.staging_base_addr,
+            msg.staging_bytes // slot_page_bytes,
         )
         self.control.send(msg.reply_addr, RegisterAck(ok=True, agent_name=self.agent.agent_name), reg_id)
 
+    def _register_error(self, msg: Register) -> tuple[str | None, str]:
+        """(why we cannot write to this decode, the metrics key), or (None, "") if we can. The layout
+        fingerprint names the model and the page layout; the region table and slot size are checked
+        too, since descriptors are built from them (a mismatch used to surface as an exception in the
+        engine's step)."""
+        if msg.layout_fingerprint != self.fingerprint:
+            error = (
+                f"KV layout mismatch: prefill has {self.fingerprint!r}, decode has {msg.layout_fingerprint!r}"
+            )
+            return error, "layout_mismatch"
+        ours = self.local_kv.bytes_per_page
+        if tuple(msg.kv_bytes_per_page) != ours:
+            error = (
+                f"KV region mismatch: prefill has {len(ours)} regions of {ours[0]} bytes per page, decode "
+                f"announces {len(msg.kv_bytes_per_page)} regions of {sorted(set(msg.kv_bytes_per_page))}"
+            )
+            return error, "region_mismatch"
+        if msg.handoff_slot_bytes != self.handoff.slot_bytes:
+            ours_b, theirs_b = self.handoff.slot_bytes, msg.handoff_slot_bytes
+            return f"handoff slot size mismatch: prefill {ours_b}, decode {theirs_b} bytes", "region_mismatch"
+        if msg.kv_num_pages == 0:
+            return (
+                "the decode did not announce its KV pool size (kv_num_pages): upgrade it",
+                "register_incomplete",
+            )
+        return None, ""
+
     def _on_kv_request(self, room: int, sender: str, msg: KVRequest) -> None:
         pr = self.by_room[room]
-        peer = self.peers.get(sender)
-        ps = self.page_size
-        num_prompt_pages = -(-pr.req.num_prompt_tokens // ps)
-        first = msg.decode_prefix_len // ps
-        error = None
-        if peer is None:
-            error = "decode is not registered"
-        elif msg.decode_prefix_len % ps or first + len(msg.dst_page_ids) != num_prompt_pages:
-            error = f"KVRequest covers {first}+{len(msg.dst_page_ids)} pages, prompt has {num_prompt_pages}"
-        elif self.rooms.state(room) != KVState.Bootstrapping:
-            # A replay (or a confused peer): the room already has its destination. Failing it now
-            # would report "nothing in flight" while writes are; ignore it and count it.
+        if self.rooms.state(room) != KVState.Bootstrapping:
+            # A replay (or a confused peer): the room already has its destination, or is over. Failing
+            # it now would report "nothing in flight" (Status(Failed)) while writes may be: the decode
+            # would free pages under them. Ignore it and count it, whatever it asks.
             self.count_failure("duplicate KVRequest ignored")
             return
+        peer = self.peers.get(sender)
+        error = "decode is not registered" if peer is None else self._kv_request_error(pr, peer, msg)
         if error is not None:
+            # Still Bootstrapping: nothing of this room was ever written, so the decode may free at once.
             if peer is not None:
                 self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
             self._fail(room, error)
             return
+        first = msg.decode_prefix_len // self.page_size
         pr.peer, pr.dst_page_ids, pr.first_page = peer, list(msg.dst_page_ids), first
         pr.handoff_slot, pr.staging_offset = msg.handoff_slot, msg.staging_offset
         pr.num_pages_sent = first
         self.rooms.advance(room, KVState.WaitingForInput)
         pr.kv_request_seen = True
-        if msg.hit_page_ids:
-            if len(msg.hit_page_ids) * ps != msg.decode_prefix_len:
-                self._fail(room, "hit_page_ids do not cover decode_prefix_len")
-                return
-            pr.de_hit_page_ids = list(msg.hit_page_ids)
+        pr.de_hit_page_ids = list(msg.hit_page_ids)
         self._maybe_schedule(pr)
+
+    def _kv_request_error(self, pr: PrefillRoom, peer: DecodePeer, msg: KVRequest) -> str | None:
+        """Why this KVRequest cannot be served as asked (None: it can). Every place we would write to
+        (destination pages, handoff slot, staging range) or read from (DE hit pages) must lie inside
+        what the decode registered: the messages are authenticated, but a confused or replaying peer
+        must not be able to aim our writes anywhere else in its memory."""
+        ps = self.page_size
+        num_prompt_pages = -(-pr.req.num_prompt_tokens // ps)
+        first = msg.decode_prefix_len // ps
+        dst, hits = msg.dst_page_ids, msg.hit_page_ids
+        if msg.decode_prefix_len % ps or first + len(dst) != num_prompt_pages:
+            return f"bad KVRequest: covers {first}+{len(dst)} pages, prompt has {num_prompt_pages}"
+        if hits and len(hits) * ps != msg.decode_prefix_len:
+            return (
+                f"bad KVRequest: {len(hits)} hit pages for a decode prefix of {msg.decode_prefix_len} tokens"
+            )
+        if msg.handoff_slot >= peer.num_handoff_slots:
+            return f"bad KVRequest: handoff slot {msg.handoff_slot} of {peer.num_handoff_slots}"
+        if any(p >= peer.num_kv_pages for p in (*dst, *hits)):
+            return f"bad KVRequest: a page id beyond the decode's {peer.num_kv_pages} pages"
+        if len(set(dst) | set(hits)) != len(dst) + len(hits):
+            return "bad KVRequest: a page id appears twice"
+        if msg.staging_offset >= 0 and (
+            not dst or msg.staging_offset + len(dst) > peer.staging_capacity_pages
+        ):
+            return (
+                f"bad KVRequest: staging pages [{msg.staging_offset}, +{len(dst)}) outside the decode's "
+                f"{peer.staging_capacity_pages}"
+            )
+        return None
 
     # ---- DualPath read paths ---------------------------------------------------------------------
     def _maybe_schedule(self, pr: PrefillRoom) -> None:
@@ -390,20 +490,25 @@ class PrefillRole(PDRoleBase, EngineRole):
     def _send_pages(self, pr: PrefillRoom, start: int, end: int, last: bool) -> None:
         src = pr.req.page_ids[start:end]
         dst = pr.dst_page_ids[start - pr.first_page : end - pr.first_page]
-        local_slot = -1
-        if pr.staging_offset >= 0:
-            local, remote, local_slot = self._staged_descriptors(pr, src, start - pr.first_page)
-        elif src:
-            local, remote = page_descriptors(merge_runs(src, dst), self.local_kv, pr.peer.kv)
-        else:
-            local, remote = [], []
+        local, remote, local_slot = [], [], -1
+        try:
+            if pr.staging_offset >= 0:
+                local, remote, local_slot = self._staged_descriptors(pr, src, start - pr.first_page)
+            elif src:
+                local, remote = page_descriptors(merge_runs(src, dst), self.local_kv, pr.peer.kv)
+        except ValueError as e:
+            # The last line of defence (Register and KVRequest are checked on arrival): a destination
+            # we cannot describe fails this room, never the engine's step.
+            self._fail(pr.room, f"bad destination: {e}")
+            return
         if last:
             slot_addr, slot_bytes = self.handoff.slot_addr(pr.local_slot), self.handoff.slot_bytes
             local.append((slot_addr, slot_bytes))
             remote.append(
                 (pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes)
             )
-        self.submit_write(pr, local, remote, last, local_slot)
+        # Unless gathered into our staging slot first, the write reads our KV pages: pin them.
+        self.submit_write(pr, local, remote, last, local_slot, src if local_slot < 0 else ())
         self.num_pages_sent += len(src)
         pr.num_pages_sent = end
 
@@ -507,4 +612,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         assert all(room in self.rooms for room in self.by_room), "a room is tracked but not in the table"
         assert set(self.transfers.values()) <= set(self.by_room), "a transfer outlived its room"
         assert set(self.staging_slots) <= set(self.transfers), "a staging slot outlived its transfer"
+        assert set(self.pinned) <= set(self.transfers), "a pinned page outlived its write"
+        assert not set(self.abandoned_reads) & set(self.awaited), "an abandoned read is still awaited"
         self.staging.check_integrity()

@@ -119,6 +119,9 @@ class Scheduler:
         return sum(it.num_new_tokens for it in plan.items) + (plan.chunk.num_new_tokens if plan.chunk else 0)
 
     def _preempt(self, req: Request) -> None:
+        # Safe for a PD prefill request with page writes in flight: each write holds its own reference
+        # on the pages it reads until the transfer is reported (PrefillRole.pinned), so these pages are
+        # not reallocated under it.
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
