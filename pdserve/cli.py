@@ -93,6 +93,36 @@ def engine_config_from_args(a: argparse.Namespace):
     )
 
 
+def _pd_config(a: argparse.Namespace, secret: bytes):
+    """The PD engine's config from its flags; ValueError for a combination that cannot work."""
+    from pdserve.engine.pd_common import PDConfig
+
+    if (a.snic_mbps or a.cnic_mbps) and not a.node_dir:
+        raise ValueError(
+            "--snic-mbps / --cnic-mbps emulate a node's NICs: they need --node-dir "
+            "(or `pdserve launch --nodes`, which makes one)"
+        )
+    if a.kv_store and (a.kv_block_size <= 0 or a.kv_block_size % a.page_size):
+        raise ValueError(
+            f"--kv-block-size {a.kv_block_size} must be a positive multiple of --page-size {a.page_size}"
+        )
+    return PDConfig(
+        cluster_secret=secret,
+        transfer_backend=a.transfer_backend,
+        bootstrap_port=a.bootstrap_port,
+        deadline_s=a.pd_deadline_s,
+        abort_lease_s=a.pd_abort_lease_s or None,  # 0: derived from the deadline
+        staging_threshold=a.pd_staging_threshold,
+        kv_store_dir=a.kv_store,
+        kv_store_gib=a.kv_store_gib,
+        kv_block_size=a.kv_block_size,
+        node=a.node,
+        node_dir=a.node_dir,
+        snic_bytes_per_s=a.snic_mbps * 1e6 if a.snic_mbps else float("inf"),
+        cnic_bytes_per_s=a.cnic_mbps * 1e6 if a.cnic_mbps else float("inf"),
+    )
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
@@ -105,25 +135,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
         try:
             secret = PDConfig.secret_from(a.cluster_secret)
+            pd_config = _pd_config(a, secret)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        pd_config = PDConfig(
-            cluster_secret=secret,
-            transfer_backend=a.transfer_backend,
-            bootstrap_port=a.bootstrap_port,
-            deadline_s=a.pd_deadline_s,
-            abort_lease_s=a.pd_abort_lease_s or None,  # 0: derived from the deadline
-            staging_threshold=a.pd_staging_threshold,
-            kv_store_dir=a.kv_store,
-            kv_store_gib=a.kv_store_gib,
-            kv_block_size=a.kv_block_size,
-            node=a.node,
-            node_dir=a.node_dir,
-            snic_bytes_per_s=a.snic_mbps * 1e6 if a.snic_mbps else float("inf"),
-            cnic_bytes_per_s=a.cnic_mbps * 1e6 if a.cnic_mbps else float("inf"),
-        )
-    engine = LLMEngine(engine_config_from_args(a))
+    try:
+        engine_config = engine_config_from_args(a)
+    except ValueError as e:  # ConfigError: a bad or inconsistent engine setting
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config)
     pd = None
     if pd_config is not None:
         from pdserve.server.pd_context import PDContext

@@ -233,7 +233,17 @@ class EngineConfig:
             dtype = "float32" if device in ("auto", "cpu") and not _cuda_available() else "bfloat16"
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
-        max_len = max_model_len or min(mc.max_position_embeddings, 4096)
+        # Positions the model was trained for (linear RoPE scaling stretches them; llama3-style
+        # configs already state the extended length): beyond them outputs are garbage, so refuse.
+        max_positions = int(
+            mc.max_position_embeddings * (mc.rope.factor if mc.rope.rope_type == "linear" else 1)
+        )
+        if max_model_len is not None and max_model_len > max_positions:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's {max_positions} positions "
+                "(max_position_embeddings in its config.json)"
+            )
+        max_len = max_model_len or min(max_positions, 4096)
         return EngineConfig(
             model=str(model),
             model_config=mc,

@@ -44,3 +44,33 @@ def test_engine_port_taken_after_it_was_picked_gets_a_new_one(demo_model_dir, mo
     finally:
         cluster.stop()
         squatter.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--role", "prefill", "--snic-mbps", "100"], "need --node-dir"),
+        (["--role", "decode", "--kv-store", "STORE", "--kv-block-size", "24"], "multiple of --page-size"),
+        (["--role", "prefill", "--pd-deadline-s", "10", "--pd-abort-lease-s", "5"], "below the safe minimum"),
+        (["--role", "colocated", "--max-model-len", "100000"], "exceeds the model's 4096 positions"),
+    ],
+)
+def test_serve_refuses_flags_that_cannot_work_before_loading_the_model(
+    demo_model_dir, tmp_path, capsys, monkeypatch, flags, message
+):
+    """Each used to be accepted and ignored (the NIC budgets without emulated nodes), or to fail with a
+    traceback after the model was loaded (a block size the pages cannot tile), or to serve positions the
+    model was never trained for."""
+    from pdserve.cli import main
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "test-secret-0123456789")
+    flags = [str(tmp_path / "store") if f == "STORE" else f for f in flags]
+    assert main(["serve", "--model", demo_model_dir, "--port", "0", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launch_refuses_nic_budgets_without_nodes(demo_model_dir, capsys):
+    args = launch.cluster_args(demo_model_dir, snic_mbps=100.0)
+    args.prefill, args.decode, args.port = 1, 1, 0
+    assert launch.launch(args) == 2
+    assert "--nodes" in capsys.readouterr().err
