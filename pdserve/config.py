@@ -77,7 +77,7 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // num_heads
         num_layers = raw["num_hidden_layers"]
-        windows = _sliding_windows(raw, num_layers, traits.sliding_from_layer_types)
+        windows = _sliding_windows(raw, num_layers, traits)
         eos: list[int] = []
         for src in (generation or {}, raw):
             val = src.get("eos_token_id")
@@ -133,17 +133,29 @@ def _rope(raw: dict) -> RopeConfig:
     )
 
 
-def _sliding_windows(raw: dict, num_layers: int, from_layer_types: bool) -> tuple[int | None, ...]:
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
+
+
+def _sliding_windows(raw: dict, num_layers: int, traits) -> tuple[int | None, ...]:
+    """Per layer, the attention window in tokens (None: full), as transformers reads the config."""
     window = raw.get("sliding_window")
     if not window:
         return (None,) * num_layers
-    if from_layer_types:
+    if traits.sliding_from_layer_types:
         # Qwen2/Qwen3: only layers marked "sliding_attention" (and only if use_sliding_window).
         if not raw.get("use_sliding_window", False):
             return (None,) * num_layers
-        types = raw.get("layer_types") or ["full_attention"] * num_layers
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (int(window),) * num_layers
+        types = raw.get("layer_types")
+        if not types:  # saved before transformers 4.53: it derives them from max_window_layers
+            first = raw.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if traits.sliding_on_all_layers:
+        return (int(window),) * num_layers
+    # Llama's attention has no window (transformers' modeling_llama.py never reads the key). Its generate
+    # does truncate the cache to a `sliding_window` key while the prefill attends to everything: an
+    # artifact of the cache, not the architecture.
+    return (None,) * num_layers
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ for the batch). HF runs each prompt alone, unpadded, so its result is the refere
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -148,18 +150,29 @@ def test_half_precision_close_to_hf(dtype, tmp_path):
     )
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen2-no-layer-types", "llama"])
 def test_sliding_window_matches_hf(arch, tmp_path):
-    """A window (8 tokens) much shorter than the context, in prefill chunks and decode."""
+    """A window (8 tokens) much shorter than the context, in prefill chunks and decode. Qwen2 configs
+    saved before transformers 4.53 have no `layer_types` (derived from max_window_layers). Llama's
+    attention has no window: a `sliding_window` key is ignored, so the reference is the same weights
+    without it (transformers' modeling_llama.py never reads the key, though its generate truncates the
+    cache to it while the prefill attends to everything). Both were read wrong once."""
     extra = {"sliding_window": 8}
-    if arch == "qwen2":
+    if arch.startswith("qwen2"):
         extra |= {
             "use_sliding_window": True,
             "max_window_layers": 1,
             "layer_types": ["full_attention", "sliding_attention"],
         }
-    hf = tiny_hf_model(arch, seed=8, **extra)
+    hf = tiny_hf_model(arch.removesuffix("-no-layer-types"), seed=8, **extra)
     hf.save_pretrained(tmp_path)
+    if arch == "qwen2-no-layer-types":
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        del cfg["layer_types"]
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    expected = {"mistral": (8, 8), "llama": (None, None)}.get(arch, (None, 8))
+    if arch == "llama":
+        hf = tiny_hf_model("llama", seed=8)  # the same weights; what the architecture computes
     llm = LLM(
         str(tmp_path),
         page_size=4,
@@ -168,7 +181,7 @@ def test_sliding_window_matches_hf(arch, tmp_path):
         max_num_batched_tokens=16,
         max_model_len=512,
     )
-    assert any(w == 8 for w in llm.engine.config.model_config.sliding_windows)
+    assert llm.engine.config.model_config.sliding_windows == expected
     prompts = prompts_for(9, (6, 29, 51))
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW)

@@ -87,6 +87,44 @@ def test_stop_strings_truncate_text(llm):
     assert len(out.token_ids) < 24
 
 
+def test_a_stop_string_early_in_a_long_token_is_found(llm):
+    """One token can add many characters (runs of dashes, newline + indentation). The stop check used
+    to look only at the last len(stop) + 16 characters, so a stop string starting early in a long token
+    was never found and the request ran to max_tokens."""
+    engine = llm.engine
+    tok = engine.tokenizer
+
+    def unique_head(text: str) -> str:  # the shortest prefix found nowhere else in the text
+        return next(text[:k] for k in range(1, len(text) + 1) if text.find(text[:k], 1) < 0)
+
+    # A token whose text is long and starts with a short string it never repeats.
+    texts = {t: s for t in range(engine.config.model_config.vocab_size) if (s := tok.decode([t]))}
+    long_id = max(texts, key=lambda t: len(texts[t]) - len(unique_head(texts[t])))
+    stop = unique_head(texts[long_id])
+    assert len(texts[long_id]) - len(stop) > 16 + len(stop), texts[long_id]  # beyond the old window
+    req = engine.make_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50, stop=[stop]))
+    req.append_output(long_id)  # the stop string starts at the token's first character, only there
+    assert engine.check_stop(req) is not None and req.stop_reason == stop
+
+
+def test_logprobs_beyond_the_vocabulary_and_stop_strings_without_a_tokenizer_are_refused(tmp_path):
+    """Both used to be accepted: the first crashed the engine step (topk past the vocabulary), the
+    second ran to max_tokens with its stop strings silently ignored."""
+    from tests.conftest import tiny_hf_model
+
+    tiny_hf_model("llama", vocab_size=16).save_pretrained(tmp_path)  # no tokenizer, 16 tokens
+    engine = LLM(str(tmp_path), dtype="float32", num_pages=16, max_model_len=64).engine
+    with pytest.raises(InvalidRequest, match="vocabulary of 16"):
+        engine.make_request([5, 6], SamplingParams(logprobs=17))
+    assert engine.make_request([5, 6], SamplingParams(logprobs=16)).sampling_params.logprobs == 16
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        engine.make_request([5, 6], SamplingParams(stop=["\n"]))
+    assert engine.make_request([5, 6], SamplingParams(stop_token_ids=[3])).sampling_params.stop_token_ids == [
+        3
+    ]
+    assert not engine.requests  # nothing was queued
+
+
 def test_eos_and_ignore_eos(llm):
     greedy = gen(llm, temperature=0, max_tokens=16)
     eos = greedy.token_ids[3]

@@ -106,6 +106,11 @@ class LLMEngine:
             )
         if self.kv.num_pages_for(num_prompt + max_tokens) > self.kv.pool.num_pages:
             raise InvalidRequest("request needs more KV pages than this engine has in total")
+        vocab = self.config.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary of {vocab} tokens")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
         return req
 
@@ -214,7 +219,11 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if params.stop and self.tokenizer is not None:
             text = self._text(req)
-            tail_from = max(0, len(text) - max(len(s) for s in params.stop) - 16)
+            # New text since the last check, plus what a stop string may have started in before it
+            # (one token can add many characters), plus a margin: a partial UTF-8 character at the end
+            # decodes to U+FFFD until its next byte arrives, so earlier text may still change a little.
+            tail_from = max(0, req.num_stop_checked_chars - max(len(s) for s in params.stop) - 16)
+            req.num_stop_checked_chars = len(text)
             for s in params.stop:
                 if text.find(s, tail_from) >= 0:
                     req.stop_reason = s

@@ -14,11 +14,12 @@ class ArchTraits:
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections (never on o_proj)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_from_layer_types: bool = False  # Qwen: window only on "sliding_attention" layers
+    sliding_on_all_layers: bool = False  # Mistral: `sliding_window` applies to every layer (Llama: none)
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
     "LlamaForCausalLM": ArchTraits(),
-    "MistralForCausalLM": ArchTraits(),
+    "MistralForCausalLM": ArchTraits(sliding_on_all_layers=True),
     "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, sliding_from_layer_types=True),
     "Qwen3ForCausalLM": ArchTraits(qk_norm=True, sliding_from_layer_types=True),
 }
