@@ -403,7 +403,10 @@ class DecodeRole(PDRoleBase, EngineRole):
         draw so seeded sampling continues exactly as a colocated engine would."""
         gen = self.engine.runner.generators.get(req.request_id)
         if gen is not None and not req.sampling_params.greedy:
-            torch.empty(self.engine.config.model_config.vocab_size).exponential_(generator=gen)
+            # Same draw as the sampler's (one float32 row of the vocabulary) on the generator's device:
+            # a CUDA generator cannot draw into a CPU tensor.
+            vocab = self.engine.config.model_config.vocab_size
+            torch.empty(vocab, device=gen.device).exponential_(generator=gen)
 
     # ---- failure -------------------------------------------------------------------------------
     def _fail(

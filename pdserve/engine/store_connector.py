@@ -84,7 +84,9 @@ class StoreConnector:
     # ---- pool <-> blocks -----------------------------------------------------------------------
     def _block_pages(self, page_ids: list[int], block: int) -> torch.Tensor:
         ppb = self.pages_per_block
-        return torch.tensor(page_ids[block * ppb : (block + 1) * ppb], dtype=torch.long)
+        return torch.tensor(
+            page_ids[block * ppb : (block + 1) * ppb], dtype=torch.long, device=self._k[0].device
+        )
 
     def gather_block(self, page_ids: list[int], block: int) -> torch.Tensor:
         """The block's payload [block_nbytes] from the pool (a copy)."""
@@ -98,7 +100,9 @@ class StoreConnector:
         """Blocks [num_blocks, block_nbytes] -> the pool pages covering tokens [0, num_blocks * block_size),
         one layer after another."""
         ppb = self.pages_per_block
-        idx = torch.tensor(page_ids[: num_blocks * ppb], dtype=torch.long)
+        device = self._k[0].device  # `buf` is host memory (the store reads into it); the pool may not be
+        idx = torch.tensor(page_ids[: num_blocks * ppb], dtype=torch.long, device=device)
+        buf = buf[:num_blocks].to(device)
         half = self.layout.layer_nbytes // 2
         for layer, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
             off = self.layout.layer_range(layer)[0]
@@ -116,7 +120,7 @@ class StoreConnector:
             return 0
         keys = self.keys_for(req, num_full)
         for b in range(done, num_full):
-            payload = self.gather_block(req.page_ids, b).numpy()
+            payload = self.gather_block(req.page_ids, b).cpu().numpy()  # a host copy for the writer thread
             try:
                 self._writes.put_nowait((keys[b], payload))
             except queue.Full:  # the disk is behind: drop (the block is simply not cached)
