@@ -3,12 +3,13 @@ pages, and copies of one checkpoint do (`checkpoint_digest`, `model_identity`)."
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
 from pdserve.model.demo import make_demo_model
-from pdserve.model.loader import CHECKPOINT_SAMPLE_BYTES, CheckpointError, checkpoint_digest
+from pdserve.model.loader import CheckpointError, checkpoint_digest
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +26,26 @@ def test_same_shape_different_weights_differ_and_copies_agree(two_models, tmp_pa
     assert len(checkpoint_digest(a)) == 16 and checkpoint_digest(a) == checkpoint_digest(a)
 
 
-@pytest.mark.parametrize("where", ["first", "last"])
-def test_an_edit_in_the_sampled_bytes_changes_the_digest(two_models, tmp_path, where):
+def _tensor_span(path, name: str) -> tuple[int, int]:
+    """Byte range [begin, end) of one tensor inside a safetensors file."""
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8 : 8 + header_len])[name]["data_offsets"]
+    return 8 + header_len + begin, 8 + header_len + end
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_tuning_one_middle_layer_changes_the_digest(two_models, tmp_path, where):
+    """A fine-tune of one layer (or a LoRA merge into it) changes that tensor throughout: the digest
+    samples every tensor, not just the ends of each file (which missed 36 of the demo's 39 tensors)."""
     d = shutil.copytree(two_models[0], tmp_path / "m")
     path = d / "model.safetensors"
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    names = sorted(k for k in json.loads(path.read_bytes()[8 : 8 + header_len]) if ".layers." in k)
+    begin, end = _tensor_span(path, names[len(names) // 2])  # a layer in the middle of the file
+    at = {"start": begin, "middle": (begin + end) // 2, "end": end - 1}[where]
     data = bytearray(path.read_bytes())
-    header_end = 8 + int.from_bytes(data[:8], "little")
-    i = header_end + 3 if where == "first" else len(data) - 3
-    assert i >= header_end and (
-        i < header_end + CHECKPOINT_SAMPLE_BYTES or i >= len(data) - CHECKPOINT_SAMPLE_BYTES
-    )
-    data[i] ^= 0x40
+    data[at] ^= 0x40
     path.write_bytes(bytes(data))
     assert checkpoint_digest(d) != checkpoint_digest(two_models[0])
 
