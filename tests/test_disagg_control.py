@@ -104,10 +104,11 @@ def test_malformed_raw_frames_are_counted(pair):
         raw.send_multipart([b"\x94", b"x", b"\x00" * 32])  # bad MAC: forged
         body = msgspec.msgpack.encode({"type": "abort", "reason": "x"})
         raw.send_multipart(
-            m.seal([msgspec.msgpack.encode([1, "nope", 1, "x"]), body], SECRET)
+            m.seal([msgspec.msgpack.encode([m.PROTOCOL_VERSION, "nope", 1, "x"]), body], SECRET)
         )  # unknown kind
         raw.send_multipart(m.seal([b"\xc1", body], SECRET))  # authentic but unparsable header
-        raw.send_multipart(m.seal([msgspec.msgpack.encode([2, "abort", 1, "x"]), body], SECRET))  # version 2
+        newer = msgspec.msgpack.encode([m.PROTOCOL_VERSION + 1, "abort", 1, "x"])
+        raw.send_multipart(m.seal([newer, body], SECRET))  # a newer version
         raw.send_multipart(m.encode(Abort("ok"), 3, "raw", SECRET))  # the one valid message
         got = _wait(b, 1)
         assert _wait_for(lambda: b.num_malformed + b.num_forged + b.num_wrong_version == 5)

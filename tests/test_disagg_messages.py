@@ -38,13 +38,14 @@ def _register() -> Register:
         staging_bytes=1 << 20,
         layout_fingerprint="llama/bf16/p16/L2",
         reply_addr="tcp://127.0.0.1:5555",
+        kv_num_pages=4096,
     )
 
 
 ALL_BODIES = [
     _register(),
     msgspec.structs.replace(_register(), kv_num_pages=12345),
-    RegisterAck(ok=True, agent_name="prefill-0", agent_metadata=b"meta"),
+    RegisterAck(ok=True, agent_name="prefill-0", agent_metadata=b"meta", room_life_s=90.0),
     RegisterAck(ok=False, error="layout mismatch: a != b"),
     KVRequest(dst_page_ids=[3, 4, 5, 9], handoff_slot=7, decode_prefix_len=32),
     KVRequest(dst_page_ids=[], handoff_slot=0, decode_prefix_len=0, staging_offset=4096),
@@ -121,40 +122,40 @@ def test_garbage():
     # Authentic (correct MAC) but malformed content -> BadMessage, at every layer.
     sealed_garbage = [
         [b"\xc1", b"\x80"],  # invalid msgpack header
-        [msgspec.msgpack.encode([1, "abort"]), b""],  # short header
+        [msgspec.msgpack.encode([PROTOCOL_VERSION, "abort"]), b""],  # short header
         [
-            msgspec.msgpack.encode([1, "abort", -1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", -1, "d"]),
             msgspec.msgpack.encode({"type": "abort", "reason": "x"}),
         ],
         [
-            msgspec.msgpack.encode([1, "abort", 2**63, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 2**63, "d"]),
             msgspec.msgpack.encode({"type": "abort", "reason": "x"}),
         ],
-        [msgspec.msgpack.encode([1, "abort", 1, "d"]), b"\xc1"],  # body not msgpack
+        [msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 1, "d"]), b"\xc1"],  # body not msgpack
         [
-            msgspec.msgpack.encode([1, "abort", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 1, "d"]),
             msgspec.msgpack.encode({"type": "abort"}),
         ],  # missing field
         [
-            msgspec.msgpack.encode([1, "abort", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 1, "d"]),
             msgspec.msgpack.encode({"type": "abort_ack"}),
         ],  # tag != kind
         [
-            msgspec.msgpack.encode([1, "status", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "status", 1, "d"]),
             msgspec.msgpack.encode({"type": "status", "state": 5}),
         ],
         [
-            msgspec.msgpack.encode([1, "kv_request", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "kv_request", 1, "d"]),
             msgspec.msgpack.encode(
                 {"type": "kv_request", "dst_page_ids": [-1], "handoff_slot": 0, "decode_prefix_len": 0}
             ),
         ],
         [
-            msgspec.msgpack.encode([1, "abort", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 1, "d"]),
             msgspec.msgpack.encode({"type": "abort", "reason": "x", "extra": 1}),  # unknown field
         ],
         [
-            msgspec.msgpack.encode([1, "abort", 1, "d"]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, "abort", 1, "d"]),
             msgspec.msgpack.encode({"type": "abort", "reason": "x"}),
             b"",
         ],
@@ -174,7 +175,7 @@ def test_register_validation():
         {"num_handoff_slots": 0},
     ):
         body = msgspec.msgpack.encode({**reg, **bad, "type": "register"})
-        header = msgspec.msgpack.encode([1, "register", 0, "d"])
+        header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register", 0, "d"])
         with pytest.raises(BadMessage):
             decode(m.seal([header, body], SECRET), SECRET)
 
@@ -182,16 +183,21 @@ def test_register_validation():
 def test_unknown_kind_and_wrong_version():
     body = msgspec.msgpack.encode({"type": "abort", "reason": "x"})
     with pytest.raises(BadMessage, match="unknown kind"):
-        decode(m.seal([msgspec.msgpack.encode([1, "steal_pages", 1, "d"]), body], SECRET), SECRET)
-    for version in (0, 2, 99):
+        decode(
+            m.seal([msgspec.msgpack.encode([PROTOCOL_VERSION, "steal_pages", 1, "d"]), body], SECRET), SECRET
+        )
+    for version in (0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99):
         with pytest.raises(WrongVersion):
             decode(m.seal([msgspec.msgpack.encode([version, "abort", 1, "d"]), body], SECRET), SECRET)
     # A newer peer's new kind is a version error, not "unknown kind".
     with pytest.raises(WrongVersion):
-        decode(m.seal([msgspec.msgpack.encode([2, "future_kind", 1, "d"]), body], SECRET), SECRET)
+        decode(
+            m.seal([msgspec.msgpack.encode([PROTOCOL_VERSION + 1, "future_kind", 1, "d"]), body], SECRET),
+            SECRET,
+        )
     # Version is only trusted once authenticated: a forged wrong-version message is ForgedMessage.
     with pytest.raises(ForgedMessage):
-        decode([msgspec.msgpack.encode([2, "abort", 1, "d"]), body, b"\x00" * 32], SECRET)
+        decode([msgspec.msgpack.encode([PROTOCOL_VERSION + 1, "abort", 1, "d"]), body, b"\x00" * 32], SECRET)
 
 
 def test_encode_rejects_caller_bugs():
@@ -209,17 +215,19 @@ def test_encode_rejects_caller_bugs():
         Register(**{**msgspec.structs.asdict(_register()), "kv_bytes_per_page": [1]})
 
 
-def test_register_of_an_older_decode_parses_without_its_pool_size():
-    """`kv_num_pages` was added within version 1: a Register without it still parses (0: not announced),
-    so the prefill can refuse it with a reason rather than drop it as malformed."""
+def test_register_needs_its_pool_size_and_the_ack_a_sane_room_life():
+    """Version 2 made the decode's pool size part of Register (the prefill bounds every KVRequest's page
+    ids by it) and the prefill's room life part of RegisterAck (the decode's abort lease waits it out)."""
     fields = msgspec.structs.asdict(_register())
-    del fields["kv_num_pages"]
-    body = msgspec.msgpack.encode({"type": "register", **fields})
     header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register", 0, "decode-0"])
-    env = decode(m.seal([header, body], SECRET), SECRET)
-    assert env.body == _register() and env.body.kv_num_pages == 0
-    with pytest.raises(BadMessage):  # never negative
-        encode_fields = {**fields, "kv_num_pages": -1}
-        decode(
-            m.seal([header, msgspec.msgpack.encode({"type": "register", **encode_fields})], SECRET), SECRET
-        )
+    for bad in ({"kv_num_pages": None}, {"kv_num_pages": 0}, {"kv_num_pages": -1}):
+        body = {"type": "register", **fields, **bad}
+        if bad["kv_num_pages"] is None:
+            del body["kv_num_pages"]
+        with pytest.raises(BadMessage):
+            decode(m.seal([header, msgspec.msgpack.encode(body)], SECRET), SECRET)
+    ack_header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register_ack", 0, "prefill-0"])
+    for life in (-1.0, float("nan"), float("inf"), 1e9):
+        body = msgspec.msgpack.encode({"type": "register_ack", "ok": True, "room_life_s": life})
+        with pytest.raises(BadMessage):
+            decode(m.seal([ack_header, body], SECRET), SECRET)

@@ -41,7 +41,7 @@ def store_cluster(demo_model_dir, tmp_path_factory):
         served_model_name="demo",
         no_prefix_caching=True,
         pd_deadline_s=15.0,
-        pd_abort_lease_s=45.0,  # the safe minimum for 15 s deadlines (3 x 15 s)
+        pd_abort_lease_s=46.0,  # the safe minimum for 15 s deadlines (3 x 15 s + 1 s)
         kv_store=str(store_root),
         kv_block_size=64,
         enable_fault_injection=True,

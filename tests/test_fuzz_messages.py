@@ -69,6 +69,7 @@ def registers(draw):
         staging_bytes=draw(nonneg),
         layout_fingerprint=draw(short),
         reply_addr=draw(addr),
+        kv_num_pages=draw(st.integers(1, 2**40)),
     )
 
 

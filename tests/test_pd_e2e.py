@@ -30,7 +30,7 @@ MAX_MODEL_LEN = 1024
 
 def cluster_args(model_dir: str, **kw) -> argparse.Namespace:
     """Small pool, 128-token steps (long prompts are chunked), short deadlines; the abort lease is the
-    safe minimum for them (3 x 8 s: a decode never frees pages a late write may still reach)."""
+    safe minimum for them (3 x 8 s + 1 s: a decode never frees pages a late write may still reach)."""
     from pdserve.launch import cluster_args as launch_args
 
     base = dict(
@@ -39,7 +39,7 @@ def cluster_args(model_dir: str, **kw) -> argparse.Namespace:
         max_num_batched_tokens=128,
         served_model_name="demo",
         pd_deadline_s=8.0,
-        pd_abort_lease_s=24.0,
+        pd_abort_lease_s=25.0,
     )
     return launch_args(model_dir, **(base | kw))
 

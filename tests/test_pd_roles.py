@@ -32,9 +32,9 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.control import ControlChannel
 from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
-from pdserve.disagg.state import AbortTracker, KVState, RoomTable, min_lease_s
+from pdserve.disagg.state import AbortTracker, KVState, RoomTable
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import LEASE_MARGIN_S, PDConfig, decode_notif
+from pdserve.engine.pd_common import LEASE_MARGIN_S, MIN_LEASE_MARGIN_S, PDConfig, decode_notif
 from pdserve.engine.pd_decode import DecodeRole
 from pdserve.engine.pd_load import _pending_read_tokens
 from pdserve.engine.pd_prefill import PrefillRole
@@ -1170,7 +1170,6 @@ def _capture_sends(control: ControlChannel) -> list:
         ("one_region_short", "KV region mismatch: prefill has"),
         ("bytes_per_page", "KV region mismatch"),
         ("handoff_slot_bytes", "handoff slot size mismatch"),
-        ("kv_num_pages_missing", "did not announce its KV pool size"),
     ],
 )
 def test_register_that_does_not_match_our_regions_is_refused(make_pair, change, error):
@@ -1186,7 +1185,6 @@ def test_register_that_does_not_match_our_regions_is_refused(make_pair, change, 
         ),
         "bytes_per_page": dict(kv_bytes_per_page=[kv.bytes_per_page[0] * 2] * kv.num_regions),
         "handoff_slot_bytes": dict(handoff_slot_bytes=de.handoff.slot_bytes // 2),
-        "kv_num_pages_missing": dict(kv_num_pages=0),  # a decode of before the field
     }[change]
     acks = _capture_sends(p.pe_control)
     p.de_control.send(p.prefill_addr, _register_like(de, **changes), 99)  # same decode identity
@@ -1334,17 +1332,31 @@ def test_load_report_reads_survive_the_engine_thread_changing_rooms():
     assert _pending_read_tokens([Finishing()], block_size=64) == 128
 
 
+def test_decode_waits_out_a_prefill_whose_rooms_live_longer_than_its_own_lease(make_pair):
+    """The lease floor is about the *prefill's* deadlines; a decode started with shorter ones than its
+    prefill (engines launched by hand) would free pages that prefill may still write. The prefill's
+    RegisterAck now says how long its rooms live, and the decode holds aborted pages that long + 1 s."""
+    p = make_pair()
+    slow = dataclasses.replace(p.config, deadline_s=3 * DEADLINE_S, abort_lease_s=None)
+    p.pe_role.config = slow  # before the decode registers
+    p.submit_both(prompt(12), 1, "warm")
+    p.drive(lambda: p.idle())
+    [peer] = p.de_role.peers.values()
+    assert slow.room_life_s == 9 * DEADLINE_S > LEASE_S == p.de_role.config.lease_s
+    assert peer.lease_s == slow.room_life_s + MIN_LEASE_MARGIN_S
+
+
 def test_abort_lease_is_never_below_the_prefills_longest_room_life():
     """state.min_lease_s: a lease shorter than the prefill's three deadlines lets the decode reuse pages
     a partitioned prefill may still write. The defaults were 60 s against a bound of 90 s (and 60 s
     against 180 s with the benchmark's 60 s deadlines); nothing checked a configured one."""
     default = PDConfig(cluster_secret=b"s")
-    assert default.abort_lease_s == min_lease_s(default.deadlines(), 0.0) + LEASE_MARGIN_S == 100.0
-    bench = PDConfig(cluster_secret=b"s", deadline_s=60.0)
-    assert bench.abort_lease_s == 190.0
-    assert PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=6.0).abort_lease_s == 6.0
-    for lease_s in (5.99, 0.0, float("nan")):
-        with pytest.raises(ValueError, match="below the safe minimum of 6.0 s"):
+    assert default.abort_lease_s is None  # as given: derived, so dataclasses.replace keeps deriving
+    assert default.room_life_s == 90.0 and default.lease_s == 90.0 + LEASE_MARGIN_S == 100.0
+    assert dataclasses.replace(default, deadline_s=60.0).lease_s == 190.0
+    assert PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=7.0).lease_s == 7.0
+    for lease_s in (6.99, 6.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="below the safe minimum of 7.0 s"):
             PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=lease_s)
     # `pdserve serve` / `launch`: 0 (the default) asks for the derived lease.
     from pdserve.launch import cluster_args

@@ -40,10 +40,9 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
-# A field added to a message within a version carries a default meaning "not sent": an older peer's
-# message still parses, and a receiver that needs the field refuses the message with a reason instead of
-# guessing (Register.kv_num_pages). An older receiver drops the newer message as BadMessage (unknown field).
-PROTOCOL_VERSION = 1
+# 2: Register announces its pool size (kv_num_pages), RegisterAck the prefill's room life. Peers of
+# different versions drop each other's messages as WrongVersion (counted), never half-parse them.
+PROTOCOL_VERSION = 2
 MAC_BYTES = 32
 # Largest message (all frames together) `decode` accepts unless told otherwise. ControlChannel passes its
 # own `max_msg_bytes`, which also caps each frame inside ZMQ (MAXMSGSIZE). The biggest legitimate
@@ -91,11 +90,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     Regions are ordered K0, V0, K1, V1, ...; page p of region r lives at kv_base_addrs[r] + p *
     kv_bytes_per_page[r], for p < kv_num_pages. The prefill writes nothing outside these bounds (pages,
     handoff slots, staging bytes): it checks every KVRequest against them. A prefill whose own
-    fingerprint, region table or handoff slot size differs answers RegisterAck(ok=False).
-
-    `kv_num_pages` was added within protocol version 1, so it has a default: 0 means "not announced"
-    (an older decode), which the prefill refuses with RegisterAck(ok=False) and the reason -- it cannot
-    bound the page ids of that decode's KVRequests."""
+    fingerprint, region table or handoff slot size differs answers RegisterAck(ok=False)."""
 
     agent_name: ShortStr
     agent_metadata: bytes
@@ -108,7 +103,7 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
     staging_bytes: NonNeg
     layout_fingerprint: ShortStr
     reply_addr: ZmqAddr
-    kv_num_pages: NonNeg = 0  # pages of each KV region (0: not announced; refused)
+    kv_num_pages: Positive  # pages of each KV region
 
     def __post_init__(self) -> None:
         # Raised during decode; `decode` turns it into BadMessage.
@@ -117,12 +112,15 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
-    """prefill -> decode, answer to Register (room 0). On ok, carries the prefill's transfer agent."""
+    """prefill -> decode, answer to Register (room 0). On ok, carries the prefill's transfer agent and
+    `room_life_s`, the longest a room can live on the prefill (its three state deadlines): the decode
+    holds an aborted room's pages at least that long, whatever its own deadlines."""
 
     ok: bool
     error: str = ""
     agent_name: ShortStr = ""
     agent_metadata: bytes = b""
+    room_life_s: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
 
 
 class KVRequest(msgspec.Struct, tag="kv_request", forbid_unknown_fields=True):

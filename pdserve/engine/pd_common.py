@@ -16,9 +16,11 @@ from pdserve.disagg.state import KVState, min_lease_s
 from pdserve.transfer.pages import RegionTable
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-# Default abort lease = the prefill's longest room life (its three deadlines) + this margin, which covers
-# the tail of writes the prefill's backend is still cancelling and the Abort's delivery delay.
+# Abort lease = the prefill's longest room life (its three deadlines) + a margin, which covers the tail
+# of writes the prefill's backend is still cancelling and the Abort's delivery delay: the default adds
+# LEASE_MARGIN_S; a configured lease must add at least MIN_LEASE_MARGIN_S.
 LEASE_MARGIN_S = 10.0
+MIN_LEASE_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,10 @@ class PDConfig:
     transfer_backend: str = "nixl"
     bootstrap_port: int = 8998  # prefill only; 0 = pick a free port
     deadline_s: float = 30.0  # per non-terminal state
-    # The decode frees aborted pages after the prefill's ack or this lease. None: the smallest safe one
-    # for `deadline_s` plus LEASE_MARGIN_S (100 s by default); a lease below `min_lease_s` is refused.
+    # The decode frees aborted pages after the prefill's ack or its lease (`lease_s`): this value, or,
+    # when None, the room life for `deadline_s` + LEASE_MARGIN_S (100 s by default). A value below the
+    # room life + MIN_LEASE_MARGIN_S is refused. Per prefill, the decode also waits at least that
+    # prefill's own room life (from its RegisterAck) + MIN_LEASE_MARGIN_S.
     abort_lease_s: float | None = None
     num_handoff_slots: int = 256
     growth_reserve_tokens: int = 128  # decode admission: tokens of growth reserved per request
@@ -56,15 +60,25 @@ class PDConfig:
     def __post_init__(self) -> None:
         # A lease shorter than the prefill's longest room life lets the decode reuse pages that a
         # prefill which never got the Abort (partitioned, ack lost) may still write: refuse it.
-        floor_s = min_lease_s(self.deadlines(), margin_s=0.0)
-        if self.abort_lease_s is None:
-            object.__setattr__(self, "abort_lease_s", floor_s + LEASE_MARGIN_S)  # frozen: set once here
-        elif not self.abort_lease_s >= floor_s:
+        floor_s = min_lease_s(self.deadlines(), margin_s=MIN_LEASE_MARGIN_S)
+        if self.abort_lease_s is not None and not self.abort_lease_s >= floor_s:
             raise ValueError(
                 f"abort_lease_s={self.abort_lease_s} s is below the safe minimum of {floor_s} s (the "
-                f"prefill's three state deadlines of {self.deadline_s} s, see disagg.state.min_lease_s): "
-                "a decode could free pages that a late write still lands in"
+                f"prefill's three state deadlines of {self.deadline_s} s + {MIN_LEASE_MARGIN_S} s, see "
+                "disagg.state.min_lease_s): a decode could free pages that a late write still lands in"
             )
+
+    @property
+    def room_life_s(self) -> float:
+        """The longest a room lives on a prefill with these deadlines (sent in its RegisterAck)."""
+        return min_lease_s(self.deadlines(), margin_s=0.0)
+
+    @property
+    def lease_s(self) -> float:
+        """The decode's abort lease: as configured, else derived from the deadlines."""
+        if self.abort_lease_s is not None:
+            return self.abort_lease_s
+        return self.room_life_s + LEASE_MARGIN_S
 
     def deadlines(self) -> dict[KVState, float]:
         return {

@@ -34,7 +34,7 @@ from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, Regist
 from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, PDRoleBase, decode_notif
+from pdserve.engine.pd_common import MIN_LEASE_MARGIN_S, PDConfig, PDRoleBase, decode_notif
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.pages import is_fragmented, merge_runs
@@ -51,6 +51,7 @@ class PrefillPeer:
     error: str = ""
     agent_name: str = ""
     registered_s: float = 0.0  # when the last Register went out (it is re-sent while unanswered)
+    lease_s: float = 0.0  # abort lease for this prefill's rooms: ours, or longer if its rooms live longer
 
 
 @dataclass
@@ -220,6 +221,8 @@ class DecodeRole(PDRoleBase, EngineRole):
                 return
             if body.ok:
                 peer.state, peer.agent_name = "ready", body.agent_name
+                # A prefill with longer deadlines than ours may write to a room that long: wait it out.
+                peer.lease_s = max(self.config.lease_s, body.room_life_s + MIN_LEASE_MARGIN_S)
             else:
                 peer.state, peer.error = "failed", body.error
                 for dr in [d for d in self.prealloc if d.peer_addr == peer.control_addr]:
@@ -425,7 +428,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         if dr.requested and not peer_already_knows:
             # The prefill may still write our pages: stop it, free only after its ack or the lease.
             self.control.send(dr.peer_addr, Abort(reason=reason), room)
-            self.aborts.begin(room, self.config.abort_lease_s)
+            peer = self.peers.get(dr.peer_addr)
+            self.aborts.begin(room, max(self.config.lease_s, peer.lease_s if peer else 0.0))
             self.releasing[room] = dr
         else:
             # Never asked for KV, or the prefill failed the room itself: it sends Status(Failed) only

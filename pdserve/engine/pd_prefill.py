@@ -165,7 +165,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             if now - t > self.config.deadline_s:
                 del self.early[room]
         for room, t in list(self.tombstones.items()):
-            if now - t > self.config.abort_lease_s:  # the decode has long forgotten the room
+            if now - t > self.config.lease_s:  # the decode has long forgotten the room
                 del self.tombstones[room]
         self._reap()
         return bool(self.transfers) or bool(self.by_room)
@@ -322,7 +322,8 @@ class PrefillRole(PDRoleBase, EngineRole):
             msg.staging_base_addr,
             msg.staging_bytes // slot_page_bytes,
         )
-        self.control.send(msg.reply_addr, RegisterAck(ok=True, agent_name=self.agent.agent_name), reg_id)
+        ack = RegisterAck(ok=True, agent_name=self.agent.agent_name, room_life_s=self.config.room_life_s)
+        self.control.send(msg.reply_addr, ack, reg_id)
 
     def _register_error(self, msg: Register) -> tuple[str | None, str]:
         """(why we cannot write to this decode, the metrics key), or (None, "") if we can. The layout
@@ -344,11 +345,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         if msg.handoff_slot_bytes != self.handoff.slot_bytes:
             ours_b, theirs_b = self.handoff.slot_bytes, msg.handoff_slot_bytes
             return f"handoff slot size mismatch: prefill {ours_b}, decode {theirs_b} bytes", "region_mismatch"
-        if msg.kv_num_pages == 0:
-            return (
-                "the decode did not announce its KV pool size (kv_num_pages): upgrade it",
-                "register_incomplete",
-            )
         return None, ""
 
     def _on_kv_request(self, room: int, sender: str, msg: KVRequest) -> None:
