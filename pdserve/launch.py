@@ -196,6 +196,17 @@ def router_flags(a) -> list[str]:
     return out
 
 
+def check_engine_flags(a, with_nodes: bool) -> None:
+    """Refuse here, before anything starts, what every engine would refuse at its start (ValueError):
+    the engines' own checks, run on the `pdserve serve` arguments they will get."""
+    from pdserve.cli import _pd_config, build_parser, engine_config_from_args
+
+    nodes = ["--node-dir", "(made at launch)"] if with_nodes else []
+    serve = build_parser().parse_args(["serve", *engine_flags(a), "--role", "decode", *pd_flags(a), *nodes])
+    _pd_config(serve, b"\0" * 32)  # (the secret is checked apart)
+    engine_config_from_args(serve)
+
+
 def start_cluster(
     a, num_prefill: int, num_decode: int, router_port: int = 0, secret: str | None = None
 ) -> Cluster:
@@ -206,6 +217,7 @@ def start_cluster(
     nodes = parse_nodes(a.nodes) if getattr(a, "nodes", None) else None
     if nodes is None and (getattr(a, "snic_mbps", None) or getattr(a, "cnic_mbps", None)):
         raise ValueError("--snic-mbps / --cnic-mbps emulate the nodes' NICs: give the nodes with --nodes")
+    check_engine_flags(a, with_nodes=nodes is not None)
     if nodes is None:
         placement = [("prefill", "node0")] * num_prefill + [("decode", "node0")] * num_decode
     else:

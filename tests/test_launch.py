@@ -69,8 +69,21 @@ def test_serve_refuses_flags_that_cannot_work_before_loading_the_model(
     assert message in capsys.readouterr().err
 
 
-def test_launch_refuses_nic_budgets_without_nodes(demo_model_dir, capsys):
-    args = launch.cluster_args(demo_model_dir, snic_mbps=100.0)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(snic_mbps=100.0), "--nodes"),
+        (dict(pd_deadline_s=10.0, pd_abort_lease_s=5.0), "below the safe minimum"),
+        (dict(kv_store="STORE", kv_block_size=24), "multiple of --page-size"),
+        (dict(max_model_len=100000), "exceeds the model's 4096 positions"),
+    ],
+)
+def test_launch_refuses_what_its_engines_would_before_starting_any(
+    demo_model_dir, tmp_path, capsys, flags, message
+):
+    """Each engine used to print the reason and exit 2, and launch then raised a RuntimeError."""
+    flags = {k: str(tmp_path / "store") if v == "STORE" else v for k, v in flags.items()}
+    args = launch.cluster_args(demo_model_dir, **flags)
     args.prefill, args.decode, args.port = 1, 1, 0
     assert launch.launch(args) == 2
-    assert "--nodes" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

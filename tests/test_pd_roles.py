@@ -1134,22 +1134,7 @@ def test_prefill_pins_the_source_pages_of_writes_in_flight_across_preemption(mak
 
 def _register_like(de: DecodeRole, **changes) -> Register:
     """The decode's own Register, with `changes`."""
-    kv = de.local_kv
-    fields = dict(
-        agent_name=de.agent.agent_name,
-        agent_metadata=de.agent.metadata(),
-        kv_base_addrs=list(kv.base_addrs),
-        kv_bytes_per_page=list(kv.bytes_per_page),
-        handoff_base_addr=de.handoff.base_addr,
-        handoff_slot_bytes=de.handoff.slot_bytes,
-        num_handoff_slots=de.handoff.num_slots,
-        staging_base_addr=de.staging.region()[0],
-        staging_bytes=de.staging.region()[1],
-        layout_fingerprint=de.fingerprint,
-        reply_addr=de.control.address,
-        kv_num_pages=de.engine.kv.pool.num_pages,
-    )
-    return Register(**(fields | changes))
+    return msgspec.structs.replace(de.register_message(), **changes)
 
 
 def _capture_sends(control: ControlChannel) -> list:
@@ -1362,3 +1347,35 @@ def test_abort_lease_is_never_below_the_prefills_longest_room_life():
     from pdserve.launch import cluster_args
 
     assert cluster_args("model-dir").pd_abort_lease_s == 0.0
+
+
+def test_a_waiting_de_path_request_looks_the_store_up_once(make_pair):
+    """A request that would fit with its prefix hits but not by the store path (whole prompt fresh)
+    waits; it used to look the store up on every admission pass (each lookup may stat files and counts
+    in the store's hit metrics): 20 lookups in 20 turns."""
+    p = make_pair(de_pages=16, copy_bytes=True)
+    ids1 = prompt(24, start=3)
+    p.submit_both(ids1, 1, "r1")
+    p.drive(lambda: p.idle())
+    kv = p.de_engine.kv
+    holder = p.de_engine.make_request(ids1 + [1], SamplingParams(max_tokens=4), "holder")
+    hits, keys = kv.match_prefix(holder)
+    assert len(hits) == 6 and kv.allocate(holder, 1, hits, keys)  # the hit pages are in use
+    other = p.de_engine.make_request(prompt(20, start=9), SamplingParams(max_tokens=4), "other")
+    assert kv.allocate(other, 20)
+    lookups = []
+    p.de_role.store = SimpleNamespace(  # a store that has one 7-page block of every prompt
+        layout=SimpleNamespace(block_size=7 * PAGE_SIZE),
+        lookup=lambda req: lookups.append(req.request_id) or 1,
+        start_read=lambda req, n: SimpleNamespace(future=Future(), buffer=None, keys=[b"k0"]),
+        persist=lambda req: None,
+        persisted={},
+    )
+    preq, dreq = p.requests(ids1 + prompt(4, start=7), 8, "r3", new_room())
+    dreq.read_path = "de"
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    for _ in range(20):
+        p.turn(prefill=False)
+    assert [d.req.request_id for d in p.de_role.prealloc] == ["r3"]  # still waiting for pages
+    assert lookups == ["r3"]

@@ -18,10 +18,13 @@ from tests.test_router_placement import report
 
 class Engines:
     """One prefill (`pe`) and one decode (`de`) behind a mock transport; `posts` lists each POST's
-    (host, path). A completion blocks until `release` is set, or answers at once when it is set."""
+    (host, path), `closed` the hosts whose completion the router cancelled (closed its connection).
+    A completion of a host in `blocking` waits until `release` is set; the others answer at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking=("pe", "de")) -> None:
         self.posts: list[tuple[str, str]] = []
+        self.closed: list[str] = []
+        self.blocking = set(blocking)
         self.release = asyncio.Event()
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -32,7 +35,12 @@ class Engines:
         if path == "/pd/load":
             return httpx.Response(200, json=report(host, role))
         self.posts.append((host, path))
-        await self.release.wait()
+        if host in self.blocking:
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.closed.append(host)
+                raise
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
 
@@ -85,14 +93,20 @@ def test_requested_max_tokens_reads_what_the_engines_read():
 
 
 @pytest.mark.parametrize("policy", ["none", "dualpath"])
-def test_a_non_streamed_client_that_leaves_closes_both_legs(policy):
-    """The decode answers a non-streamed request only when generation ends, so the router waits on
-    the client's behalf; a client that leaves meanwhile gets both engine connections closed (the
-    engines abort) and the decode's in-flight count back to 0. Before, the router waited to the end."""
+@pytest.mark.parametrize("waiting_for", ["prefill", "decode", "placement"])
+def test_a_non_streamed_client_that_leaves_closes_both_legs(policy, waiting_for):
+    """The router waits on a non-streamed client's behalf: for placement (DualPath), for the prefill's
+    answer, and for the decode, whose headers come only when generation ends. A client that leaves
+    in any of them gets every engine leg opened for it closed (the engines abort), the decode's
+    in-flight count back to 0 and its placement withdrawn. Before, the router waited to the end."""
+    if waiting_for == "placement" and policy == "none":
+        pytest.skip("plain PD routing has no placement queue")
 
     async def go():
-        engines = Engines()
+        engines = Engines(blocking={"prefill": ("pe", "de"), "decode": ("de",), "placement": ()}[waiting_for])
         router = await started_router(engines, policy)
+        if waiting_for == "placement":  # the decode has no free page: the request waits in the FIFO
+            router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
         app = build_router_app(router)
         sent = json.dumps({"prompt": [1, 2, 3], "max_tokens": 400}).encode()
         messages = [{"type": "http.request", "body": sent, "more_body": False}]
@@ -123,21 +137,25 @@ def test_a_non_streamed_client_that_leaves_closes_both_legs(policy):
             "server": ("127.0.0.1", 2),
         }
         call = asyncio.ensure_future(app(scope, receive, send))
-        for _ in range(100):  # both legs are posted and waiting
-            if len(engines.posts) == 2:
+        expected_posts = {"prefill": 2, "decode": 2, "placement": 0}[waiting_for]
+        for _ in range(100):  # until the router waits where the test wants it
+            if len(engines.posts) == expected_posts and (expected_posts or router.placement.queue):
                 break
             await asyncio.sleep(0.02)
-        assert sorted(engines.posts) == [("de", "/v1/completions"), ("pe", "/v1/completions")]
-        assert router.decodes[0].in_flight == 1
+        await asyncio.sleep(0.1)
+        assert len(engines.posts) == expected_posts
         gone.set()  # the client hangs up
         try:
             await asyncio.wait_for(call, 5)  # the router notices within CLIENT_POLL_S
         finally:
             engines.release.set()  # a router that did not notice must not hang the test
-        return replies, router
+        return replies, router, engines
 
-    replies, router = asyncio.run(go())
+    replies, router, engines = asyncio.run(go())
     assert replies[0]["status"] == 499
     assert router.decodes[0].in_flight == 0
+    assert sorted(engines.closed) == {"prefill": ["de", "pe"], "decode": ["de"], "placement": []}[waiting_for]
     if router.placement is not None:
-        assert list(router.placement.queue) == []
+        assert list(router.placement.queue) == [] and router.placement.num_placed == int(
+            waiting_for != "placement"
+        )

@@ -601,7 +601,7 @@ def test_generate_custom_rid(url):
 def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url):
     """A second request with a live request's rid gets a 409; the first streams on to its end."""
     body = {"input_ids": [1, 2, 3], "rid": "dup-rid", "stream": True}
-    body["sampling_params"] = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    body["sampling_params"] = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=30) as c, c.stream("POST", url + "/generate", json=body) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the first is running
@@ -611,7 +611,7 @@ def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
-    assert last["meta_info"]["finish_reason"] == "length" and len(last["output_ids"]) == 60
+    assert last["meta_info"]["finish_reason"] == "length" and len(last["output_ids"]) == 200
     wait_idle(url)
 
 

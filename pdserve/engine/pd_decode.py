@@ -70,6 +70,10 @@ class DecodeRoom:
     store_read: object = None  # DE read path: our store read in flight (PendingRead)
     num_hit_tokens: int = 0  # prompt tokens we hold before asking (prefix cache or store)
     queued_s: float = field(default_factory=time.monotonic)  # when it entered prealloc (aging)
+    # DE read path: prompt blocks the store held at the first admission try (-1: not looked up yet).
+    # Looked up once, not on every pass while the request waits (each lookup may stat files and counts
+    # in the store's hit metrics); a block evicted meanwhile shows up as a short read, then recomputed.
+    num_store_blocks: int = -1
 
 
 class _PagePlan(NamedTuple):
@@ -124,26 +128,26 @@ class DecodeRole(PDRoleBase, EngineRole):
         if peer.state == "new":
             self._register(peer)
 
-    def _register(self, peer: PrefillPeer) -> None:
+    def register_message(self) -> Register:
+        """What this decode tells a prefill about itself: where and how much the prefill may write."""
         kv = self.local_kv
-        self.control.send(
-            peer.control_addr,
-            Register(
-                agent_name=self.agent.agent_name,
-                agent_metadata=self.agent.metadata(),
-                kv_base_addrs=list(kv.base_addrs),
-                kv_bytes_per_page=list(kv.bytes_per_page),
-                handoff_base_addr=self.handoff.base_addr,
-                handoff_slot_bytes=self.handoff.slot_bytes,
-                num_handoff_slots=self.handoff.num_slots,
-                staging_base_addr=self.staging.region()[0],
-                staging_bytes=self.staging.region()[1],
-                layout_fingerprint=self.fingerprint,
-                reply_addr=self.control.address,
-                kv_num_pages=self.engine.kv.pool.num_pages,
-            ),
-            peer.reg_id,
+        return Register(
+            agent_name=self.agent.agent_name,
+            agent_metadata=self.agent.metadata(),
+            kv_base_addrs=list(kv.base_addrs),
+            kv_bytes_per_page=list(kv.bytes_per_page),
+            handoff_base_addr=self.handoff.base_addr,
+            handoff_slot_bytes=self.handoff.slot_bytes,
+            num_handoff_slots=self.handoff.num_slots,
+            staging_base_addr=self.staging.region()[0],
+            staging_bytes=self.staging.region()[1],
+            layout_fingerprint=self.fingerprint,
+            reply_addr=self.control.address,
+            kv_num_pages=self.engine.kv.pool.num_pages,
         )
+
+    def _register(self, peer: PrefillPeer) -> None:
+        self.control.send(peer.control_addr, self.register_message(), peer.reg_id)
         peer.state = "registering"
         peer.registered_s = time.monotonic()
 
@@ -255,7 +259,7 @@ class DecodeRole(PDRoleBase, EngineRole):
                 return  # taken only once the pages are in hand (below): nothing to give back on a miss
             req = dr.req
             growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
-            plan = self._plan_pages(req, kv.pool.num_free_pages - self._reserved_pages() - growth)
+            plan = self._plan_pages(dr, kv.pool.num_free_pages - self._reserved_pages() - growth)
             if plan is None or not kv.allocate(
                 req, req.num_prompt_tokens - plan.num_hit_tokens, plan.hit_page_ids, plan.hit_keys
             ):
@@ -274,7 +278,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             else:
                 self._request_kv(dr)
 
-    def _plan_pages(self, req: Request, num_free_pages: int) -> _PagePlan | None:
+    def _plan_pages(self, dr: DecodeRoom, num_free_pages: int) -> _PagePlan | None:
         """Where the prompt's KV comes from (our prefix cache, the store, the prefill) if its pages fit
         in `num_free_pages` (free + evictable, less every reserve), else None.
 
@@ -282,19 +286,20 @@ class DecodeRole(PDRoleBase, EngineRole):
         the hits that sit in the LRU -- `num_free_pages` counts those as allocatable, and they stop
         being so once acquired. On the DE read path, when the store covers more than our hits, the
         hits are not used: the whole prompt needs fresh pages (the blocks are read into them)."""
-        kv = self.engine.kv
+        kv, req = self.engine.kv, dr.req
         hits, keys = kv.match_prefix(req)
         num_prompt_pages = -(-req.num_prompt_tokens // self.page_size)
         num_evictable_hits = sum(1 for p in hits if kv.pool.ref_count(p) == 0)
         if num_prompt_pages - len(hits) + num_evictable_hits > num_free_pages:
-            return None  # (the store path needs more still: no store lookup for a request that waits)
+            return None  # (the store path needs more still)
         num_hit_tokens = len(hits) * self.page_size
         if req.read_path == "de" and self.store is not None:
-            num_store_blocks = self.store.lookup(req)
-            if num_store_blocks * self.store.layout.block_size > num_hit_tokens:
+            if dr.num_store_blocks < 0:
+                dr.num_store_blocks = self.store.lookup(req)
+            if dr.num_store_blocks * self.store.layout.block_size > num_hit_tokens:
                 if num_prompt_pages > num_free_pages:
                     return None
-                return _PagePlan([], [], 0, num_store_blocks)
+                return _PagePlan([], [], 0, dr.num_store_blocks)
         return _PagePlan(hits, keys, num_hit_tokens, 0)
 
     def _request_kv(self, dr: DecodeRoom, hit_page_ids: list[int] = ()) -> None:

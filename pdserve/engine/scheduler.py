@@ -121,7 +121,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         # Safe for a PD prefill request with page writes in flight: each write holds its own reference
         # on the pages it reads until the transfer is reported (PrefillRole.pinned), so these pages are
-        # not reallocated under it.
+        # not reallocated under it. Such a victim frees little at once (its pinned pages return when
+        # the writes are reported, within the transfer's deadline); the caller may then preempt another.
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1

@@ -36,6 +36,7 @@ from pdserve.router.placement import (
     prompt_shape,
     requested_max_tokens,
 )
+from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body
 
@@ -63,33 +64,6 @@ class NoEngine(Exception):
 
 class EngineDown(Exception):
     pass
-
-
-class ClientGone(Exception):
-    """The client closed its connection while the router waited on its behalf."""
-
-
-CLIENT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
-
-
-async def unless_gone(http: Request, awaitable):
-    """`await awaitable`, unless the client disconnects first: then it is cancelled and ClientGone
-    raised. The router waits on a client's behalf in three places (placement, the prefill's answer,
-    a non-streamed decode's headers, which come only when generation ends); without this check a
-    client that hung up left both engines working until max_tokens."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
 
 def client_gone() -> JSONResponse:

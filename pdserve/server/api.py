@@ -10,7 +10,6 @@ closures; the request schemas are in ``protocol.py``, the metrics in ``metrics.p
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -29,6 +28,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.pd_context import PDContext
@@ -206,14 +206,10 @@ def build_app(
             return final
 
         await resolve_pd(req)
-        task = asyncio.ensure_future(consume())
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await http.is_disconnected():
-                task.cancel()  # the generator's `finally` aborts the request in the engine
-                raise APIError("client disconnected", 499, "ClientClosedRequest")
         try:
-            return task.result()
+            return await unless_gone(http, consume())  # cancelled: the generator's `finally` aborts
+        except ClientGone:
+            raise APIError("client disconnected", 499, "ClientClosedRequest") from None
         except InvalidRequest as e:  # refused on the engine thread (e.g. a duplicate PD room)
             raise APIError(str(e)) from None
         except (RuntimeError, EngineDeadError) as e:  # PD transfer failure, dead engine
