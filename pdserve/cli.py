@@ -38,7 +38,7 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="how long a decode holds aborted pages without the prefill's ack; 0 (default): 3 x "
-        "--pd-deadline-s + 10 s, the safe minimum plus a margin (a lease below 3 x the deadline is refused)",
+        "--pd-deadline-s + 10 s (a lease below 3 x the deadline + 1 s is refused)",
     )
     p.add_argument(
         "--pd-staging-threshold",

@@ -202,7 +202,11 @@ def check_engine_flags(a, with_nodes: bool) -> None:
     from pdserve.cli import _pd_config, build_parser, engine_config_from_args
 
     nodes = ["--node-dir", "(made at launch)"] if with_nodes else []
-    serve = build_parser().parse_args(["serve", *engine_flags(a), "--role", "decode", *pd_flags(a), *nodes])
+    argv = ["serve", *engine_flags(a), "--role", "decode", *pd_flags(a), *nodes]
+    try:
+        serve = build_parser().parse_args(argv)
+    except SystemExit:  # argparse printed the reason; a caller of start_cluster gets an exception
+        raise ValueError(f"invalid engine flags: {' '.join(argv[1:])}") from None
     _pd_config(serve, b"\0" * 32)  # (the secret is checked apart)
     engine_config_from_args(serve)
 

@@ -57,9 +57,22 @@ def test_a_config_edit_changes_the_digest(two_models, tmp_path):
     assert checkpoint_digest(d) != checkpoint_digest(two_models[0])
 
 
-def test_a_file_that_is_not_safetensors_is_a_typed_error(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
-    with pytest.raises(CheckpointError, match="not a safetensors file"):
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (None, "not a safetensors file"),  # a header length past the end of the file
+        (b"[1, 2]", "malformed"),
+        (b'{"w": {"dtype": "F32"}}', "malformed"),
+        (b'{"w": {"data_offsets": [0, 4096]}}', "outside the file"),
+    ],
+)
+def test_a_file_that_is_not_safetensors_is_a_typed_error(tmp_path, header, message):
+    path = tmp_path / "model.safetensors"
+    if header is None:
+        path.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    else:
+        path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    with pytest.raises(CheckpointError, match=message):
         checkpoint_digest(tmp_path)
 
 

@@ -76,6 +76,7 @@ def test_serve_refuses_flags_that_cannot_work_before_loading_the_model(
         (dict(pd_deadline_s=10.0, pd_abort_lease_s=5.0), "below the safe minimum"),
         (dict(kv_store="STORE", kv_block_size=24), "multiple of --page-size"),
         (dict(max_model_len=100000), "exceeds the model's 4096 positions"),
+        (dict(pd_abort_lease_s=None), "invalid engine flags"),  # argparse's own refusal, not an exit
     ],
 )
 def test_launch_refuses_what_its_engines_would_before_starting_any(

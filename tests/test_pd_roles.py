@@ -1340,9 +1340,12 @@ def test_abort_lease_is_never_below_the_prefills_longest_room_life():
     assert default.room_life_s == 90.0 and default.lease_s == 90.0 + LEASE_MARGIN_S == 100.0
     assert dataclasses.replace(default, deadline_s=60.0).lease_s == 190.0
     assert PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=7.0).lease_s == 7.0
-    for lease_s in (6.99, 6.0, 0.0, float("nan")):
+    for lease_s in (6.99, 6.0, 0.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="below the safe minimum of 7.0 s"):
             PDConfig(cluster_secret=b"s", deadline_s=2.0, abort_lease_s=lease_s)
+    for deadline_s in (0.0, -1.0, float("nan"), float("inf"), 1e6):  # a room life RegisterAck can carry
+        with pytest.raises(ValueError, match="deadline_s must be in"):
+            PDConfig(cluster_secret=b"s", deadline_s=deadline_s)
     # `pdserve serve` / `launch`: 0 (the default) asks for the derived lease.
     from pdserve.launch import cluster_args
 

@@ -8,6 +8,7 @@ decode knows the room's KV has landed when it holds the last notification and `t
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 # LEASE_MARGIN_S; a configured lease must add at least MIN_LEASE_MARGIN_S.
 LEASE_MARGIN_S = 10.0
 MIN_LEASE_MARGIN_S = 1.0
+# A room lives at most three deadlines, sent in RegisterAck.room_life_s (bounded there by 1e6 s).
+MAX_DEADLINE_S = 1e5
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,12 @@ class PDConfig:
     cnic_bytes_per_s: float = float("inf")
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.deadline_s <= MAX_DEADLINE_S:  # (NaN fails too)
+            raise ValueError(f"deadline_s must be in (0, {MAX_DEADLINE_S:.0f}] s, got {self.deadline_s}")
         # A lease shorter than the prefill's longest room life lets the decode reuse pages that a
         # prefill which never got the Abort (partitioned, ack lost) may still write: refuse it.
         floor_s = min_lease_s(self.deadlines(), margin_s=MIN_LEASE_MARGIN_S)
-        if self.abort_lease_s is not None and not self.abort_lease_s >= floor_s:
+        if self.abort_lease_s is not None and not floor_s <= self.abort_lease_s < math.inf:
             raise ValueError(
                 f"abort_lease_s={self.abort_lease_s} s is below the safe minimum of {floor_s} s (the "
                 f"prefill's three state deadlines of {self.deadline_s} s + {MIN_LEASE_MARGIN_S} s, see "

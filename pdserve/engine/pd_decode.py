@@ -225,8 +225,11 @@ class DecodeRole(PDRoleBase, EngineRole):
                 return
             if body.ok:
                 peer.state, peer.agent_name = "ready", body.agent_name
-                # A prefill with longer deadlines than ours may write to a room that long: wait it out.
-                peer.lease_s = max(self.config.lease_s, body.room_life_s + MIN_LEASE_MARGIN_S)
+                # A prefill with longer deadlines than ours may write to a room that long: wait it out,
+                # with the margin our own lease keeps over our own room life (the write tail and the
+                # Abort's delivery do not shrink because the prefill's deadlines are longer).
+                margin_s = max(MIN_LEASE_MARGIN_S, self.config.lease_s - self.config.room_life_s)
+                peer.lease_s = max(self.config.lease_s, body.room_life_s + margin_s)
             else:
                 peer.state, peer.error = "failed", body.error
                 for dr in [d for d in self.prealloc if d.peer_addr == peer.control_addr]:

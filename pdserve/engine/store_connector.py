@@ -102,14 +102,18 @@ class StoreConnector:
         ppb = self.pages_per_block
         device = self._k[0].device  # `buf` is host memory (the store reads into it); the pool may not be
         idx = torch.tensor(page_ids[: num_blocks * ppb], dtype=torch.long, device=device)
-        buf = buf[:num_blocks].to(device)
         half = self.layout.layer_nbytes // 2
         for layer, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
+            # One layer on the device at a time (a whole 32k-token hit would be GBs of scratch memory).
             off = self.layout.layer_range(layer)[0]
-            k_src = buf[:num_blocks, off : off + half].reshape(num_blocks * ppb, -1)
-            v_src = buf[:num_blocks, off + half : off + 2 * half].reshape(num_blocks * ppb, -1)
+            k_src = buf[:num_blocks, off : off + half].reshape(num_blocks * ppb, -1).to(device)
+            v_src = buf[:num_blocks, off + half : off + 2 * half].reshape(num_blocks * ppb, -1).to(device)
             k.index_copy_(0, idx, k_src)
             v.index_copy_(0, idx, v_src)
+        if device.type == "cuda":
+            # The caller then lets the prefill read these pages over the network (DE read path): the
+            # copies queued on the stream must have landed first.
+            torch.cuda.current_stream(device).synchronize()
 
     # ---- write-back ----------------------------------------------------------------------------
     def persist(self, req: Request) -> int:
