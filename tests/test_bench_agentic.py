@@ -135,6 +135,23 @@ def test_summary_jct_agent_times_and_goodput():
     assert summarize([])["goodput"] is None
 
 
+def test_turns_never_sent_count_against_goodput_and_unfinished_agents_have_no_jct():
+    """An agent stops at its first failed turn; its later turns are never sent. Goodput used to divide
+    by the turns sent (0.99 where 0.9 of the planned turns succeeded) and the JCT and agent times
+    counted the failed agent as done when it failed."""
+    records = [rec(a, t, float(t), 1.0) for a in range(9) for t in range(16)]
+    records.append(rec(9, 0, 0.0, 0.5, ok=False))  # agent 9 fails its first turn: 15 turns never sent
+    planned = {a: 16 for a in range(10)}
+    s = summarize(records, planned_turns=planned)
+    assert s["goodput"] == pytest.approx(144 / 160)
+    assert (s["turns_failed"], s["turns_not_sent"], s["agents_unfinished"]) == (1, 15, 1)
+    assert s["jct_s"] is None
+    assert s["agent_time_mean_s"] == pytest.approx(16.0)  # the 9 agents that finished
+    complete = summarize(records[:-1], planned_turns={a: 16 for a in range(9)})
+    assert complete["jct_s"] == pytest.approx(16.0) and complete["agents_unfinished"] == 0
+    assert complete["goodput"] == 1.0 and complete["turns_not_sent"] == 0
+
+
 def test_snic_windows_and_balance():
     samples = [
         (0.0, {"a": 0, "b": 0}),

@@ -124,6 +124,34 @@ def test_fake_agent_injected_failure_and_abort(fake_agents, fake_clock):
     assert a.poll_completions() == []
 
 
+def test_a_submit_that_cannot_start_is_reported_failed_not_lost(fake_agents, tmp_path):
+    """A malformed descriptor list, or an emulated NIC already carrying its most flows, used to raise
+    in the agent's loop after the command left the queue: the id was never reported, and a caller
+    waiting for it (the layerwise lane) waited out its deadline."""
+    from pdserve.netem import NodeConfig, TrafficManager
+
+    a, b = fake_agents("A-bad"), fake_agents("B-bad")
+    a.add_peer("B-bad", b.metadata())
+    bad = a.submit("B-bad", [(0, 64, 0, 1)], [(0, 64, 0, 1)], b"x")  # 4-tuples: not (addr, nbytes)
+    good = a.submit("B-bad", [(0, 64)], [(0, 64)], b"y")
+    got = dict(_wait(a.poll_completions, until=lambda acc: len(acc) == 2))
+    assert got == {bad: TransferStatus.FAILED, good: TransferStatus.DONE}
+
+    tm = TrafficManager(NodeConfig(node="n0", node_dir=str(tmp_path), cnic_bytes_per_s=1e3))
+    try:
+        c, d = fake_agents("C-full"), fake_agents("D-full")
+        c.add_peer("D-full", d.metadata())
+        c.traffic = tm
+        ids = [c.submit("D-full", [(0, 64)], [(0, 64)], b"z") for _ in range(300)]  # > the link's flows
+        time.sleep(0.5)
+        for i in ids:
+            c.abort(i)
+        got = dict(_wait(c.poll_completions, until=lambda acc: len(acc) == len(ids)))
+        assert sorted(got) == ids  # every id reported exactly once
+    finally:
+        tm.close()
+
+
 def test_fake_agent_close_fails_pending(fake_agents):
     a, b = fake_agents("cl-a", delay_s=5.0), fake_agents("cl-b")
     _connect(a, b)

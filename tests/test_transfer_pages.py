@@ -138,3 +138,14 @@ def test_gather_scatter_round_trip_equals_direct_page_copy():
         assert torch.equal(got, want)
     with pytest.raises(ValueError):
         gather_pages(kv_regions(src_k, src_v), src_pages[:2], sender.view(off_s, 5))
+
+
+def test_worth_staging_needs_two_runs_unless_forced():
+    """One page, or one contiguous run, is one descriptor per region either way: gathering it through
+    a staging slot only adds a copy (the prefill used to, for every one-page send)."""
+    from pdserve.transfer.pages import worth_staging
+
+    assert not worth_staging([7], 0.5) and not worth_staging([3, 4, 5], 0.5) and not worth_staging([], -1)
+    assert worth_staging([1, 5], 0.5) and worth_staging([1, 3, 5, 9], 0.5)
+    assert not worth_staging([1, 2, 3, 9], 0.5)  # 2 runs over 4 pages: not fragmented enough
+    assert worth_staging([7], -1.0)  # a negative threshold stages always

@@ -250,8 +250,15 @@ def snic_stats(samples: list[tuple[float, dict[str, int]]]) -> dict:
 
 
 async def _sampler(client, url: str, period_s: float, t0: float, out: list) -> None:
-    while snapshot := await fetch_cluster(client, url):
-        out.append((time.perf_counter() - t0, _snic_bytes(snapshot)))
+    """Sample the cluster's SNIC counters every `period_s` until cancelled. A router without placement
+    answers nothing from the start: stop. A fetch that fails later (a timeout under load) is skipped,
+    not the end of sampling: the windows after it stay `period_s` wide."""
+    while True:
+        snapshot = await fetch_cluster(client, url)
+        if snapshot:
+            out.append((time.perf_counter() - t0, _snic_bytes(snapshot)))
+        elif not out:
+            return
         await asyncio.sleep(period_s)
 
 
@@ -350,25 +357,42 @@ def agent_times(records: list[TurnRecord]) -> dict[int, tuple[float, float]]:
 
 
 def summarize(
-    records: list[TurnRecord], slo_ttft_s: float | None = None, slo_tpot_s: float | None = None
+    records: list[TurnRecord],
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+    planned_turns: dict[int, int] | None = None,
 ) -> dict:
     """Totals, JCT, agent completion times, TTFT/TTST/TPOT/E2E p50/p90/p99 (s) and goodput: the fraction
-    of all turns that succeeded with TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s`` (None: no bound)."""
+    of all turns that succeeded with TTFT <= ``slo_ttft_s`` and TPOT <= ``slo_tpot_s`` (None: no bound).
+
+    ``planned_turns`` (agent -> its number of turns): an agent stops at its first failed turn, so its
+    later turns are never sent. With it, goodput counts them as missed, agents that did not finish all
+    their turns are left out of the agent times (and counted in ``agents_unfinished``), and the JCT is
+    None unless every agent finished: a run that lost turns has no job completion time."""
     ok = [r for r in records if r.ok]
     spans = agent_times(records)
-    durations = [e - s for s, e in spans.values()]
+    num_ok = {a: 0 for a in spans}
+    for r in ok:
+        num_ok[r.agent] += 1
+    unfinished = set()
+    if planned_turns is not None:
+        unfinished = {a for a, n in planned_turns.items() if num_ok.get(a, 0) < n}
+    durations = [e - s for a, (s, e) in spans.items() if a not in unfinished]
     wall_s = max(e for _, e in spans.values()) - min(s for s, _ in spans.values()) if spans else 0.0
     prompt = sum(r.prompt_tokens for r in ok)
+    num_planned = sum(planned_turns.values()) if planned_turns is not None else len(records)
     out = {
         "agents": len(spans),
+        "agents_unfinished": len(unfinished),
         "turns": len(records),
         "turns_ok": len(ok),
         "turns_failed": len(records) - len(ok),
+        "turns_not_sent": num_planned - len(records),
         "prompt_tokens": prompt,
         "output_tokens": sum(r.output_tokens for r in ok),
         "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "cache_hit_ratio": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None,
-        "jct_s": wall_s,
+        "jct_s": wall_s if not unfinished else None,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else None,
         "agent_time_mean_s": float(np.mean(durations)) if durations else None,
     }
@@ -385,7 +409,7 @@ def summarize(
 
     good = sum(meets(r) for r in records)
     out |= {"slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s}
-    out["goodput"] = good / len(records) if records else None
+    out["goodput"] = good / num_planned if num_planned else None
     out["goodput_turns_per_s"] = good / wall_s if wall_s > 0 else None
     return out
 
@@ -483,7 +507,8 @@ def run_agentic(args: argparse.Namespace) -> dict:
     run = run_online if online else run_offline
     kw = dict(model=model, extra_body=extra_body, timeout_s=args.timeout_s, sample_s=args.sample_s)
     result = asyncio.run(run(url, agents, progress=not args.no_progress, **kw))
-    summary = summarize(result.records, args.slo_ttft_s, args.slo_tpot_s)
+    planned = {a.agent: len(a.turns) for a in agents}
+    summary = summarize(result.records, args.slo_ttft_s, args.slo_tpot_s, planned)
     summary["snic_max_over_avg"] = result.snic.get("snic_max_over_avg")
     payload = {
         "mode": result.mode,

@@ -4,7 +4,7 @@ For every policy (default `round_robin` = Basic, then `dualpath`) it launches a 
 node spec (`pdserve launch --nodes ...`: engines on their nodes, the nodes' storage and compute NICs
 rate-limited and shared through `pdserve.netem`), with an empty KV store, replays the agents with
 `pdserve.bench.agentic`, and stops the cluster. One run prints the side-by-side table: offline JCT and
-its ratio, storage-NIC balance (max/avg over 1 s windows), cache hits, and whether the greedy outputs
+its ratio, storage-NIC balance (max/avg over `--sample-s` windows, 5 s by default), cache hits, and whether the greedy outputs
 of the policies are identical (they must be: placement changes where KV is read, never the tokens).
 Online mode sweeps agent arrival rates and reports each policy's highest rate meeting the SLO.
 
@@ -87,7 +87,7 @@ def run_policy(a, model_dir: str, policy: str, agents, online: bool) -> dict:
             wall_s = time.perf_counter() - t0
         finally:
             cluster.stop()
-    summary = summarize(result.records, a.slo_ttft_s, a.slo_tpot_s)
+    summary = summarize(result.records, a.slo_ttft_s, a.slo_tpot_s, {p.agent: len(p.turns) for p in agents})
     return {
         "policy": policy,
         "wall_s": wall_s,
@@ -141,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
         rows = [_row(r) for r in runs]
         base = rows[0]["jct_s"]
         for r in rows:
-            r["jct_speedup_vs_first"] = base / r["jct_s"] if r["jct_s"] else None
+            r["jct_speedup_vs_first"] = base / r["jct_s"] if base and r["jct_s"] else None  # None: lost turns
         out["runs"] = rows
     else:
         rows = []

@@ -37,7 +37,7 @@ from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import MIN_LEASE_MARGIN_S, PDConfig, PDRoleBase, decode_notif
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.outputs import RequestOutput
-from pdserve.transfer.pages import is_fragmented, merge_runs
+from pdserve.transfer.pages import worth_staging
 from pdserve.transfer.staging import scatter_pages
 
 log = logging.getLogger(__name__)
@@ -346,10 +346,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         cfg = self.config
         if not dst_page_ids or self.engine.runner.kv_cache.layout.bytes_per_page > cfg.staging_max_page_bytes:
             return -1
-        if cfg.staging_threshold >= 0 and (
-            len(merge_runs(dst_page_ids, dst_page_ids)) < 2  # one run is one descriptor per region anyway
-            or not is_fragmented(dst_page_ids, dst_page_ids, cfg.staging_threshold)
-        ):
+        if not worth_staging(dst_page_ids, cfg.staging_threshold):
             return -1
         offset = self.staging.alloc(len(dst_page_ids))
         return -1 if offset is None else offset

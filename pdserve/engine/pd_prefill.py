@@ -41,7 +41,7 @@ from pdserve.engine.pd_layerwise import LayerwisePrefill
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.base import TransferStatus
-from pdserve.transfer.pages import RegionTable, is_fragmented, merge_runs, page_descriptors
+from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors, worth_staging
 from pdserve.transfer.staging import gather_pages
 
 log = logging.getLogger(__name__)
@@ -517,7 +517,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         page_bytes = self.local_kv.bytes_per_page[0]
         num_regions, n, m = len(self.local_kv.base_addrs), len(pr.dst_page_ids), len(src)
         remote_slot = pr.peer.staging_base_addr + pr.staging_offset * num_regions * page_bytes
-        local_slot = self.staging.alloc(m) if is_fragmented(src, src, self.config.staging_threshold) else None
+        local_slot = self.staging.alloc(m) if worth_staging(src, self.config.staging_threshold) else None
         local, remote = [], []
         if local_slot is not None:
             gather_pages(self.kv_regions, src, self.staging.view(local_slot, m))

@@ -34,6 +34,7 @@ the directory; the file format, keys and index structure are their own modules.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -163,7 +164,14 @@ class KVBlockStore:
             if key in self._index and not overwrite:
                 self._index.touch(key)
                 self._stats.num_put_dedup += 1
-                return True
+                dedup = True
+            else:
+                dedup = False
+        if dedup:
+            # Recency lives in the file's mtime too (as on a read), so a restart keeps this use.
+            with contextlib.suppress(OSError):  # evicted meanwhile: nothing to keep
+                os.utime(path)
+            return True
         if not overwrite and self._adopt([key]) == 1:  # another process wrote it
             with self._lock:
                 self._stats.num_put_dedup += 1

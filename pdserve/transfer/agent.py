@@ -244,11 +244,20 @@ class TransferAgent:
     def _apply(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "submit":
-            if self.traffic is not None:
-                nbytes = sum(int(n) for _, n in cmd[3])
-                self._delayed[cmd[1]] = (self.traffic.transfer_start(nbytes), cmd)
-            else:
-                self._submit(backend, pending, cmd)
+            try:
+                if self.traffic is not None:
+                    nbytes = sum(int(n) for _, n in cmd[3])
+                    self._delayed[cmd[1]] = (self.traffic.transfer_start(nbytes), cmd)
+                else:
+                    self._submit(backend, pending, cmd)
+            except Exception as e:  # a full emulated link, a malformed descriptor list: fail this one
+                # The command left the queue: unless reported here, its id would never be reported, and
+                # a caller waiting for it (the layerwise lane) would wait out its deadline.
+                self.stats.backend_errors += 1
+                log.warning("transfer agent %s: submit %d failed: %r", self.agent_name, cmd[1], e)
+                self._delayed.pop(cmd[1], None)
+                pending[cmd[1]] = _Pending(None, 0, cmd[6])
+                self._finish(backend, pending, cmd[1], TransferStatus.FAILED)
         elif kind == "abort":
             transfer_id = cmd[1]
             if transfer_id in self._delayed:

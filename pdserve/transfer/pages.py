@@ -98,6 +98,17 @@ def page_descriptors(
     return local, remote
 
 
+def worth_staging(pages: Sequence[int], threshold: float = DEFAULT_FRAGMENTATION_THRESHOLD) -> bool:
+    """Whether gathering `pages` through a staging slot saves descriptors: they are fragmented
+    (`is_fragmented`) and form at least two runs; one run is one descriptor per region either way. A
+    negative threshold stages always (tests and benchmarks force the staged path with it)."""
+    if not pages:
+        return False
+    if threshold < 0:
+        return True
+    return len(merge_runs(pages, pages)) >= 2 and is_fragmented(pages, pages, threshold)
+
+
 def is_fragmented(
     src_pages: Sequence[int], dst_pages: Sequence[int], threshold: float = DEFAULT_FRAGMENTATION_THRESHOLD
 ) -> bool:
