@@ -84,3 +84,45 @@ def test_nixl_and_preadv_identical(tmp_path):
     nixl.check_integrity()
     for s in stores.values():
         s.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (nixl-cu12)")
+def test_nixl_read_whose_file_registration_fails_leaves_nothing_registered(tmp_path):
+    """The buffers' registration was not undone when the files' failed, and the error was not the one
+    the store falls back to preadv on. Now: NixlReadError, and the next read of the same buffer works."""
+    from pdserve.store.nixl_io import NixlPosixReader, NixlReadError
+
+    reader = NixlPosixReader()
+    real = reader._agent
+    registered = []
+
+    class FailingFiles:  # the real agent, except that registering files fails
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def register_memory(self, descs, mem, backends):
+            if mem == "FILE":
+                raise RuntimeError("injected: FILE registration failed")
+            registered.append(mem)
+            return real.register_memory(descs, mem, backends)
+
+        def deregister_memory(self, handle, backends):
+            registered.append("undone")
+            return real.deregister_memory(handle, backends)
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 32)
+    buf = np.zeros(8192, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        reads = [(fd, 0, buf.ctypes.data, 4096), (fd, 4096, buf[4096:].ctypes.data, 4096)]
+        reader._agent = FailingFiles()
+        with pytest.raises(NixlReadError, match="registering the files"):
+            reader.read(reads)
+        assert registered == ["DRAM", "undone"]
+        reader._agent = real
+        reader.read(reads)  # the same memory registers again: nothing was left behind
+        assert buf.tobytes() == path.read_bytes()
+    finally:
+        os.close(fd)
+        reader.close()

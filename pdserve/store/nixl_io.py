@@ -53,8 +53,17 @@ class NixlPosixReader:
         fds = sorted({int(fd) for fd in arr[:, 0]})
         with self._lock:
             agent = self._agent
-            dram = agent.register_memory([(int(a), int(n), 0, "") for _, _, a, n in reads], "DRAM", ["POSIX"])
-            files = agent.register_memory([(0, 0, fd, "") for fd in fds], "FILE", ["POSIX"])
+            try:
+                dram = agent.register_memory(
+                    [(int(a), int(n), 0, "") for _, _, a, n in reads], "DRAM", ["POSIX"]
+                )
+            except Exception as e:  # the batch is re-read with preadv
+                raise NixlReadError(f"registering the buffers failed: {e!r}") from e
+            try:
+                files = agent.register_memory([(0, 0, fd, "") for fd in fds], "FILE", ["POSIX"])
+            except Exception as e:
+                agent.deregister_memory(dram, ["POSIX"])  # else the buffers stay registered
+                raise NixlReadError(f"registering the files failed: {e!r}") from e
             handle = None
             try:
                 local = np.stack([arr[:, 2], arr[:, 3], np.zeros(len(reads), np.uint64)], axis=1)
@@ -75,11 +84,15 @@ class NixlPosixReader:
                 raise
             except Exception as e:  # nixlBackendError & co: the batch is re-read with preadv
                 raise NixlReadError(str(e)) from e
-            finally:
-                if handle is not None:
-                    handle.release()
-                agent.deregister_memory(files, ["POSIX"])
-                agent.deregister_memory(dram, ["POSIX"])
+            finally:  # each release runs even if an earlier one raises
+                try:
+                    if handle is not None:
+                        handle.release()
+                finally:
+                    try:
+                        agent.deregister_memory(files, ["POSIX"])
+                    finally:
+                        agent.deregister_memory(dram, ["POSIX"])
 
     def close(self) -> None:
         self._agent = None

@@ -154,7 +154,11 @@ class NixlBackend(TransferBackend):
         except Exception as e:  # nixlNotFoundError etc.: memory not registered on either side
             raise TransferError(f"nixl: cannot create transfer to {peer_name!r}: {e!r}") from e
         # With cma this call performs the whole copy (GIL released) -- hence the dedicated thread.
-        state = self._agent.transfer(xfer)
+        try:
+            state = self._agent.transfer(xfer)
+        except Exception as e:  # release the handle now, not whenever the GC collects it
+            xfer.release()
+            raise TransferError(f"nixl: posting transfer to {peer_name!r} failed: {e!r}") from e
         if state == "ERR":
             xfer.release()
             raise TransferError(f"nixl: posting transfer to {peer_name!r} failed")
