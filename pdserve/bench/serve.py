@@ -149,6 +149,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine step budget")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device", default="cpu", help="engines' device (both setups: compared on equal hardware)"
+    )
+    p.add_argument("--dtype", default="float32", help="engines' dtype (both setups)")
     p.add_argument("--json", default=None)
 
 
@@ -189,6 +193,8 @@ def side_by_side(a: argparse.Namespace, requests: list[dict]) -> list[dict]:
         served_model_name=a.served_model_name,
         no_prefix_caching=True,
         pd_deadline_s=60.0,
+        device=a.device,
+        dtype=a.dtype,
     )
     rows = []
     cluster = start_cluster(eng, 1, 1)
@@ -202,9 +208,9 @@ def side_by_side(a: argparse.Namespace, requests: list[dict]) -> list[dict]:
         cluster.stop()
     flags = [
         "--dtype",
-        "float32",
+        a.dtype,
         "--device",
-        "cpu",
+        a.device,
         "--kv-cache-gib",
         "0.25",
         "--max-model-len",
