@@ -219,9 +219,7 @@ def start_cluster(
     With `a.nodes` (see `parse_nodes`) the engine counts come from the node spec, every engine gets
     `--node NAME --node-dir DIR` (a fresh directory of shared link files) and the NIC budgets."""
     nodes = parse_nodes(a.nodes) if getattr(a, "nodes", None) else None
-    if nodes is None and (getattr(a, "snic_mbps", None) or getattr(a, "cnic_mbps", None)):
-        raise ValueError("--snic-mbps / --cnic-mbps emulate the nodes' NICs: give the nodes with --nodes")
-    check_engine_flags(a, with_nodes=nodes is not None)
+    check_engine_flags(a, with_nodes=nodes is not None)  # e.g. NIC budgets need --nodes
     if nodes is None:
         placement = [("prefill", "node0")] * num_prefill + [("decode", "node0")] * num_decode
     else:

@@ -255,7 +255,6 @@ class TransferAgent:
                 # a caller waiting for it (the layerwise lane) would wait out its deadline.
                 self.stats.backend_errors += 1
                 log.warning("transfer agent %s: submit %d failed: %r", self.agent_name, cmd[1], e)
-                self._delayed.pop(cmd[1], None)
                 pending[cmd[1]] = _Pending(None, 0, cmd[6])
                 self._finish(backend, pending, cmd[1], TransferStatus.FAILED)
         elif kind == "abort":

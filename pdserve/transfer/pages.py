@@ -106,7 +106,8 @@ def worth_staging(pages: Sequence[int], threshold: float = DEFAULT_FRAGMENTATION
         return False
     if threshold < 0:
         return True
-    return len(merge_runs(pages, pages)) >= 2 and is_fragmented(pages, pages, threshold)
+    num_runs = len(merge_runs(pages, pages))  # once: the runs of every send are merged here
+    return num_runs >= 2 and num_runs / len(pages) > threshold
 
 
 def is_fragmented(
