@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
@@ -1382,3 +1383,40 @@ def test_a_waiting_de_path_request_looks_the_store_up_once(make_pair):
         p.turn(prefill=False)
     assert [d.req.request_id for d in p.de_role.prealloc] == ["r3"]  # still waiting for pages
     assert lookups == ["r3"]
+
+
+def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path):
+    """18 prompt tokens, 7 generated: the decode computes KV for 24 tokens (the last token is never
+    fed), three 8-token blocks. The third fills in the step that samples the last token, after which
+    the request's pages are freed; the per-step write-back ran only after that, so the next turn (this
+    context plus the answer) missed the block. All three are written, with the pool's bytes."""
+    from pdserve.engine.store_connector import StoreConnector
+    from pdserve.store.block_store import KVBlockStore
+    from pdserve.store.layout import BlockLayout
+
+    p = make_pair(copy_bytes=True)
+    layout = BlockLayout.from_kv_layout(p.de_engine.runner.kv_cache.layout, 2 * PAGE_SIZE, model="t")
+    store = KVBlockStore(tmp_path, layout, 1 << 30)
+    p.de_role.store = connector = StoreConnector(p.de_engine, store)
+    captured = {}
+    gather = connector.gather_block
+
+    def spy(page_ids, block):  # the payload each block is written with, from the live pool
+        captured[block] = payload = gather(page_ids, block)
+        return payload
+
+    connector.gather_block = spy
+    p.submit_both(prompt(18), 7, "r1")
+    p.drive(lambda: p.idle())
+    connector.flush()
+    assert connector.num_blocks_written == 3 and connector.num_write_failures == 0
+    tokens = prompt(18) + list(p.de_sink.final("r1").outputs[0].token_ids)
+    nxt = p.de_engine.make_request(tokens, SamplingParams(max_tokens=1), "next-turn")
+    assert connector.lookup(nxt) == 3  # all three blocks of the 24 computed tokens
+    buf = torch.empty((3, layout.block_nbytes), dtype=torch.uint8)
+    assert store.read_blocks(connector.keys_for(nxt, 3), buf).num_prefix_ok == 3
+    for b in range(3):
+        assert torch.equal(buf[b], captured[b].cpu())
+    assert connector.persisted == {}  # forgotten with the request
+    p.assert_clean()
+    store.close()

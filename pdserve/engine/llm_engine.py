@@ -53,6 +53,9 @@ class LLMEngine:
         # Called after every step with its SchedulerOutput (PD roles stream finished pages from here).
         self.step_hooks: list = []
         self.pre_step_hooks: list = []  # after scheduling, before the forward (KV already computed)
+        # Called with each request that stopped in a step, before its pages are freed: the step hooks
+        # run after, when a finished request's pages are gone (the decode's last block write-back).
+        self.finish_hooks: list = []
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -175,6 +178,9 @@ class LLMEngine:
                 req.logprobs.append(TokenLogprob(token, chosen, top))
             status = self.check_stop(req)
             self.kv.cache_computed_pages(req)
+            if status is not None:
+                for hook in self.finish_hooks:
+                    hook(req)
             if status is not None and req.hold_pages:
                 self.scheduler.finish(req, status, free_pages=False)
                 outputs.append(self.output(req))  # stays in `requests` until release_held()

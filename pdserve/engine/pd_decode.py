@@ -92,6 +92,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.store = None  # StoreConnector: write-back of full blocks; the DE read path
         self.num_store_blocks_bad = 0
         engine.step_hooks.append(self._write_back)
+        engine.finish_hooks.append(self._write_back_last)
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
         self.prealloc: list[DecodeRoom] = []
@@ -405,6 +406,12 @@ class DecodeRole(PDRoleBase, EngineRole):
                 self.store.persist(req)
         for request_id in [r for r in self.store.persisted if r not in self.engine.requests]:
             self.store.forget(request_id)
+
+    def _write_back_last(self, req: Request) -> None:
+        """A request stopped in this step: persist the block its last step filled, before its pages go
+        (the step hook above runs after they are freed, and the next turn would miss that block)."""
+        if self.store is not None and req.page_ids:
+            self.store.persist(req)
 
     def _burn_first_draw(self, req: Request) -> None:
         """The prefill drew token 1 from this seed; advance our copy of the generator past that
