@@ -18,7 +18,7 @@ Points and the actions each honours:
 |------------------|-------------------------------------------|--------------------------------|
 | control.send     | drop, delay, duplicate, reorder           | disagg/control.py (send)       |
 | transfer.submit  | fail, stall (never completes)             | transfer/agent.py              |
-| store.read       | fail, corrupt, slow                       | store/block_store.py           |
+| store.read       | fail, corrupt, slow (per block, any I/O)  | store/block_store.py, nixl_io  |
 | store.write      | fail, slow, full (disk full: ENOSPC)      | store/block_store.py           |
 """
 

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve import faults
 from pdserve.transfer.base import TransferStatus
+from pdserve.transfer.nixl_backend import nixl_available
 from tests.test_store import KEYS, make_store, payload, put_all, read
 from tests.test_transfer_agent import _connect, _wait, fake_agents  # noqa: F401 (fixture)
 
@@ -59,8 +60,15 @@ def test_skip_lets_matching_calls_through_first():
         faults.configure([{"point": "store.read", "action": "fail", "skip": -1}])
 
 
-def test_store_read_corrupt_is_caught_and_removed(tmp_path):
-    store = make_store(tmp_path)
+IO_BACKENDS = [
+    "preadv",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")),
+]
+
+
+@pytest.mark.parametrize("io_backend", IO_BACKENDS)
+def test_store_read_corrupt_is_caught_and_removed(tmp_path, io_backend):
+    store = make_store(tmp_path, io_backend=io_backend)
     put_all(store)
     faults.configure([{"point": "store.read", "action": "corrupt", "count": 1}])
     res, out = read(store, KEYS)
@@ -71,6 +79,30 @@ def test_store_read_corrupt_is_caught_and_removed(tmp_path):
         assert np.array_equal(out[i], payload(i))
     assert store.lookup_keys(KEYS) == bad[0]  # the bad block left the index (and the disk)
     assert store.lookup_keys(KEYS[bad[0] :]) == 0
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.parametrize("io_backend", IO_BACKENDS)
+def test_store_read_fail_and_slow_act_on_every_io_backend(tmp_path, io_backend):
+    """The fault point fires per block on the NIXL path too (it used to act on preadv only, so a chaos
+    rule silently did nothing on a store read through NIXL)."""
+    store = make_store(tmp_path, io_backend=io_backend)
+    put_all(store)
+    faults.configure([{"point": "store.read", "action": "fail", "count": 1}])
+    res, out = read(store, KEYS)
+    bad = [i for i, s in enumerate(res.status) if s != "ok"]
+    assert len(bad) == 1 and res.status[bad[0]] == "ioerror", res.status
+    assert faults.snapshot()[0]["fired"] == 1
+    for i in set(range(len(KEYS))) - set(bad):
+        assert np.array_equal(out[i], payload(i))
+    assert store.stats().num_missing == 1 and store.stats().num_corrupt == 0  # the file is kept
+    delay_s = 0.05
+    faults.configure([{"point": "store.read", "action": "slow", "delay_s": delay_s, "count": 1}])
+    t = time.monotonic()
+    res, out = read(store, KEYS)
+    assert time.monotonic() - t >= delay_s and res.num_ok == len(KEYS)  # slow, not wrong
+    assert all(np.array_equal(out[i], payload(i)) for i in range(len(KEYS)))
     store.check_integrity()
     store.close()
 

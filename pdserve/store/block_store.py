@@ -324,11 +324,7 @@ class KVBlockStore:
             return self._settle(key, status, st)
         try:
             header = bytearray(HEADER_NBYTES)
-            rule = faults.check("store.read") if faults.ENABLED else None
-            if rule is not None and rule.action == "fail":
-                raise OSError(errno.EIO, "injected store read failure")
-            if rule is not None and rule.action == "slow":
-                time.sleep(rule.delay_s)
+            rule = self._read_fault() if faults.ENABLED else None
             n = os.preadv(fd, [header, view], 0)
             if rule is not None and rule.action == "corrupt" and view.size:
                 view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
@@ -340,6 +336,18 @@ class KVBlockStore:
         finally:
             os.close(fd)
         return self._settle(key, status, st)
+
+    @staticmethod
+    def _read_fault():
+        """The `store.read` fault point, once per block read on either I/O path: `fail` raises the
+        OSError a failed read raises, `slow` sleeps here, `corrupt` is returned for the caller to flip a
+        byte of the block once it is read."""
+        rule = faults.check("store.read")
+        if rule is not None and rule.action == "fail":
+            raise OSError(errno.EIO, "injected store read failure")
+        if rule is not None and rule.action == "slow":
+            time.sleep(rule.delay_s)
+        return rule
 
     def _verify(self, key: bytes, header, view: np.ndarray) -> str:
         try:

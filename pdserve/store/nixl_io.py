@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from pdserve import faults
 from pdserve.store.fileformat import HEADER_NBYTES
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,13 @@ def read_blocks_nixl(store, reader: NixlPosixReader, keys, views) -> list[str]:
             i, fd, st = item
             if not nixl_ok:
                 return i, store._read_one_preadv(keys[i], views[i])
+            if faults.ENABLED:  # the same fault point as the preadv path, per block
+                try:
+                    rule = store._read_fault()
+                except OSError:
+                    return i, store._settle(keys[i], "ioerror", st)
+                if rule is not None and rule.action == "corrupt" and views[i].size:
+                    views[i][views[i].size // 2] ^= 0xFF
             s = store._verify(keys[i], headers[i], views[i])
             if s == "ok" and store.touch_on_read:
                 os.utime(fd)
