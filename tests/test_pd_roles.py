@@ -34,6 +34,7 @@ from pdserve.disagg.control import ControlChannel
 from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import AbortTracker, KVState, RoomTable
+from pdserve.engine import pd_decode
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import LEASE_MARGIN_S, MIN_LEASE_MARGIN_S, PDConfig, decode_notif
 from pdserve.engine.pd_decode import DecodeRole
@@ -1353,10 +1354,11 @@ def test_abort_lease_is_never_below_the_prefills_longest_room_life():
     assert cluster_args("model-dir").pd_abort_lease_s == 0.0
 
 
-def test_a_waiting_de_path_request_looks_the_store_up_once(make_pair):
+def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(make_pair, monkeypatch):
     """A request that would fit with its prefix hits but not by the store path (whole prompt fresh)
     waits; it used to look the store up on every admission pass (each lookup may stat files and counts
-    in the store's hit metrics): 20 lookups in 20 turns."""
+    in the store's hit metrics): 20 lookups in 20 turns. Once the refresh interval has passed it looks
+    again (blocks written back since, e.g. the previous turn's last ones, count)."""
     p = make_pair(de_pages=16, copy_bytes=True)
     ids1 = prompt(24, start=3)
     p.submit_both(ids1, 1, "r1")
@@ -1383,6 +1385,11 @@ def test_a_waiting_de_path_request_looks_the_store_up_once(make_pair):
         p.turn(prefill=False)
     assert [d.req.request_id for d in p.de_role.prealloc] == ["r3"]  # still waiting for pages
     assert lookups == ["r3"]
+    monkeypatch.setattr(pd_decode, "STORE_LOOKUP_REFRESH_S", 0.05)
+    time.sleep(0.06)
+    for _ in range(3):
+        p.turn(prefill=False)
+    assert lookups == ["r3", "r3"]
 
 
 def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path):

@@ -42,6 +42,8 @@ from pdserve.transfer.staging import scatter_pages
 
 log = logging.getLogger(__name__)
 
+STORE_LOOKUP_REFRESH_S = 1.0  # a waiting DE-path request looks the store up again this often
+
 
 @dataclass
 class PrefillPeer:
@@ -70,10 +72,13 @@ class DecodeRoom:
     store_read: object = None  # DE read path: our store read in flight (PendingRead)
     num_hit_tokens: int = 0  # prompt tokens we hold before asking (prefix cache or store)
     queued_s: float = field(default_factory=time.monotonic)  # when it entered prealloc (aging)
-    # DE read path: prompt blocks the store held at the first admission try (-1: not looked up yet).
-    # Looked up once, not on every pass while the request waits (each lookup may stat files and counts
-    # in the store's hit metrics); a block evicted meanwhile shows up as a short read, then recomputed.
+    # DE read path: prompt blocks the store held at the last lookup (-1: not looked up yet), and when.
+    # Not looked up on every pass while the request waits (each lookup may stat files and counts in
+    # the store's hit metrics), but again once STORE_LOOKUP_REFRESH_S has passed: the previous turn's
+    # last blocks may still have been in the write-back queue at the first try. A block evicted
+    # meanwhile shows up as a short read, then recomputed.
     num_store_blocks: int = -1
+    store_lookup_s: float = 0.0
 
 
 class _PagePlan(NamedTuple):
@@ -263,7 +268,7 @@ class DecodeRole(PDRoleBase, EngineRole):
                 return  # taken only once the pages are in hand (below): nothing to give back on a miss
             req = dr.req
             growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
-            plan = self._plan_pages(dr, kv.pool.num_free_pages - self._reserved_pages() - growth)
+            plan = self._plan_pages(dr, kv.pool.num_free_pages - self._reserved_pages() - growth, now)
             if plan is None or not kv.allocate(
                 req, req.num_prompt_tokens - plan.num_hit_tokens, plan.hit_page_ids, plan.hit_keys
             ):
@@ -282,7 +287,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             else:
                 self._request_kv(dr)
 
-    def _plan_pages(self, dr: DecodeRoom, num_free_pages: int) -> _PagePlan | None:
+    def _plan_pages(self, dr: DecodeRoom, num_free_pages: int, now: float) -> _PagePlan | None:
         """Where the prompt's KV comes from (our prefix cache, the store, the prefill) if its pages fit
         in `num_free_pages` (free + evictable, less every reserve), else None.
 
@@ -298,8 +303,8 @@ class DecodeRole(PDRoleBase, EngineRole):
             return None  # (the store path needs more still)
         num_hit_tokens = len(hits) * self.page_size
         if req.read_path == "de" and self.store is not None:
-            if dr.num_store_blocks < 0:
-                dr.num_store_blocks = self.store.lookup(req)
+            if dr.num_store_blocks < 0 or now - dr.store_lookup_s >= STORE_LOOKUP_REFRESH_S:
+                dr.num_store_blocks, dr.store_lookup_s = self.store.lookup(req), now
             if dr.num_store_blocks * self.store.layout.block_size > num_hit_tokens:
                 if num_prompt_pages > num_free_pages:
                     return None
