@@ -1392,11 +1392,13 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
     assert lookups == ["r3", "r3"]
 
 
-def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path):
+@pytest.mark.parametrize("chunk_blocks", [1, None])  # write-back gathers a block at a time, or all at once
+def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path, monkeypatch, chunk_blocks):
     """18 prompt tokens, 7 generated: the decode computes KV for 24 tokens (the last token is never
     fed), three 8-token blocks. The third fills in the step that samples the last token, after which
     the request's pages are freed; the per-step write-back ran only after that, so the next turn (this
     context plus the answer) missed the block. All three are written, with the pool's bytes."""
+    from pdserve.engine import store_connector
     from pdserve.engine.store_connector import StoreConnector
     from pdserve.store.block_store import KVBlockStore
     from pdserve.store.layout import BlockLayout
@@ -1405,14 +1407,23 @@ def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path):
     layout = BlockLayout.from_kv_layout(p.de_engine.runner.kv_cache.layout, 2 * PAGE_SIZE, model="t")
     store = KVBlockStore(tmp_path, layout, 1 << 30)
     p.de_role.store = connector = StoreConnector(p.de_engine, store)
+    if chunk_blocks is not None:
+        monkeypatch.setattr(store_connector, "PERSIST_CHUNK_NBYTES", chunk_blocks * layout.block_nbytes)
+    kv_cache, ppb = p.de_engine.runner.kv_cache, 2
     captured = {}
-    gather = connector.gather_block
+    gather = connector.gather_blocks
 
-    def spy(page_ids, block):  # the payload each block is written with, from the live pool
-        captured[block] = payload = gather(page_ids, block)
-        return payload
+    def spy(page_ids, first, last):
+        """Record, while the pages are live, what each block must hold (store/layout.py: per layer K
+        then V, the block's pages in order), written out by hand from the pool."""
+        for b in range(first, last):
+            idx = page_ids[b * ppb : (b + 1) * ppb]
+            layers = zip(kv_cache.k, kv_cache.v, strict=True)
+            parts = [t[idx].flatten().view(torch.uint8) for k_v in layers for t in k_v]
+            captured[b] = torch.cat(parts)
+        return gather(page_ids, first, last)
 
-    connector.gather_block = spy
+    connector.gather_blocks = spy
     p.submit_both(prompt(18), 7, "r1")
     p.drive(lambda: p.idle())
     connector.flush()

@@ -30,6 +30,8 @@ from pdserve.store.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 
+PERSIST_CHUNK_NBYTES = 256 << 20  # write-back gathers up to this much KV per device-to-host copy
+
 
 @dataclass
 class PendingRead:
@@ -88,13 +90,24 @@ class StoreConnector:
             page_ids[block * ppb : (block + 1) * ppb], dtype=torch.long, device=self._k[0].device
         )
 
-    def gather_block(self, page_ids: list[int], block: int) -> torch.Tensor:
-        """The block's payload [block_nbytes] from the pool (a copy)."""
-        idx = self._block_pages(page_ids, block)
+    def gather_blocks(self, page_ids: list[int], first: int, last: int) -> torch.Tensor:
+        """Payloads of blocks [first, last) from the pool, a copy on the pool's device:
+        [last - first, block_nbytes], each row K then V of every layer in turn (store/layout.py)."""
+        ppb = self.pages_per_block
+        idx = torch.tensor(page_ids[first * ppb : last * ppb], dtype=torch.long, device=self._k[0].device)
+        num_blocks = last - first
         parts = []
         for k, v in zip(self._k, self._v, strict=True):
-            parts += [k.index_select(0, idx).view(-1), v.index_select(0, idx).view(-1)]
-        return torch.cat(parts)
+            # [num_blocks * ppb, page_bytes] -> [num_blocks, ppb * page_bytes]: a block's pages, in order
+            parts += [
+                k.index_select(0, idx).view(num_blocks, -1),
+                v.index_select(0, idx).view(num_blocks, -1),
+            ]
+        return torch.cat(parts, dim=1)
+
+    def gather_block(self, page_ids: list[int], block: int) -> torch.Tensor:
+        """The block's payload [block_nbytes] from the pool (a copy)."""
+        return self.gather_blocks(page_ids, block, block + 1)[0]
 
     def scatter_blocks(self, buf: torch.Tensor, num_blocks: int, page_ids: list[int]) -> None:
         """Blocks [num_blocks, block_nbytes] -> the pool pages covering tokens [0, num_blocks * block_size),
@@ -123,12 +136,17 @@ class StoreConnector:
         if num_full <= done:
             return 0
         keys = self.keys_for(req, num_full)
-        for b in range(done, num_full):
-            payload = self.gather_block(req.page_ids, b).cpu().numpy()  # a host copy for the writer thread
-            try:
-                self._writes.put_nowait((keys[b], payload))
-            except queue.Full:  # the disk is behind: drop (the block is simply not cached)
-                self.num_write_failures += 1
+        chunk = max(1, PERSIST_CHUNK_NBYTES // self.layout.block_nbytes)
+        for first in range(done, num_full, chunk):
+            last = min(first + chunk, num_full)
+            # One gather and one device-to-host copy per chunk, not per block (on CUDA each `.cpu()`
+            # waits for the stream); chunks bound the device scratch for a whole long prompt.
+            payloads = self.gather_blocks(req.page_ids, first, last).cpu().numpy()  # for the writer
+            for b in range(first, last):
+                try:
+                    self._writes.put_nowait((keys[b], payloads[b - first]))
+                except queue.Full:  # the disk is behind: drop (the block is simply not cached)
+                    self.num_write_failures += 1
         self.persisted[req.request_id] = num_full
         return num_full - done
 
