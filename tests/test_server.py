@@ -340,6 +340,10 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
         {"repetition_penalty": 1.2},
         {"logit_bias": {"5": 10}},
         {"best_of": 2},
+        {"min_tokens": 3},  # vLLM's extra parameters we do not implement
+        {"prompt_logprobs": 1},
+        {"response_format": {"type": "json_object"}},
+        {"guided_choice": ["a", "b"]},
         {"stream_options": {"include_usage": True}},  # without stream
     ):
         with pytest.raises(openai.BadRequestError) as ei:
@@ -410,6 +414,7 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     off = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1}
+    off |= {"min_tokens": 0, "prompt_logprobs": None, "response_format": {"type": "text"}}
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, extra_body=off)
     assert r.usage.completion_tokens == 2  # the unsupported fields' "off" values are accepted
     after = wait_idle(url)
@@ -627,6 +632,25 @@ def test_streamed_text_never_shows_a_stop_string_the_final_text_cuts(client, mod
     streamed = [ch.choices[0] for ch in client.completions.create(**kw, stop=[stop], stream=True)]
     assert "".join(c.text for c in streamed) == full.text
     assert streamed[-1].finish_reason == "stop"
+
+
+def test_a_kept_stop_string_streams_without_hold_back(client, model_name):
+    """include_stop_str_in_output: the final text keeps the stop string, so nothing streamed before
+    it can be cut; the deltas are the unstopped stream's, token for token, up to the stop (vLLM holds
+    back nothing here either)."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=20, temperature=0)
+    deltas = [ch.choices[0].text for ch in client.completions.create(**kw, stream=True)]
+    i = next(i for i in range(2, len(deltas) - 1) if len(deltas[i]) >= 2 and len(deltas[i + 1]) >= 2)
+    stop = deltas[i][-2:] + deltas[i + 1][:2]
+    extra = {"include_stop_str_in_output": True}
+    full = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+    assert full.finish_reason == "stop" and full.text.endswith(stop)
+    streamed = [
+        ch.choices[0] for ch in client.completions.create(**kw, stop=[stop], stream=True, extra_body=extra)
+    ]
+    assert "".join(c.text for c in streamed) == full.text
+    texts = [c.text for c in streamed if c.text]
+    assert texts[: i + 1] == deltas[: i + 1]  # held back, the first deltas would lag by up to 3 chars
 
 
 def test_metrics_histograms_and_final_state(url):

@@ -254,10 +254,10 @@ class LLMEngine:
                 text = text[
                     : cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)
                 ]
-        elif stop and not req.status.finished:
+        elif stop and not req.status.finished and not req.sampling_params.include_stop_str_in_output:
             # Hold back what may be the start of a stop string: a streamed delta must never show text
             # that the final output cuts. The stop is not complete yet, so it starts at or after
-            # len(text) - (longest - 1).
+            # len(text) - (longest - 1). (A kept stop string cuts nothing before its end: no hold-back.)
             text = text[: max(0, len(text) - (max(len(s) for s in stop) - 1))]
         finish = req.status.value if req.status.finished else None
         return RequestOutput(

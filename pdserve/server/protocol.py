@@ -25,6 +25,14 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "use_beam_search": (False,),
+    # vLLM's extra parameters we do not implement: refused rather than silently ignored.
+    "min_tokens": (0,),
+    "prompt_logprobs": (),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
 }
 
 
@@ -61,6 +69,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's extra parameter: keep the stop string in the text
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -77,6 +86,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
