@@ -349,6 +349,11 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
         with pytest.raises(openai.BadRequestError) as ei:
             client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, extra_body=extra)
         assert next(iter(extra)) in ei.value.body["message"]
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2, tools=[tool]
+        )
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
@@ -414,7 +419,12 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     off = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1}
-    off |= {"min_tokens": 0, "prompt_logprobs": None, "response_format": {"type": "text"}}
+    off |= {
+        "min_tokens": 0,
+        "prompt_logprobs": None,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+    }
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, extra_body=off)
     assert r.usage.completion_tokens == 2  # the unsupported fields' "off" values are accepted
     after = wait_idle(url)

@@ -33,6 +33,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    # Tool calling needs a tool-call parser we do not have: ignoring the tools would hand an agent
+    # plain text where it expects calls (vLLM also refuses without --enable-auto-tool-choice).
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
 }
 
 
