@@ -1438,3 +1438,33 @@ def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path, 
     assert connector.persisted == {}  # forgotten with the request
     p.assert_clean()
     store.close()
+
+
+def test_decode_admission_keeps_the_batch_within_max_num_seqs(make_pair, colocated):
+    """Committed rooms join the running batch directly (`add_running`), so admission is where
+    max_num_seqs holds: with a limit of 2, the third request waits in prealloc (asking the prefill for
+    nothing) until one of the first two finishes; before, all three ran at once. Outputs are unchanged."""
+    p = make_pair(copy_bytes=True)
+    sched = p.de_engine.scheduler
+    sched.config = dataclasses.replace(sched.config, max_num_seqs=2)
+    ids = {f"r{i}": prompt(10, start=i + 1) for i in range(3)}
+    for rid, toks in ids.items():
+        p.submit_both(toks, 6, rid)
+    most, third_waited = 0, False
+
+    def all_done() -> bool:
+        nonlocal most, third_waited
+        in_batch = len(sched.running) + len(sched.waiting) + len(p.de_role.transfer)
+        most = max(most, in_batch)
+        third_waited |= in_batch == 2 and [d.req.request_id for d in p.de_role.prealloc] == ["r2"]
+        return all(any(o.finished for o in p.de_sink.outputs(rid)) for rid in ids)
+
+    p.drive(all_done)
+    assert most == 2 and third_waited
+    for rid, toks in ids.items():
+        ref = colocated.generate(
+            {"prompt_token_ids": toks}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
+        assert p.de_sink.final(rid).outputs[0].token_ids == ref[0].outputs[0].token_ids
+    p.drive(lambda: p.idle())
+    p.assert_clean()

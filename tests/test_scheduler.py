@@ -147,3 +147,27 @@ def test_compute_quota_caps_the_step_and_chunks_the_last_request_by_pages():
     assert run_step(s)[0] == [("a", 1), ("b", 12)]
     # With an attention term the same quota admits fewer tokens of a long-context request.
     assert SchedulerConfig(prefill_ns_per_token_pair=5.0).prefill_cost_s(32_000, 100) > 0.02
+
+
+def test_compute_quota_plans_a_waiting_request_after_its_prefix_hit():
+    """A 4,000-token prompt whose first 2,000 tokens are cached: the quota is planned over the 2,000
+    cached tokens its admission will share, so the step's cost stays within the quota. Planned from
+    token 0, it got 2,000 new tokens costing 132 ms against a 115 ms quota (attention over the hit)."""
+    kv = KVManager(1000, 16, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_batched_tokens=100_000, max_model_len=10_000, prefill_quota_s=0.115)
+    s = Scheduler(cfg, kv)
+    prompt = list(range(4000))
+    warm = Request("warm", prompt[:2000], SamplingParams(max_tokens=1), 1)
+    s.add(warm)
+    while warm.num_computed_tokens < 2000:
+        run_step(s)
+    s.finish(warm, RequestStatus.FINISHED_LENGTH)
+    b = Request("b", prompt, SamplingParams(max_tokens=1), 1)
+    s.add(b)
+    [(rid, num_new)], _ = run_step(s)
+    assert rid == "b" and b.num_cached_tokens == 2000
+    cost_s = cfg.prefill_overhead_s + cfg.prefill_cost_s(2000, num_new)
+    assert cost_s <= cfg.prefill_quota_s
+    assert cfg.prefill_overhead_s + cfg.prefill_cost_s(2000, num_new + kv.page_size) > cfg.prefill_quota_s
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    kv.check_integrity()

@@ -258,7 +258,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         smaller ones (no head-of-line blocking) until it has waited `admission_aging_s`: from then on
         nothing overtakes it, so sustained load of small requests cannot starve a large one past the
         prefill's Bootstrapping deadline (seen in a 10-minute soak before this rule)."""
-        kv = self.engine.kv
+        kv, sched = self.engine.kv, self.engine.scheduler
         now = time.monotonic()
         for dr in list(self.prealloc):
             peer = self.peers[dr.peer_addr]
@@ -266,6 +266,10 @@ class DecodeRole(PDRoleBase, EngineRole):
                 continue
             if self.handoff.num_free == 0:
                 return  # taken only once the pages are in hand (below): nothing to give back on a miss
+            if len(sched.running) + len(sched.waiting) + len(self.transfer) >= sched.max_running:
+                # Every room in transfer runs once committed, and a preempted request (waiting) is
+                # readmitted first: admitting past max_num_seqs grew the batch without bound.
+                return
             req = dr.req
             growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
             plan = self._plan_pages(dr, kv.pool.num_free_pages - self._reserved_pages() - growth, now)
