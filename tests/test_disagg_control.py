@@ -196,6 +196,23 @@ def test_caller_bugs_raise_and_closed_channel_drops():
         ControlChannel("127.0.0.1", b"", "x")
 
 
+def test_an_address_zmq_refuses_drops_only_its_own_message(pair):
+    """An address libzmq refuses at connect (here past our address check, as a peer's Register
+    could once carry one) used to abort the I/O thread's whole batch: the messages queued after it,
+    to other peers, were lost uncounted. Now only that message is dropped, and counted."""
+    a, b = pair
+    for room in range(10, 15):
+        a.send(b.address, Abort("x"), room)
+    a._enqueue("tcp://-:5", m.encode(Abort("x"), 1, a.name, SECRET))  # send() itself refuses it
+    for room in range(20, 25):
+        a.send(b.address, Abort("x"), room)
+    got = _wait(b, 10)
+    assert sorted(e.room for e in got) == [*range(10, 15), *range(20, 25)]
+    assert a.num_dropped == 1 and a.num_errors == 1 and "tcp://-:5" in a.last_error
+    with pytest.raises(ValueError):
+        a.send("tcp://-:5", Abort("x"), 1)
+
+
 def test_send_is_thread_safe_and_drop_peer(pair):
     a, b = pair
 

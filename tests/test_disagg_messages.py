@@ -166,16 +166,21 @@ def test_garbage():
 
 
 def test_register_validation():
-    reg = msgspec.to_builtins(_register())
+    reg = msgspec.to_builtins(_register(), builtin_types=(bytes,))  # bytes stay bytes on the wire
+    header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register", 0, "d"])
+    body = msgspec.msgpack.encode({**reg, "type": "register"})
+    assert decode(m.seal([header, body], SECRET), SECRET).body == _register()  # each case below alone is bad
     for bad in (
         {"kv_bytes_per_page": [4096]},  # lengths differ from kv_base_addrs
         {"kv_bytes_per_page": [0, 1, 1, 1]},
         {"reply_addr": "http://evil"},
         {"reply_addr": "tcp://h:1; rm -rf"},
+        {"reply_addr": "tcp://-:5"},  # libzmq refuses it at connect
+        {"reply_addr": "tcp://h:1\n"},  # "$" matched before a trailing newline
+        {"reply_addr": "ipc:///" + "a" * 110},  # past the kernel's socket path length
         {"num_handoff_slots": 0},
     ):
         body = msgspec.msgpack.encode({**reg, **bad, "type": "register"})
-        header = msgspec.msgpack.encode([PROTOCOL_VERSION, "register", 0, "d"])
         with pytest.raises(BadMessage):
             decode(m.seal([header, body], SECRET), SECRET)
 

@@ -43,7 +43,7 @@ from pdserve.disagg import messages
 
 log = logging.getLogger(__name__)
 
-_ADDR_RE = re.compile(r"^(tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}|ipc://\S+|inproc://\S+)$")
+_ADDR_RE = re.compile(rf"^({messages.TCP_ADDR}|{messages.IPC_ADDR}|inproc://\S+)\Z")  # + in-process
 _RECV_BATCH = 1024  # messages received per loop turn before the outbox is served again
 
 
@@ -304,7 +304,15 @@ class ControlChannel:
                 continue
             peer = peers.get(addr)
             if peer is None:
-                peer = self._connect(ctx, peers, addr)
+                try:
+                    peer = self._connect(ctx, peers, addr)
+                except zmq.ZMQError as e:
+                    # An address our pattern passes but libzmq refuses (e.g. "tcp://-:5" in a peer's
+                    # Register): drop this message only; the rest of the batch goes out.
+                    self._num_peer_dropped += 1
+                    self.num_errors += 1
+                    self.last_error = f"connect {addr!r}: {e!r}"
+                    continue
             else:
                 peers.move_to_end(addr)
             if len(peer.backlog) >= self._max_backlog:
@@ -337,7 +345,11 @@ class ControlChannel:
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # ZMTP pings find a dead TCP peer and reconnect
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.connect(addr)  # asynchronous: returns at once even if nobody listens
+        try:
+            sock.connect(addr)  # asynchronous: returns at once even if nobody listens
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         peers[addr] = peer = _Peer(sock)
         return peer
 

@@ -57,10 +57,14 @@ NonNeg = Annotated[int, Meta(ge=0)]
 U64 = Annotated[int, Meta(ge=0)]  # msgpack carries up to 2**64 - 1
 Positive = Annotated[int, Meta(gt=0)]
 ShortStr = Annotated[str, Meta(max_length=256)]
-# A peer's reply address: a ZMQ tcp:// or ipc:// endpoint, never anything a connect could misread.
-ZmqAddr = Annotated[
-    str, Meta(pattern=r"^(tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}|ipc://[^\s]+)$", max_length=256)
-]
+# A peer's reply address: a ZMQ tcp:// or ipc:// endpoint, never anything a connect could misread or
+# refuse. tcp: a host name or IPv4 address (labels start and end alphanumeric) or a bracketed IPv6
+# address, and a port; ipc: a path within the kernel's 107 bytes. \Z, not $ (which also matches
+# before a trailing newline).
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9_\-]*[A-Za-z0-9])?"
+TCP_ADDR = rf"tcp://({_LABEL}(\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]):[0-9]{{1,5}}"
+IPC_ADDR = r"ipc://[^\s]{1,107}"
+ZmqAddr = Annotated[str, Meta(pattern=rf"^({TCP_ADDR}|{IPC_ADDR})\Z", max_length=256)]
 
 
 class MessageRejected(Exception):
