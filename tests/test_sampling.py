@@ -64,6 +64,28 @@ def test_truncated_probs_exact():
     torch.testing.assert_close(probs.sum(-1), torch.ones(4))
 
 
+def test_truncation_follows_vllm_order_ties_and_leaves_other_rows_alone():
+    """vLLM v1: min-p before top-k/top-p, top-k keeps ties with the k-th logit; and a row that asks
+    for no truncation is bit-identical whatever its neighbours ask for (seeded sampling)."""
+    # p = [0.40, 0.30, 30 x 0.01]: min_p 0.1 first leaves tokens 0 and 1, then top_p 0.5 only token 0.
+    # (top-p first kept 0 and 1, then min-p kept both: 0.57 / 0.43.)
+    logits = torch.tensor([[0.40, 0.30] + [0.01] * 30]).log()
+    probs = _truncated_probs(logits, [SamplingParams(top_p=0.5, min_p=0.1)])
+    assert probs[0, 0] == 1.0 and probs[0, 1:].sum() == 0
+    # Ties: logits [3, 2, 2, 2, 1, 0], top_k 2 keeps 3 and every 2.
+    probs = _truncated_probs(torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]]), [SamplingParams(top_k=2)])
+    assert (probs[0] > 0).tolist() == [True, True, True, True, False, False]
+    torch.testing.assert_close(probs[0, 1], probs[0, 3])
+    # A full-vocabulary row of sharp logits (float32 sums pass 1.0) next to truncating rows.
+    gen = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 151_936, generator=gen) * 4
+    alone = _truncated_probs(row, [SamplingParams()])
+    mixed = _truncated_probs(
+        torch.cat([row, row, row]), [SamplingParams(top_k=5), SamplingParams(), SamplingParams(top_p=0.9)]
+    )
+    assert torch.equal(mixed[1], alone[0]) and bool((alone[0] > 0).all())
+
+
 def test_stop_token_ids_and_max_tokens(llm):
     greedy = gen(llm, temperature=0, max_tokens=16)
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 16

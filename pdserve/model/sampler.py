@@ -67,25 +67,31 @@ class Sampler:
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (rows renormalised). [N, V]."""
+    """Probabilities after temperature, min-p, then top-k and top-p: vLLM v1's order (min-p is an
+    argmax-invariant logits processor applied before its top-k/top-p sampler). [N, V].
+
+    Each filter touches only the rows that asked for it, so a row's distribution never depends on its
+    neighbours in the batch (seeded sampling stays batch-independent, bit for bit). Top-k keeps every
+    token tied with the k-th logit, as vLLM does."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
     logits = logits / temps[:, None]
     vocab = logits.shape[-1]
-    if any(p.top_k or p.top_p < 1.0 for p in params):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=logits.device)
-        drop = ranks >= top_k[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=probs.dtype)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        # Drop tokens less likely than min_p x the most likely one (min_p = 0: nothing is below 0).
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1)  # ascending: the k-th largest sits at vocab - k
+        top_k = torch.tensor([min(p.top_k, vocab) or vocab for p in params], device=logits.device)
+        kth = sorted_logits.gather(1, (vocab - top_k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+        # Drop the least likely tokens while their mass stays within 1 - top_p (the most likely token
+        # always stays); rows with top_p = 1 are left alone (float32 sums may pass 1.0 slightly).
+        mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = (mass <= (1 - top_p)[:, None]) & (top_p < 1.0)[:, None]
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.softmax(dim=-1)
