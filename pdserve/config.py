@@ -78,6 +78,10 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // num_heads
         num_layers = raw["num_hidden_layers"]
         windows = _sliding_windows(raw, num_layers, traits)
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the decoder's MLP is SwiGLU; anything else would be wrong
+            raise ConfigError(f"unsupported hidden_act {act!r} (supported: silu)")
+        attention_bias = traits.reads_attention_bias and bool(raw.get("attention_bias", False))
         eos: list[int] = []
         for src in (generation or {}, raw):
             val = src.get("eos_token_id")
@@ -97,9 +101,9 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rope=_rope(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=traits.qkv_bias or bool(raw.get("attention_bias", False)),
-            o_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qkv_bias=traits.qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=traits.reads_mlp_bias and bool(raw.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
             sliding_windows=windows,
             eos_token_ids=tuple(eos),
@@ -241,10 +245,13 @@ class EngineConfig:
         prefill_quota_s: float | None = None,
     ) -> EngineConfig:
         mc = ModelConfig.from_dir(model)
-        if dtype == "auto":
-            dtype = "float32" if device in ("auto", "cpu") and not _cuda_available() else "bfloat16"
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
+        if dtype == "auto":
+            # On the resolved device: float32 on the CPU (its half-precision matmuls are slow); on a
+            # GPU the checkpoint's own half type (an fp16 model stays fp16, as in vLLM and HF), else bf16.
+            saved = mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+            dtype = "float32" if device == "cpu" else saved
         # Positions the model was trained for (linear RoPE scaling stretches them; llama3-style
         # configs already state the extended length): beyond them outputs are garbage, so refuse.
         max_positions = int(

@@ -228,3 +228,48 @@ def test_cuda_bf16_matches_hf(arch, hf_checkpoints):
         )
     assert same >= len(prompts) - 1
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_bias_keys_the_hf_model_ignores_are_ignored(arch, tmp_path):
+    """Mistral and Qwen2 never read `attention_bias` / `mlp_bias` (HF builds no such tensors and loads
+    the checkpoint): we loaded bias parameters anyway and refused it for lacking them."""
+    hf = tiny_hf_model(arch, seed=8, attention_bias=True, mlp_bias=True)
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["attention_bias"] is True
+    llm = LLM(str(tmp_path), page_size=8, dtype="float32", num_pages=64, max_model_len=512)
+    prompt = prompts_for(9, (21,))[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=MAX_NEW))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_an_activation_other_than_silu_is_refused(act, tmp_path):
+    """The decoder's MLP is SwiGLU; a config with another `hidden_act` ran as SiLU (every greedy token
+    wrong against HF). Refused with the reason instead."""
+    from pdserve.config import ConfigError
+
+    tiny_hf_model("llama", seed=1, hidden_act=act).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"unsupported hidden_act '{act}'"):
+        LLM(str(tmp_path), dtype="float32", num_pages=16, max_model_len=256)
+
+
+@pytest.mark.parametrize(
+    ("saved", "device", "expected"),
+    [
+        ("float16", "cuda", "float16"),  # an fp16 checkpoint stays fp16 on a GPU (vLLM, HF)
+        ("bfloat16", "cuda", "bfloat16"),
+        ("float32", "cuda", "bfloat16"),
+        ("float16", "cpu", "float32"),  # the CPU runs float32, even on a machine with a GPU
+        ("float16", "auto", "float16"),
+    ],
+)
+def test_auto_dtype_follows_the_checkpoint_and_the_resolved_device(
+    saved, device, expected, tmp_path, monkeypatch
+):
+    from pdserve import config
+
+    tiny_hf_model("llama", seed=1).to(getattr(torch, saved)).save_pretrained(tmp_path)
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)  # as on a GPU machine
+    cfg = config.EngineConfig.create(str(tmp_path), dtype="auto", device=device, num_pages=16)
+    assert cfg.dtype == expected

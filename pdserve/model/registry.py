@@ -15,13 +15,17 @@ class ArchTraits:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_from_layer_types: bool = False  # Qwen: window only on "sliding_attention" layers
     sliding_on_all_layers: bool = False  # Mistral: `sliding_window` applies to every layer (Llama: none)
+    # Which bias keys the HF modeling file reads (the others ignore them: a config that sets them still
+    # loads there, without the tensors). Llama and Qwen3: `attention_bias` on q/k/v/o; Llama: `mlp_bias`.
+    reads_attention_bias: bool = False
+    reads_mlp_bias: bool = False
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
-    "LlamaForCausalLM": ArchTraits(),
+    "LlamaForCausalLM": ArchTraits(reads_attention_bias=True, reads_mlp_bias=True),
     "MistralForCausalLM": ArchTraits(sliding_on_all_layers=True),
     "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, sliding_from_layer_types=True),
-    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, sliding_from_layer_types=True),
+    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, sliding_from_layer_types=True, reads_attention_bias=True),
 }
 
 
