@@ -29,6 +29,7 @@ def _route(rank: int, world: int = 2, **kw) -> dict:
         "page_size": 16,
         "kv_dtype": "bfloat16",
         "engine_name": f"prefill-r{rank}",
+        "epoch": 1,
         **kw,
     }
 
@@ -70,8 +71,14 @@ def test_put_get_topology(server):
                 {"rank": 1, "control_addr": "tcp://127.0.0.1:7001", "engine_name": "prefill-r1"},
             ],
         }
-        # A restarted rank re-registers with a new address.
-        assert c.put("/route", json=_route(0, control_addr="tcp://127.0.0.1:9999")).status_code == 200
+        # A restarted rank (a newer epoch) re-registers with a new address; the same registration again
+        # is harmless; the old incarnation's (a replay: the tag signs the body, not its time) is a 409.
+        restarted = _route(0, control_addr="tcp://127.0.0.1:9999", epoch=2)
+        assert c.put("/route", json=restarted).status_code == 200
+        assert c.put("/route", json=restarted).status_code == 200
+        for stale in (_route(0), _route(0, epoch=2, control_addr="tcp://127.0.0.1:9998")):
+            r = c.put("/route", json=stale)
+            assert r.status_code == 409 and "not newer" in r.json()["error"]
         assert c.get("/route", params={"rank": 0}).json()["control_addr"] == "tcp://127.0.0.1:9999"
         assert c.get("/health").json() == {"status": "ok", "registered": 2, "world_size": 2}
         assert c.get("/route", params={"rank": 2}).status_code == 404

@@ -163,6 +163,7 @@ def _route(rank: int = 0) -> bytes:
             "page_size": 16,
             "kv_dtype": "float32",
             "engine_name": "prefill-0",
+            "epoch": 1,
         }
     ).encode()
 

@@ -42,6 +42,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from msgspec import Meta
 
+from pdserve.disagg.messages import TCP_ADDR
+
 MAX_BODY_BYTES = 64 << 10
 AUTH_HEADER = "X-PDServe-Auth"
 
@@ -51,10 +53,14 @@ class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
 
     rank: Annotated[int, Meta(ge=0)]
     world_size: Annotated[int, Meta(ge=1, le=4096)]
-    control_addr: Annotated[str, Meta(pattern=r"^tcp://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$", max_length=256)]
+    control_addr: Annotated[str, Meta(pattern=rf"^{TCP_ADDR}\Z", max_length=256)]
     layout_fingerprint: Annotated[str, Meta(min_length=1, max_length=256)]
     page_size: Annotated[int, Meta(ge=1)]
     kv_dtype: Annotated[str, Meta(min_length=1, max_length=32)]
+    # The registering incarnation (its start time in ns): a rank's route is replaced only by one at
+    # least as new, so a replayed old registration (the tag signs the body, not its time) cannot
+    # point a restarted rank back at its dead address.
+    epoch: Annotated[int, Meta(ge=0)]
     engine_name: Annotated[str, Meta(max_length=256)] = ""
 
     def __post_init__(self) -> None:
@@ -64,6 +70,10 @@ class RankRoute(msgspec.Struct, forbid_unknown_fields=True):
 
 class RouteConflict(ValueError):
     """A registration disagrees with the ranks already registered."""
+
+
+class StaleRoute(RouteConflict):
+    """A registration older than the one the rank already has (`RankRoute.epoch`)."""
 
 
 class BootstrapError(RuntimeError):
@@ -83,8 +93,17 @@ class RouteTable:
 
     def put(self, route: RankRoute) -> None:
         """Register or re-register a rank (a restarted rank may change its address). All ranks must
-        agree on world size, layout fingerprint, page size and dtype; otherwise RouteConflict."""
+        agree on world size, layout fingerprint, page size and dtype; otherwise RouteConflict. A route
+        older than the rank's registered one, or as old but different, is a StaleRoute."""
         with self._lock:
+            current = self._ranks.get(route.rank)
+            if current is not None and (
+                route.epoch < current.epoch or (route.epoch == current.epoch and route != current)
+            ):
+                raise StaleRoute(
+                    f"rank {route.rank}: registration of epoch {route.epoch} is not newer than the "
+                    f"registered epoch {current.epoch} (a replay, or an old instance of a restarted rank)"
+                )
             for other in self._ranks.values():
                 if other.rank == route.rank:
                     continue

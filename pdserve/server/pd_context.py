@@ -98,6 +98,7 @@ class PDContext:
                     layout_fingerprint=fingerprint,
                     page_size=layout.page_size,
                     kv_dtype=layout.dtype,
+                    epoch=time.time_ns(),
                     engine_name=name,
                 )
             )
