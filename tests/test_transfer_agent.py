@@ -125,9 +125,10 @@ def test_fake_agent_injected_failure_and_abort(fake_agents, fake_clock):
 
 
 def test_a_submit_that_cannot_start_is_reported_failed_not_lost(fake_agents, tmp_path):
-    """A malformed descriptor list, or an emulated NIC already carrying its most flows, used to raise
-    in the agent's loop after the command left the queue: the id was never reported, and a caller
-    waiting for it (the layerwise lane) waited out its deadline."""
+    """A malformed descriptor list used to raise in the agent's loop after the command left the queue:
+    the id was never reported, and a caller waiting for it (the layerwise lane) waited out its
+    deadline. On a full emulated NIC (a slow one: the writes crossing it, the rest waiting for a flow
+    slot), aborting every id reports each exactly once, wherever it was."""
     from pdserve.netem import NodeConfig, TrafficManager
 
     a, b = fake_agents("A-bad"), fake_agents("B-bad")
@@ -148,6 +149,27 @@ def test_a_submit_that_cannot_start_is_reported_failed_not_lost(fake_agents, tmp
             c.abort(i)
         got = dict(_wait(c.poll_completions, until=lambda acc: len(acc) == len(ids)))
         assert sorted(got) == ids  # every id reported exactly once
+    finally:
+        tm.close()
+
+
+def test_a_full_emulated_link_delays_transfers_instead_of_failing_them(fake_agents, tmp_path):
+    """300 writes on an emulated CNIC of 256 flow slots: the 44 that find it full wait, FIFO, and all
+    300 complete (a real NIC queues work; before, those 44 were reported FAILED and failed their
+    rooms)."""
+    from pdserve.netem import NodeConfig, TrafficManager
+
+    tm = TrafficManager(NodeConfig(node="n0", node_dir=str(tmp_path), cnic_bytes_per_s=1e4))
+    try:
+        c, d = fake_agents("C-wait"), fake_agents("D-wait")
+        c.add_peer("D-wait", d.metadata())
+        c.traffic = tm
+        ids = [c.submit("D-wait", [(0, 64)], [(0, 64)], b"w") for _ in range(300)]
+        got = _wait(c.poll_completions, timeout_s=30.0, until=lambda acc: len(acc) == len(ids))
+        assert sorted(i for i, _ in got) == ids
+        assert {st for _, st in got} == {TransferStatus.DONE}
+        assert c.stats.link_waits == 300 - tm.cnic.max_flows == 44
+        assert c.stats.transfers_failed == 0
     finally:
         tm.close()
 
