@@ -40,6 +40,7 @@ import zmq
 
 from pdserve import LLM, SamplingParams
 from pdserve.disagg import messages
+from pdserve.disagg.control import curve_client
 from pdserve.engine.pd_common import new_room
 from pdserve.transfer.nixl_backend import nixl_available
 from tests.chaos_helpers import (
@@ -356,6 +357,9 @@ def test_forged_messages_and_duplicate_rooms(chaos):
         for url in (p0, d0):
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
+            # With the transport's keys (without, nothing even connects: test_disagg_control), so
+            # the message layer's checks are what is tested here.
+            curve_client(sock, SECRET.encode())
             sock.connect(httpx.get(url + "/pd/info", timeout=10).json()["control_addr"])
             for body in (messages.Abort(reason="forged"), messages.Status(state=0, error="forged")):
                 sock.send_multipart(messages.encode(body, room, "mallory", b"not-the-cluster-secret"))

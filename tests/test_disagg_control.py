@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from pdserve.disagg import messages as m
-from pdserve.disagg.control import ControlChannel
+from pdserve.disagg.control import ControlChannel, curve_client, curve_server
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Status
 
 SECRET = b"cluster-secret-0123456789abcdef!"
@@ -77,20 +77,45 @@ def test_ordering_many_messages(pair):
     assert a.num_dropped == 0
 
 
-def test_wrong_secret_is_dropped_and_counted(pair):
+def test_wrong_secret_cannot_connect_and_nothing_is_counted(pair):
+    """A channel with another secret fails the CURVE handshake (the keys derive from the secret):
+    nothing it sends is taken by ZMQ, so nothing is delivered, buffered or counted."""
     a, b = pair
     intruder = ControlChannel("127.0.0.1", b"not the cluster secret", "intruder")
     try:
         intruder.send(b.address, Abort(reason="poison"), room=7)
         intruder.send(b.address, Status(state=0), room=7)
-        assert _wait_for(lambda: b.num_forged == 2)
-        # Receiver state unchanged: nothing delivered, nothing else counted.
+        assert _wait(b, 1, timeout_s=1.0) == []
         a.send(b.address, Status(state=4), room=8)
         got = _wait(b, 1)
         assert [(e.kind, e.room) for e in got] == [("status", 8)]
-        assert (b.num_forged, b.num_malformed, b.num_wrong_version, b.num_received) == (2, 0, 0, 1)
+        assert (b.num_forged, b.num_malformed, b.num_wrong_version, b.num_received) == (0, 0, 0, 1)
     finally:
         intruder.close()
+
+
+def test_a_peer_without_the_keys_gets_nothing_buffered(pair):
+    """ZMQ holds a multipart message until its last frame: with MAXMSGSIZE per frame only, any peer
+    that could connect made the receiver buffer frames x cap (200 MiB for 200 frames of 1 MiB, found
+    by a review). Without the CURVE keys nothing connects; with them, the same message is refused as
+    malformed (> 3 frames) once whole."""
+    _, b = pair
+    ctx = zmq.Context.instance()
+    frames = m.encode(Abort("x"), 5, "x", SECRET)  # a valid message
+    for keyed in (False, True):
+        raw = ctx.socket(zmq.PUSH)
+        raw.setsockopt(zmq.LINGER, 0)
+        if keyed:
+            curve_client(raw, SECRET)
+        raw.connect(b.address)
+        try:
+            raw.send_multipart([b"x" * 1000] * 8)  # too many frames
+            raw.send_multipart(frames)
+            got = _wait(b, 1, timeout_s=1.0 if not keyed else 5.0)
+            stats = (b.num_malformed, b.num_received, b.num_forged)
+            assert (len(got), stats) == ((0, (0, 0, 0)) if not keyed else (1, (1, 1, 0))), (keyed, stats)
+        finally:
+            raw.close(0)
 
 
 def test_malformed_raw_frames_are_counted(pair):
@@ -98,6 +123,7 @@ def test_malformed_raw_frames_are_counted(pair):
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
+    curve_client(raw, SECRET)
     raw.connect(b.address)
     try:
         raw.send(b"garbage")  # one frame: BadMessage
@@ -152,6 +178,7 @@ def test_burst_to_slow_starting_peer_is_delayed_not_lost():
         ctx = zmq.Context.instance()
         late = ctx.socket(zmq.PULL)
         late.setsockopt(zmq.LINGER, 0)
+        curve_server(late, SECRET)
         late.bind(f"tcp://127.0.0.1:{port}")
         try:
             rooms = []
@@ -172,6 +199,7 @@ def test_dead_peer_comes_alive_later(pair):
     ctx = zmq.Context.instance()
     late = ctx.socket(zmq.PULL)
     late.setsockopt(zmq.LINGER, 0)
+    curve_server(late, SECRET)
     late.bind(f"tcp://127.0.0.1:{port}")
     try:
         assert late.poll(5000), "the queued message is delivered once the peer listens"

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from pdserve.disagg import messages
+from pdserve.disagg.control import curve_client
 from pdserve.transfer.nixl_backend import nixl_available
 from tests.chaos_helpers import fired, set_faults, wait_until
 from tests.test_pd_e2e import cluster_args, metrics, wait_engine_idle
@@ -169,6 +170,7 @@ def test_forged_malformed_and_wrong_version_messages_are_dropped(make_cluster):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
+    curve_client(sock, SECRET.encode())  # past the transport's handshake (without: nothing connects)
     sock.connect(addr)
     abort = messages.Abort(reason="evil")
     sock.send_multipart(messages.encode(abort, 12345, "mallory", b"wrong-secret"))  # forged

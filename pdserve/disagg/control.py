@@ -21,15 +21,23 @@ Bounded memory whatever the peers do (a dead peer costs at most sndhwm + max_bac
     inbox   <= max_inbox decoded messages waiting for `poll` (beyond: dropped, `num_inbox_dropped`)
     one received message <= max_msg_bytes: ZMQ's MAXMSGSIZE caps each frame (a bigger frame drops that
              connection, uncounted); `messages.decode` caps all frames together (OversizedMessage,
-             counted in `num_malformed`) and any message of more than 3 frames (`num_malformed`)
+             counted in `num_malformed`) and any message of more than 3 frames (`num_malformed`).
+             ZMQ holds a multipart message until its last frame arrives, so frame count x MAXMSGSIZE
+             would be unbounded for any peer that can connect: hence the CURVE handshake below.
+Two locks. Connections: every socket runs ZMQ's CURVE handshake with a key pair derived from the
+cluster secret (`curve_keys`); a peer without the secret never completes it, so ZMQ takes nothing
+from it (no frame is buffered, nothing reaches the counters), and the traffic is encrypted. Messages:
+each carries an HMAC of the secret, checked on arrival (`num_forged` when wrong).
 An exception in the I/O thread is counted (`num_errors`, `last_error`) and the loop goes on; it never
-silently stops the channel. The HMAC proves "holder of the cluster secret", not which peer sent it,
-and does not stop replays; rooms are random, unique while active and ignored once removed, which
-bounds what a replay can do.
+silently stops the channel. The secret proves "holder of the cluster secret", not which peer sent a
+message, and does not stop replays; rooms are random, unique while active and ignored once removed,
+which bounds what a replay can do.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -37,6 +45,7 @@ import threading
 from collections import OrderedDict, deque
 
 import zmq
+import zmq.utils.z85
 
 from pdserve import faults
 from pdserve.disagg import messages
@@ -45,6 +54,31 @@ log = logging.getLogger(__name__)
 
 _ADDR_RE = re.compile(rf"^({messages.TCP_ADDR}|{messages.IPC_ADDR}|inproc://\S+)\Z")  # + in-process
 _RECV_BATCH = 1024  # messages received per loop turn before the outbox is served again
+
+
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE key pair, Z85-encoded, derived from the cluster secret: every engine
+    of a cluster derives the same pair. The public key is never sent (a CURVE client must already
+    know the server's), so only holders of the cluster secret can connect."""
+    seed = hmac.new(bytes(secret), b"pdserve-control-curve\x00", hashlib.sha256).digest()  # 32 bytes
+    secret_key = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(secret_key), secret_key
+
+
+def curve_server(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock` (bound) accept only CURVE clients holding the cluster secret's keys."""
+    public, secret_key = curve_keys(secret)
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+
+
+def curve_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock` (connecting) a CURVE client of a `curve_server` socket of the same cluster."""
+    public, secret_key = curve_keys(secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
 
 
 class _Peer:
@@ -245,6 +279,7 @@ class ControlChannel:
             pull.setsockopt(zmq.LINGER, 0)
             pull.setsockopt(zmq.RCVHWM, 65536)
             pull.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
+            curve_server(pull, self._secret)
             self._port = pull.bind_to_random_port(f"tcp://{bind_host}")
         except BaseException as e:
             self._start_error = e
@@ -345,6 +380,7 @@ class ControlChannel:
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # ZMTP pings find a dead TCP peer and reconnect
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        curve_client(sock, self._secret)
         try:
             sock.connect(addr)  # asynchronous: returns at once even if nobody listens
         except zmq.ZMQError:
