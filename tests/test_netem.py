@@ -311,6 +311,33 @@ def test_traffic_manager_node_shared_snic(tmp_path):
         TrafficManager(NodeConfig(**{**cfg, "snic_bytes_per_s": 2e3}, engine="e2"))
 
 
+def test_storage_moves_on_a_full_snic_queue_instead_of_raising(tmp_path):
+    """300 reads and a write on a node SNIC of 256 flow slots: the reads past 256 are queued (a real
+    NIC queues work) and start once slots free; the write waits for a slot. Before, the 257th read
+    raised LinkFullError on the engine thread that asked for it."""
+    cfg = NodeConfig(node="n0", node_dir=str(tmp_path), snic_bytes_per_s=1e4)  # 256 x 64 B: 1.6 s
+    with TrafficManager(cfg) as tm:
+        reads = [tm.storage_read_start(64) for _ in range(300)]
+        assert sum(r.flow_id is None for r in reads) == 300 - tm.snic.max_flows
+        assert not reads[-1].done()
+        cancelled = reads.pop()  # a queued read cancelled before it started never starts
+        cancelled.cancel()
+        cancelled.wait(timeout_s=1)
+        for r in reads:
+            r.wait(timeout_s=10)
+        assert all(r.done() for r in reads)
+        assert tm.snapshot()["snic"]["served_bytes_by_tag"]["read"] == pytest.approx(299 * 64)
+        blockers = [tm.snic_tx.start(10_000, KV, TAG_WRITE) for _ in range(tm.snic_tx.max_flows)]
+        with pytest.raises(LinkFullError):
+            tm.snic_tx.start(1, KV, TAG_WRITE)
+        threading.Timer(0.05, tm.snic_tx.cancel, (blockers[0],)).start()
+        tm.storage_write(10)  # waits for the freed slot, then goes through
+        for b in blockers[1:]:
+            tm.snic_tx.cancel(b)
+        tm.snic.check_integrity()
+        tm.snic_tx.check_integrity()
+
+
 def test_transmit_all_crosses_links(make_link):
     fast, slow = make_link("fast", bytes_per_s=100e6), make_link("slow", bytes_per_s=5e6)
     t0 = time.monotonic()

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.netem.link import TAG_READ, TAG_TRANSFER, TAG_WRITE, SharedLink, TrafficClass
+from pdserve.netem.link import (
+    MAX_POLL_S,
+    TAG_READ,
+    TAG_TRANSFER,
+    TAG_WRITE,
+    LinkFullError,
+    SharedLink,
+    TrafficClass,
+)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -48,21 +57,49 @@ class NodeConfig:
 
 
 class Flow:
-    """Handle of one started move: `done()` (non-blocking), `wait(timeout_s)`, `cancel()`."""
+    """Handle of one started move: `done()` (non-blocking), `wait(timeout_s)`, `cancel()`.
 
-    __slots__ = ("link", "flow_id")
+    A flow may be queued rather than started (`flow_id` None): its link had every flow slot taken.
+    It starts at the first `done()` or `wait()` that finds a free slot, as a real NIC queues work
+    instead of refusing it. (Its bytes count in the link's backlog only once started.)"""
 
-    def __init__(self, link: SharedLink, flow_id: int):
-        self.link, self.flow_id = link, flow_id
+    __slots__ = ("link", "flow_id", "_queued")
+
+    def __init__(self, link: SharedLink, flow_id: int | None, queued: tuple | None = None):
+        self.link, self.flow_id, self._queued = link, flow_id, queued
+
+    @classmethod
+    def start_or_queue(cls, link: SharedLink, nbytes: int, traffic: TrafficClass, tag: int) -> Flow:
+        try:
+            return cls(link, link.start(nbytes, traffic, tag))
+        except LinkFullError:
+            return cls(link, None, (nbytes, traffic, tag))
+
+    def _try_start(self) -> bool:
+        if self.flow_id is None and self._queued is not None:
+            try:
+                self.flow_id = self.link.start(*self._queued)
+            except LinkFullError:
+                return False
+        return self.flow_id is not None
 
     def done(self) -> bool:
-        return self.link.done(self.flow_id)
+        return self._try_start() and self.link.done(self.flow_id)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        self.link.wait(self.flow_id, timeout_s)
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._try_start():
+            if self._queued is None:
+                return  # cancelled before it started
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                raise TimeoutError(f"flow on {self.link.path}: still waiting for a flow slot")
+            time.sleep(MAX_POLL_S)
+        self.link.wait(self.flow_id, None if deadline_s is None else max(0.0, deadline_s - time.monotonic()))
 
     def cancel(self) -> None:
-        self.link.cancel(self.flow_id)
+        if self.flow_id is not None:
+            self.link.cancel(self.flow_id)
+        self._queued = None
 
 
 class TrafficManager:
@@ -90,12 +127,14 @@ class TrafficManager:
             raise
 
     def storage_read_start(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> Flow:
-        """Start a read from storage over the node's SNIC (non-blocking)."""
-        return Flow(self.snic, self.snic.start(nbytes, cls, TAG_READ))
+        """Start a read from storage over the node's SNIC (non-blocking; queued when the SNIC has
+        every flow slot taken: the store thread's `wait` starts it)."""
+        return Flow.start_or_queue(self.snic, nbytes, cls, TAG_READ)
 
     def storage_write(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> None:
-        """Write to storage over the node's SNIC (transmit side); blocks until the bytes are through."""
-        self.snic_tx.transmit(nbytes, cls, TAG_WRITE)
+        """Write to storage over the node's SNIC (transmit side); blocks until the bytes are through
+        (first for a flow slot, when every one is taken)."""
+        Flow.start_or_queue(self.snic_tx, nbytes, cls, TAG_WRITE).wait()
 
     def transfer_start(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> Flow:
         """Start an engine-to-engine transfer over this engine's CNIC (non-blocking)."""
