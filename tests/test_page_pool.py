@@ -147,6 +147,19 @@ def test_integrity_catches_corruption():
         pool.check_integrity()
 
 
+def test_integrity_catches_a_broken_free_heap():
+    pool = PagePool(8)
+    pool.allocate(2)
+    pool.check_integrity()
+    pool._free.reverse()  # allocate would no longer hand out the lowest id
+    with pytest.raises(AssertionError, match="not a heap"):
+        pool.check_integrity()
+    pool._free.sort()
+    pool._free.append(99)  # an id past the pool
+    with pytest.raises(AssertionError, match="out of range"):
+        pool.check_integrity()
+
+
 def make_req(tokens, rid="r") -> Request:
     return Request(rid, list(tokens), SamplingParams(max_tokens=4), max_tokens=4)
 

@@ -280,6 +280,10 @@ class Pair:
             for out in self.de_engine.step():
                 self.de_sink.deliver(out, out.request_id)
             busy = True
+        # Every page's references match its holders (requests, the prefill's write pins) at every turn,
+        # not only when idle.
+        self.pe_engine.check_integrity()
+        self.de_engine.check_integrity()
         if not busy:
             time.sleep(0.0005)  # let the control and agent threads move
 
@@ -1058,6 +1062,7 @@ def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair
     assert len(cached) == 6
     other = p.de_engine.make_request(prompt(36, start=9), SamplingParams(max_tokens=4), "other")
     assert p.de_engine.kv.allocate(other, 36)  # a running decode's 9 pages
+    p.de_engine.extra_page_refs.append(lambda: other.page_ids)  # held by the test, not a request
     assert pool.num_free_pages == 7 and sorted(pool.evictable_page_ids()) == cached
     if source == "store":
         read = Future()
@@ -1369,6 +1374,7 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
     assert len(hits) == 6 and kv.allocate(holder, 1, hits, keys)  # the hit pages are in use
     other = p.de_engine.make_request(prompt(20, start=9), SamplingParams(max_tokens=4), "other")
     assert kv.allocate(other, 20)
+    p.de_engine.extra_page_refs.append(lambda: holder.page_ids + other.page_ids)  # the test holds them
     lookups = []
     p.de_role.store = SimpleNamespace(  # a store that has one 7-page block of every prompt
         layout=SimpleNamespace(block_size=7 * PAGE_SIZE),
@@ -1468,3 +1474,20 @@ def test_decode_admission_keeps_the_batch_within_max_num_seqs(make_pair, colocat
         assert p.de_sink.final(rid).outputs[0].token_ids == ref[0].outputs[0].token_ids
     p.drive(lambda: p.idle())
     p.assert_clean()
+
+
+def test_engine_integrity_check_matches_references_to_holders(ckpt):
+    """LLMEngine.check_integrity compares every page's reference count with the active requests that
+    hold it (and the roles' extra references): before, with requests active it checked only the pool
+    itself, so a lost or extra reference (a page reused while still read) went unseen."""
+    engine = make_engine(ckpt)
+    req = engine.make_request(prompt(10), SamplingParams(max_tokens=4), "r")
+    engine.add(req)
+    engine.step()
+    assert len(req.page_ids) == 3
+    engine.check_integrity()
+    engine.kv.pool.acquire([req.page_ids[0]])  # an extra reference nobody accounts for
+    with pytest.raises(AssertionError, match="holders"):
+        engine.check_integrity()
+    engine.extra_page_refs.append(lambda: [req.page_ids[0]])  # a role declaring it (a write pin)
+    engine.check_integrity()

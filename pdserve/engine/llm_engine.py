@@ -56,6 +56,9 @@ class LLMEngine:
         # Called with each request that stopped in a step, before its pages are freed: the step hooks
         # run after, when a finished request's pages are gone (the decode's last block write-back).
         self.finish_hooks: list = []
+        # Page references held outside any request's page list (PD prefill write pins): each hook
+        # returns the page ids it holds a reference on, one entry per reference (check_integrity).
+        self.extra_page_refs: list = []
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -294,7 +297,20 @@ class LLMEngine:
         return out
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: with no request active, no page is in use."""
+        """Pool invariants, plus: every page's reference count is the number of active requests that
+        hold it, plus the references the engine's roles hold (`extra_page_refs`: a PD prefill's pins
+        of pages its writes still read). So with no request active, no page is in use."""
         self.kv.check_integrity()
-        if not self.requests:
-            assert self.kv.pool.num_used_pages == 0, f"{self.kv.pool.num_used_pages} pages leaked"
+        expected = [0] * self.kv.pool.num_pages
+        for req in self.requests.values():
+            for page in req.page_ids:
+                expected[page] += 1
+        for hook in self.extra_page_refs:
+            for page in hook():
+                expected[page] += 1
+        actual = self.kv.pool.ref_counts()
+        wrong = [p for p in range(len(actual)) if actual[p] != expected[p]]
+        assert not wrong, (
+            f"{len(wrong)} pages with a reference count unlike their holders', e.g. page {wrong[0]}: "
+            f"{actual[wrong[0]]} references, {expected[wrong[0]]} holders"
+        )

@@ -113,6 +113,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
+        engine.extra_page_refs.append(lambda: [p for pages in self.pinned.values() for p in pages])
 
     # ---- intake (engine thread) ----------------------------------------------------------------
     def add(self, req: Request, prompt_text: str | None) -> None:

@@ -132,7 +132,11 @@ class PagePool:
         """Raise AssertionError if any bookkeeping invariant is broken. O(num_pages)."""
         free = set(self._free)
         assert len(free) == len(self._free), "duplicate page in free heap"
+        assert all(0 <= p < self.num_pages for p in free), "page id out of range in free heap"
+        heap = self._free  # allocate pops the lowest id: the list must be a valid min-heap
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "free list not a heap"
         evictable = set(self._evictable)
+        assert all(0 <= p < self.num_pages for p in evictable), "page id out of range in LRU"
         assert not (free & evictable), "page both free and cached"
         for page in range(self.num_pages):
             ref, key = self._ref_counts[page], self._keys[page]
@@ -146,4 +150,8 @@ class PagePool:
             if key is not None:
                 assert self._key_to_page.get(key) == page, f"key index disagrees for page {page}"
         assert len(self._key_to_page) == sum(k is not None for k in self._keys), "stale key index"
-        assert self.num_used_pages + self.num_free_pages == self.num_pages
+        assert self.num_used_pages == sum(r > 0 for r in self._ref_counts), "used pages != referenced pages"
+
+    def ref_counts(self) -> list[int]:
+        """A copy of every page's reference count (integrity checks of the pool's users)."""
+        return list(self._ref_counts)
