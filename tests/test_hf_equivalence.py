@@ -138,7 +138,9 @@ def test_half_precision_close_to_hf(dtype, tmp_path):
 
     tiny_hf_model("llama", seed=4).to(getattr(torch, dtype)).save_pretrained(tmp_path)
     # Loaded in the dtype (not `.to(dtype)`, which also rounds HF's RoPE inv_freq buffer to it).
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype)).eval()
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in transformers 4.56
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **{kw: getattr(torch, dtype)}).eval()
     llm = LLM(str(tmp_path), page_size=4, dtype=dtype, num_pages=64, max_model_len=512)
     assert llm.engine.runner.kv_cache.k[0].dtype == getattr(torch, dtype)
     prompt = prompts_for(7, (33,))[0]
