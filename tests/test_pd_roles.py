@@ -1446,30 +1446,38 @@ def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path, 
     store.close()
 
 
-def test_decode_admission_keeps_the_batch_within_max_num_seqs(make_pair, colocated):
-    """Committed rooms join the running batch directly (`add_running`), so admission is where
-    max_num_seqs holds: with a limit of 2, the third request waits in prealloc (asking the prefill for
-    nothing) until one of the first two finishes; before, all three ran at once. Outputs are unchanged."""
-    p = make_pair(copy_bytes=True)
+def test_decode_keeps_the_batch_within_max_num_seqs_without_failing_the_waiting(make_pair, colocated):
+    """A committed room joined the running batch directly, so the decode's batch grew past
+    max_num_seqs without bound (and past the step budget, the last decodes got no token). It now
+    queues in the scheduler with its KV in its pages: with a limit of 1, the second request's KV
+    arrives, it waits while the first decodes, and it runs once that one finishes. Holding it back
+    before the transfer instead (a first fix) failed it at the Bootstrapping deadline on both sides
+    (found by a review): here both clocks move past the deadline while it waits, and nothing fails."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
     sched = p.de_engine.scheduler
-    sched.config = dataclasses.replace(sched.config, max_num_seqs=2)
-    ids = {f"r{i}": prompt(10, start=i + 1) for i in range(3)}
-    for rid, toks in ids.items():
-        p.submit_both(toks, 6, rid)
-    most, third_waited = 0, False
+    sched.config = dataclasses.replace(sched.config, max_num_seqs=1)
+    ids = {"long": prompt(10, start=1), "short": prompt(10, start=2)}
+    p.submit_both(ids["long"], 40, "long")
+    p.drive(lambda: len(sched.running) == 1 and len(p.de_sink.outputs("long")) >= 3)
+    room = p.submit_both(ids["short"], 4, "short")
+    p.drive(lambda: room not in p.de_role.rooms)  # its KV arrived; the room is done
+    short = next(r for r in sched.waiting if r.request_id == "short")
+    assert short.page_ids and [r.request_id for r in sched.running] == ["long"]
+    p.de_clock.advance(DEADLINE_S + 0.01)
+    p.pe_clock.advance(DEADLINE_S + 0.01)
+    most = 0
 
-    def all_done() -> bool:
-        nonlocal most, third_waited
-        in_batch = len(sched.running) + len(sched.waiting) + len(p.de_role.transfer)
-        most = max(most, in_batch)
-        third_waited |= in_batch == 2 and [d.req.request_id for d in p.de_role.prealloc] == ["r2"]
+    def both_done() -> bool:
+        nonlocal most
+        most = max(most, len(sched.running))
         return all(any(o.finished for o in p.de_sink.outputs(rid)) for rid in ids)
 
-    p.drive(all_done)
-    assert most == 2 and third_waited
+    p.drive(both_done)
+    assert most == 1 and not p.de_sink.errors("short") and not p.pe_sink.errors("short")
     for rid, toks in ids.items():
+        n = 40 if rid == "long" else 4
         ref = colocated.generate(
-            {"prompt_token_ids": toks}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            {"prompt_token_ids": toks}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         )
         assert p.de_sink.final(rid).outputs[0].token_ids == ref[0].outputs[0].token_ids
     p.drive(lambda: p.idle())
@@ -1491,3 +1499,51 @@ def test_engine_integrity_check_matches_references_to_holders(ckpt):
         engine.check_integrity()
     engine.extra_page_refs.append(lambda: [req.page_ids[0]])  # a role declaring it (a write pin)
     engine.check_integrity()
+
+
+def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monkeypatch):
+    """A full writer queue (the disk is behind) takes one block of a 64-block persist: only that block
+    is gathered, and its payload keeps no more host memory than itself. Before, the whole chunk was
+    gathered and every queued row kept its chunk alive (x chunk/block host memory; found by a review)."""
+    import threading
+
+    from pdserve.engine import store_connector
+    from pdserve.engine.store_connector import StoreConnector
+
+    page, ppb, page_bytes = 4, 2, 256
+    k = [torch.zeros(512, page_bytes, dtype=torch.uint8) for _ in range(2)]
+    v = [torch.zeros(512, page_bytes, dtype=torch.uint8) for _ in range(2)]
+    block_nbytes = ppb * page_bytes * 2 * len(k)
+    layout = SimpleNamespace(block_size=page * ppb, block_nbytes=block_nbytes, fingerprint="t")
+    gate = threading.Event()
+    store = SimpleNamespace(layout=layout, put=lambda key, data: gate.wait() or True)  # a stuck disk
+    engine = SimpleNamespace(
+        kv=SimpleNamespace(page_size=page), runner=SimpleNamespace(kv_cache=SimpleNamespace(k=k, v=v))
+    )
+    monkeypatch.setattr(store_connector, "PERSIST_CHUNK_NBYTES", 16 * block_nbytes)
+    conn = StoreConnector(engine, store)
+    conn._writes.maxsize = 4
+
+    def req(i: int, num_blocks: int):
+        tokens = [(i * 7919 + j) % 50_000 for j in range(num_blocks * page * ppb + 1)]
+        return SimpleNamespace(
+            request_id=f"r{i}",
+            num_computed_tokens=num_blocks * page * ppb,
+            page_ids=[j % 512 for j in range(num_blocks * ppb)],
+            block_key_cache=[],
+            all_token_ids=tokens,
+        )
+
+    for i in range(5):  # the writer holds one block, the queue holds four: full
+        conn.persist(req(i, 1))
+        time.sleep(0.05 if i == 0 else 0)
+    conn._writes.get_nowait()  # the disk finished one: one slot free
+    conn._writes.task_done()
+    gathered = []
+    gather = conn.gather_blocks
+    monkeypatch.setattr(conn, "gather_blocks", lambda ids, a, b: gathered.append(b - a) or gather(ids, a, b))
+    assert conn.persist(req(9, 64)) == 64
+    assert gathered == [1] and conn.num_write_failures == 63
+    payload = conn._writes.queue[-1][1]
+    assert (payload.base.nbytes if payload.base is not None else payload.nbytes) == block_nbytes
+    gate.set()

@@ -258,7 +258,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         smaller ones (no head-of-line blocking) until it has waited `admission_aging_s`: from then on
         nothing overtakes it, so sustained load of small requests cannot starve a large one past the
         prefill's Bootstrapping deadline (seen in a 10-minute soak before this rule)."""
-        kv, sched = self.engine.kv, self.engine.scheduler
+        kv = self.engine.kv
         now = time.monotonic()
         for dr in list(self.prealloc):
             peer = self.peers[dr.peer_addr]
@@ -266,10 +266,6 @@ class DecodeRole(PDRoleBase, EngineRole):
                 continue
             if self.handoff.num_free == 0:
                 return  # taken only once the pages are in hand (below): nothing to give back on a miss
-            if len(sched.running) + len(sched.waiting) + len(self.transfer) >= sched.max_running:
-                # Every room in transfer runs once committed, and a preempted request (waiting) is
-                # readmitted first: admitting past max_num_seqs grew the batch without bound.
-                return
             req = dr.req
             growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
             plan = self._plan_pages(dr, kv.pool.num_free_pages - self._reserved_pages() - growth, now)
@@ -401,7 +397,10 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.engine.scheduler.finish(req, status)
             out = self.engine.release(req)
         else:
-            self.engine.scheduler.add_running(req)
+            # Queued, not run at once: the scheduler admits it within max_num_seqs (its KV is in its
+            # pages, so admission computes only its next token). The room is done; waiting here has
+            # no deadline, where holding it back before the transfer would run into Bootstrapping's.
+            self.engine.scheduler.add_prefilled(req)
             out = self.engine.output(req)
         self.by_request.pop(req.request_id, None)
         self.aengine.deliver(out, req.request_id)

@@ -143,12 +143,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def add_running(self, req: Request) -> None:
-        """Admit a request whose prompt KV is already in its pages (decode side of PD). The caller
-        keeps running + waiting + its own requests in flight within `max_running`
-        (`DecodeRole._admit`): this does not check."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+    def add_prefilled(self, req: Request) -> None:
+        """Queue a request whose prompt KV is already in its pages (decode side of PD, after the
+        transfer). It waits FIFO like any request, so `max_running` bounds the batch; admission does
+        not match it against the prefix cache and computes only its next token."""
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
 
     def finish(self, req: Request, status: RequestStatus, free_pages: bool = True) -> None:
         """Remove a request from whichever queue holds it and (unless told not to) release its pages."""

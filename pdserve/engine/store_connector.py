@@ -30,7 +30,7 @@ from pdserve.store.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 
-PERSIST_CHUNK_NBYTES = 256 << 20  # write-back gathers up to this much KV per device-to-host copy
+PERSIST_CHUNK_NBYTES = 64 << 20  # write-back gathers up to this much KV per device-to-host copy
 
 
 @dataclass
@@ -136,16 +136,23 @@ class StoreConnector:
         if num_full <= done:
             return 0
         keys = self.keys_for(req, num_full)
+        # Only as many blocks as the writer's queue takes now (this thread alone fills it, so its room
+        # only grows meanwhile): the disk is behind, the rest is dropped -- simply not cached -- and
+        # never gathered. Every gathered row is then queued, so no queued row keeps a mostly
+        # dropped chunk alive.
+        room = max(0, self._writes.maxsize - self._writes.qsize())
+        end = done + min(num_full - done, room)
+        self.num_write_failures += num_full - end
         chunk = max(1, PERSIST_CHUNK_NBYTES // self.layout.block_nbytes)
-        for first in range(done, num_full, chunk):
-            last = min(first + chunk, num_full)
+        for first in range(done, end, chunk):
+            last = min(first + chunk, end)
             # One gather and one device-to-host copy per chunk, not per block (on CUDA each `.cpu()`
             # waits for the stream); chunks bound the device scratch for a whole long prompt.
             payloads = self.gather_blocks(req.page_ids, first, last).cpu().numpy()  # for the writer
             for b in range(first, last):
                 try:
                     self._writes.put_nowait((keys[b], payloads[b - first]))
-                except queue.Full:  # the disk is behind: drop (the block is simply not cached)
+                except queue.Full:  # a flush() sentinel took the last slot
                     self.num_write_failures += 1
         self.persisted[req.request_id] = num_full
         return num_full - done
