@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, faults
 from pdserve.config import EngineConfig
 from pdserve.disagg.control import ControlChannel
 from pdserve.disagg.handoff import HandoffRow
@@ -43,6 +43,7 @@ from pdserve.engine.pd_prefill import PrefillRole
 from pdserve.server.pd_context import layout_fingerprint, model_identity
 from pdserve.transfer.agent import TransferAgent
 from pdserve.transfer.pages import RegionTable
+from tests.conftest import tiny_hf_model
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,6 +83,9 @@ class Sink:
 
     def deliver(self, out, request_id: str) -> None:
         self.items[request_id].append(out)
+
+    def deliver_step_output(self, out) -> None:
+        self.deliver(out, out.request_id)
 
     def errors(self, request_id: str) -> list[str]:
         return [str(x) for x in self.items[request_id] if isinstance(x, BaseException)]
@@ -1281,16 +1285,22 @@ def test_timed_out_layerwise_pull_keeps_its_staging_slot_until_the_read_is_relea
     p = make_pair(pe_backend={"delay_s": 2.0})
     p.submit_both(prompt(12), 1, "warm")
     p.drive(lambda: p.idle(), timeout_s=15)
-    p.pe_role.config = dataclasses.replace(p.pe_role.config, deadline_s=0.05)  # the wait's timeout
+    # The wait is bounded by the room's time left in its state: a room with a 0.05 s deadline.
+    rooms, room = p.pe_role.rooms, new_room()
+    rooms.deadlines_s = {**rooms.deadlines_s, KVState.WaitingForInput: 0.05}
+    rooms.create(room, KVState.WaitingForInput)
     [peer] = p.pe_role.peers.values()
-    pr = SimpleNamespace(peer=peer, in_flight=set())
+    pr = SimpleNamespace(room=room, peer=peer, in_flight=set())
     start, finish = p.pe_role.layerwise.from_decode_pages(pr, [0, 1])
     start(0)
-    assert p.pe_role.staging.num_used_pages == 2 and len(pr.in_flight) == 1
-    with pytest.raises(RuntimeError, match="pulling the decode's stored KV failed"):
+    slot_pages = p.pe_role.staging.pages_for(2, 2)  # K and V of 2 pages, packed
+    assert p.pe_role.staging.num_used_pages == slot_pages and len(pr.in_flight) == 1
+    with pytest.raises(RuntimeError, match="deadline in WaitingForInput"):
         finish(0)
+    rooms.fail(room, "test over")
+    rooms.remove(room)
     assert pr.in_flight == set()
-    assert p.pe_role.staging.num_used_pages == 2  # not reusable: the read may still write into it
+    assert p.pe_role.staging.num_used_pages == slot_pages  # not reusable: the read may still land
     p.pe_role.check_integrity()
     p.drive(lambda: p.pe_role.staging.num_used_pages == 0, decode=False)  # reported: freed
     assert p.pe_agent.stats.transfers_aborted == 1 and p.pe_role.abandoned_reads == {}
@@ -1547,3 +1557,112 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     payload = conn._writes.queue[-1][1]
     assert (payload.base.nbytes if payload.base is not None else payload.nbytes) == block_nbytes
     gate.set()
+
+
+def _with_store(p, tmp_path):
+    """Both roles on one persistent store (8-token blocks); returns it."""
+    from pdserve.engine.store_connector import StoreConnector
+    from pdserve.store.block_store import KVBlockStore
+    from pdserve.store.layout import BlockLayout
+
+    layout = BlockLayout.from_kv_layout(p.de_engine.runner.kv_cache.layout, 2 * PAGE_SIZE, model="t")
+    store = KVBlockStore(tmp_path, layout, 1 << 30)
+    p.de_role.store = StoreConnector(p.de_engine, store)
+    p.pe_role.store = StoreConnector(p.pe_engine, store)
+    return store
+
+
+def _stored_turn(p, store, rid: str) -> list[int]:
+    """A first turn (no store hit) whose blocks the decode writes back; returns the next turn's prompt
+    (that context plus new tokens), with both prefix caches emptied so the store is the only source."""
+    ids = prompt(40, start=5)
+    p.submit_both(ids, 2, rid)
+    p.drive(lambda: p.idle())
+    p.de_role.store.flush()
+    p.de_engine.kv.pool.reset_prefix_cache()
+    p.pe_engine.kv.pool.reset_prefix_cache()
+    return ids + list(p.de_sink.final(rid).outputs[0].token_ids) + prompt(5, start=9)
+
+
+@pytest.mark.parametrize("how", ["deadline", "failed write"])
+def test_layerwise_run_stops_when_its_room_ends(tmp_path, how):
+    """The layerwise lane does not return to the engine loop between layers, so it never looked at its
+    room: past the room's deadline (after which the decode's lease may free the pages) it went on
+    writing layers, and a room failed mid-run (a write reported failed) was written to, then handed
+    its token, with the failure counted and reported twice (found by a review). Now the run stops at
+    the next layer: one error, counted once, nothing more sent, everything released."""
+    model = tmp_path / "model"
+    tiny_hf_model("llama", num_hidden_layers=4).save_pretrained(model)  # 4 layers: room for a middle
+    p = Pair(str(model), copy_bytes=True, fake_clocks=True)
+    store = _with_store(p, tmp_path / "store")
+    ids = _stored_turn(p, store, "seed")
+    room = new_room()
+    sent = []
+
+    def on_submit(r, seq, total, local, remote):
+        if r != room:
+            return
+        sent.append(seq)
+        if seq == 2 and how == "deadline":
+            p.pe_clock.advance(DEADLINE_S + 1)  # layer 1's write took the room past its deadline
+        if seq == 2 and how == "failed write":  # layer 0's write has been reported failed by now
+            end = time.monotonic() + 10
+            while p.pe_agent.stats.transfers_failed < 1 and time.monotonic() < end:
+                time.sleep(0.001)
+
+    p.on_submit = on_submit
+    if how == "failed write":  # the first layer's write is reported failed while the lane runs on
+        faults.configure([{"point": "transfer.submit", "action": "fail", "kind": "write", "count": 1}])
+    before = dict(p.pe_role.failures)
+    preq, dreq = p.requests(ids, 2, "t2", room)
+    preq.read_path = dreq.read_path = "pe"
+    try:
+        p.pe_role.add(preq, None)
+        p.de_role.add(dreq, None)
+        p.drive(lambda: p.pe_sink.errors("t2"))
+        p.settle(0.2)
+    finally:
+        faults.configure(None)
+    expected = "deadline in Transferring" if how == "deadline" else "transfer failed"
+    assert p.pe_sink.errors("t2") == [f"prefill failed: {expected}"]
+    assert p.pe_sink.outputs("t2") == []  # no token 1 for a failed room
+    assert {k: v - before.get(k, 0) for k, v in p.pe_role.failures.items() if v != before.get(k, 0)} == {
+        expected: 1
+    }
+    # Layers 2 and 3 and the handoff never went out (a failed write is seen at layer 1's or layer 2's
+    # check, whichever comes after the agent reported it).
+    assert sent == [1, 2] if how == "deadline" else sent in ([1], [1, 2])
+    p.de_clock.advance(LEASE_S + 1)  # (the decode learns of it, or waits out its lease)
+    p.drive(lambda: p.idle())
+    p.assert_clean()
+    store.close()
+    p.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_layerwise_moves_one_layer_in_a_packed_staging_slot(make_pair, tmp_path, read_path):
+    """A layerwise send or pull moves one layer (K and V: 2 regions), but took a slot page per page,
+    each with room for all 2L regions: a 12-page prompt needed 12 of an 8-page pool and failed ('no
+    staging room'), where it needs 12 x 2 / 2L = 6 (found by a review: the default pool then capped
+    the read paths at 8k tokens). Packed, it runs, and the metrics see its output like a step's."""
+    from pdserve.transfer.staging import StagingPool
+
+    p = make_pair(copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    ids = _stored_turn(p, store, "seed")
+    s = p.pe_role.staging  # the same registered buffer, 8 slot pages of it
+    p.pe_role.staging = StagingPool(s.num_regions, s.bytes_per_page, 8, buffer=s.buffer)
+    assert -(-len(ids) // PAGE_SIZE) == 12 and p.pe_role.staging.pages_for(2, 12) == 6
+    observed = []
+    p.pe_sink.deliver_step_output = lambda out: observed.append(out) or p.pe_sink.deliver(out, out.request_id)
+    preq, dreq = p.requests(ids, 2, "t2", new_room())
+    preq.read_path = dreq.read_path = read_path
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: p.idle())
+    assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
+    assert p.pe_role.layerwise.num_runs == 1 and [o.request_id for o in observed] == ["t2"]
+    assert len(p.de_sink.final("t2").outputs[0].token_ids) == 2
+    p.pe_role.staging = s
+    p.assert_clean()
+    store.close()

@@ -178,6 +178,11 @@ class RoomTable:
         e = self._get(room)
         return None if e.state in TERMINAL else e.entered_s + self.deadlines_s[e.state]
 
+    def time_left_s(self, room: int) -> float:
+        """Seconds before the room's current state expires (0 when terminal or already past)."""
+        deadline = self.deadline_s(room)
+        return 0.0 if deadline is None else max(0.0, deadline - self._clock())
+
     def active_rooms(self) -> list[int]:
         return [r for r, e in self._rooms.items() if e.state not in TERMINAL]
 

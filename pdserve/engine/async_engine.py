@@ -123,6 +123,13 @@ class AsyncEngine:
         """Engine thread only: push an output (or an error) to the request's stream."""
         self._deliver(out, request_id)
 
+    def deliver_step_output(self, out: RequestOutput) -> None:
+        """Engine thread only: an output computed outside `engine.step` (the prefill's layerwise lane)
+        reaches its stream and the step observer (metrics) as a step's output would."""
+        self._deliver(out, out.request_id)
+        if self._on_step:
+            self._on_step(self.engine, [out])
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

@@ -11,7 +11,11 @@ layer goes out of a staging slot that is freed when its write completes.
     PE path    [ host buffer (store) ][ computed here ]   layer l of all of it -> decode
     DE path    [ decode's pages      ][ computed here ]   layer l of the miss part -> decode
 
-Runs on the engine thread, one request at a time (like one prefill step of that request).
+Runs on the engine thread, one request at a time (like one prefill step of that request). A run does
+not return to the engine loop between layers, so it checks its room itself: before every pull and
+every write, and with every wait bounded by the time its room's state has left, it stops (RoomEnded)
+once the room failed or its deadline passed. The decode frees an aborted room's pages after its lease,
+which assumes a prefill room lives no longer than its state deadlines: no layer may go out later.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from pdserve.disagg.state import KVState
 from pdserve.engine.request import RequestStatus, TokenLogprob
 from pdserve.transfer.pages import merge_runs
+
+
+class RoomEnded(RuntimeError):
+    """The room failed, or its current state's deadline passed, while its layerwise run was going."""
 
 
 class LayerwisePrefill:
@@ -37,6 +46,19 @@ class LayerwisePrefill:
         self.dtype = self.runner.kv_cache.k[0].dtype
         self.num_runs = 0
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="layerwise-h2d")
+
+    def time_left_s(self, pr, slot: int = -1) -> float:
+        """Seconds the room's state has left; RoomEnded (after freeing our staging `slot`, if given)
+        when it failed or ran out of time. Looks at the agent's reports first: a write of this room
+        reported failed fails the room here, not after the whole run."""
+        self.role.drain_completions()
+        left = self.role.rooms.time_left_s(pr.room)
+        if left <= 0:
+            if slot >= 0:
+                self.role.staging.free(slot)
+            state = self.role.rooms.state(pr.room)
+            raise RoomEnded("room failed" if state == KVState.Failed else f"deadline in {state.name}")
+        return left
 
     # ---- hit KV sources --------------------------------------------------------------------------
     # A source has start(layer) (begin moving that layer's hit KV; non-blocking) and finish(layer)
@@ -76,10 +98,12 @@ class LayerwisePrefill:
         pending: dict[int, tuple[int, int]] = {}  # layer -> (transfer id, staging slot)
 
         def start(layer: int) -> None:
-            slot = role.alloc_staging(m)
+            slot = role.alloc_staging(role.staging.pages_for(2, m), timeout_s=self.time_left_s(pr))
             if slot is None:
+                self.time_left_s(pr)  # RoomEnded if the wait ran out of the room's time
                 raise RuntimeError("no staging room to pull the decode's stored KV")
-            base = role.staging.descriptor(slot, m)[0]
+            self.time_left_s(pr, slot)  # (allocating may have polled the room's failure)
+            base = role.staging.descriptor(slot, 1)[0]  # K of the m pages, then V (view_regions)
             local, remote = [], []
             for half, region in enumerate((2 * layer, 2 * layer + 1)):
                 for s, d, n in merge_runs(range(m), hit_page_ids):
@@ -92,11 +116,15 @@ class LayerwisePrefill:
 
         def finish(layer: int):
             tid, slot = pending.pop(layer)
-            ok = role.wait_for_transfer(tid, slot)
+            # Bounded by the room's time left (an ended room: a last look, then the read is aborted).
+            left = role.rooms.time_left_s(pr.room)
+            ok = role.wait_for_transfer(tid, slot, timeout_s=max(left, 1e-3))
             pr.in_flight.discard(tid)
             if not ok:  # the slot is the role's now: freed once nothing can land in it
+                self.time_left_s(pr)  # RoomEnded if that is why
                 raise RuntimeError("pulling the decode's stored KV failed")
-            view = role.staging.view(slot, m)  # [regions, m, page_bytes]; regions 0, 1 hold K, V
+            self.time_left_s(pr, slot)
+            view = role.staging.view_regions(slot, 2, m)  # [2, m, page_bytes]: K, V
             # Copy out (the layer's "device" copy) before the slot is reused by this layer's send.
             k = view[0].clone().view(self.dtype).view(-1, *self.kv_shape)
             v = view[1].clone().view(self.dtype).view(-1, *self.kv_shape)
@@ -105,7 +133,8 @@ class LayerwisePrefill:
 
         def abandon() -> None:  # a failed run: release slots of pulls started ahead
             for tid, slot in pending.values():
-                if role.wait_for_transfer(tid, slot):  # else the role frees it once it is released
+                left = role.rooms.time_left_s(pr.room)
+                if role.wait_for_transfer(tid, slot, timeout_s=max(left, 1e-3)):  # else freed on release
                     role.staging.free(slot)
                 pr.in_flight.discard(tid)
             pending.clear()
@@ -127,6 +156,7 @@ class LayerwisePrefill:
 
         def load(layer: int):
             current.clear()
+            self.time_left_s(pr)
             current[layer] = finish(layer)
             if layer + 1 < num_layers:
                 start(layer + 1)  # overlaps with this layer's compute
@@ -168,15 +198,17 @@ class LayerwisePrefill:
         role, m = self.role, num_pages - first_page
         if m <= 0:
             return
-        slot = role.alloc_staging(m)
+        slot = role.alloc_staging(role.staging.pages_for(2, m), timeout_s=self.time_left_s(pr))
         if slot is None:
+            self.time_left_s(pr)  # RoomEnded if the wait ran out of the room's time
             raise RuntimeError("no staging room for a layerwise send")
-        view = role.staging.view(slot, m)  # [regions, m, page_bytes]; we use regions 0 (K) and 1 (V)
+        self.time_left_s(pr, slot)  # (allocating may have polled the room's failure)
+        view = role.staging.view_regions(slot, 2, m)  # [2, m, page_bytes]: K, V (packed: m/L slot pages)
         for half, t in enumerate((k_all, v_all)):
             flat = t.reshape(-1).view(torch.uint8)
             dst = view[half].reshape(-1)
             dst[: flat.numel()].copy_(flat)  # the partial last page's tail stays as it was: unread
-        base = role.staging.descriptor(slot, m)[0]
+        base = role.staging.descriptor(slot, 1)[0]
         dst_pages = pr.dst_page_ids[first_page - pr.first_page :]
         local, remote = [], []
         n_dst = len(pr.dst_page_ids)

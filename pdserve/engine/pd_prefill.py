@@ -37,7 +37,7 @@ from pdserve.disagg.state import DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import PDConfig, PDRoleBase, encode_notif
-from pdserve.engine.pd_layerwise import LayerwisePrefill
+from pdserve.engine.pd_layerwise import LayerwisePrefill, RoomEnded
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.base import TransferStatus
@@ -227,10 +227,15 @@ class PrefillRole(PDRoleBase, EngineRole):
         while (slot := self.staging.alloc(num_pages)) is None:
             if not (self.staging_slots or self.abandoned_reads) or time.monotonic() > deadline:
                 return None  # nothing in flight holds a slot: waiting cannot help
-            for t, status in self.agent.poll_completions():
-                self._on_completion(t, status)
+            self.drain_completions()
             time.sleep(0.0002)
         return slot
+
+    def drain_completions(self) -> None:
+        """Handle the transfers the agent reported since the last look (engine thread; the layerwise
+        lane calls it between layers, so a failed write fails its room before the next layer)."""
+        for t, status in self.agent.poll_completions():
+            self._on_completion(t, status)
 
     def expect_transfer(self, tid: int) -> None:
         """Mark `tid` as one that `wait_for_transfer` will collect (so no other loop consumes it)."""
@@ -453,13 +458,21 @@ class PrefillRole(PDRoleBase, EngineRole):
         req = pr.req
         try:
             self.layerwise.run(pr, hit_tokens, load, pr.first_page)
+        except RoomEnded as e:  # failed or past its deadline mid-run: nothing more goes out
+            if self.rooms.state(pr.room) != KVState.Failed:
+                self._fail(pr.room, str(e))
+            return
         except Exception as e:  # noqa: BLE001 - fail this request, keep the engine
             log.exception("layerwise prefill failed")
             self._fail(pr.room, f"layerwise prefill failed: {e}")
             return
+        if self.rooms.time_left_s(pr.room) <= 0:  # failed (or expired) during the last layer's send
+            if self.rooms.state(pr.room) != KVState.Failed:
+                self._fail(pr.room, f"deadline in {self.rooms.state(pr.room).name}")
+            return
         req.num_storage_tokens = storage
         self._send_last(pr)
-        self.aengine.deliver(self.engine.output(req), req.request_id)
+        self.aengine.deliver_step_output(self.engine.output(req))
 
     # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
     def _after_step(self, sched) -> None:
@@ -561,6 +574,12 @@ class PrefillRole(PDRoleBase, EngineRole):
     def _fail(self, room: int, reason: str, already_failed: bool = False) -> None:
         pr = self.by_room.get(room)
         if pr is None:
+            return
+        if not already_failed and self.rooms.state(room) == KVState.Failed:
+            # Failed before (e.g. a write's failure seen inside the layerwise lane, then the lane's own
+            # error): the first outcome stands, counted and reported once; stop anything sent since.
+            for tid in list(pr.in_flight):
+                self.agent.abort(tid)
             return
         if not already_failed:
             self.rooms.fail(room, reason)

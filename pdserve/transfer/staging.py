@@ -168,6 +168,18 @@ class StagingPool:
         flat = self.buffer[start : start + num_pages * self.slot_page_nbytes]
         return flat.view(self.num_regions, num_pages, self.bytes_per_page)
 
+    def pages_for(self, num_regions: int, num_pages: int) -> int:
+        """Slot pages that hold `num_pages` pages of only `num_regions` regions, packed (the layerwise
+        lane moves one layer, K and V: 2 regions of the R a slot page has room for)."""
+        return -(-num_regions * num_pages // self.num_regions)
+
+    def view_regions(self, offset: int, num_regions: int, num_pages: int) -> torch.Tensor:
+        """The start of a slot of `pages_for(num_regions, num_pages)` pages as a uint8
+        [num_regions, num_pages, bytes_per_page] tensor (region r's page p at (r * num_pages + p))."""
+        start = offset * self.slot_page_nbytes
+        flat = self.buffer[start : start + num_regions * num_pages * self.bytes_per_page]
+        return flat.view(num_regions, num_pages, self.bytes_per_page)
+
     def descriptor(self, offset: int, num_pages: int) -> tuple[int, int]:
         """(addr, nbytes) of the slot: the single descriptor of a staged write."""
         return self.buffer.data_ptr() + offset * self.slot_page_nbytes, num_pages * self.slot_page_nbytes
