@@ -119,6 +119,7 @@ def test_store_metrics_show_write_back_and_layerwise_prefills(store_cluster):
     assert m["pdserve_store_blocks_written"] > 0
     # Turns 2 and 3 of the pe and de conversations ran the layerwise lane on the prefill.
     assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_prefills"] == 4
+    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_fallbacks"] == 0  # all fit
 
 
 @pytest.mark.parametrize("read_path", ["pe", "de"])

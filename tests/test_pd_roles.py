@@ -1666,3 +1666,32 @@ def test_layerwise_moves_one_layer_in_a_packed_staging_slot(make_pair, tmp_path,
     p.pe_role.staging = s
     p.assert_clean()
     store.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_a_prompt_too_long_for_layerwise_staging_is_prefilled_whole(
+    make_pair, colocated, tmp_path, read_path
+):
+    """Even packed, a layer of a 12-page prompt needs 6 slot pages: with a 4-page pool the run could
+    only fail ('no staging room'). It is prefilled the ordinary way instead, with the same tokens."""
+    from pdserve.transfer.staging import StagingPool
+
+    p = make_pair(copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    ids = _stored_turn(p, store, "seed")
+    s = p.pe_role.staging
+    p.pe_role.staging = StagingPool(s.num_regions, s.bytes_per_page, 4, buffer=s.buffer)
+    preq, dreq = p.requests(ids, 3, "t2", new_room())
+    preq.read_path = dreq.read_path = read_path
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: p.idle())
+    assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
+    assert p.pe_role.layerwise.num_runs == 0 and p.pe_role.num_layerwise_fallbacks == 1
+    ref = colocated.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
+    assert p.de_sink.final("t2").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    p.pe_role.staging = s
+    p.assert_clean()
+    store.close()

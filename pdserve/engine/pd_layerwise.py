@@ -47,6 +47,14 @@ class LayerwisePrefill:
         self.num_runs = 0
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="layerwise-h2d")
 
+    def fits(self, pr, num_pull_pages: int) -> bool:
+        """Whether a run's staging needs ever fit the pool: one layer's send (pages from the first one
+        the decode asked for) next to one layer's pull of `num_pull_pages` (DE path; 0 on the PE path)."""
+        staging = self.role.staging
+        num_send_pages = -(-pr.req.num_prompt_tokens // self.page_size) - pr.first_page
+        need = staging.pages_for(2, max(num_send_pages, 0)) + staging.pages_for(2, num_pull_pages)
+        return need <= staging.capacity_pages
+
     def time_left_s(self, pr, slot: int = -1) -> float:
         """Seconds the room's state has left; RoomEnded (after freeing our staging `slot`, if given)
         when it failed or ran out of time. Looks at the agent's reports first: a write of this room

@@ -104,6 +104,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.layerwise = LayerwisePrefill(self)
         self.awaited: dict[int, object] = {}  # transfer id -> status once done (None: pending)
         self.num_store_blocks_bad = 0
+        self.num_layerwise_fallbacks = 0  # stored-KV prompts too long for the staging pool: prefilled whole
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
@@ -420,7 +421,16 @@ class PrefillRole(PDRoleBase, EngineRole):
             # flight): the decode may already have freed its pages (after our ack or its lease), so
             # nothing of this room may be computed or written any more. `_reap` releases it.
             return
-        if pr.store_hit is not None:
+        num_pull_pages = 0 if pr.store_hit is not None else len(pr.de_hit_page_ids)
+        if (pr.store_hit is not None or pr.de_hit_page_ids) and not self.layerwise.fits(pr, num_pull_pages):
+            # A prompt too long for the staging pool: served the ordinary way (its stored KV is
+            # recomputed here; on the DE path the decode's hit pages still spare their transfer).
+            self.num_layerwise_fallbacks += 1
+            log.warning("room %d: prompt too long for layerwise staging; prefilling it whole", pr.room)
+            pr.store_hit = None
+            if pr.req not in self.engine.scheduler.waiting:
+                self.engine.scheduler.add(pr.req)
+        elif pr.store_hit is not None:
             buffer, num_blocks = pr.store_hit
             pr.store_hit = None
             hit_tokens = num_blocks * self.store.layout.block_size

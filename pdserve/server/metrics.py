@@ -115,6 +115,11 @@ class PDMetrics:
         self.layerwise = Gauge(
             "pdserve_pd_layerwise_prefills", "Prefills run layer by layer over stored KV", registry=r
         )
+        self.layerwise_fallbacks = Gauge(
+            "pdserve_pd_layerwise_fallbacks",
+            "Prefills with stored KV too long for the layerwise staging pool, prefilled whole",
+            registry=r,
+        )
         self.store_written = Gauge(
             "pdserve_store_blocks_written", "Blocks this engine wrote back", registry=r
         )
@@ -153,6 +158,7 @@ class PDMetrics:
         self.staged.set(getattr(role, "num_staged", 0))
         if hasattr(role, "layerwise"):
             self.layerwise.set(role.layerwise.num_runs)
+            self.layerwise_fallbacks.set(role.num_layerwise_fallbacks)
         if getattr(role, "store", None) is not None:
             self.store_bad.set(role.num_store_blocks_bad)
             for name, value in vars(role.store.store.stats()).items():
