@@ -66,17 +66,25 @@ IO_BACKENDS = [
 ]
 
 
+def _read_with_one_fault(store, action: str, status: str) -> int:
+    """Read every block with one `store.read` fault of `action`: exactly one block has `status`, the
+    others their bytes. Returns the bad block's index (reads run on two I/O threads, so which block
+    takes the fault is up to the scheduler)."""
+    faults.configure([{"point": "store.read", "action": action, "count": 1}])
+    res, out = read(store, KEYS)
+    bad = [i for i, s in enumerate(res.status) if s != "ok"]
+    assert len(bad) == 1 and res.status[bad[0]] == status, res.status
+    assert faults.snapshot()[0]["fired"] == 1
+    for i in set(range(len(KEYS))) - set(bad):
+        assert np.array_equal(out[i], payload(i))
+    return bad[0]
+
+
 @pytest.mark.parametrize("io_backend", IO_BACKENDS)
 def test_store_read_corrupt_is_caught_and_removed(tmp_path, io_backend):
     store = make_store(tmp_path, io_backend=io_backend)
     put_all(store)
-    faults.configure([{"point": "store.read", "action": "corrupt", "count": 1}])
-    res, out = read(store, KEYS)
-    # Reads run on two I/O threads, so which block takes the one fault is up to the scheduler.
-    bad = [i for i, s in enumerate(res.status) if s != "ok"]
-    assert len(bad) == 1 and res.status[bad[0]] == "corrupt", res.status
-    for i in set(range(len(KEYS))) - set(bad):
-        assert np.array_equal(out[i], payload(i))
+    bad = [_read_with_one_fault(store, "corrupt", "corrupt")]
     assert store.lookup_keys(KEYS) == bad[0]  # the bad block left the index (and the disk)
     assert store.lookup_keys(KEYS[bad[0] :]) == 0
     store.check_integrity()
@@ -89,13 +97,7 @@ def test_store_read_fail_and_slow_act_on_every_io_backend(tmp_path, io_backend):
     rule silently did nothing on a store read through NIXL)."""
     store = make_store(tmp_path, io_backend=io_backend)
     put_all(store)
-    faults.configure([{"point": "store.read", "action": "fail", "count": 1}])
-    res, out = read(store, KEYS)
-    bad = [i for i, s in enumerate(res.status) if s != "ok"]
-    assert len(bad) == 1 and res.status[bad[0]] == "ioerror", res.status
-    assert faults.snapshot()[0]["fired"] == 1
-    for i in set(range(len(KEYS))) - set(bad):
-        assert np.array_equal(out[i], payload(i))
+    _read_with_one_fault(store, "fail", "ioerror")
     assert store.stats().num_missing == 1 and store.stats().num_corrupt == 0  # the file is kept
     delay_s = 0.05
     faults.configure([{"point": "store.read", "action": "slow", "delay_s": delay_s, "count": 1}])

@@ -1584,6 +1584,16 @@ def _stored_turn(p, store, rid: str) -> list[int]:
     return ids + list(p.de_sink.final(rid).outputs[0].token_ids) + prompt(5, start=9)
 
 
+def _submit_read_path(p, ids: list[int], max_tokens: int, rid: str, read_path: str, room: int = 0) -> int:
+    """Both halves of a request that reads its stored KV through `read_path` ("pe" or "de")."""
+    room = room or new_room()
+    preq, dreq = p.requests(ids, max_tokens, rid, room)
+    preq.read_path = dreq.read_path = read_path
+    p.pe_role.add(preq, None)
+    p.de_role.add(dreq, None)
+    return room
+
+
 @pytest.mark.parametrize("how", ["deadline", "failed write"])
 def test_layerwise_run_stops_when_its_room_ends(tmp_path, how):
     """The layerwise lane does not return to the engine loop between layers, so it never looked at its
@@ -1614,11 +1624,8 @@ def test_layerwise_run_stops_when_its_room_ends(tmp_path, how):
     if how == "failed write":  # the first layer's write is reported failed while the lane runs on
         faults.configure([{"point": "transfer.submit", "action": "fail", "kind": "write", "count": 1}])
     before = dict(p.pe_role.failures)
-    preq, dreq = p.requests(ids, 2, "t2", room)
-    preq.read_path = dreq.read_path = "pe"
     try:
-        p.pe_role.add(preq, None)
-        p.de_role.add(dreq, None)
+        _submit_read_path(p, ids, 2, "t2", "pe", room)
         p.drive(lambda: p.pe_sink.errors("t2"))
         p.settle(0.2)
     finally:
@@ -1655,10 +1662,7 @@ def test_layerwise_moves_one_layer_in_a_packed_staging_slot(make_pair, tmp_path,
     assert -(-len(ids) // PAGE_SIZE) == 12 and p.pe_role.staging.pages_for(2, 12) == 6
     observed = []
     p.pe_sink.deliver_step_output = lambda out: observed.append(out) or p.pe_sink.deliver(out, out.request_id)
-    preq, dreq = p.requests(ids, 2, "t2", new_room())
-    preq.read_path = dreq.read_path = read_path
-    p.pe_role.add(preq, None)
-    p.de_role.add(dreq, None)
+    _submit_read_path(p, ids, 2, "t2", read_path)
     p.drive(lambda: p.idle())
     assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
     assert p.pe_role.layerwise.num_runs == 1 and [o.request_id for o in observed] == ["t2"]
@@ -1681,10 +1685,7 @@ def test_a_prompt_too_long_for_layerwise_staging_is_prefilled_whole(
     ids = _stored_turn(p, store, "seed")
     s = p.pe_role.staging
     p.pe_role.staging = StagingPool(s.num_regions, s.bytes_per_page, 4, buffer=s.buffer)
-    preq, dreq = p.requests(ids, 3, "t2", new_room())
-    preq.read_path = dreq.read_path = read_path
-    p.pe_role.add(preq, None)
-    p.de_role.add(dreq, None)
+    _submit_read_path(p, ids, 3, "t2", read_path)
     p.drive(lambda: p.idle())
     assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
     assert p.pe_role.layerwise.num_runs == 0 and p.pe_role.num_layerwise_fallbacks == 1
