@@ -145,13 +145,17 @@ def test_deadline_in_every_non_terminal_state(table, clock, state):
         clock.advance(DEADLINES[B] - 1)  # time spent before entering `state` does not count against it
         table.advance(11, state)
     assert table.deadline_s(11) == clock.now_s + DEADLINES[state]
+    assert table.time_left_s(11) == DEADLINES[state] and not table.ended(11)
     clock.advance(DEADLINES[state])  # exactly at the deadline: not yet expired
     assert table.expired() == [] and table.state(11) == state
+    assert not table.ended(11) and table.time_left_s(11) == 0  # `ended` is as strict as `expired`
     clock.advance(0.001)
+    assert table.ended(11)  # (the layerwise lane's check, before `expired` has run)
     assert table.expired() == [11]
     assert table.state(11) == F and table.reason(11) == f"deadline in {state.name}"
     assert table.expired() == []  # reported once
     assert table.num_expired == 1 and table.deadline_s(11) is None
+    assert table.ended(11) and table.time_left_s(11) == 0  # terminal
 
 
 def test_each_state_restarts_its_own_clock_and_same_state_does_not(table, clock):

@@ -183,6 +183,11 @@ class RoomTable:
         deadline = self.deadline_s(room)
         return 0.0 if deadline is None else max(0.0, deadline - self._clock())
 
+    def ended(self, room: int) -> bool:
+        """Terminal, or past its state's deadline (strictly, as `expired` decides: not yet failed)."""
+        deadline = self.deadline_s(room)
+        return deadline is None or self._clock() > deadline
+
     def active_rooms(self) -> list[int]:
         return [r for r, e in self._rooms.items() if e.state not in TERMINAL]
 

@@ -60,13 +60,13 @@ class LayerwisePrefill:
         when it failed or ran out of time. Looks at the agent's reports first: a write of this room
         reported failed fails the room here, not after the whole run."""
         self.role.drain_completions()
-        left = self.role.rooms.time_left_s(pr.room)
-        if left <= 0:
+        rooms = self.role.rooms
+        if rooms.ended(pr.room):  # (strictly past the deadline, as the room table's own expiry)
             if slot >= 0:
                 self.role.staging.free(slot)
             state = self.role.rooms.state(pr.room)
             raise RoomEnded("room failed" if state == KVState.Failed else f"deadline in {state.name}")
-        return left
+        return max(rooms.time_left_s(pr.room), 1e-3)  # > 0: a wait's timeout of 0 would mean "default"
 
     # ---- hit KV sources --------------------------------------------------------------------------
     # A source has start(layer) (begin moving that layer's hit KV; non-blocking) and finish(layer)
@@ -125,7 +125,7 @@ class LayerwisePrefill:
         def finish(layer: int):
             tid, slot = pending.pop(layer)
             # Bounded by the room's time left (an ended room: a last look, then the read is aborted).
-            left = role.rooms.time_left_s(pr.room)
+            left = role.rooms.time_left_s(pr.room)  # (0 once ended: a last look, then aborted)
             ok = role.wait_for_transfer(tid, slot, timeout_s=max(left, 1e-3))
             pr.in_flight.discard(tid)
             if not ok:  # the slot is the role's now: freed once nothing can land in it
@@ -186,6 +186,9 @@ class LayerwisePrefill:
             except Exception:
                 getattr(finish, "abandon", lambda: None)()
                 raise
+            # Every layer went out in time (the last one's write may have taken the room past its
+            # deadline): checked before token 1 exists, so a late room fails with its error delivered.
+            self.time_left_s(pr)
             logits = self.runner.model.compute_logits(hidden[-1:]).float()
             result = self.runner.sampler(
                 logits, [req.sampling_params], [self.runner.generators.get(req.request_id)]

@@ -476,10 +476,6 @@ class PrefillRole(PDRoleBase, EngineRole):
             log.exception("layerwise prefill failed")
             self._fail(pr.room, f"layerwise prefill failed: {e}")
             return
-        if self.rooms.time_left_s(pr.room) <= 0:  # failed (or expired) during the last layer's send
-            if self.rooms.state(pr.room) != KVState.Failed:
-                self._fail(pr.room, f"deadline in {self.rooms.state(pr.room).name}")
-            return
         req.num_storage_tokens = storage
         self._send_last(pr)
         self.aengine.deliver_step_output(self.engine.output(req))
