@@ -66,7 +66,7 @@ class LayerwisePrefill:
                 self.role.staging.free(slot)
             state = self.role.rooms.state(pr.room)
             raise RoomEnded("room failed" if state == KVState.Failed else f"deadline in {state.name}")
-        return max(rooms.time_left_s(pr.room), 1e-3)  # > 0: a wait's timeout of 0 would mean "default"
+        return rooms.time_left_s(pr.room)
 
     # ---- hit KV sources --------------------------------------------------------------------------
     # A source has start(layer) (begin moving that layer's hit KV; non-blocking) and finish(layer)
@@ -124,9 +124,8 @@ class LayerwisePrefill:
 
         def finish(layer: int):
             tid, slot = pending.pop(layer)
-            # Bounded by the room's time left (an ended room: a last look, then the read is aborted).
-            left = role.rooms.time_left_s(pr.room)  # (0 once ended: a last look, then aborted)
-            ok = role.wait_for_transfer(tid, slot, timeout_s=max(left, 1e-3))
+            # Bounded by the room's time left (an ended room: one last look, then the read is aborted).
+            ok = role.wait_for_transfer(tid, slot, timeout_s=role.rooms.time_left_s(pr.room))
             pr.in_flight.discard(tid)
             if not ok:  # the slot is the role's now: freed once nothing can land in it
                 self.time_left_s(pr)  # RoomEnded if that is why
@@ -141,9 +140,8 @@ class LayerwisePrefill:
 
         def abandon() -> None:  # a failed run: release slots of pulls started ahead
             for tid, slot in pending.values():
-                left = role.rooms.time_left_s(pr.room)
-                if role.wait_for_transfer(tid, slot, timeout_s=max(left, 1e-3)):  # else freed on release
-                    role.staging.free(slot)
+                if role.wait_for_transfer(tid, slot, timeout_s=role.rooms.time_left_s(pr.room)):
+                    role.staging.free(slot)  # (else the role frees it once the read is released)
                 pr.in_flight.discard(tid)
             pending.clear()
 

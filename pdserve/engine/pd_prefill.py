@@ -157,8 +157,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             self._fail(room, self.rooms.reason(room), already_failed=True)
         for env in self.control.poll():
             self._on_message(env)
-        for tid, status in self.agent.poll_completions():
-            self._on_completion(tid, status)
+        self.drain_completions()
         for pr in list(self.by_room.values()):
             if pr.store_read is not None and pr.store_read.future.done():
                 self._on_store_read_done(pr)
@@ -201,13 +200,12 @@ class PrefillRole(PDRoleBase, EngineRole):
         the caller's -- freed now if the read was reported failed, or, if it timed out, freed once the
         agent reports the aborted read released (`abort` only queues the request: until then the read
         may still write into the slot)."""
-        deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
+        deadline = time.monotonic() + (self.config.deadline_s if timeout_s is None else timeout_s)
         self.awaited.setdefault(tid, None)
+        self.drain_completions()  # at least one look, even with no time left
         while self.awaited[tid] is None and time.monotonic() < deadline:
-            for t, status in self.agent.poll_completions():
-                self._on_completion(t, status)
-            if self.awaited[tid] is None:
-                time.sleep(0.0002)
+            time.sleep(0.0002)
+            self.drain_completions()
         status = self.awaited.pop(tid)
         if status == TransferStatus.DONE:
             return True
@@ -224,7 +222,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         failure). None if it can never fit, or nothing frees a slot before the deadline."""
         if num_pages > self.staging.capacity_pages:
             return None
-        deadline = time.monotonic() + (timeout_s or self.config.deadline_s)
+        deadline = time.monotonic() + (self.config.deadline_s if timeout_s is None else timeout_s)
         while (slot := self.staging.alloc(num_pages)) is None:
             if not (self.staging_slots or self.abandoned_reads) or time.monotonic() > deadline:
                 return None  # nothing in flight holds a slot: waiting cannot help
@@ -421,22 +419,20 @@ class PrefillRole(PDRoleBase, EngineRole):
             # flight): the decode may already have freed its pages (after our ack or its lease), so
             # nothing of this room may be computed or written any more. `_reap` releases it.
             return
-        num_pull_pages = 0 if pr.store_hit is not None else len(pr.de_hit_page_ids)
-        if (pr.store_hit is not None or pr.de_hit_page_ids) and not self.layerwise.fits(pr, num_pull_pages):
-            # A prompt too long for the staging pool: served the ordinary way (its stored KV is
+        stored = pr.store_hit is not None or bool(pr.de_hit_page_ids)
+        if stored and not self.layerwise.fits(pr, 0 if pr.store_hit is not None else len(pr.de_hit_page_ids)):
+            # A prompt too long for the staging pool: served the ordinary way below (its stored KV is
             # recomputed here; on the DE path the decode's hit pages still spare their transfer).
             self.num_layerwise_fallbacks += 1
             log.warning("room %d: prompt too long for layerwise staging; prefilling it whole", pr.room)
-            pr.store_hit = None
-            if pr.req not in self.engine.scheduler.waiting:
-                self.engine.scheduler.add(pr.req)
-        elif pr.store_hit is not None:
+            stored, pr.store_hit = False, None
+        if stored and pr.store_hit is not None:
             buffer, num_blocks = pr.store_hit
             pr.store_hit = None
             hit_tokens = num_blocks * self.store.layout.block_size
             load = self.layerwise.from_host_buffer(buffer, num_blocks, self.store.layout)
             self._run_layerwise(pr, hit_tokens, load, storage=hit_tokens)
-        elif pr.de_hit_page_ids:
+        elif stored:
             hit_tokens = len(pr.de_hit_page_ids) * self.page_size
             load = self.layerwise.from_decode_pages(pr, pr.de_hit_page_ids)
             self._run_layerwise(pr, hit_tokens, load, storage=0)
@@ -468,9 +464,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         req = pr.req
         try:
             self.layerwise.run(pr, hit_tokens, load, pr.first_page)
-        except RoomEnded as e:  # failed or past its deadline mid-run: nothing more goes out
-            if self.rooms.state(pr.room) != KVState.Failed:
-                self._fail(pr.room, str(e))
+        except RoomEnded as e:  # failed (then `_fail` keeps the first reason) or past its deadline
+            self._fail(pr.room, str(e))
             return
         except Exception as e:  # noqa: BLE001 - fail this request, keep the engine
             log.exception("layerwise prefill failed")

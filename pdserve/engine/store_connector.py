@@ -84,12 +84,6 @@ class StoreConnector:
         return PendingRead(keys, buf, self.store.submit_read(keys, buf))
 
     # ---- pool <-> blocks -----------------------------------------------------------------------
-    def _block_pages(self, page_ids: list[int], block: int) -> torch.Tensor:
-        ppb = self.pages_per_block
-        return torch.tensor(
-            page_ids[block * ppb : (block + 1) * ppb], dtype=torch.long, device=self._k[0].device
-        )
-
     def gather_blocks(self, page_ids: list[int], first: int, last: int) -> torch.Tensor:
         """Payloads of blocks [first, last) from the pool, a copy on the pool's device:
         [last - first, block_nbytes], each row K then V of every layer in turn (store/layout.py)."""
@@ -104,10 +98,6 @@ class StoreConnector:
                 v.index_select(0, idx).view(num_blocks, -1),
             ]
         return torch.cat(parts, dim=1)
-
-    def gather_block(self, page_ids: list[int], block: int) -> torch.Tensor:
-        """The block's payload [block_nbytes] from the pool (a copy)."""
-        return self.gather_blocks(page_ids, block, block + 1)[0]
 
     def scatter_blocks(self, buf: torch.Tensor, num_blocks: int, page_ids: list[int]) -> None:
         """Blocks [num_blocks, block_nbytes] -> the pool pages covering tokens [0, num_blocks * block_size),

@@ -137,8 +137,9 @@ class TrafficManager:
         Flow.start_or_queue(self.snic_tx, nbytes, cls, TAG_WRITE).wait()
 
     def transfer_start(self, nbytes: int, cls: TrafficClass = TrafficClass.KV) -> Flow:
-        """Start an engine-to-engine transfer over this engine's CNIC (non-blocking)."""
-        return Flow(self.cnic, self.cnic.start(nbytes, cls, TAG_TRANSFER))
+        """Start an engine-to-engine transfer over this engine's CNIC (non-blocking; queued when the
+        CNIC has every flow slot taken: the caller's next `done()` may start it)."""
+        return Flow.start_or_queue(self.cnic, nbytes, cls, TAG_TRANSFER)
 
     def read_queue_bytes(self) -> int:
         """Unserved bytes of storage reads on this node's SNIC, from every engine of the node."""

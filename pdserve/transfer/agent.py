@@ -25,12 +25,11 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve import faults
-from pdserve.netem.link import LinkFullError
 from pdserve.transfer.base import TransferError, TransferStatus, create_backend
 
 log = logging.getLogger(__name__)
@@ -101,9 +100,6 @@ class TransferAgent:
         # so the peer sees the data (and its notification) no earlier than the emulated link allows.
         self.traffic = None
         self._delayed: dict[int, tuple] = {}  # transfer id -> (flow, submit command); agent thread only
-        # Submits waiting, FIFO, for one of the emulated link's flow slots (all taken): a real NIC
-        # queues work, so a full link delays a transfer rather than failing it. Agent thread only.
-        self._link_waiting: OrderedDict[int, tuple] = OrderedDict()
         self._thread = threading.Thread(
             target=self._run,
             args=(backend, agent_name, list(regions), options),
@@ -213,8 +209,6 @@ class TransferAgent:
             self._finish(backend, pending, transfer_id, TransferStatus.FAILED, aborted=True)
         for transfer_id in list(self._delayed):
             self._drop_delayed(pending, transfer_id)
-        for transfer_id in list(self._link_waiting):
-            self._drop_waiting(pending, transfer_id)
         try:
             backend.close()
         except Exception:
@@ -232,8 +226,6 @@ class TransferAgent:
             if cmd[0] == "close":
                 return False
             self._apply(backend, pending, cmd)
-        while self._link_waiting and self._start_flow(next(iter(self._link_waiting.values()))):
-            self._link_waiting.popitem(last=False)
         for transfer_id, (flow, cmd) in list(self._delayed.items()):
             if flow.done():
                 del self._delayed[transfer_id]
@@ -254,13 +246,15 @@ class TransferAgent:
         kind = cmd[0]
         if kind == "submit":
             try:
-                if self.traffic is None:
+                if self.traffic is not None:
+                    # A full link queues the flow (it starts at a later `done()`): a real NIC queues
+                    # work, so a full link delays a transfer rather than failing it.
+                    flow = self.traffic.transfer_start(sum(int(n) for _, n in cmd[3]))
+                    if flow.flow_id is None:
+                        self.stats.link_waits += 1
+                    self._delayed[cmd[1]] = (flow, cmd)
+                else:
                     self._submit(backend, pending, cmd)
-                elif sum(int(n) for _, n in cmd[3]) < 0:  # (raises here on a malformed list, not later)
-                    raise ValueError("negative descriptor size")
-                elif self._link_waiting or not self._start_flow(cmd):  # FIFO behind earlier waiters
-                    self._link_waiting[cmd[1]] = cmd
-                    self.stats.link_waits += 1
             except Exception as e:  # a malformed descriptor list: fail this one
                 # The command left the queue: unless reported here, its id would never be reported, and
                 # a caller waiting for it (the layerwise lane) would wait out its deadline.
@@ -272,8 +266,6 @@ class TransferAgent:
             transfer_id = cmd[1]
             if transfer_id in self._delayed:
                 self._drop_delayed(pending, transfer_id)
-            elif transfer_id in self._link_waiting:
-                self._drop_waiting(pending, transfer_id)
             elif transfer_id in pending:
                 p = pending[transfer_id]
                 status = self._status(backend, p)
@@ -291,22 +283,6 @@ class TransferAgent:
             except Exception:
                 self.stats.backend_errors += 1
                 log.exception("transfer agent %s: remove_peer(%s) failed", self.agent_name, cmd[1])
-
-    def _start_flow(self, cmd: tuple) -> bool:
-        """Put a submit on the emulated link (its copy starts when the flow is through); False when
-        every flow slot of the link is taken (the descriptor list was checked by `_apply`)."""
-        try:
-            flow = self.traffic.transfer_start(sum(int(n) for _, n in cmd[3]))
-        except LinkFullError:
-            return False
-        self._delayed[cmd[1]] = (flow, cmd)
-        return True
-
-    def _drop_waiting(self, pending: dict[int, _Pending], transfer_id: int) -> None:
-        """Abort a transfer still waiting for the emulated link: nothing was copied; report it failed."""
-        cmd = self._link_waiting.pop(transfer_id)
-        pending[transfer_id] = _Pending(None, sum(int(n) for _, n in cmd[3]), cmd[6])
-        self._finish(None, pending, transfer_id, TransferStatus.FAILED, aborted=True)
 
     def _drop_delayed(self, pending: dict[int, _Pending], transfer_id: int) -> None:
         """Abort a transfer still crossing the emulated link: nothing was copied; report it failed."""
