@@ -324,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--device", default="cpu")
     bo.add_argument("--json", default=None, help="write the figures to this file")
     bo.add_argument("--repeats", type=int, default=2, help="alternating runs per side; best time kept")
+    bo.add_argument("--kv-cache-gib", type=float, default=1.0, help="pdserve's KV pool (GiB)")
     bo.set_defaults(fn=cmd_bench)
     bt = bsub.add_parser("transfer", help="NIXL between two processes vs an in-process torch copy")
     from pdserve.bench.transfer import add_arguments as add_transfer_arguments

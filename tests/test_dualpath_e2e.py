@@ -12,6 +12,7 @@ import os
 
 import httpx
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
@@ -27,8 +28,17 @@ MAX_MODEL_LEN = 2048
 GEN = 32
 
 
-@pytest.fixture(scope="module")
-def store_cluster(demo_model_dir, tmp_path_factory):
+def cuda_ok() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(
+    scope="module",
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU"))],
+)
+def store_cluster(request, demo_model_dir, tmp_path_factory):
+    """`cuda`: both engines keep KV and staging on the GPU (float32); the store's reads land in host
+    buffers and are copied to the GPU layer by layer (PE path) or pulled from the decode's GPU (DE)."""
     os.environ.setdefault("UCX_MODULES", "^ib*")
     from pdserve.launch import cluster_args, start_cluster
 
@@ -45,16 +55,25 @@ def store_cluster(demo_model_dir, tmp_path_factory):
         kv_store=str(store_root),
         kv_block_size=64,
         enable_fault_injection=True,
+        device=request.param,
+        dtype="float32",
     )
     c = start_cluster(args, 1, 1)
-    c.store_root = store_root
+    c.store_root, c.device = store_root, request.param
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
-def colocated(demo_model_dir):
-    return LLM(demo_model_dir, max_model_len=MAX_MODEL_LEN, num_pages=600, enable_prefix_caching=False)
+def colocated(demo_model_dir, store_cluster):
+    return LLM(
+        demo_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_pages=600,
+        enable_prefix_caching=False,
+        device=store_cluster.device,
+        dtype="float32",
+    )
 
 
 def complete(url: str, ids: list[int], read_path: str) -> dict:

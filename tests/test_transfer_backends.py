@@ -128,33 +128,40 @@ CASES = {  # name -> (src pages, dst pages); destination pages disjoint across c
 }
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _nixl_ok() -> str | None:
     from pdserve.transfer.nixl_backend import nixl_available
 
     return None if nixl_available() else "NIXL is not installed (nixl-cu12)"
 
 
-def _kv(seed: int | None):
+def _kv(seed: int | None, device: str):
     import torch
 
     if seed is None:
-        return [torch.zeros(NUM_PAGES, *PAGE_SHAPE) for _ in range(2 * NUM_LAYERS)]
+        return [torch.zeros(NUM_PAGES, *PAGE_SHAPE, device=device) for _ in range(2 * NUM_LAYERS)]
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(NUM_PAGES, *PAGE_SHAPE, generator=g) for _ in range(2 * NUM_LAYERS)]
+    return [torch.randn(NUM_PAGES, *PAGE_SHAPE, generator=g).to(device) for _ in range(2 * NUM_LAYERS)]
 
 
-def _receiver(conn) -> None:
+def _receiver(conn, device: str) -> None:
     """Owns a NixlBackend; on each notif checks the bytes of that case already landed."""
     import hashlib
 
     import torch
 
+    from pdserve.transfer.base import tensor_region
     from pdserve.transfer.nixl_backend import NixlBackend
 
-    kv, expect_src = _kv(None), _kv(0)
-    big = torch.zeros(BIG_NBYTES, dtype=torch.uint8)
+    kv, expect_src = _kv(None, device), _kv(0, device)
+    big = torch.zeros(BIG_NBYTES, dtype=torch.uint8, device=device)
     be = NixlBackend("t-recv")
-    be.register([(t.data_ptr(), t.numel() * 4) for t in kv] + [(big.data_ptr(), BIG_NBYTES)])
+    be.register([tensor_region(t) for t in [*kv, big]])
     conn.send((be.local_metadata(), [t.data_ptr() for t in kv], big.data_ptr()))
     while True:
         for peer, notif in be.get_notifications():
@@ -170,26 +177,29 @@ def _receiver(conn) -> None:
         if conn.poll(0.0005):
             msg = conn.recv()
             if msg == "snapshot":  # checksum twice, 200 ms apart: nothing may land after an abort
-                h1 = hashlib.blake2b(big.numpy()).hexdigest()
+                h1 = hashlib.blake2b(big.cpu().numpy()).hexdigest()
                 time.sleep(0.2)
                 be.get_notifications()
-                conn.send(h1 == hashlib.blake2b(big.numpy()).hexdigest())
+                conn.send(h1 == hashlib.blake2b(big.cpu().numpy()).hexdigest())
             elif msg == "stop":
                 be.close()
                 conn.send("bye")
                 return
 
 
-def _sender(conn) -> None:
+def _sender(conn, device: str) -> None:
     import torch
 
+    from pdserve.transfer.base import tensor_region
     from pdserve.transfer.nixl_backend import NixlBackend
     from pdserve.transfer.pages import RegionTable, merge_runs, page_descriptors
 
-    kv = _kv(0)
-    big = torch.ones(BIG_NBYTES, dtype=torch.uint8)
+    kv = _kv(0, device)
+    big = torch.ones(BIG_NBYTES, dtype=torch.uint8, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()  # the NIXL copies below do not run on torch's stream
     be = NixlBackend("t-send")
-    be.register([(t.data_ptr(), t.numel() * 4) for t in kv] + [(big.data_ptr(), BIG_NBYTES)])
+    be.register([tensor_region(t) for t in [*kv, big]])
     md, peer_addrs, peer_big = conn.recv()
     be.add_peer("t-recv", md)
     local_tab = RegionTable(tuple(t.data_ptr() for t in kv), (PAGE_NBYTES,) * len(kv))
@@ -222,16 +232,21 @@ def _sender(conn) -> None:
     be.close()
 
 
-@pytest.fixture(scope="module")
-def nixl_run():
+@pytest.fixture(
+    scope="module",
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU"))],
+)
+def nixl_run(request):
+    """Two processes, one NIXL agent each; `cuda`: every registered buffer is GPU memory (UCX
+    `cuda_ipc` between the processes)."""
     reason = _nixl_ok()
     if reason:
         pytest.skip(reason)
     ctx = mp.get_context("spawn")  # never fork around NIXL agents
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
     procs = [
-        ctx.Process(target=_receiver, args=(rc,), daemon=True),
-        ctx.Process(target=_sender, args=(sc,), daemon=True),
+        ctx.Process(target=_receiver, args=(rc, request.param), daemon=True),
+        ctx.Process(target=_sender, args=(sc, request.param), daemon=True),
     ]
     for p in procs:
         p.start()

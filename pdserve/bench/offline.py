@@ -36,7 +36,13 @@ def run_offline_bench(args) -> int:
         model_dir = ".demo-model"
         if not (Path(model_dir) / "config.json").is_file():
             make_demo_model(model_dir)
-    llm = LLM(model_dir, dtype=args.dtype, device=args.device, max_model_len=2048, kv_cache_memory_gib=1.0)
+    llm = LLM(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=2048,
+        kv_cache_memory_gib=args.kv_cache_gib,
+    )
     work = make_workload(args.num_requests, args.seed, llm.engine.config.model_config.vocab_size)
     num_out = sum(m for _, m in work)
     num_in = sum(len(p) for p, _ in work)

@@ -133,12 +133,13 @@ def new_room() -> int:
 
 def make_staging(kv_cache, capacity_pages: int):
     """The engine's staging pool: slots laid out [regions, pages, bytes_per_page] (one page = one page
-    of every K/V region), registered with the transfer agent next to the KV pool."""
+    of every K/V region), registered with the transfer agent next to the KV pool, on the pool's device
+    (gathers and scatters stay device-local copies; the transfer moves GPU memory to GPU memory)."""
     from pdserve.transfer.staging import StagingPool, kv_regions
 
     layout = kv_cache.layout
     regions = kv_regions(kv_cache.k, kv_cache.v)
-    return StagingPool(len(regions), layout.bytes_per_page, capacity_pages), regions
+    return StagingPool(len(regions), layout.bytes_per_page, capacity_pages, device=regions[0].device), regions
 
 
 class PDRoleBase:
@@ -161,6 +162,19 @@ class PDRoleBase:
         self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
         self.rooms = RoomTable(config.deadlines())
         self.failures: dict[str, int] = {}  # reason -> count (metrics)
+
+    def sync_device(self) -> None:
+        """Wait until the engine's queued GPU work has run (nothing to wait for on the CPU).
+
+        Called before KV or staging memory is handed to the transfer agent: NIXL's GPU copies do not
+        run on the engine's stream, so a write must not start before the kernels that fill its source
+        (the forward's KV stores, a gather) have run, and no copy may land in a staging slot a queued
+        kernel still reads (a scatter, a copy-out)."""
+        device = self.kv_regions[0].device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
 
     def count_failure(self, reason: str) -> None:
         key = reason.split(":")[0]

@@ -368,6 +368,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         if dr.staging_offset >= 0:  # the prefill wrote into our staging slot: scatter into our pages
             n = len(dr.dst_page_ids)
             scatter_pages(self.staging.view(dr.staging_offset, n), self.kv_regions, dr.dst_page_ids)
+            self.sync_device()  # the scatter has read the slot before a peer may write into it again
             self.staging.free(dr.staging_offset)
             dr.staging_offset = -1
             self.num_staged += 1

@@ -247,6 +247,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         `src_page_ids`: our KV pages the write reads, pinned until it is reported (see `pinned`)."""
         pr.seq += 1
         self.engine.kv.pool.acquire(src_page_ids)
+        self.sync_device()  # the pages (or the gathered slot) hold their KV before NIXL reads them
         tid = self.agent.submit(
             pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
         )

@@ -21,6 +21,7 @@ from pdserve.engine.pd_load import load_report
 from pdserve.engine.pd_prefill import PrefillRole
 from pdserve.model.loader import checkpoint_digest
 from pdserve.transfer.agent import TransferAgent
+from pdserve.transfer.base import tensor_region
 
 
 def model_identity(engine: LLMEngine) -> str:
@@ -48,11 +49,12 @@ class PDContext:
         fingerprint = layout_fingerprint(engine, identity)
         role_cls = PrefillRole if role_name == "prefill" else DecodeRole
         self.role = role_cls(engine, config, self.control, None, fingerprint)
-        # Everything a peer may write to or we may write from: KV pool, handoff slots, staging slots.
+        # Everything a peer may write to or we may write from: KV pool and staging slots (on the
+        # engine's device), handoff slots (host memory).
         regions = [
-            *engine.runner.kv_cache.regions(),
+            *(tensor_region(t) for t in self.role.kv_regions),
             (self.role.handoff.base_addr, self.role.handoff.nbytes),
-            self.role.staging.region(),
+            tensor_region(self.role.staging.buffer),
         ]
         self.agent = TransferAgent(config.transfer_backend, name, regions)
         self.agent.metadata()  # fail fast if the backend cannot start

@@ -33,8 +33,9 @@ class TransferBackend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        """Register local CPU memory, (addr, nbytes) each: KV buffers, handoff slots, staging.
+    def register(self, regions: list[tuple[int, ...]]) -> None:
+        """Register local memory: KV buffers, handoff slots, staging. Each region is (addr, nbytes) for
+        host memory or (addr, nbytes, gpu index) for device memory (`tensor_region` builds either).
 
         Called once, right after construction, before any `write` or `local_metadata`.
         """
@@ -88,6 +89,17 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every handle and registration. Called once, last."""
+
+
+def tensor_region(t) -> tuple[int, ...]:
+    """The registration entry of a contiguous tensor's storage: (addr, nbytes) in host memory,
+    (addr, nbytes, gpu index) in device memory."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type == "cuda":
+        return t.data_ptr(), nbytes, t.device.index or 0
+    if t.device.type != "cpu":
+        raise TransferError(f"cannot register memory of a {t.device.type} tensor")
+    return t.data_ptr(), nbytes
 
 
 def _make_fake(agent_name: str, **options) -> TransferBackend:

@@ -4,8 +4,11 @@ Owned by one thread (the TransferAgent's) which must create it: NIXL agents are 
 with `enable_prog_thread=False` (default; faster on few cores) nothing progresses unless the owner
 keeps calling `status` / `get_notifications` -- the target side included.
 
-Descriptors are passed to NIXL as Nx3 uint64 numpy arrays (addr, nbytes, dev 0), one per merged run;
-NIXL also coalesces adjacent descriptors itself. `write` builds the two descriptor lists directly
+Descriptors are passed to NIXL as Nx3 uint64 numpy arrays (addr, nbytes, device), one per merged run;
+NIXL also coalesces adjacent descriptors itself. Memory is host ("DRAM") or GPU ("VRAM", device = the
+GPU's index): each side looks its descriptors up in the regions registered -- ours, and the peer's,
+which travel in our metadata next to NIXL's own -- so a write from a GPU's KV pool into a peer's GPU
+(UCX `cuda_ipc` on one host) or between host buffers is described the same way by the caller. `write` builds the two descriptor lists directly
 (`initialize_xfer`): ~0.3 ms for 4096 descriptors here, so per-(peer, pool) prepped dlists with index
 lists are not needed for CPU memory at this scale.
 
@@ -21,6 +24,7 @@ import logging
 import os
 import time
 
+import msgspec
 import numpy as np
 
 from pdserve.transfer.base import TransferBackend, TransferError, TransferStatus
@@ -43,7 +47,10 @@ def import_nixl():
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError:
-        from nixl._api import nixl_agent, nixl_agent_config
+        try:  # the CUDA 13 build (hosts whose driver and torch are CUDA 13)
+            from nixl_cu13._api import nixl_agent, nixl_agent_config
+        except ImportError:
+            from nixl._api import nixl_agent, nixl_agent_config
     if "NIXL_LOG_LEVEL" not in os.environ:
         logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent otherwise
     return nixl_agent, nixl_agent_config
@@ -55,6 +62,56 @@ def nixl_available() -> bool:
     except Exception:  # ImportError, or OSError from a broken native library
         return False
     return True
+
+
+MEMORY_TYPES = ("DRAM", "VRAM")  # index = the code a region carries in our metadata
+
+
+class _Metadata(msgspec.Struct, array_like=True):
+    """What `local_metadata` ships: NIXL's agent metadata and our registered regions, each
+    [addr, nbytes, memory type code, device]."""
+
+    nixl: bytes
+    regions: list[tuple[int, int, int, int]]
+
+
+class RegionIndex:
+    """Registered memory of one agent, sorted by address: tells a descriptor's memory type and device.
+
+    `classify` fills column 2 (device) of an Nx3 descriptor array and returns the one memory type
+    that every descriptor lies in; NIXL needs one type per descriptor list."""
+
+    def __init__(self, regions: list[tuple[int, int, int, int]]) -> None:
+        regions = sorted(regions)
+        self.regions = regions
+        self._starts = np.array([r[0] for r in regions], dtype=np.uint64)
+        self._ends = np.array([r[0] + r[1] for r in regions], dtype=np.uint64)
+        self._mems = np.array([r[2] for r in regions], dtype=np.int64)
+        self._devs = np.array([r[3] for r in regions], dtype=np.uint64)
+
+    def classify(self, descs: np.ndarray) -> str | None:
+        """Memory type of `descs` (device column set in place); None if one lies outside every region.
+        Raises TransferError if they span host and device memory."""
+        if descs.shape[0] == 0:
+            return MEMORY_TYPES[0]
+        idx = np.searchsorted(self._starts, descs[:, 0], side="right").astype(np.int64) - 1
+        if (idx < 0).any():
+            return None
+        if (descs[:, 0] + descs[:, 1] > self._ends[idx]).any():
+            return None
+        mems = self._mems[idx]
+        if (mems != mems[0]).any():
+            raise TransferError("nixl: one transfer's descriptors span host and GPU memory")
+        descs[:, 2] = self._devs[idx]
+        return MEMORY_TYPES[int(mems[0])]
+
+
+def _region_entry(region) -> tuple[int, int, int, int]:
+    """(addr, nbytes) -> host; (addr, nbytes, gpu) -> that GPU's memory."""
+    if len(region) == 2:
+        return int(region[0]), int(region[1]), 0, 0
+    addr, nbytes, gpu = region
+    return int(addr), int(nbytes), 1, int(gpu)
 
 
 def _as_descs(pairs) -> np.ndarray:
@@ -89,30 +146,49 @@ class NixlBackend(TransferBackend):
         self._agent = nixl_agent(agent_name, cfg)
         if ucx_backend not in self._agent.backends:
             raise TransferError(f"NIXL backend plugin {ucx_backend!r} is not available")
-        self._reg_descs = None
+        self._reg_descs: list = []
+        self._local = RegionIndex([])
+        self._remote: dict[str, RegionIndex] = {}  # our peer name -> its registered memory
         self._peers: dict[str, str] = {}  # our peer name -> NIXL's remote agent name
         self._peer_by_nixl: dict[str, str] = {}
         self._handles = itertools.count(1)
         self._xfers: dict[int, object] = {}  # handle -> nixl_xfer_handle, or None for a notif-only write
 
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        if self._reg_descs is not None:
+    def register(self, regions: list[tuple[int, ...]]) -> None:
+        if self._reg_descs or self._local.regions:
             raise TransferError("register() is called once")
-        if regions:
-            self._reg_descs = self._agent.register_memory(_as_descs(regions), "DRAM")
+        entries = [_region_entry(r) for r in regions]
+        gpus = {dev for _, _, mem, dev in entries if mem == 1}
+        if gpus:
+            # UCX finds the CUDA context of GPU memory through the calling thread: make the GPU's
+            # primary context current on this (the owner) thread before any registration.
+            import torch
+
+            torch.cuda.set_device(min(gpus))
+        for code, mem in enumerate(MEMORY_TYPES):
+            rows = [(addr, nbytes, dev) for addr, nbytes, c, dev in entries if c == code]
+            if rows:
+                self._reg_descs.append(self._agent.register_memory(_as_descs(rows), mem))
+        self._local = RegionIndex(entries)
 
     def local_metadata(self) -> bytes:
-        return self._agent.get_agent_metadata()
+        return msgspec.msgpack.encode(_Metadata(self._agent.get_agent_metadata(), self._local.regions))
 
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
-        nixl_name = self._agent.add_remote_agent(metadata)
+        try:
+            md = msgspec.msgpack.decode(metadata, type=_Metadata)
+        except msgspec.DecodeError as e:
+            raise TransferError(f"nixl: malformed metadata from {peer_name!r}: {e}") from e
+        nixl_name = self._agent.add_remote_agent(md.nixl)
         if isinstance(nixl_name, bytes):  # 1.5.1 returns bytes
             nixl_name = nixl_name.decode()
         self._peers[peer_name] = nixl_name
         self._peer_by_nixl[nixl_name] = peer_name
+        self._remote[peer_name] = RegionIndex([tuple(r) for r in md.regions])
 
     def remove_peer(self, peer_name: str) -> None:
         nixl_name = self._peers.pop(peer_name, None)
+        self._remote.pop(peer_name, None)
         if nixl_name is None:
             return
         self._peer_by_nixl.pop(nixl_name, None)
@@ -143,11 +219,18 @@ class NixlBackend(TransferBackend):
             self._agent.send_notif(nixl_name, notif)
             self._xfers[handle] = None
             return handle
+        local_mem = self._local.classify(local_descs)
+        remote_mem = self._remote[peer_name].classify(remote_descs)
+        if local_mem is None or remote_mem is None:
+            side = "local" if local_mem is None else "remote"
+            raise TransferError(
+                f"nixl: cannot create transfer to {peer_name!r}: {side} memory not registered"
+            )
         try:
             xfer = self._agent.initialize_xfer(
                 op,
-                self._agent.get_xfer_descs(local_descs, "DRAM"),
-                self._agent.get_xfer_descs(remote_descs, "DRAM"),
+                self._agent.get_xfer_descs(local_descs, local_mem),
+                self._agent.get_xfer_descs(remote_descs, remote_mem),
                 nixl_name,
                 notif,
             )
@@ -219,10 +302,10 @@ class NixlBackend(TransferBackend):
             self.release(handle)
         for peer in list(self._peers):
             self.remove_peer(peer)
-        if self._reg_descs is not None:
+        for descs in self._reg_descs:
             try:
-                self._agent.deregister_memory(self._reg_descs)
+                self._agent.deregister_memory(descs)
             except Exception as e:
                 log.warning("nixl: deregister_memory failed: %r", e)
-            self._reg_descs = None
+        self._reg_descs = []
         self._agent = None
