@@ -117,6 +117,39 @@ def test_fake_duplicate_agent_name(fake_pair):
         FakeBackend("fake-a")
 
 
+# ---------------------------------------------------------------- nixl: which memory a descriptor is in
+
+
+def test_region_index_tells_memory_type_and_device_of_each_descriptor():
+    import numpy as np
+
+    from pdserve.transfer.nixl_backend import RegionIndex, _region_entry
+
+    # host [1000, 1100), GPU 1 [5000, 6000), GPU 0 [2000, 2500); given unsorted, as registered.
+    index = RegionIndex([_region_entry(r) for r in [(5000, 1000, 1), (1000, 100), (2000, 500, 0)]])
+    descs = np.array([[5000, 10, 0], [5990, 10, 0]], dtype=np.uint64)
+    assert index.classify(descs) == "VRAM" and descs[:, 2].tolist() == [1, 1]
+    descs = np.array([[2000, 500, 7]], dtype=np.uint64)
+    assert index.classify(descs) == "VRAM" and descs[:, 2].tolist() == [0]
+    assert index.classify(np.array([[1000, 100, 0]], dtype=np.uint64)) == "DRAM"
+    assert index.classify(np.zeros((0, 3), dtype=np.uint64)) == "DRAM"  # nothing to describe
+    for outside in ([999, 2], [1050, 51], [1100, 1], [2499, 2], [7000, 1]):  # below, across an end, past
+        assert index.classify(np.array([[*outside, 0]], dtype=np.uint64)) is None, outside
+    with pytest.raises(TransferError, match="span host and GPU memory"):
+        index.classify(np.array([[1000, 10, 0], [5000, 10, 0]], dtype=np.uint64))
+
+
+def test_tensor_region_of_host_memory():
+    import torch
+
+    from pdserve.transfer.base import tensor_region
+
+    t = torch.zeros(4, 8, dtype=torch.float16)
+    assert tensor_region(t) == (t.data_ptr(), 64)
+    with pytest.raises(TransferError, match="meta"):
+        tensor_region(torch.empty(4, device="meta"))
+
+
 # ---------------------------------------------------------------- nixl, two spawned processes
 
 NUM_LAYERS, NUM_PAGES, PAGE_SHAPE = 2, 64, (4, 2, 16)  # page_size 4, 2 kv heads, head_dim 16, fp32
