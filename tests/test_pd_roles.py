@@ -1696,3 +1696,50 @@ def test_layerwise_staging_packs_a_layer_or_falls_back(
     p.pe_role.staging = s
     p.assert_clean()
     store.close()
+
+
+def test_layerwise_send_slot_blocked_only_by_the_runs_own_pull_still_goes_out(make_pair, colocated, tmp_path):
+    """The lane pulls layer l+1 (DE path) before it sends layer l. A slot another room's write held at
+    the start of the pool put that pull in the middle; once the write completed, the free space on
+    either side of the pull was smaller than the send's slot though their sum was not, nothing else
+    was in flight, and the room failed ('no staging room for a layerwise send'). The lane now takes
+    its pending pull out of staging first (that layer loses its overlap) and sends."""
+    from pdserve.transfer.staging import StagingPool
+
+    p = make_pair(copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    ids = _stored_turn(p, store, "seed") + prompt(13, start=11)  # 60 tokens: 10 stored pages, 5 sent
+    s = p.pe_role.staging
+    role = p.pe_role
+    role.staging = pool = StagingPool(s.num_regions, s.bytes_per_page, 9, buffer=s.buffer)
+    pull, send = pool.pages_for(2, 10), pool.pages_for(2, 5)
+    assert (pull, send) == (5, 3)  # fits: 5 + 3 <= 9, the pull at [2, 7) leaves [0, 2) and [7, 9)
+    blocker = pool.alloc(2)  # another room's write in flight, at [0, 2)
+    role.staging_slots[-1] = blocker
+    alloc, drain = pool.alloc, role.drain_completions
+    failed_sends = []
+
+    def alloc_watch(num_pages):
+        slot = alloc(num_pages)
+        if slot is None and num_pages == send:
+            failed_sends.append(num_pages)
+        return slot
+
+    def drain_watch():
+        if failed_sends and -1 in role.staging_slots:  # that write completes once the send waits
+            pool.free(role.staging_slots.pop(-1))
+        drain()
+
+    pool.alloc, role.drain_completions = alloc_watch, drain_watch
+    _submit_read_path(p, ids, 2, "t2", "de")
+    p.drive(lambda: p.idle())
+    assert failed_sends  # the layout above happened
+    assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
+    assert role.layerwise.num_runs == 1
+    ref = colocated.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    )
+    assert p.de_sink.final("t2").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    role.staging = s
+    p.assert_clean()
+    store.close()

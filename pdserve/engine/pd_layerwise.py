@@ -123,7 +123,9 @@ class LayerwisePrefill:
             pr.in_flight.add(tid)
             pending[layer] = (tid, slot)
 
-        def finish(layer: int):
+        ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> pulled early (`settle`)
+
+        def collect(layer: int):
             tid, slot = pending.pop(layer)
             # Bounded by the room's time left (an ended room: one last look, then the read is aborted).
             ok = role.wait_for_transfer(tid, slot, timeout_s=role.rooms.time_left_s(pr.room))
@@ -139,6 +141,18 @@ class LayerwisePrefill:
             role.staging.free(slot)
             return k.to(self.runner.device), v.to(self.runner.device)
 
+        def finish(layer: int):
+            return ready.pop(layer) if layer in ready else collect(layer)
+
+        def settle() -> bool:
+            """Take the pulls started ahead out of staging now (a send found no slot with nothing else
+            in flight: the pull, started when other writes held the front of the pool, may sit in the
+            middle of it). Whether a slot was freed."""
+            layers = list(pending)
+            for layer in layers:
+                ready[layer] = collect(layer)
+            return bool(layers)
+
         def abandon() -> None:  # a failed run: release slots of pulls started ahead
             for tid, slot in pending.values():
                 if role.wait_for_transfer(tid, slot, timeout_s=role.rooms.time_left_s(pr.room)):
@@ -147,6 +161,7 @@ class LayerwisePrefill:
             pending.clear()
 
         finish.abandon = abandon
+        finish.settle = settle
         return start, finish
 
     # ---- the run ---------------------------------------------------------------------------------
@@ -175,7 +190,9 @@ class LayerwisePrefill:
             k_hit, v_hit = current[layer]
             k_all = torch.cat((k_hit[send_from:], k_new[max(0, send_from - hit_tokens) :]))
             v_all = torch.cat((v_hit[send_from:], v_new[max(0, send_from - hit_tokens) :]))
-            self._send_layer(pr, layer, k_all, v_all, first_send_page, num_pages)
+            self._send_layer(
+                pr, layer, k_all, v_all, first_send_page, num_pages, getattr(finish, "settle", None)
+            )
 
         miss_ids = torch.tensor(req.prompt_token_ids[hit_tokens:], device=self.runner.device)
         positions = torch.arange(hit_tokens, num_tokens, device=self.runner.device)
@@ -203,12 +220,16 @@ class LayerwisePrefill:
         pr.num_pages_sent = num_pages  # every page went out layer by layer: the last write is the handoff
         self.num_runs += 1
 
-    def _send_layer(self, pr, layer: int, k_all, v_all, first_page: int, num_pages: int) -> None:
-        """Write layer `layer` of tokens [first_page * page_size, N) to the decode, from a staging slot."""
+    def _send_layer(self, pr, layer: int, k_all, v_all, first_page: int, num_pages: int, settle=None) -> None:
+        """Write layer `layer` of tokens [first_page * page_size, N) to the decode, from a staging slot.
+        `settle`: the hit source's way to empty its own slots (DE path), tried once if none is free."""
         role, m = self.role, num_pages - first_page
         if m <= 0:
             return
-        slot = role.alloc_staging(role.staging.pages_for(2, m), timeout_s=self.time_left_s(pr))
+        need = role.staging.pages_for(2, m)
+        slot = role.alloc_staging(need, timeout_s=self.time_left_s(pr))
+        if slot is None and settle is not None and settle():
+            slot = role.alloc_staging(need, timeout_s=self.time_left_s(pr))
         if slot is None:
             self.time_left_s(pr)  # RoomEnded if the wait ran out of the room's time
             raise RuntimeError("no staging room for a layerwise send")
