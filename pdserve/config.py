@@ -251,6 +251,8 @@ class EngineConfig:
             # On the resolved device: float32 on the CPU (its half-precision matmuls are slow); on a
             # GPU the checkpoint's own half type (an fp16 model stays fp16, as in vLLM and HF), else bf16.
             saved = mc.torch_dtype if mc.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+            if saved == "bfloat16" and device != "cpu" and not _cuda_bf16_supported(device):
+                saved = "float16"  # a GPU older than Ampere has no bf16 arithmetic (vLLM's choice too)
             dtype = "float32" if device == "cpu" else saved
         # Positions the model was trained for (linear RoPE scaling stretches them; llama3-style
         # configs already state the extended length): beyond them outputs are garbage, so refuse.
@@ -291,3 +293,13 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def _cuda_bf16_supported(device: str) -> bool:
+    import torch
+
+    try:
+        major, _ = torch.cuda.get_device_capability(torch.device(device))
+    except (RuntimeError, AssertionError, ValueError):  # no usable GPU: the engine will say so itself
+        return True
+    return major >= 8

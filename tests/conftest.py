@@ -14,6 +14,15 @@ import pytest
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def hf_dtype_kw() -> str:
+    """`from_pretrained`'s dtype keyword: `dtype` since transformers 4.56, `torch_dtype` before (where
+    `dtype=` is silently ignored and the model loads in float32)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def tiny_hf_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides):
     import torch
     import transformers as tf

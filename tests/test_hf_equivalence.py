@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.conftest import ARCHS, tiny_hf_model
+from tests.conftest import ARCHS, hf_dtype_kw, tiny_hf_model
 
 MAX_NEW = 12
 
@@ -138,9 +138,8 @@ def test_half_precision_close_to_hf(dtype, tmp_path):
 
     tiny_hf_model("llama", seed=4).to(getattr(torch, dtype)).save_pretrained(tmp_path)
     # Loaded in the dtype (not `.to(dtype)`, which also rounds HF's RoPE inv_freq buffer to it).
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in transformers 4.56
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **{kw: getattr(torch, dtype)}).eval()
+    kw = {hf_dtype_kw(): getattr(torch, dtype)}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **kw).eval()
     llm = LLM(str(tmp_path), page_size=4, dtype=dtype, num_pages=64, max_model_len=512)
     assert llm.engine.runner.kv_cache.k[0].dtype == getattr(torch, dtype)
     prompt = prompts_for(7, (33,))[0]
@@ -155,6 +154,32 @@ def test_half_precision_close_to_hf(dtype, tmp_path):
     torch.testing.assert_close(
         torch.tensor([v for _, v in top]), ref[[t for t, _ in top]], rtol=0.0, atol=2e-3
     )
+
+
+def test_half_precision_weights_are_never_held_in_float32_while_loading(tmp_path, monkeypatch):
+    """Parameters were allocated in float32, filled, then cast: a bf16 model took twice its memory on
+    the GPU while loading (found by a review). Every checkpoint tensor now lands in a parameter of the
+    serving dtype, and the model is the same: its logprobs equal those of a float32 load cast to bf16."""
+    from pdserve.model import loader
+
+    tiny_hf_model("llama", seed=4).save_pretrained(tmp_path)  # a float32 checkpoint
+    seen = []
+    copy = loader._copy
+    monkeypatch.setattr(
+        loader, "_copy", lambda param, t, name: seen.append(param.dtype) or copy(param, t, name)
+    )
+    llm = LLM(str(tmp_path), page_size=4, dtype="bfloat16", num_pages=64, max_model_len=512)
+    assert seen and set(seen) == {torch.bfloat16}
+    model = llm.engine.runner.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary.cos.dtype == torch.bfloat16  # the RoPE table as the whole-model cast left it
+    monkeypatch.setattr(loader, "_copy", copy)
+    ref = LLM(
+        str(tmp_path), page_size=4, dtype="float32", num_pages=64, max_model_len=512
+    ).engine.runner.model
+    ref = ref.to(torch.bfloat16)  # what loading did before
+    for (name, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen2-no-layer-types", "llama"])
@@ -205,7 +230,7 @@ def test_cuda_bf16_matches_hf(arch, hf_checkpoints):
     path, _ = hf_checkpoints[arch]
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, **{hf_dtype_kw(): torch.bfloat16}).cuda().eval()
     llm = LLM(
         path,
         page_size=4,
@@ -269,6 +294,8 @@ def test_an_activation_other_than_silu_is_refused(act, tmp_path):
         ("float32", "cuda", "bfloat16"),
         ("float16", "cpu", "float32"),  # the CPU runs float32, even on a machine with a GPU
         ("float16", "auto", "float16"),
+        ("bfloat16", "cuda-pre-ampere", "float16"),  # no bf16 arithmetic before compute capability 8
+        ("float32", "cuda-pre-ampere", "float16"),
     ],
 )
 def test_auto_dtype_follows_the_checkpoint_and_the_resolved_device(
@@ -278,5 +305,8 @@ def test_auto_dtype_follows_the_checkpoint_and_the_resolved_device(
 
     tiny_hf_model("llama", seed=1).to(getattr(torch, saved)).save_pretrained(tmp_path)
     monkeypatch.setattr(config, "_cuda_available", lambda: True)  # as on a GPU machine
+    old_gpu = device.endswith("-pre-ampere")
+    monkeypatch.setattr(config, "_cuda_bf16_supported", lambda device: not old_gpu)
+    device = device.removesuffix("-pre-ampere")
     cfg = config.EngineConfig.create(str(tmp_path), dtype="auto", device=device, num_pages=16)
     assert cfg.dtype == expected

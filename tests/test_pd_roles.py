@@ -439,6 +439,32 @@ def test_happy_path_states_page_release_and_greedy_equals_colocated(make_pair, c
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_on_a_gpu_the_last_pages_and_the_handoff_row_go_in_separate_writes(make_pair, colocated, staged):
+    """On a GPU the pages (and staging slots) are GPU memory and the handoff slots host memory, and one
+    NIXL transfer moves one kind of memory per side: the last write carried both, so NIXL refused it
+    and every ordinary PD request failed on a GPU (found by two reviews; NIXL's RegionIndex raises
+    'span host and GPU memory'). With `handoff_apart` (set on a GPU) the pages go first, then the
+    handoff row alone; the decode counts both writes and commits."""
+    p = make_pair(copy_bytes=True, staging_threshold=-1.0 if staged else 2.0)
+    p.pe_role.handoff_apart = True  # as on a GPU: the pool's device is not the handoff's
+    handoff = (p.pe_role.handoff.base_addr, p.pe_role.handoff.base_addr + p.pe_role.handoff.nbytes)
+    kinds = []
+    p.on_submit = lambda room, seq, total, local, remote: kinds.append(
+        {handoff[0] <= addr < handoff[1] for addr, _ in local}
+    )
+    ids = prompt(18)
+    room = p.submit_both(ids, 6, "r1")
+    p.drive(lambda: p.idle())
+    assert kinds == [{False}, {True}]  # the pages alone, then the handoff row alone
+    assert p.submits == [(room, 1, 0, 5), (room, 2, 2, 0)]
+    ref = colocated.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=6))
+    assert p.de_sink.final("r1").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert p.de_role.num_staged == (1 if staged else 0)
+    assert p.pe_role.failures == {} and p.de_role.failures == {}
+    p.assert_clean()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_chunked_prefill_streams_pages_and_decode_prefix_hit_asks_only_the_rest(make_pair, colocated, staged):
     """Budget 8 tokens: a 30-token prompt is written in 4 pieces while later chunks compute. A second
     prompt sharing 24 tokens hits the decode's own prefix cache: the KVRequest covers only pages 6-7.

@@ -137,6 +137,21 @@ def test_region_index_tells_memory_type_and_device_of_each_descriptor():
         assert index.classify(np.array([[*outside, 0]], dtype=np.uint64)) is None, outside
     with pytest.raises(TransferError, match="span host and GPU memory"):
         index.classify(np.array([[1000, 10, 0], [5000, 10, 0]], dtype=np.uint64))
+    top = RegionIndex([(2**64 - 8192, 4096, 0, 0)])  # a descriptor whose end wraps around 2**64
+    assert top.classify(np.array([[2**64 - 10, 20, 0]], dtype=np.uint64)) is None
+    assert top.classify(np.array([[2**64 - 8192, 4096, 0]], dtype=np.uint64)) == "DRAM"
+
+
+@pytest.mark.parametrize(
+    "regions",
+    [[(0, 1000, 0, 0), (100, 100, 0, 0)], [(-1, 10, 0, 0)], [(2**64 - 4, 8, 0, 0)], [(0, 10, 7, 0)]],
+    ids=["overlap", "negative", "past-2**64", "unknown-memory"],
+)
+def test_region_index_refuses_regions_no_agent_registers(regions):
+    from pdserve.transfer.nixl_backend import RegionIndex
+
+    with pytest.raises(ValueError, match="overlapping|bad region"):
+        RegionIndex(regions)
 
 
 def test_tensor_region_of_host_memory():

@@ -26,6 +26,7 @@ def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[l
 
 def run_offline_bench(args) -> int:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from pdserve import LLM, SamplingParams
@@ -62,7 +63,9 @@ def run_offline_bench(args) -> int:
         return time.perf_counter() - t, outs
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # `dtype=` is ignored before 4.56
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, **{kw: dtype}).to(args.device).eval()
     hf.generation_config.eos_token_id = None
     max_len = max(len(p) for p, _ in work)
     pad = 0

@@ -104,8 +104,9 @@ class ModelRunner:
 
     def _decode_group(self, reqs: list[Request], rows: list[int]) -> DecodeGroup:
         ps = self.page_size
-        ctx_lens = self._tensor([r.num_computed_tokens + 1 for r in reqs])
-        max_pages = -(-int(ctx_lens.max()) // ps)
+        lens = [r.num_computed_tokens + 1 for r in reqs]
+        max_pages = -(-max(lens) // ps)  # from the list: reading a device tensor would wait for the GPU
+        ctx_lens = self._tensor(lens)
         table = self._tensor(
             [r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages])) for r in reqs]
         )

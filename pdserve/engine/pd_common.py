@@ -160,6 +160,9 @@ class PDRoleBase:
         self.local_kv = region_table(engine.runner.kv_cache)
         self.handoff = HandoffPool(config.num_handoff_slots)
         self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
+        # KV and staging live on the engine's device, handoff slots in host memory: on a GPU a write
+        # cannot carry pages and the handoff row together (see PrefillRole._send_pages).
+        self.handoff_apart = self.kv_regions[0].device.type != "cpu"
         self.rooms = RoomTable(config.deadlines())
         self.failures: dict[str, int] = {}  # reason -> count (metrics)
 

@@ -513,14 +513,20 @@ class PrefillRole(PDRoleBase, EngineRole):
             # we cannot describe fails this room, never the engine's step.
             self._fail(pr.room, f"bad destination: {e}")
             return
+        # Unless gathered into our staging slot first, the write reads our KV pages: pin them.
+        pins = src if local_slot < 0 else ()
         if last:
+            if local and self.handoff_apart:
+                # One NIXL transfer moves one kind of memory per side: the pages (GPU) go out first,
+                # on their own, and the handoff row (host) last; the decode counts both.
+                self.submit_write(pr, local, remote, False, local_slot, pins)
+                local, remote, local_slot, pins = [], [], -1, ()
             slot_addr, slot_bytes = self.handoff.slot_addr(pr.local_slot), self.handoff.slot_bytes
             local.append((slot_addr, slot_bytes))
             remote.append(
                 (pr.peer.handoff_base_addr + pr.handoff_slot * pr.peer.handoff_slot_bytes, slot_bytes)
             )
-        # Unless gathered into our staging slot first, the write reads our KV pages: pin them.
-        self.submit_write(pr, local, remote, last, local_slot, src if local_slot < 0 else ())
+        self.submit_write(pr, local, remote, last, local_slot, pins)
         self.num_pages_sent += len(src)
         pr.num_pages_sent = end
 

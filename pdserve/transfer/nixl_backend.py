@@ -82,7 +82,21 @@ class RegionIndex:
     that every descriptor lies in; NIXL needs one type per descriptor list."""
 
     def __init__(self, regions: list[tuple[int, int, int, int]]) -> None:
-        regions = sorted(regions)
+        """Raises ValueError for a region outside the 64-bit address space, of an unknown memory type,
+        or overlapping another (a peer's metadata is checked before anything is written to it)."""
+        regions = sorted(tuple(int(x) for x in r) for r in regions)
+        for addr, nbytes, mem, dev in regions:
+            if (
+                addr < 0
+                or nbytes < 0
+                or addr + nbytes > 1 << 64
+                or mem not in (0, 1)
+                or not 0 <= dev < 1 << 32
+            ):
+                raise ValueError(f"bad region (addr {addr}, nbytes {nbytes}, memory {mem}, device {dev})")
+        for (a, n, _, _), (b, _, _, _) in itertools.pairwise(regions):
+            if a + n > b:
+                raise ValueError(f"overlapping regions at {a:#x} and {b:#x}")
         self.regions = regions
         self._starts = np.array([r[0] for r in regions], dtype=np.uint64)
         self._ends = np.array([r[0] + r[1] for r in regions], dtype=np.uint64)
@@ -97,7 +111,9 @@ class RegionIndex:
         idx = np.searchsorted(self._starts, descs[:, 0], side="right").astype(np.int64) - 1
         if (idx < 0).any():
             return None
-        if (descs[:, 0] + descs[:, 1] > self._ends[idx]).any():
+        ends = self._ends[idx]
+        # (addr <= end first: end - addr would wrap around; addr + nbytes could too)
+        if ((descs[:, 0] > ends) | (descs[:, 1] > ends - descs[:, 0])).any():
             return None
         mems = self._mems[idx]
         if (mems != mems[0]).any():
@@ -158,6 +174,7 @@ class NixlBackend(TransferBackend):
         if self._reg_descs or self._local.regions:
             raise TransferError("register() is called once")
         entries = [_region_entry(r) for r in regions]
+        index = RegionIndex(entries)  # (ValueError for overlapping or impossible regions)
         gpus = {dev for _, _, mem, dev in entries if mem == 1}
         if gpus:
             # UCX finds the CUDA context of GPU memory through the calling thread: make the GPU's
@@ -169,7 +186,7 @@ class NixlBackend(TransferBackend):
             rows = [(addr, nbytes, dev) for addr, nbytes, c, dev in entries if c == code]
             if rows:
                 self._reg_descs.append(self._agent.register_memory(_as_descs(rows), mem))
-        self._local = RegionIndex(entries)
+        self._local = index
 
     def local_metadata(self) -> bytes:
         return msgspec.msgpack.encode(_Metadata(self._agent.get_agent_metadata(), self._local.regions))
@@ -177,14 +194,15 @@ class NixlBackend(TransferBackend):
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
         try:
             md = msgspec.msgpack.decode(metadata, type=_Metadata)
-        except msgspec.DecodeError as e:
+            regions = RegionIndex(md.regions)  # checked before NIXL learns of the peer
+        except (msgspec.DecodeError, ValueError) as e:
             raise TransferError(f"nixl: malformed metadata from {peer_name!r}: {e}") from e
         nixl_name = self._agent.add_remote_agent(md.nixl)
         if isinstance(nixl_name, bytes):  # 1.5.1 returns bytes
             nixl_name = nixl_name.decode()
         self._peers[peer_name] = nixl_name
         self._peer_by_nixl[nixl_name] = peer_name
-        self._remote[peer_name] = RegionIndex([tuple(r) for r in md.regions])
+        self._remote[peer_name] = regions
 
     def remove_peer(self, peer_name: str) -> None:
         nixl_name = self._peers.pop(peer_name, None)
