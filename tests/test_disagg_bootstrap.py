@@ -170,3 +170,29 @@ def test_register_local_and_secret():
     finally:
         s.stop()
         s.stop()  # idempotent
+
+
+def test_the_decodes_lookups_reuse_one_client(server, monkeypatch):
+    """The decode asks a prefill's bootstrap server for its control address once a second (the cache's
+    TTL), on the request path. Each lookup built its own httpx client, and building one loads the CA
+    bundle: ~20 ms of CPU that stalled the decode's event loop (every stream it serves) once a second
+    per prefill. The lookups now share one client, built once."""
+    from types import SimpleNamespace
+
+    from pdserve.server import pd_context
+    from pdserve.server.pd_context import PDContext
+
+    with httpx.Client(base_url=server.url, timeout=5) as c:
+        assert c.put("/route", json=_route(0, world=1)).json() == {"ok": True}
+    built = []
+    real = httpx.AsyncClient
+    monkeypatch.setattr(pd_context.httpx, "AsyncClient", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    ctx = SimpleNamespace(_addr_cache={}, _http=None, ADDR_TTL_S=0.0)  # every call looks up again
+
+    async def three_lookups():
+        addrs = [await PDContext.control_address_of(ctx, server.url) for _ in range(3)]
+        await ctx._http.aclose()
+        return addrs
+
+    assert asyncio.run(three_lookups()) == [_route(0)["control_addr"]] * 3
+    assert built == [1]

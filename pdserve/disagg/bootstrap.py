@@ -261,14 +261,22 @@ class BootstrapServer:
         self._sock.close()
 
 
-async def lookup(url: str, rank: int | None = 0, timeout_s: float = 5.0) -> dict:
+async def lookup(
+    url: str, rank: int | None = 0, timeout_s: float = 5.0, client: httpx.AsyncClient | None = None
+) -> dict:
     """GET {url}/route?rank=N (rank=None: the whole topology). Raises BootstrapError on a connection
     failure, a timeout, a non-200 status (503: not registered yet; retry later) or a non-JSON answer.
-    For the decode's asyncio side or a helper thread; never call it from the scheduler loop."""
+    For the decode's asyncio side or a helper thread; never call it from the scheduler loop.
+
+    `client`: a long-lived client of the caller's event loop. Pass one on a request path: building a
+    client loads the CA bundle, ~20 ms of CPU that stalls the whole event loop."""
     params = {} if rank is None else {"rank": str(rank)}
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            resp = await client.get(f"{url.rstrip('/')}/route", params=params)
+        if client is not None:
+            resp = await client.get(f"{url.rstrip('/')}/route", params=params, timeout=timeout_s)
+        else:
+            async with httpx.AsyncClient(timeout=timeout_s) as own:
+                resp = await own.get(f"{url.rstrip('/')}/route", params=params)
     except httpx.HTTPError as e:
         raise BootstrapError(f"bootstrap {url} unreachable: {e!r}") from None
     if resp.status_code != 200:

@@ -65,10 +65,10 @@ def build_app(
     app.state.metrics = metrics
 
     @app.on_event("shutdown")
-    def _shutdown() -> None:
+    async def _shutdown() -> None:
         aengine.shutdown()
         if pd is not None:
-            pd.close()
+            await pd.aclose()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

@@ -12,6 +12,8 @@ import os
 import time
 import uuid
 
+import httpx
+
 from pdserve.disagg import bootstrap
 from pdserve.disagg.control import ControlChannel
 from pdserve.engine.llm_engine import LLMEngine
@@ -75,6 +77,7 @@ class PDContext:
         self.role.agent = self.agent
         self.bootstrap = None
         self._addr_cache: dict[str, tuple[str, float]] = {}  # bootstrap URL -> (control addr, looked up at)
+        self._http: httpx.AsyncClient | None = None  # built in the event loop on the first lookup
         self.store = None
         if config.kv_store_dir:
             from pdserve.engine.store_connector import StoreConnector
@@ -134,14 +137,23 @@ class PDContext:
         cached = self._addr_cache.get(bootstrap_url)
         if cached is not None and now - cached[1] < self.ADDR_TTL_S:
             return cached[0]
+        if self._http is None:  # one client for this process's event loop (see bootstrap.lookup)
+            self._http = httpx.AsyncClient()
         try:
-            route = await bootstrap.lookup(bootstrap_url, rank=0, timeout_s=10.0)
+            route = await bootstrap.lookup(bootstrap_url, rank=0, timeout_s=10.0, client=self._http)
         except Exception:
             self._addr_cache.pop(bootstrap_url, None)
             raise
         addr = route["control_addr"]
         self._addr_cache[bootstrap_url] = (addr, now)
         return addr
+
+    async def aclose(self) -> None:
+        """`close`, and the lookup client first (from the event loop it was built in)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        self.close()
 
     def close(self) -> None:
         if self.store is not None:
