@@ -684,3 +684,44 @@ def test_non_streaming_client_disconnect_aborts_and_counts(url, model_name):
     assert after["pdserve_kv_pages_used"] == 0 and after["pdserve_num_requests_running"] == 0
     assert after["pdserve_generation_tokens_total"] - generated_before < 400
     assert after['pdserve_requests_finished_total{finish_reason="abort"}'] == aborted_before + 1
+
+
+def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir):
+    """A 50k-token prompt takes ~0.1 s to tokenize. On the event loop (and with the GIL held: the
+    tokenizer's `encode` keeps it) that stalled every stream of the engine and its engine thread.
+    Completions and chat now tokenize on a worker thread, with a tokenizer call that releases the GIL;
+    the ids are the same."""
+    import threading
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.server.api import build_app
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=MAX_MODEL_LEN))
+    text = "def handler(request):\n    return request.body\n" * 20
+    assert engine.tokenizer.encode(text) == engine.tokenizer._tok.encode(text).ids
+    threads = []
+    encode = engine.tokenizer.encode
+
+    def recording(*a, **kw):
+        threads.append(threading.get_ident())
+        return encode(*a, **kw)
+
+    engine.tokenizer.encode = recording
+    app = build_app(engine)
+
+    async def run():
+        loop_thread = threading.get_ident()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+            assert r.status_code == 200, r.text
+        return loop_thread
+
+    try:
+        loop_thread = asyncio.run(run())
+    finally:
+        app.state.engine.shutdown()
+    assert len(threads) == 2 and loop_thread not in threads
