@@ -63,6 +63,10 @@ def test_round_robin_and_dualpath_same_tokens_reads_spread(demo_model_dir):
             max_context_tokens=900,
             vocab_size=4096,
             seed=3,
+            # Tool latency between turns: the decode writes a turn's blocks back asynchronously
+            # (through the node's emulated storage NIC), and a turn sent before its history is on
+            # disk recomputes it, correctly but without a store read (seen once under load).
+            think_s=0.3,
         )
     )
     basic, basic_state, engines = run_cluster(demo_model_dir, "round_robin", agents)

@@ -32,6 +32,9 @@ An exception in the I/O thread is counted (`num_errors`, `last_error`) and the l
 silently stops the channel. The secret proves "holder of the cluster secret", not which peer sent a
 message, and does not stop replays; rooms are random, unique while active and ignored once removed,
 which bounds what a replay can do.
+
+Length (~420 lines, a third of it this docstring and the limits): one I/O thread and the sockets it
+alone owns; split, the bounds above would be spread over files that each see only part of them.
 """
 
 from __future__ import annotations
