@@ -23,8 +23,8 @@ demo: $(STAMP)
 	$(BIN)/pdserve demo --model-dir $(DEMO_DIR)
 
 lint: $(STAMP)
-	$(BIN)/ruff check pdserve tests
-	$(BIN)/ruff format --check pdserve tests
+	$(BIN)/ruff check pdserve tests scripts
+	$(BIN)/ruff format --check pdserve tests scripts
 
 test: lint
 	$(BIN)/python -m pytest -q -x --durations=15

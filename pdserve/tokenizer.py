@@ -53,6 +53,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A detokenizer for one request's growing output (see `IncrementalDetokenizer`)."""
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
@@ -74,3 +78,47 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of token ids, decoded a few tokens at a time.
+
+    Decoding the whole output at every step costs O(output) per step: at 2,000 output tokens ~0.24 ms
+    per request and step on the engine thread, so 64 streams of an RL rollout's 8k-token answers spent
+    more time detokenizing than a GPU spends on the step. Here each step decodes a window that starts
+    at the last settled token (`prefix_offset`): the text the new ids add is the window's text minus
+    what the window decoded to before them. The window keeps the decoders' context (a byte-level BPE
+    or byte-fallback character split over tokens, Metaspace's leading space, which both decodes of a
+    window strip alike), so the text equals the full decode's. The one difference: a character still
+    incomplete at the end (a full decode shows U+FFFD) is left out until its last byte arrives; the
+    window then stays open (it is not settled), and the text before that character is shown.
+
+    (HF `tokenizers.decoders.DecodeStream` does this too, but raises on some byte-fallback sequences
+    a sampler can produce.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._decode = tokenizer.decode
+        self._skip = skip_special_tokens
+        self._settled = ""  # the text of tokens [0, read_offset)
+        self._prefix_offset = 0  # window start: the tokens before it are settled text
+        self._read_offset = 0
+        self.text = ""  # what `update` last returned
+
+    def update(self, token_ids: list[int]) -> str:
+        """`token_ids`: the whole output so far (it only grows). Returns the text so far."""
+        if len(token_ids) < self._read_offset:  # not an append: start over
+            self._settled, self._prefix_offset, self._read_offset = "", 0, 0
+        if len(token_ids) == self._read_offset:
+            self.text = self._settled
+            return self.text
+        before = self._decode(token_ids[self._prefix_offset : self._read_offset], self._skip)
+        after = self._decode(token_ids[self._prefix_offset :], self._skip)
+        new = after[len(before) :]
+        if new and not new.endswith("\ufffd"):
+            self._settled += new
+            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+            self.text = self._settled
+        else:  # an incomplete character at the end: show what precedes it, settle nothing
+            self.text = self._settled + new.rstrip("\ufffd")
+        return self.text

@@ -243,9 +243,17 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------------
     def _text(self, req: Request) -> str:
+        """The output's text: decoded a few tokens per step while it grows (a full decode at every
+        step is O(output) per step), and once in full when the request has finished (exactly the
+        tokenizer's decode, a trailing incomplete character as U+FFFD included)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(req.output_token_ids, req.sampling_params.skip_special_tokens)
+        skip = req.sampling_params.skip_special_tokens
+        if req.status.finished:
+            return self.tokenizer.decode(req.output_token_ids, skip)
+        if req.detokenizer is None:
+            req.detokenizer = self.tokenizer.incremental(skip)
+        return req.detokenizer.update(req.output_token_ids)
 
     def output(self, req: Request) -> RequestOutput:
         """The request as its caller sees it now (text with stop strings cut)."""

@@ -1,0 +1,111 @@
+"""Incremental detokenization: the text of a growing output, a few tokens per step, equals the full
+decode's, for the two decoder families LLM tokenizers use (byte-level BPE; Metaspace with byte
+fallback, as Llama 2 and Mistral), on text a model writes and on random ids (special tokens, stray and
+split UTF-8 bytes), stepped 1-5 at a time.
+
+One exception, left out of the random ids: byte-fallback tokens that form an invalid UTF-8 run. There
+the decoder turns every byte of the run into U+FFFD, valid ones before the bad byte too, so even the
+full decode rewrites text it already showed; no stream can follow that."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_level(demo_model_dir) -> Tokenizer:
+    return Tokenizer(demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from pdserve.model.demo import corpus_lines
+
+    tok = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    lines = corpus_lines() + ["héllo wörld ünïcode ✓ 中文 テスト", "  two  spaces  "]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=1200, special_tokens=special))
+    d = tmp_path_factory.mktemp("metaspace")
+    tok.save(str(d / "tokenizer.json"))
+    return Tokenizer(d)
+
+
+def _check(tok: Tokenizer, ids: list[int], skip: bool, rng: random.Random) -> None:
+    inc = tok.incremental(skip)
+    n = 0
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, 5))
+        text, full = inc.update(ids[:n]), tok.decode(ids[:n], skip)
+        # Equal, except a character whose bytes are still incomplete at the end (U+FFFD in `full`).
+        assert full.startswith(text), (ids[:n], text, full)
+        assert set(full[len(text) :]) <= {"\ufffd"}, (ids[:n], text, full)
+
+
+@pytest.mark.parametrize("which", ["byte_level", "metaspace"])
+def test_incremental_text_equals_the_full_decode(which, request):
+    tok = request.getfixturevalue(which)
+    rng = random.Random(which)
+    vocab = tok.vocab_size
+    texts = [
+        "def handler(request):\n    return request.body\n",
+        " leading space",
+        "héllo ✓ 中文 テスト  x",
+        "Ω≈ç√∫ 😀🚀 ok",  # characters the tokenizers never saw: byte tokens, split over steps
+    ]
+    for text in texts:  # what a model writes
+        for skip in (True, False):
+            _check(tok, tok.encode(text, add_special_tokens=False), skip, rng)
+    byte_tokens = {tok._tok.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None}
+    drawable = [i for i in range(vocab) if i not in byte_tokens]  # (all of them for byte-level BPE)
+    for _ in range(300):  # and what a sampler can draw
+        ids = [rng.choice(drawable) for _ in range(rng.randint(1, 80))]
+        _check(tok, ids, rng.random() < 0.5, rng)
+
+
+def test_incremental_text_starts_over_when_the_ids_do_not_grow(byte_level):
+    ids = byte_level.encode("def f(x):\n    return x\n", add_special_tokens=False)
+    inc = byte_level.incremental()
+    assert inc.update(ids) == byte_level.decode(ids)
+    assert inc.update(ids[:3]) == byte_level.decode(ids[:3])
+
+
+def test_the_engines_text_at_every_step_is_the_decode_of_its_tokens(demo_model_dir):
+    """The engine's streamed text (incremental) against a full decode of the same tokens, step by step,
+    sampled outputs included; the finished output is the full decode itself."""
+    from pdserve import SamplingParams
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=128, max_model_len=512))
+    tok = engine.tokenizer
+    skip = {"r0": True, "r1": False}
+    for rid, skip_special in skip.items():
+        params = SamplingParams(
+            temperature=1.0,
+            seed=3 + int(rid[1:]),
+            max_tokens=120,
+            ignore_eos=True,
+            skip_special_tokens=skip_special,
+        )
+        engine.add(engine.make_request("def handler(request):", params, rid))
+    seen = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            o = out.outputs[0]
+            full = tok.decode(o.token_ids, skip[out.request_id])
+            assert full.startswith(o.text) and set(full[len(o.text) :]) <= {"\ufffd"}
+            if out.finished:
+                assert o.text == full
+            seen += 1
+    assert seen == 240
