@@ -15,7 +15,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.kv_manager import KVManager
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import CompletionOutput, GrowingPrefix, RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer, TokenizerError
 
@@ -279,8 +279,10 @@ class LLMEngine:
                 CompletionOutput(
                     0,
                     text,
-                    list(req.output_token_ids),
-                    list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+                    _snapshot(req.output_token_ids, req.status.finished),
+                    _snapshot(req.logprobs, req.status.finished)
+                    if req.sampling_params.logprobs is not None
+                    else None,
                     finish,
                     req.stop_reason,
                 )
@@ -322,3 +324,9 @@ class LLMEngine:
             f"{len(wrong)} pages with a reference count unlike their holders', e.g. page {wrong[0]}: "
             f"{actual[wrong[0]]} references, {expected[wrong[0]]} holders"
         )
+
+
+def _snapshot(items: list, finished: bool):
+    """What an output carries of a list the engine keeps appending to: a copy once the request has
+    finished (nothing is appended any more; callers own it), else an O(1) view of its current length."""
+    return list(items) if finished else GrowingPrefix(items)

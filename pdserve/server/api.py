@@ -427,7 +427,7 @@ def build_app(
             if o.logprobs is not None:
                 meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in o.logprobs]
                 meta["output_top_logprobs"] = [lp.top for lp in o.logprobs]
-            return {"output_ids": o.token_ids, "text": o.text, "meta_info": meta}
+            return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream:
 
