@@ -40,6 +40,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
+        self._template = None  # compiled on first use (_compiled_template)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -57,20 +58,29 @@ class Tokenizer:
         """A detokenizer for one request's growing output (see `IncrementalDetokenizer`)."""
         return IncrementalDetokenizer(self, skip_special_tokens)
 
+    def _compiled_template(self):
+        """The chat template, compiled once (compiling took ~6.5 ms per request for Qwen2.5's, with the
+        GIL held; rendering a compiled one ~0.05 ms). A race of two first callers compiles it twice."""
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+
+            def raise_exception(message):
+                raise TokenizerError(f"chat template error: {message}")
+
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+                x, ensure_ascii=False, indent=indent
+            )
+            self._template = env.from_string(self.chat_template)
+        return self._template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-
-        def raise_exception(message):
-            raise TokenizerError(f"chat template error: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
-            return env.from_string(self.chat_template).render(
+            return self._compiled_template().render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

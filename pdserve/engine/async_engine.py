@@ -4,6 +4,9 @@ Who calls what: HTTP handlers (event-loop thread) call `validate()` (read-only) 
 `generate()`; only the engine thread ever mutates the engine. Commands cross over through `_inbox`;
 outputs come back through per-request asyncio queues (`call_soon_threadsafe`). When the engine goes
 idle it runs `check_integrity()` (mini-sglang's habit), so a leak is caught right after it happens.
+The check walks every page (~11 ms at 50k pages, 50 ms at 200k): the next one waits until the engine
+has spent at most IDLE_CHECK_SHARE of its time on them, so a request arriving at an engine that goes
+idle between an agent's turns rarely waits behind one (small pools still check at every idle).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+
+IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
 
 
 class EngineDeadError(RuntimeError):
@@ -149,6 +154,7 @@ class AsyncEngine:
         engine, role = self.engine, self.role
         idle_checked = True
         last_report = 0.0
+        next_check_s = 0.0  # monotonic time before which the next idle check waits
         try:
             while not self._stopped:
                 while self._inbox:
@@ -187,10 +193,16 @@ class AsyncEngine:
                     idle_checked = False
                     continue
                 if not idle_checked:
+                    now = time.monotonic()
+                    if self._check_idle and now < next_check_s:  # the last check was recent: later
+                        self._wake.wait(timeout=next_check_s - now)  # (unless work arrives first)
+                        self._wake.clear()
+                        continue
                     if self._check_idle:
                         engine.check_integrity()
                         if role is not None:
                             role.check_integrity()
+                        next_check_s = now + (time.monotonic() - now) / IDLE_CHECK_SHARE
                     if self._on_step:
                         self._on_step(engine, [])
                     idle_checked = True

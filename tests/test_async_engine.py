@@ -1,0 +1,43 @@
+"""The engine thread's idle integrity checks: at every idle while they are cheap, spaced out once
+they are not (they walk every page: ~11 ms at 50k pages)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine import async_engine
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import LLMEngine
+
+
+@pytest.mark.parametrize(("share", "expected"), [(1.0, 4), (0.001, 1)], ids=["cheap", "costly"])
+def test_idle_checks_take_a_bounded_share_of_the_engine_thread(demo_model_dir, monkeypatch, share, expected):
+    """A check that takes 50 ms: with a 100% share the next may run 50 ms later, so each of the four
+    idles (0.3 s apart) gets one; with a 0.1% share the next waits 50 s, so the later idles skip it."""
+    monkeypatch.setattr(async_engine, "IDLE_CHECK_SHARE", share)
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=512))
+    checks = []
+    check = engine.check_integrity
+    monkeypatch.setattr(engine, "check_integrity", lambda: checks.append(time.sleep(0.05)) or check())
+    aengine = AsyncEngine(engine)
+
+    async def one(i: int) -> None:
+        req, text = aengine.validate("def f(x):", SamplingParams(max_tokens=2), f"r{i}")
+        async for _ in aengine.generate(req, text):
+            pass
+
+    async def run() -> None:
+        for i in range(4):
+            await one(i)
+            await asyncio.sleep(0.3)  # idle long enough for a check that is due
+
+    try:
+        asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert len(checks) == expected
