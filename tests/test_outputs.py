@@ -42,3 +42,33 @@ def test_running_outputs_are_views_of_that_step_and_finished_outputs_are_lists(d
     for o, seen in running:  # later steps appended to the engine's lists: each view still shows its step
         assert o.token_ids == seen and len(o.logprobs) == len(seen)
         assert o.token_ids == out.outputs[0].token_ids[: len(seen)]
+
+
+def test_decode_page_tables_follow_growing_and_replaced_page_lists(demo_model_dir):
+    """The runner keeps each decoding request's page ids as int64 across steps (converting every id of
+    every row each step cost 8.5 ms at 64 x 32k tokens): a grown list is extended, a replaced one
+    (pages freed, then allocated again) rebuilt, and a request that stops decoding forgotten."""
+    from types import SimpleNamespace
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    runner = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=512)).runner
+    ps = runner.page_size
+
+    def req(rid, pages, tokens):
+        return SimpleNamespace(request_id=rid, page_ids=pages, num_computed_tokens=tokens)
+
+    def tables(reqs):
+        groups = runner._decode_groups(reqs, list(range(len(reqs))))
+        order = [int(i) for g in groups for i in g.rows]
+        return {reqs[i].request_id: row.tolist() for g in groups for i, row in zip(order, g.pages, strict=True)}
+
+    a, b, c = req("a", [5, 9], 2 * ps - 1), req("b", [7], ps - 1), req("c", [1, 2, 3], 3 * ps - 1)
+    assert tables([a, b, c]) == {"a": [5, 9, 0], "b": [7, 0, 0], "c": [1, 2, 3]}
+    a.page_ids.append(11)  # grew
+    a.num_computed_tokens = 3 * ps - 1
+    b.page_ids = [8, 4]  # freed and allocated again: a new list
+    b.num_computed_tokens = 2 * ps - 1
+    assert tables([a, b]) == {"a": [5, 9, 11], "b": [8, 4, 0]}
+    assert set(runner._page_rows) == {"a", "b"}  # c did not decode this step

@@ -8,6 +8,9 @@ tokens [start, start + n):
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
@@ -36,6 +39,10 @@ class ModelRunner:
         self._windows = sorted({w for w in mc.sliding_windows if w is not None})
         self.sampler = Sampler(config.device, config.seed)
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own RNG (seeded requests)
+        # request_id -> (its page_ids list, the same ids as int64): decode page tables are copied from
+        # these, extended as the list grows, instead of converting every id of every row each step
+        # (64 decodes at 32k tokens: 8.5 ms a step). Only this step's decodes are kept.
+        self._page_rows: dict[str, tuple[list[int], array]] = {}
 
     def add_request(self, req: Request) -> None:
         if req.sampling_params.seed is not None:
@@ -100,16 +107,36 @@ class ModelRunner:
                 groups[-1][1].append(i)
             else:
                 groups.append((pages, [i]))
-        return [self._decode_group([reqs[i] for i in g], [rows[i] for i in g]) for _, g in groups]
+        step_rows: dict[str, tuple[list[int], array]] = {}
+        out = [self._decode_group([reqs[i] for i in g], [rows[i] for i in g], step_rows) for _, g in groups]
+        self._page_rows = step_rows  # (requests that did not decode this step are forgotten)
+        return out
 
-    def _decode_group(self, reqs: list[Request], rows: list[int]) -> DecodeGroup:
+    def _page_row(self, req: Request, rows: dict[str, tuple[list[int], array]]) -> array:
+        """The request's page ids as int64, kept across steps (its list only grows, and is replaced
+        when its pages are freed); recorded in `rows`, this step's table of them."""
+        ids = req.page_ids
+        entry = self._page_rows.get(req.request_id)
+        if entry is None or entry[0] is not ids or len(entry[1]) > len(ids):
+            entry = (ids, array("q", ids))
+        elif len(entry[1]) < len(ids):
+            entry[1].extend(ids[len(entry[1]) :])
+        rows[req.request_id] = entry
+        return entry[1]
+
+    def _decode_group(
+        self, reqs: list[Request], rows: list[int], step_rows: dict[str, tuple[list[int], array]]
+    ) -> DecodeGroup:
         ps = self.page_size
         lens = [r.num_computed_tokens + 1 for r in reqs]
         max_pages = -(-max(lens) // ps)  # from the list: reading a device tensor would wait for the GPU
         ctx_lens = self._tensor(lens)
-        table = self._tensor(
-            [r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids[:max_pages])) for r in reqs]
-        )
+        pages = np.zeros((len(reqs), max_pages), dtype=np.int64)  # padding points at page 0
+        for i, r in enumerate(reqs):
+            row = self._page_row(r, step_rows)
+            n = min(len(row), max_pages)
+            pages[i, :n] = np.frombuffer(row, dtype=np.int64, count=n)
+        table = torch.from_numpy(pages).to(self.device)
         key_pos = torch.arange(max_pages * ps, device=self.device)[None, :]
         mask = (key_pos < ctx_lens[:, None])[:, None, None, :]
         return DecodeGroup(self._tensor(rows), table, mask)
