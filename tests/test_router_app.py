@@ -159,3 +159,43 @@ def test_a_non_streamed_client_that_leaves_closes_both_legs(policy, waiting_for)
         assert list(router.placement.queue) == [] and router.placement.num_placed == int(
             waiting_for != "placement"
         )
+
+
+@pytest.mark.parametrize(
+    ("body", "forwarded"),
+    [
+        ('{"prompt": [1, 2, 3], "max_tokens": 4}', {"prompt": [1, 2, 3], "max_tokens": 4}),
+        ('{"prompt": "x", "max_tokens": 1e400}', '"max_tokens": Infinity'),  # json.loads took it: as before
+    ],
+    ids=["msgspec", "stdlib"],
+)
+def test_the_router_forwards_the_clients_json(body, forwarded):
+    """Bodies are decoded and re-encoded with msgspec (a 32k-token prompt: ~0.9 ms where the standard
+    library and httpx took ~6 ms on the router's loop); what msgspec refuses and json.loads took
+    (non-finite numbers) goes on as before, for the engines to refuse."""
+    seen = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.path == "/v1/completions":
+                seen.append((request.url.host, request.headers["content-type"], await request.aread()))
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "none")
+        # (the mock's decode answer cannot be relayed as a stream: what matters is what was sent)
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    asyncio.run(go())
+    assert sorted(h for h, _, _ in seen) == ["de", "pe"] and {t for _, t, _ in seen} == {"application/json"}
+    for _, _, content in seen:
+        if isinstance(forwarded, dict):
+            sent = json.loads(content)
+            assert {k: sent[k] for k in forwarded} == forwarded and "pd" in sent
+        else:
+            assert forwarded in content.decode()

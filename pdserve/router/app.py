@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -289,11 +290,19 @@ class Router:
                 "pd": {"room": room, "bootstrap_url": pe.bootstrap_url, "read_path": read_path},
             }
             de.in_flight += 1
-            de_req = self.client.build_request("POST", de.url + path, json=de_body)
+            de_req = self.client.build_request(
+                "POST", de.url + path, content=_json(de_body, http), headers=JSON
+            )
             de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
             try:
                 pe_resp = await unless_gone(
-                    http, self.client.post(pe.url + path, json=pe_body, timeout=self.prefill_timeout(pe))
+                    http,
+                    self.client.post(
+                        pe.url + path,
+                        content=_json(pe_body, http),
+                        headers=JSON,
+                        timeout=self.prefill_timeout(pe),
+                    ),
                 )
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 await _cancel(de_task)
@@ -351,6 +360,18 @@ class Router:
         return StreamingResponse(relay(), status_code=de_resp.status_code, media_type=media)
 
 
+JSON = {"content-type": "application/json"}
+
+
+def _json(body: dict, http: Request) -> bytes:
+    """A body for an engine, encoded by msgspec (~0.15 ms for a 32k-token prompt; httpx's `json=`
+    took ~2.1 ms, once per leg, on the router's event loop); by the standard library if that is what
+    parsed the client's body (non-finite numbers stay what they were, for the engine to refuse)."""
+    if getattr(http.state, "stdlib_json", False):
+        return json.dumps(body).encode()
+    return msgspec.json.encode(body)
+
+
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
 
 
@@ -387,10 +408,15 @@ def build_router_app(router: Router) -> FastAPI:
         await router.client.aclose()
 
     async def body_of(http: Request) -> dict | Response:
-        try:
-            body = json.loads(await http.body())
-        except ValueError:
-            return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+        raw = await http.body()
+        try:  # msgspec: a 32k-token prompt decodes in ~0.7 ms, where json.loads took ~1.7 ms
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:  # what json.loads takes and msgspec does not (1e400, NaN): as before
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+            http.state.stdlib_json = True  # forwarded as json.dumps writes it (msgspec: inf -> null)
         if not isinstance(body, dict):
             return JSONResponse(error_body("request body must be a JSON object", 400), 400)
         if "pd" in body:
