@@ -62,7 +62,9 @@ def test_decode_page_tables_follow_growing_and_replaced_page_lists(demo_model_di
     def tables(reqs):
         groups = runner._decode_groups(reqs, list(range(len(reqs))))
         order = [int(i) for g in groups for i in g.rows]
-        return {reqs[i].request_id: row.tolist() for g in groups for i, row in zip(order, g.pages, strict=True)}
+        return {
+            reqs[i].request_id: row.tolist() for g in groups for i, row in zip(order, g.pages, strict=True)
+        }
 
     a, b, c = req("a", [5, 9], 2 * ps - 1), req("b", [7], ps - 1), req("c", [1, 2, 3], 3 * ps - 1)
     assert tables([a, b, c]) == {"a": [5, 9, 0], "b": [7, 0, 0], "c": [1, 2, 3]}

@@ -8,6 +8,7 @@ so "the server returns what the engine computes" is checked across the process b
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -725,3 +726,42 @@ def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir):
     finally:
         app.state.engine.shutdown()
     assert len(threads) == 2 and loop_thread not in threads
+
+
+def test_generate_stream_chunks_are_what_json_dumps_writes(demo_model_dir):
+    """/generate streams cumulative chunks (SGLang's format). They are now encoded by extending the
+    previous chunk's pieces (O(new tokens), where a full encode per chunk was O(output^2) per
+    stream): each chunk must still be exactly `json.dumps` of its content, a prefix of the next, and
+    the last one the non-streamed answer."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.server.api import build_app
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=MAX_MODEL_LEN))
+    app = build_app(engine)
+    body = {"text": "def f(x):", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "logprobs": 2}}
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            streamed = (await c.post("/generate", json=body | {"stream": True})).text
+            whole = (await c.post("/generate", json=body)).json()
+        return streamed, whole
+
+    try:
+        streamed, whole = asyncio.run(run())
+    finally:
+        app.state.engine.shutdown()
+    chunks = [
+        line[6:] for line in streamed.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    assert len(chunks) > 10
+    for text in chunks:
+        assert json.dumps(json.loads(text)) == text  # byte for byte what json.dumps writes
+    parsed = [json.loads(t) for t in chunks]
+    for a, b in itertools.pairwise(parsed):
+        n = len(a["output_ids"])
+        assert b["output_ids"][:n] == a["output_ids"] and b["text"].startswith(a["text"])
+        assert b["meta_info"]["output_token_logprobs"][:n] == a["meta_info"]["output_token_logprobs"]
+    whole["meta_info"]["id"] = parsed[-1]["meta_info"]["id"]
+    assert parsed[-1] == whole and len(whole["output_ids"]) == 40

@@ -32,6 +32,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
+from pdserve.server.native_stream import CumulativeChunks
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from pdserve.tokenizer import TokenizerError
@@ -432,9 +433,10 @@ def build_app(
         if body.stream:
 
             async def events():
+                chunks = CumulativeChunks()  # (the same bytes as sse(native(out)), O(new tokens))
                 try:
                     async for out in aengine.generate(req, text):
-                        yield sse(native(out))
+                        yield f"data: {chunks.encode(out)}\n\n"
                 except InvalidRequest as e:  # the stream already started: report in-band
                     yield sse(error_body(str(e), 400))
                 except (RuntimeError, EngineDeadError) as e:
