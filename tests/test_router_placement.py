@@ -64,6 +64,17 @@ def test_prefix_index_counts_whole_blocks_seen_before_and_leaves_one_token():
     assert idx.hit_tokens([0, 1, 2, 7] + list(range(4, 10))) == 0  # chained: a changed block breaks it
 
 
+def test_hit_tokens_then_record_is_both_with_one_hashing():
+    """Placement hashes each token-id prompt once (~1 ms per 32k tokens), not once per step."""
+    one, two = PrefixIndex(block_tokens=4, capacity=6), PrefixIndex(block_tokens=4, capacity=6)
+    prompts = [list(range(10)), list(range(8)), list(range(13)), [5] * 9, list(range(17)), list(range(3))]
+    for ids in prompts:
+        hits = one.hit_tokens(ids)
+        one.record(ids)
+        assert two.hit_tokens_then_record(ids) == hits
+        assert list(one._keys) == list(two._keys)  # the same keys in the same LRU order (capacity 6)
+
+
 def test_alpha_defaults_to_three_seconds_of_the_slowest_snic():
     pl, _, _ = cluster("dualpath")
     assert pl.scheduler.config.alpha_tokens == int(3.0 * 8e6 / BPT)

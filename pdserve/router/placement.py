@@ -70,16 +70,30 @@ class PrefixIndex:
     def hit_tokens(self, token_ids: list[int]) -> int:
         """Leading tokens of `token_ids` in whole blocks seen before (at least one token left)."""
         max_blocks = (len(token_ids) - 1) // self.block_tokens
+        keys = page_keys(token_ids[: max_blocks * self.block_tokens], self.block_tokens, self.root)
+        return self._hits(keys, max_blocks)
+
+    def record(self, token_ids: list[int]) -> None:
+        self._record(page_keys(token_ids, self.block_tokens, self.root))
+
+    def hit_tokens_then_record(self, token_ids: list[int]) -> int:
+        """`hit_tokens`, then `record`, hashing the prompt once (a 32k-token prompt: ~1 ms each)."""
+        keys = page_keys(token_ids, self.block_tokens, self.root)
+        hits = self._hits(keys, (len(token_ids) - 1) // self.block_tokens)
+        self._record(keys)
+        return hits
+
+    def _hits(self, keys: list[bytes], max_blocks: int) -> int:
         hits = 0
-        for key in page_keys(token_ids[: max_blocks * self.block_tokens], self.block_tokens, self.root):
+        for key in keys[:max_blocks]:
             if key not in self._keys:
                 break
             self._keys.move_to_end(key)
             hits += 1
         return hits * self.block_tokens
 
-    def record(self, token_ids: list[int]) -> None:
-        for key in page_keys(token_ids, self.block_tokens, self.root):
+    def _record(self, keys: list[bytes]) -> None:
+        for key in keys:
             self._keys[key] = None
             self._keys.move_to_end(key)
         while len(self._keys) > self.capacity:
@@ -249,9 +263,7 @@ class Placement:
                 f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
                 f"the largest decode engine has {biggest}"
             )
-        hits = self.index.hit_tokens(prompt_ids) if prompt_ids else 0
-        if prompt_ids:
-            self.index.record(prompt_ids)
+        hits = self.index.hit_tokens_then_record(prompt_ids) if prompt_ids else 0
         pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
         waiting = _Waiting(pending, asyncio.get_running_loop().create_future())
         self.queue.append(waiting)
