@@ -28,6 +28,8 @@ class GrowingPrefix(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
+            if i.step is not None and i.step < 0:  # (indices() gives stop -1 here: "the end" to a list)
+                return [self._items[j] for j in range(self._n)[i]]
             return self._items[slice(*i.indices(self._n))]
         return self._items[range(self._n)[i]]  # (negative indices count from n; IndexError past it)
 

@@ -45,6 +45,10 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Byte-fallback tokens (<0x00>..<0xFF>, sentencepiece-style vocabularies; none in byte-level BPE).
+        self.byte_token_ids = frozenset(
+            i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works; `encode` holds it throughout (~0.1 s for a
@@ -99,36 +103,38 @@ class IncrementalDetokenizer:
     at the last settled token (`prefix_offset`): the text the new ids add is the window's text minus
     what the window decoded to before them. The window keeps the decoders' context (a byte-level BPE
     or byte-fallback character split over tokens, Metaspace's leading space, which both decodes of a
-    window strip alike), so the text equals the full decode's. The one difference: a character still
-    incomplete at the end (a full decode shows U+FFFD) is left out until its last byte arrives; the
-    window then stays open (it is not settled), and the text before that character is shown.
+    window strip alike), so the text is the full decode's at every step, a trailing incomplete
+    character (U+FFFD) included.
 
-    (HF `tokenizers.decoders.DecodeStream` does this too, but raises on some byte-fallback sequences
-    a sampler can produce.)
+    Nothing is settled while the text ends in U+FFFD (a character may still complete) or the last
+    token is a byte-fallback token: the ByteFallback decoder turns a whole run of byte tokens into
+    U+FFFD once a later byte makes the run invalid, valid bytes before it too, so a run is final only
+    once a token that is not a byte ends it. (HF `tokenizers.decoders.DecodeStream` does this job
+    too, but raises on some byte-fallback sequences a sampler can produce.)
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._decode = tokenizer.decode
         self._skip = skip_special_tokens
+        self._byte_ids = tokenizer.byte_token_ids
         self._settled = ""  # the text of tokens [0, read_offset)
         self._prefix_offset = 0  # window start: the tokens before it are settled text
         self._read_offset = 0
-        self.text = ""  # what `update` last returned
+        self._num_seen = 0  # tokens `text` covers
+        self.text = ""
 
     def update(self, token_ids: list[int]) -> str:
         """`token_ids`: the whole output so far (it only grows). Returns the text so far."""
-        if len(token_ids) < self._read_offset:  # not an append: start over
+        if len(token_ids) < self._num_seen:  # not an append: start over
             self._settled, self._prefix_offset, self._read_offset = "", 0, 0
-        if len(token_ids) == self._read_offset:
-            self.text = self._settled
+        elif len(token_ids) == self._num_seen:
             return self.text
+        self._num_seen = len(token_ids)
         before = self._decode(token_ids[self._prefix_offset : self._read_offset], self._skip)
         after = self._decode(token_ids[self._prefix_offset :], self._skip)
         new = after[len(before) :]
-        if new and not new.endswith("\ufffd"):
-            self._settled += new
+        self.text = self._settled + new
+        if new and not new.endswith("\ufffd") and token_ids[-1] not in self._byte_ids:
+            self._settled = self.text
             self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
-            self.text = self._settled
-        else:  # an incomplete character at the end: show what precedes it, settle nothing
-            self.text = self._settled + new.rstrip("\ufffd")
         return self.text

@@ -17,13 +17,22 @@ from pdserve.engine.llm_engine import LLMEngine
 
 @pytest.mark.parametrize(("share", "expected"), [(1.0, 4), (0.001, 1)], ids=["cheap", "costly"])
 def test_idle_checks_take_a_bounded_share_of_the_engine_thread(demo_model_dir, monkeypatch, share, expected):
-    """A check that takes 50 ms: with a 100% share the next may run 50 ms later, so each of the four
-    idles (0.3 s apart) gets one; with a 0.1% share the next waits 50 s, so the later idles skip it."""
+    """A check that takes 50 ms of CPU: with a 100% share the next may run 50 ms later, so each of the
+    four idles (0.2 s apart) gets one; with a 0.1% share the next waits 5 s (50 s, capped), so the
+    later idles skip it."""
     monkeypatch.setattr(async_engine, "IDLE_CHECK_SHARE", share)
     engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=512))
     checks = []
     check = engine.check_integrity
-    monkeypatch.setattr(engine, "check_integrity", lambda: checks.append(time.sleep(0.05)) or check())
+
+    def costly_check():  # 50 ms of this thread's CPU (the cost is measured in thread time)
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        checks.append(1)
+        check()
+
+    monkeypatch.setattr(engine, "check_integrity", costly_check)
     aengine = AsyncEngine(engine)
 
     async def one(i: int) -> None:
@@ -34,7 +43,7 @@ def test_idle_checks_take_a_bounded_share_of_the_engine_thread(demo_model_dir, m
     async def run() -> None:
         for i in range(4):
             await one(i)
-            await asyncio.sleep(0.3)  # idle long enough for a check that is due
+            await asyncio.sleep(0.2)  # idle long enough for a check that is due
 
     try:
         asyncio.run(run())

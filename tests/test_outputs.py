@@ -14,6 +14,7 @@ def test_a_growing_prefix_sees_only_its_first_items():
     assert len(view) == 3 and list(view) == [10, 11, 12] and view == [10, 11, 12] == view
     assert view[0] == 10 and view[-1] == 12 and view[1:] == [11, 12] and view[-2:] == [11, 12]
     assert view[::2] == [10, 12] and view[5:] == [] and view == (10, 11, 12) and view != [10, 11]
+    assert view[::-1] == [12, 11, 10] and view[1::-1] == [11, 10] and view[::-2] == [12, 10]
     with pytest.raises(IndexError):
         view[3]
     with pytest.raises(IndexError):

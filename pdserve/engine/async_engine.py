@@ -25,6 +25,7 @@ from pdserve.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
+MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
 
 
 class EngineDeadError(RuntimeError):
@@ -195,14 +196,20 @@ class AsyncEngine:
                 if not idle_checked:
                     now = time.monotonic()
                     if self._check_idle and now < next_check_s:  # the last check was recent: later
+                        if self._on_step:
+                            self._on_step(engine, [])  # (gauges show the idle engine meanwhile)
                         self._wake.wait(timeout=next_check_s - now)  # (unless work arrives first)
                         self._wake.clear()
                         continue
                     if self._check_idle:
+                        # Its cost in this thread's CPU time: a check slowed by other threads holding
+                        # the GIL, or a stopped process, must not push the next one far out.
+                        cpu_s = time.thread_time()
                         engine.check_integrity()
                         if role is not None:
                             role.check_integrity()
-                        next_check_s = now + (time.monotonic() - now) / IDLE_CHECK_SHARE
+                        cost_s = time.thread_time() - cpu_s
+                        next_check_s = now + min(MAX_IDLE_CHECK_DEFER_S, cost_s / IDLE_CHECK_SHARE)
                     if self._on_step:
                         self._on_step(engine, [])
                     idle_checked = True
