@@ -32,7 +32,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
-from pdserve.server.native_stream import CumulativeChunks
+from pdserve.server.native_stream import CumulativeChunks, meta_info
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
 from pdserve.tokenizer import TokenizerError
@@ -418,13 +418,7 @@ def build_app(
 
         def native(out: RequestOutput) -> dict:
             o = out.outputs[0]
-            meta = {
-                "id": out.request_id,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": len(o.token_ids),
-                "cached_tokens": out.num_cached_tokens,
-                "finish_reason": o.finish_reason,
-            }
+            meta = meta_info(out)
             if o.logprobs is not None:
                 meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in o.logprobs]
                 meta["output_top_logprobs"] = [lp.top for lp in o.logprobs]

@@ -15,6 +15,18 @@ import json
 from pdserve.outputs import RequestOutput
 
 
+def meta_info(out: RequestOutput) -> dict:
+    """A `/generate` answer's `meta_info` before its logprobs (which come last, when asked for)."""
+    o = out.outputs[0]
+    return {
+        "id": out.request_id,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(o.token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "finish_reason": o.finish_reason,
+    }
+
+
 class CumulativeChunks:
     def __init__(self) -> None:
         self._num_ids = 0
@@ -38,15 +50,7 @@ class CumulativeChunks:
         else:  # (a finished output is the full decode; it may differ in a bad byte run)
             self._text_json = json.dumps(o.text)[1:-1]
         self._text = o.text
-        meta = json.dumps(
-            {
-                "id": out.request_id,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": len(o.token_ids),
-                "cached_tokens": out.num_cached_tokens,
-                "finish_reason": o.finish_reason,
-            }
-        )
+        meta = json.dumps(meta_info(out))
         if o.logprobs is not None:
             new = o.logprobs[self._num_logprobs :]
             if new:
