@@ -156,6 +156,7 @@ class AsyncEngine:
         idle_checked = True
         last_report = 0.0
         next_check_s = 0.0  # monotonic time before which the next idle check waits
+        idle_wait_s = 0.05 if role is not None else 0.5  # an idle loop's wait (a role polls its peers)
         try:
             while not self._stopped:
                 while self._inbox:
@@ -198,7 +199,9 @@ class AsyncEngine:
                     if self._check_idle and now < next_check_s:  # the last check was recent: later
                         if self._on_step:
                             self._on_step(engine, [])  # (gauges show the idle engine meanwhile)
-                        self._wake.wait(timeout=next_check_s - now)  # (unless work arrives first)
+                        # No longer than the idle loop's usual wait: a role's control messages (an
+                        # abort's ack, a KVRequest ahead of its request) arrive without waking us.
+                        self._wake.wait(timeout=min(next_check_s - now, idle_wait_s))
                         self._wake.clear()
                         continue
                     if self._check_idle:
@@ -213,7 +216,7 @@ class AsyncEngine:
                     if self._on_step:
                         self._on_step(engine, [])
                     idle_checked = True
-                self._wake.wait(timeout=0.05 if role is not None else 0.5)
+                self._wake.wait(timeout=idle_wait_s)
                 self._wake.clear()
         except BaseException as e:  # the engine is broken: fail every waiter, never hang them
             log.exception("engine thread died")
