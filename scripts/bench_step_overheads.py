@@ -66,7 +66,10 @@ def main() -> None:
     for n in a.tokens:
         decodes = [
             SimpleNamespace(
-                request_id=f"d{i}", page_ids=list(range(i, i + n // ps)), num_computed_tokens=n - 1 - i
+                request_id=f"d{i}",
+                page_ids=list(range(i, i + n // ps)),
+                num_computed_tokens=n - 1 - i,
+                page_id_row=None,
             )
             for i in range(a.requests)
         ]

@@ -10,17 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+
+# The tests and parameters that need a CUDA GPU (CI has none; scripts/gpu_check.sh runs them on one).
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def hf_dtype_kw() -> str:
-    """`from_pretrained`'s dtype keyword: `dtype` since transformers 4.56, `torch_dtype` before (where
-    `dtype=` is silently ignored and the model loads in float32)."""
-    import transformers
-
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def tiny_hf_model(arch: str, *, tie: bool = False, seed: int = 0, **overrides):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from tests.conftest import requires_cuda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = requires_cuda
 
 BASE = "def handler(request, context):\n    result = process(request.body, context.user)\n"
 

@@ -12,11 +12,11 @@ import os
 
 import httpx
 import pytest
-import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
 from tests.chaos_helpers import set_faults, wait_until
+from tests.conftest import requires_cuda
 from tests.test_pd_e2e import metrics, wait_engine_idle
 
 pytestmark = [
@@ -28,13 +28,9 @@ MAX_MODEL_LEN = 2048
 GEN = 32
 
 
-def cuda_ok() -> bool:
-    return torch.cuda.is_available()
-
-
 @pytest.fixture(
     scope="module",
-    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU"))],
+    params=["cpu", pytest.param("cuda", marks=requires_cuda)],
 )
 def store_cluster(request, demo_model_dir, tmp_path_factory):
     """`cuda`: both engines keep KV and staging on the GPU (float32); the store's reads land in host

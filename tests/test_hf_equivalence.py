@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from tests.conftest import ARCHS, hf_dtype_kw, tiny_hf_model
+from pdserve.bench.offline import hf_dtype_kw
+from tests.conftest import ARCHS, requires_cuda, tiny_hf_model
 
 MAX_NEW = 12
 
@@ -222,7 +223,7 @@ def test_sliding_window_matches_hf(arch, tmp_path):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_bf16_matches_hf(arch, hf_checkpoints):
     """On CUDA in bf16: first-token logprobs within bf16 tolerance of HF (same device, same dtype),

@@ -16,10 +16,10 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
+from tests.conftest import requires_cuda
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -72,16 +72,13 @@ def wait_engine_idle(url: str, timeout_s: float = 15.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.fixture(
     scope="module",
     params=[
         "direct",
         "staged",
-        pytest.param("cuda-direct", marks=CUDA),
-        pytest.param("cuda-staged", marks=CUDA),
+        pytest.param("cuda-direct", marks=requires_cuda),
+        pytest.param("cuda-staged", marks=requires_cuda),
     ],
 )
 def cluster(request, demo_model_dir):

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.transfer.base import TransferError, TransferStatus, create_backend
 from pdserve.transfer.fake_backend import FakeBackend
+from tests.conftest import requires_cuda
 
 # ---------------------------------------------------------------- fake
 
@@ -176,12 +177,6 @@ CASES = {  # name -> (src pages, dst pages); destination pages disjoint across c
 }
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _nixl_ok() -> str | None:
     from pdserve.transfer.nixl_backend import nixl_available
 
@@ -282,7 +277,7 @@ def _sender(conn, device: str) -> None:
 
 @pytest.fixture(
     scope="module",
-    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU"))],
+    params=["cpu", pytest.param("cuda", marks=requires_cuda)],
 )
 def nixl_run(request):
     """Two processes, one NIXL agent each; `cuda`: every registered buffer is GPU memory (UCX

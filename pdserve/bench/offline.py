@@ -24,9 +24,17 @@ def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[l
     return out
 
 
+def hf_dtype_kw() -> str:
+    """`from_pretrained`'s dtype keyword: `dtype` since transformers 4.56, `torch_dtype` before (where
+    `dtype=` is silently ignored and the model loads in float32)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def run_offline_bench(args) -> int:
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM
 
     from pdserve import LLM, SamplingParams
@@ -63,9 +71,7 @@ def run_offline_bench(args) -> int:
         return time.perf_counter() - t, outs
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # `dtype=` is ignored before 4.56
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, **{kw: dtype}).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, **{hf_dtype_kw(): dtype}).to(args.device).eval()
     hf.generation_config.eos_token_id = None
     max_len = max(len(p) for p, _ in work)
     pad = 0

@@ -39,10 +39,6 @@ class ModelRunner:
         self._windows = sorted({w for w in mc.sliding_windows if w is not None})
         self.sampler = Sampler(config.device, config.seed)
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own RNG (seeded requests)
-        # request_id -> (its page_ids list, the same ids as int64): decode page tables are copied from
-        # these, extended as the list grows, instead of converting every id of every row each step
-        # (64 decodes at 32k tokens: 8.5 ms a step). Only this step's decodes are kept.
-        self._page_rows: dict[str, tuple[list[int], array]] = {}
 
     def add_request(self, req: Request) -> None:
         if req.sampling_params.seed is not None:
@@ -107,33 +103,30 @@ class ModelRunner:
                 groups[-1][1].append(i)
             else:
                 groups.append((pages, [i]))
-        step_rows: dict[str, tuple[list[int], array]] = {}
-        out = [self._decode_group([reqs[i] for i in g], [rows[i] for i in g], step_rows) for _, g in groups]
-        self._page_rows = step_rows  # (requests that did not decode this step are forgotten)
-        return out
+        return [self._decode_group([reqs[i] for i in g], [rows[i] for i in g]) for _, g in groups]
 
-    def _page_row(self, req: Request, rows: dict[str, tuple[list[int], array]]) -> array:
-        """The request's page ids as int64, kept across steps (its list only grows, and is replaced
-        when its pages are freed); recorded in `rows`, this step's table of them."""
+    @staticmethod
+    def _page_row(req: Request) -> array:
+        """The request's page ids as int64, kept on it across steps and extended as its list grows
+        (it is only appended to, and replaced when its pages are freed): decode page tables copy
+        these rows instead of converting every id of every row each step (64 decodes at 32k tokens:
+        7.8 ms a step, 1.0 ms now)."""
         ids = req.page_ids
-        entry = self._page_rows.get(req.request_id)
-        if entry is None or entry[0] is not ids or len(entry[1]) > len(ids):
-            entry = (ids, array("q", ids))
-        elif len(entry[1]) < len(ids):
-            entry[1].extend(ids[len(entry[1]) :])
-        rows[req.request_id] = entry
-        return entry[1]
+        cached = req.page_id_row
+        if cached is None or cached[0] is not ids or len(cached[1]) > len(ids):
+            req.page_id_row = cached = (ids, array("q", ids))
+        elif len(cached[1]) < len(ids):
+            cached[1].extend(ids[len(cached[1]) :])
+        return cached[1]
 
-    def _decode_group(
-        self, reqs: list[Request], rows: list[int], step_rows: dict[str, tuple[list[int], array]]
-    ) -> DecodeGroup:
+    def _decode_group(self, reqs: list[Request], rows: list[int]) -> DecodeGroup:
         ps = self.page_size
         lens = [r.num_computed_tokens + 1 for r in reqs]
         max_pages = -(-max(lens) // ps)  # from the list: reading a device tensor would wait for the GPU
         ctx_lens = self._tensor(lens)
         pages = np.zeros((len(reqs), max_pages), dtype=np.int64)  # padding points at page 0
         for i, r in enumerate(reqs):
-            row = self._page_row(r, step_rows)
+            row = self._page_row(r)
             n = min(len(row), max_pages)
             pages[i, :n] = np.frombuffer(row, dtype=np.int64, count=n)
         table = torch.from_numpy(pages).to(self.device)

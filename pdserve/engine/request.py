@@ -73,6 +73,7 @@ class Request:
     # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).
     page_key_cache: list = field(default_factory=list)
     block_key_cache: list = field(default_factory=list)
+    page_id_row: Any = None  # (page_ids list, the same ids as int64 array): ModelRunner._page_row
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -8,9 +8,9 @@ Descriptors are passed to NIXL as Nx3 uint64 numpy arrays (addr, nbytes, device)
 NIXL also coalesces adjacent descriptors itself. Memory is host ("DRAM") or GPU ("VRAM", device = the
 GPU's index): each side looks its descriptors up in the regions registered -- ours, and the peer's,
 which travel in our metadata next to NIXL's own -- so a write from a GPU's KV pool into a peer's GPU
-(UCX `cuda_ipc` on one host) or between host buffers is described the same way by the caller. `write` builds the two descriptor lists directly
-(`initialize_xfer`): ~0.3 ms for 4096 descriptors here, so per-(peer, pool) prepped dlists with index
-lists are not needed for CPU memory at this scale.
+(UCX `cuda_ipc` on one host) or between host buffers is described the same way by the caller.
+`write` builds the two descriptor lists directly (`initialize_xfer`): ~0.3 ms for 4096 descriptors
+here, so per-(peer, pool) prepped dlists with index lists are not needed for CPU memory at this scale.
 
 Process caveats: create the agent AFTER any fork (a child forked after an agent exists hangs in
 `register_memory`); start engines with spawn. `UCX_MODULES='^ib*'` is set (if unset) before the import

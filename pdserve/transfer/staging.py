@@ -164,9 +164,7 @@ class StagingPool:
 
     def view(self, offset: int, num_pages: int) -> torch.Tensor:
         """The slot as a uint8 [num_regions, num_pages, bytes_per_page] tensor (shares the buffer)."""
-        start = offset * self.slot_page_nbytes
-        flat = self.buffer[start : start + num_pages * self.slot_page_nbytes]
-        return flat.view(self.num_regions, num_pages, self.bytes_per_page)
+        return self.view_regions(offset, self.num_regions, num_pages)
 
     def pages_for(self, num_regions: int, num_pages: int) -> int:
         """Slot pages that hold `num_pages` pages of only `num_regions` regions, packed (the layerwise
