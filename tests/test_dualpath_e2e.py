@@ -190,3 +190,39 @@ def test_write_back_backlog_is_visible_and_drains(store_cluster, colocated):
         assert metrics(de)["pdserve_store_blocks_written"] == written + num_blocks
     finally:
         set_faults(de, [])
+
+
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2, "min_tokens": 8}
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_penalties_through_the_layerwise_lane_equal_colocated(store_cluster, colocated, read_path):
+    """Token 1 of a stored prompt is sampled by the layerwise lane, the rest by the decode: with the
+    penalties (which read the prompt and the output so far) both must agree with one engine."""
+    tok = colocated.get_tokenizer()
+    context = tok.encode(f"# penalties via {read_path}\n" + "for item in items:\n    total += item\n" * 70)
+    url = store_cluster.router_url
+    params = SamplingParams(temperature=0, max_tokens=GEN, **PENALTIES)
+    for turn in range(2):
+        r = httpx.post(
+            url + "/v1/completions",
+            json={
+                "model": "demo",
+                "prompt": context,
+                "max_tokens": GEN,
+                "temperature": 0,
+                "read_path": read_path,
+            }
+            | PENALTIES,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        ref = colocated.generate({"prompt_token_ids": context}, params)[0].outputs[0]
+        assert r.json()["choices"][0]["text"] == ref.text, f"{read_path} turn {turn}"
+        if turn:  # the second turn's prompt came from the store, so the layerwise lane sampled token 1
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 0.9 * len(context)
+        context = context + ref.token_ids + tok.encode("\n# next\n", add_special_tokens=False)
+        wait_written_back(store_cluster)
+    plain = colocated.generate({"prompt_token_ids": context}, SamplingParams(temperature=0, max_tokens=GEN))
+    penalised = colocated.generate({"prompt_token_ids": context}, params)
+    assert plain[0].outputs[0].token_ids != penalised[0].outputs[0].token_ids  # the params mattered

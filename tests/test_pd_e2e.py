@@ -179,6 +179,28 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, m
     return text, lps, None
 
 
+def test_pd_penalties_bias_and_min_tokens_equal_colocated(cluster, colocated):
+    """Token 1 is sampled on the prefill, the rest on the decode: both apply the same processors."""
+    ps = [warm_prompts()[0] + "    return", "import os", "x = 1 + " + "y" * 40]
+    extra = {"repetition_penalty": 1.4, "frequency_penalty": 0.6, "presence_penalty": -0.3, "min_tokens": 5}
+    ref_llm = colocated(cluster.device)
+    banned = ref_llm.generate(ps[1], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    extra["logit_bias"] = {str(banned): -100}  # greedy's first token, pushed out
+    params = SamplingParams(temperature=0, max_tokens=12, **(extra | {"logit_bias": {banned: -100.0}}))
+    refs = ref_llm.generate(ps, params)
+    for prompt, ref in zip(ps, refs, strict=True):
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 12, "temperature": 0} | extra
+        r = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+        assert banned not in ref.outputs[0].token_ids
+    bad = {"model": "demo", "prompt": "x", "max_tokens": 4, "logit_bias": {"999999": 1}}
+    r = httpx.post(cluster.router_url + "/v1/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and "logit_bias" in r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_greedy_equals_colocated(cluster, colocated):
     ps = prompts()
     max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]

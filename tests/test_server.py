@@ -336,13 +336,8 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     # OpenAI fields we do not implement are refused, not silently ignored; their "off" values pass.
     for extra in (
         {"echo": True},
-        {"frequency_penalty": 0.5},
-        {"presence_penalty": -1},
-        {"repetition_penalty": 1.2},
-        {"logit_bias": {"5": 10}},
         {"best_of": 2},
-        {"min_tokens": 3},  # vLLM's extra parameters we do not implement
-        {"prompt_logprobs": 1},
+        {"prompt_logprobs": 1},  # vLLM's extra parameters we do not implement
         {"response_format": {"type": "json_object"}},
         {"guided_choice": ["a", "b"]},
         {"stream_options": {"include_usage": True}},  # without stream
@@ -432,6 +427,55 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     assert after["pdserve_kv_pages_used"] == 0
     assert after["pdserve_kv_pages_total"] == total
     assert after["pdserve_num_requests_running"] == 0
+
+
+def test_penalties_bias_and_min_tokens_over_http(client, model_name, url, llm):
+    """The OpenAI client's own fields (frequency/presence penalty, logit_bias) and vLLM's extras
+    (repetition_penalty, min_tokens) reach the sampler: the same tokens as the offline engine."""
+    from pdserve import SamplingParams
+
+    tok = offline(llm, PROMPT, 1).outputs[0].token_ids[0]
+    kw = dict(frequency_penalty=0.8, presence_penalty=0.4)
+    extra = {"repetition_penalty": 1.3, "min_tokens": 4}
+    ref = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12, logit_bias={tok: -100.0}, **kw, **extra)
+    )[0].outputs[0]
+    r = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(tok): -100},
+        extra_body=extra,
+        **kw,
+    )
+    assert r.choices[0].text == ref.text and tok not in ref.token_ids
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=6,
+        temperature=0,
+        frequency_penalty=1.0,
+        extra_body={"min_tokens": 6},
+    )
+    assert chat.usage.completion_tokens == 6
+    for bad, word in (
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"logit_bias": {str(10**6): 1}}, "logit_bias"),  # outside the vocabulary
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ):
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": model_name, "prompt": PROMPT, "max_tokens": 4} | bad,
+            timeout=10,
+        )
+        assert_openai_error(r, 400)
+        assert word in r.json()["error"]["message"], r.text
+    assert wait_idle(url)["pdserve_kv_pages_used"] == 0
 
 
 def test_batched_prompt_list_is_a_400(url, model_name):

@@ -115,6 +115,10 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary of {vocab} tokens")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(
+                f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary of {vocab}"
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
@@ -221,6 +225,13 @@ class LLMEngine:
         """Why the request must stop after its newest token (None: go on). Engine thread only."""
         token = req.output_token_ids[-1]
         params = req.sampling_params
+        if req.num_output_tokens <= params.min_tokens:
+            # Stop strings count only in text after the first min_tokens tokens (vLLM's rule): a later
+            # match must end after this text. Below min_tokens the sampler gave no stop token either.
+            if params.stop and self.tokenizer is not None:
+                req.num_min_text_chars = req.num_stop_checked_chars = len(self._text(req))
+            if req.num_output_tokens < params.min_tokens:
+                return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
         if token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
@@ -234,7 +245,9 @@ class LLMEngine:
             tail_from = max(0, req.num_stop_checked_chars - max(len(s) for s in params.stop) - 16)
             req.num_stop_checked_chars = len(text)
             for s in params.stop:
-                if text.find(s, tail_from) >= 0:
+                # (a match may start inside the min_tokens text, but must end after it)
+                at = text.find(s, max(tail_from, req.num_min_text_chars - len(s) + 1))
+                if at >= 0:
                     req.stop_reason = s
                     return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
@@ -260,7 +273,7 @@ class LLMEngine:
         text = self._text(req)
         stop = req.sampling_params.stop
         if isinstance(req.stop_reason, str) and req.status.finished:
-            cut = text.find(req.stop_reason)
+            cut = text.find(req.stop_reason, max(0, req.num_min_text_chars - len(req.stop_reason) + 1))
             if cut >= 0:
                 text = text[
                     : cut + (len(req.stop_reason) if req.sampling_params.include_stop_str_in_output else 0)

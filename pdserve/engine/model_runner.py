@@ -163,4 +163,4 @@ class ModelRunner:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
         gens = [self.generators.get(r.request_id) for r in reqs]
-        return reqs, self.sampler(logits, [r.sampling_params for r in reqs], gens)
+        return reqs, self.sampler(logits, [r.sampling_params for r in reqs], gens, reqs)

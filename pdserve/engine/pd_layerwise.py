@@ -207,7 +207,7 @@ class LayerwisePrefill:
             self.time_left_s(pr)
             logits = self.runner.model.compute_logits(hidden[-1:]).float()
             result = self.runner.sampler(
-                logits, [req.sampling_params], [self.runner.generators.get(req.request_id)]
+                logits, [req.sampling_params], [self.runner.generators.get(req.request_id)], [req]
             )
         token = result.token_ids[0]
         req.append_output(token)

@@ -62,6 +62,8 @@ class Request:
     last_token_time: float | None = None
     stop_reason: int | str | None = None
     num_stop_checked_chars: int = 0  # output text length at the last stop-string check
+    num_min_text_chars: int = 0  # output text length while under min_tokens: a stop match ends after it
+    prompt_unique_ids: Any = None  # sorted distinct prompt ids (np.int64), for the repetition penalty
     detokenizer: Any = None  # the output's text, a few tokens per step (tokenizer.IncrementalDetokenizer)
     # PD disaggregation: a prefill request keeps its pages after it finishes until the decode acked
     # the transfer (`LLMEngine.release_held`); `pd` holds the role's per-request transfer state.

@@ -1,7 +1,9 @@
 """Token sampling for one step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Logprobs are those of the model's raw distribution (log_softmax of the logits before temperature
-and truncation), as vLLM reports them by default.
+Rows that ask for min_tokens, logit_bias or a penalty go through `logits_processors.apply` first
+(greedy rows take the argmax of the processed logits). Logprobs are those of the model's raw
+distribution (log_softmax of the logits before any processing, temperature and truncation), as vLLM
+v1 reports them by default.
 
 Sampling uses the exponential race (argmax of p / q, q ~ Exp(1)), which draws exactly from p and
 lets a seeded request draw its noise from its own generator, so its output does not depend on what
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.model import logits_processors
+from pdserve.model.logits_processors import TokenHistory
 from pdserve.sampling_params import SamplingParams
 
 
@@ -37,11 +41,18 @@ class Sampler:
     @torch.inference_mode()
     def __call__(
         self,
-        logits: torch.Tensor,  # [N, V] float32
+        logits: torch.Tensor,  # [N, V] float32; rows with logits processors are changed in place
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[TokenHistory] | None = None,  # per row; needed when any row's params use them
     ) -> SampleResult:
         n = logits.shape[0]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp = torch.log_softmax(logits[want], dim=-1) if want else None  # of the raw logits
+        if any(logits_processors.needs_history(p) for p in params):
+            if histories is None:
+                raise ValueError("min_tokens, logit_bias and penalties need the rows' token histories")
+            logits_processors.apply(logits, params, histories)  # (in place)
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -53,9 +64,7 @@ class Sampler:
             chosen[rows] = (probs / noise).argmax(dim=-1)
         token_ids = chosen.tolist()
         logprobs: list = [None] * n
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+        if lp is not None:
             max_top = max(params[i].logprobs for i in want)
             top_vals, top_ids = lp.topk(max_top, dim=-1) if max_top else (None, None)
             chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()

@@ -126,7 +126,10 @@ def build_app(
             raise APIError("pd.read_path must be none, pe or de", param="pd")
         req.read_path = read_path
         if role_name == "prefill":
-            req.sampling_params = dataclasses.replace(params, max_tokens=1)
+            # (min_tokens >= 1 still keeps token 1 from being a stop token)
+            req.sampling_params = dataclasses.replace(
+                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+            )
             req.max_tokens = 1
             req.pd = pd_field["room"]
         else:

@@ -15,18 +15,13 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI / vLLM fields whose meaning we do not implement, with the values that mean "off". Any other
-# value is a 400: a client asking for a penalty or an echo must not get a plain completion instead.
+# value is a 400: a client asking for an echo or a grammar must not get a plain completion instead.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
     "use_beam_search": (False,),
     # vLLM's extra parameters we do not implement: refused rather than silently ignored.
-    "min_tokens": (0,),
     "prompt_logprobs": (),
     "response_format": ({"type": "text"},),
     "guided_json": (),
@@ -76,6 +71,12 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's extra parameter: keep the stop string in the text
+    # Logits processors (model/logits_processors.py); null means the default, as in OpenAI's API.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra parameter
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM's extra parameter
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -93,6 +94,11 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias or {},
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
 
