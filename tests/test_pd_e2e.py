@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import time
@@ -169,8 +170,6 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, m
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 text += chunk["choices"][0]["text"]
@@ -197,6 +196,41 @@ def test_pd_penalties_bias_and_min_tokens_equal_colocated(cluster, colocated):
     bad = {"model": "demo", "prompt": "x", "max_tokens": 4, "logit_bias": {"999999": 1}}
     r = httpx.post(cluster.router_url + "/v1/completions", json=bad, timeout=30)
     assert r.status_code == 400 and "logit_bias" in r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
+def test_pd_n_choices_equal_colocated_seeded_children(cluster, colocated):
+    """The router splits n = 3 into three PD requests (seed + i each) and merges them: the same
+    choices as one engine sampling each seed, streamed or not; bad n is a 400 from the router."""
+    prompt = warm_prompts()[1] + "    if"
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": 21, "n": 3}
+    body["ignore_eos"] = True
+    ref_llm = colocated(cluster.device)
+    refs = [
+        ref_llm.generate(
+            prompt, SamplingParams(temperature=1.0, seed=21 + i, max_tokens=10, ignore_eos=True)
+        )[0]
+        for i in range(3)
+    ]
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert [c["text"] for c in data["choices"]] == [x.outputs[0].text for x in refs]
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2] and data["usage"]["completion_tokens"] == 30
+    texts = ["", "", ""]
+    with httpx.stream(
+        "POST", cluster.router_url + "/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in data["choices"]]
+    for bad in (0, 65, "3"):
+        r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"n": bad}, timeout=30)
+        assert r.status_code == 400 and "n must be" in r.text
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

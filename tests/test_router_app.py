@@ -200,3 +200,34 @@ def test_the_router_forwards_the_clients_json(body, forwarded):
             assert {k: sent[k] for k in forwarded} == forwarded and "pd" in sent
         else:
             assert forwarded in content.decode()
+
+
+def test_n_choices_one_child_refused_closes_the_others_decode_leg():
+    """n = 2 where the prefill refuses child 1 (seed + 1) after child 0 got its decode stream: the
+    client gets the refusal, and child 0's decode leg, opened but never read, is closed with its
+    in-flight count dropped (an unstarted relay used to keep both)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def refuse_seed_1(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == "pe":
+                sent = json.loads(await request.aread())
+                if sent.get("seed") == 1:
+                    await asyncio.sleep(0.2)  # child 0 is through by then
+                    return httpx.Response(400, json={"error": {"message": "refused", "code": 400}})
+            return await handle(request)
+
+        engines.handle = refuse_seed_1
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "n": 2, "seed": 0})
+        return r, router, engines
+
+    r, router, engines = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["message"] == "refused"
+    # (the refused prefill call is not recorded: the wrapper answers it)
+    assert sorted(engines.posts) == [("de", "/v1/completions")] * 2 + [("pe", "/v1/completions")]
+    assert router.decodes[0].in_flight == 0

@@ -303,6 +303,86 @@ def test_seeded_sampling_independent_of_batching(client, model_name):
     assert texts[2] != alone
 
 
+def test_n_choices_equal_their_seeded_children(client, model_name):
+    """n = 3 with seed s: choice i is what a request with seed s + i samples (vLLM's rule); the prompt
+    counts once in usage, the completions of all choices add up."""
+    kw = dict(
+        model=model_name, prompt=PROMPT, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    r = client.completions.create(**kw, n=3, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.completions.create(**kw, seed=11 + i) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == 30 and r.usage.total_tokens == r.usage.prompt_tokens + 30
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_kw = dict(
+        model=model_name, messages=msgs, max_tokens=5, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    chat = client.chat.completions.create(**chat_kw, n=2, seed=1)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 10
+    second = client.chat.completions.create(**chat_kw, seed=2).choices[0].message.content
+    assert chat.choices[1].message.content == second
+
+
+def test_n_choices_stream_interleaved_with_one_usage_chunk(url, model_name):
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, finishes = ["", "", ""], [None, None, None]
+    for ch in chunks[:-1]:
+        (choice,) = ch["choices"]
+        texts[choice["index"]] += choice["text"]
+        finishes[choice["index"]] = choice["finish_reason"] or finishes[choice["index"]]
+    assert len({ch["id"] for ch in chunks}) == 1
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 36
+    assert finishes == ["length"] * 3
+    plain = httpx.post(
+        url + "/v1/completions", json=body | {"stream": False, "stream_options": None}, timeout=60
+    )
+    assert [c["text"] for c in plain.json()["choices"]] == texts
+    assert wait_idle(url)["pdserve_kv_pages_used"] == 0
+
+
+def test_n_choices_stream_disconnect_aborts_every_child(url, model_name):
+    before = wait_idle(url)
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": 400,
+        "temperature": 0,
+        "n": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 8:
+                    break
+    after = wait_idle(url, timeout_s=5)
+    assert after["pdserve_num_requests_running"] == 0 and after["pdserve_kv_pages_used"] == 0
+    generated = after["pdserve_generation_tokens_total"] - before["pdserve_generation_tokens_total"]
+    assert generated < 4 * 400 / 2, generated  # aborted, not run to completion
+
+
 # ---- 7. bad input --------------------------------------------------------------------------------
 def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_name, url):
     before = wait_idle(url)
@@ -331,8 +411,9 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
         assert isinstance(e.body, dict) and e.body["message"] and e.body["type"], e.body
         assert e.body["code"] == 400
 
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model_name, prompt=PROMPT, extra_body={"n": 2})
+    for n in (0, 65, "2", True, 1.5):
+        with pytest.raises(openai.BadRequestError, match="n must be|n\\b"):
+            client.completions.create(model=model_name, prompt=PROMPT, extra_body={"n": n})
     # OpenAI fields we do not implement are refused, not silently ignored; their "off" values pass.
     for extra in (
         {"echo": True},

@@ -37,6 +37,7 @@ from pdserve.router.placement import (
     prompt_shape,
     requested_max_tokens,
 )
+from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body
@@ -341,24 +342,42 @@ class Router:
             de.in_flight -= 1
             return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
 
-        async def relay():
-            try:
-                async with contextlib.aclosing(chunks_unless_down(de, de_resp.aiter_raw())) as chunks:
-                    # No disconnect check per chunk (~23 us each): Starlette's StreamingResponse
-                    # cancels this generator when the client leaves (or its next send fails), and
-                    # the `finally` below closes the decode's leg, which aborts the request there.
-                    async for chunk in chunks:
-                        yield chunk
-            except httpx.HTTPError as e:
-                yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
-            except EngineDown as e:
-                yield f"data: {json.dumps(error_body(str(e), 503, 'ServiceUnavailable'))}\n\n"
-            finally:
-                await de_resp.aclose()
-                de.in_flight -= 1
-
         media = de_resp.headers.get("content-type", "application/json")
-        return StreamingResponse(relay(), status_code=de_resp.status_code, media_type=media)
+        return StreamingResponse(_Relay(de, de_resp), status_code=de_resp.status_code, media_type=media)
+
+
+class _Relay:
+    """The decode's response body, relayed. Its leg is closed (which aborts the request there) and
+    the decode's in-flight count dropped exactly once: when the relay ends, is cancelled (Starlette
+    cancels it when the client leaves or a send fails), or is closed unread (`aclose`: a merged
+    `n` > 1 request whose other child failed never starts reading this one; see server/fanout.py)."""
+
+    def __init__(self, de: Engine, de_resp: httpx.Response) -> None:
+        self.de, self.de_resp, self.done = de, de_resp, False
+
+    def __aiter__(self):
+        return self._relay()
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            await self.de_resp.aclose()
+            self.de.in_flight -= 1
+
+    async def _relay(self):
+        try:
+            async with contextlib.aclosing(chunks_unless_down(self.de, self.de_resp.aiter_raw())) as chunks:
+                # No disconnect check per chunk (~23 us each): Starlette's StreamingResponse
+                # cancels this generator when the client leaves (or its next send fails), and
+                # the `finally` below closes the decode's leg, which aborts the request there.
+                async for chunk in chunks:
+                    yield chunk
+        except httpx.HTTPError as e:
+            yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
+        except EngineDown as e:
+            yield f"data: {json.dumps(error_body(str(e), 503, 'ServiceUnavailable'))}\n\n"
+        finally:
+            await self.aclose()
 
 
 JSON = {"content-type": "application/json"}
@@ -430,17 +449,29 @@ def build_router_app(router: Router) -> FastAPI:
             )
         return body
 
+    async def split(path: str, http: Request) -> Response:
+        """`n` > 1: n requests of one choice, each dispatched on its own, merged (server/fanout.py)."""
+        body = await body_of(http)
+        if isinstance(body, Response):
+            return body
+        try:
+            n = fanout.num_choices(body.get("n"))
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), 400, param="n"), 400)
+        if n == 1:
+            return await router.dispatch(path, body, http)
+        options = body.get("stream_options")
+        include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
+        children = [router.dispatch(path, child, http) for child in fanout.child_bodies(body, n)]
+        return await fanout.merged(children, bool(body.get("stream")), include)
+
     @app.post("/v1/completions")
     async def completions(http: Request):
-        body = await body_of(http)
-        return body if isinstance(body, Response) else await router.dispatch("/v1/completions", body, http)
+        return await split("/v1/completions", http)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
-        body = await body_of(http)
-        return (
-            body if isinstance(body, Response) else await router.dispatch("/v1/chat/completions", body, http)
-        )
+        return await split("/v1/chat/completions", http)
 
     @app.get("/v1/models")
     async def models():

@@ -29,6 +29,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
@@ -317,8 +318,29 @@ def build_app(
             ],
         }
 
+    async def split(body, http: Request, one) -> Response | dict:
+        """`n` > 1: n children of one choice each (server/fanout.py); else the request itself."""
+        try:
+            n = fanout.num_choices(body.n)
+        except ValueError as e:
+            raise APIError(str(e), param="n") from None
+        if n == 1:
+            return await one(body, http)
+        if role_name != "colocated":
+            raise APIError("n > 1 is split into requests of one choice by the router", param="n")
+
+        async def child(i: int) -> Response:
+            out = await one(body.model_copy(update={"n": 1, "seed": fanout.child_seed(body.seed, i)}), http)
+            return out if isinstance(out, Response) else JSONResponse(out)
+
+        include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        return await fanout.merged([child(i) for i in range(n)], bool(body.stream), include)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
+        return await split(body, http, completion)
+
+    async def completion(body: CompletionRequest, http: Request):
         check_model(body.model)
         pd_field = (body.model_extra or {}).get("pd")
         req, text = await validate(
@@ -352,6 +374,9 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
+        return await split(body, http, chat_completion)
+
+    async def chat_completion(body: ChatCompletionRequest, http: Request):
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")

@@ -66,7 +66,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int | None = 1  # > 1: split into n requests and merged (server/fanout.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -79,8 +79,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0  # vLLM's extra parameter
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
+        if self.n not in (None, 1):  # (a route splits n > 1 into children of n = 1 before this)
+            raise ValueError("n > 1 must be split into requests of n = 1 first")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -1,0 +1,194 @@
+"""Parallel sampling (`n` > 1): n requests of one choice each, merged into one OpenAI response.
+
+Who calls it: the completion routes of a colocated engine (`server/api.py`) and of the router
+(`router/app.py`), each with its own single-request path as the children's handler, so a PD cluster
+answers `n` exactly as one engine does (vLLM v1 also splits such a request into child requests).
+
+* Children: the client's body with `n` = 1 and, when seeded, `seed` + i (vLLM's rule: child i of a
+  seeded request equals a request with that seed); all are started at once. (Like vLLM v1, they do
+  not share the prompt's prefill within a step; a later step's child finds it in the prefix cache.)
+* Not streamed: choice i is child i's only choice, with index i; id, created and model are child 0's;
+  usage counts the prompt once and the completion tokens of every choice (OpenAI's count), with child
+  0's `prompt_tokens_details`.
+* Streamed: each child's chunks in its own order, interleaved across children as they come, with
+  index i and child 0's id; one usage chunk at the end (when asked) and one `[DONE]`.
+* Failure: a child refused before its response started (its status is not 200, or its handler raised)
+  fails the request with that answer, and the other children are cancelled. A child that fails
+  mid-stream has its error event passed on; the stream then ends and the other children are closed,
+  which aborts them on their engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.server.protocol import error_body
+
+MAX_N = 64  # choices per request (each is a request of its own on the engines)
+_SEED_SPAN = 2**64  # SamplingParams takes seeds in [-2**63, 2**64): a child's seed wraps inside it
+
+
+def num_choices(n) -> int:
+    """The request's `n` (absent or null: 1); ValueError for anything but an integer in [1, MAX_N]."""
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    return n
+
+
+def child_seed(seed, i: int):
+    """Child i's seed: seed + i (wrapped into the accepted range); anything else is left as it was
+    (an unseeded request stays unseeded; a bad seed is refused by each child as by the parent)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return seed
+    s = seed + i
+    return s - _SEED_SPAN if s >= _SEED_SPAN else s
+
+
+def child_bodies(body: dict, n: int) -> list[dict]:
+    """The router's children: the client's JSON body, `n` = 1, seeds per `child_seed`."""
+    out = []
+    for i in range(n):
+        child = {**body, "n": 1}
+        if "seed" in body:
+            child["seed"] = child_seed(body["seed"], i)
+        out.append(child)
+    return out
+
+
+async def merged(children: list[Awaitable[Response]], stream: bool, include_usage: bool) -> Response:
+    """Run the children's handlers (each returns a Response or raises) and merge their answers."""
+    tasks = [asyncio.ensure_future(c) for c in children]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        await _stop(tasks, [])
+        raise
+    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+    if failed is not None:
+        await _stop(
+            tasks, [t.result() for t in tasks if t.done() and not t.cancelled() and not t.exception()]
+        )
+        raise failed.exception()  # e.g. the engine's APIError: answered as for one request
+    responses = [t.result() for t in tasks]
+    bad = next((r for r in responses if r.status_code != 200), None)
+    if bad is not None:
+        await _stop([], [r for r in responses if r is not bad])
+        return bad
+    if stream:
+        return StreamingResponse(_merged_events(responses, include_usage), media_type="text/event-stream")
+    bodies = await asyncio.gather(*(_read(r) for r in responses))
+    try:
+        parts = [json.loads(b) for b in bodies]
+        return JSONResponse(merge_bodies(parts))
+    except (ValueError, KeyError, IndexError, TypeError):
+        # A child's body is not a completion (e.g. the router relayed a decode's in-band error): pass
+        # on the first such body as it was.
+        for b in bodies:
+            with contextlib.suppress(ValueError):
+                obj = json.loads(b)
+                if isinstance(obj, dict) and isinstance(obj.get("choices"), list) and obj["choices"]:
+                    continue
+            return Response(b, 502, media_type="application/json")
+        raise
+
+
+def merge_bodies(parts: list[dict]) -> dict:
+    """Non-streamed children's responses -> one response with their choices, index i each."""
+    out = dict(parts[0])
+    out["choices"] = []
+    for i, p in enumerate(parts):
+        (choice,) = p["choices"]
+        out["choices"].append({**choice, "index": i})
+    if "usage" in out:
+        completion = sum(p["usage"]["completion_tokens"] for p in parts)
+        out["usage"] = {
+            **parts[0]["usage"],
+            "completion_tokens": completion,
+            "total_tokens": parts[0]["usage"]["prompt_tokens"] + completion,
+        }
+    return out
+
+
+async def _merged_events(responses: list[Response], include_usage: bool) -> AsyncIterator[str]:
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, resp: Response) -> None:
+        buf = ""
+        try:
+            async for chunk in resp.body_iterator:
+                buf += chunk.decode() if isinstance(chunk, bytes) else chunk
+                while "\n\n" in buf:
+                    event, buf = buf.split("\n\n", 1)
+                    q.put_nowait((i, event))
+        except Exception as e:  # noqa: BLE001 - reported in-band, as a single stream's failure is
+            q.put_nowait((i, e))
+        q.put_nowait((i, end))
+
+    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(responses)]
+    usages: list[dict | None] = [None] * len(responses)
+    stream_id = None
+    num_open = len(responses)
+    try:
+        while num_open:
+            i, item = await q.get()
+            if item is end:
+                num_open -= 1
+                continue
+            if isinstance(item, Exception):
+                yield _sse(error_body(f"choice {i} failed: {item!r}", 502, "BadGateway"))
+                break
+            if not item.startswith("data: ") or item == "data: [DONE]":
+                continue
+            obj = json.loads(item[6:])
+            if "error" in obj:  # in-band failure of one child: the request fails
+                yield _sse(obj)
+                break
+            if not obj.get("choices") and obj.get("usage"):
+                usages[i] = obj
+                continue
+            stream_id = stream_id or obj.get("id")
+            obj["id"] = stream_id
+            for c in obj.get("choices", ()):
+                c["index"] = i
+            yield _sse(obj)
+        else:
+            if include_usage and all(u is not None for u in usages):
+                last = merge_bodies([{**u, "choices": [{}]} for u in usages])
+                yield _sse({**last, "id": stream_id or last.get("id"), "choices": []})
+        yield "data: [DONE]\n\n"
+    finally:
+        await _stop(pumps, responses)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _read(resp: Response) -> bytes:
+    if isinstance(resp, StreamingResponse):
+        parts = []
+        async for chunk in resp.body_iterator:
+            parts.append(chunk.encode() if isinstance(chunk, str) else chunk)
+        return b"".join(parts)
+    return resp.body
+
+
+async def _stop(tasks: list[asyncio.Future], responses: list[Response]) -> None:
+    """Cancel `tasks` (and wait for them: a cancelled stream runs its cleanup, which aborts its
+    request), then close the streamed bodies of `responses` nobody will read."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for r in responses:
+        aclose = getattr(getattr(r, "body_iterator", None), "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()

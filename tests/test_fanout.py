@@ -1,0 +1,183 @@
+"""`n` > 1 merging (server/fanout.py) with hand-made children: exact merged bodies and streams, and
+what happens to the other children when one fails (each failure path closes or cancels them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from pdserve.server import fanout
+
+
+def completion(i: int, text: str, completion_tokens: int) -> dict:
+    return {
+        "id": f"cmpl-{i}",
+        "object": "text_completion",
+        "created": 100 + i,
+        "model": "m",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": completion_tokens,
+            "total_tokens": 7 + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 4 if i == 0 else 0},
+        },
+    }
+
+
+def test_merge_bodies_indexes_choices_and_counts_the_prompt_once():
+    merged = fanout.merge_bodies([completion(0, "a", 3), completion(1, "b", 5)])
+    assert merged["id"] == "cmpl-0" and merged["created"] == 100
+    assert merged["choices"] == [
+        {"index": 0, "text": "a", "finish_reason": "length", "logprobs": None},
+        {"index": 1, "text": "b", "finish_reason": "length", "logprobs": None},
+    ]
+    assert merged["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 8,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+
+
+def test_children_bodies_and_seeds():
+    body = {"prompt": "x", "n": 3, "seed": 2**64 - 2, "temperature": 1.0}
+    kids = fanout.child_bodies(body, 3)
+    assert [k["seed"] for k in kids] == [2**64 - 2, 2**64 - 1, 0]  # wrapped into [-2**63, 2**64)
+    assert all(k["n"] == 1 and k["prompt"] == "x" for k in kids)
+    assert body["n"] == 3  # the client's body is not changed
+    assert [k.get("seed") for k in fanout.child_bodies({"prompt": "x"}, 2)] == [None, None]
+    assert fanout.child_seed("7", 1) == "7"  # refused by each child as by the parent
+    for bad in (0, 65, True, "2", 1.0):
+        with pytest.raises(ValueError, match="n must be"):
+            fanout.num_choices(bad)
+    assert fanout.num_choices(None) == 1 and fanout.num_choices(64) == 64
+
+
+class Child:
+    """A streamed child: yields `events` (SSE data payloads), with an optional pause; records whether
+    its generator was closed before it finished (what aborts a request on its engine)."""
+
+    def __init__(self, events: list, pause_s: float = 0.0) -> None:
+        self.events, self.pause_s = events, pause_s
+        self.closed_early = False
+        self.finished = False
+
+    async def gen(self):
+        try:
+            for e in self.events:
+                await asyncio.sleep(self.pause_s)
+                yield f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n"
+            self.finished = True
+        finally:
+            self.closed_early = not self.finished
+
+    async def response(self):
+        return StreamingResponse(self.gen(), media_type="text/event-stream")
+
+
+def chunk(i: int, text: str, finish=None) -> dict:
+    return {"id": f"cmpl-{i}", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+def usage_chunk(i: int, n: int) -> dict:
+    return {"id": f"cmpl-{i}", "choices": [], "usage": completion(i, "", n)["usage"]}
+
+
+async def collect(resp) -> list:
+    out = []
+    async for part in resp.body_iterator:
+        out += [e[6:] for e in part.split("\n\n") if e.startswith("data: ")]
+    return out
+
+
+def test_streams_are_reindexed_with_one_id_one_usage_and_one_done():
+    a = Child([chunk(0, "a1"), chunk(0, "a2", "length"), usage_chunk(0, 2), "[DONE]"])
+    b = Child([chunk(1, "b1", "stop"), usage_chunk(1, 1), "[DONE]"])
+
+    async def go():
+        resp = await fanout.merged([a.response(), b.response()], stream=True, include_usage=True)
+        return await collect(resp)
+
+    events = asyncio.run(go())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    objs = [json.loads(e) for e in events[:-1]]
+    by_index: dict[int, str] = {}
+    for o in objs[:-1]:
+        (c,) = o["choices"]
+        by_index[c["index"]] = by_index.get(c["index"], "") + c["text"]
+    assert by_index == {0: "a1a2", 1: "b1"}
+    assert {o["id"] for o in objs} == {objs[0]["id"]}
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 3
+    assert objs[-1]["usage"]["total_tokens"] == 10
+    assert a.finished and b.finished
+
+
+def test_an_error_mid_stream_is_passed_on_and_closes_the_other_children():
+    slow = Child([chunk(0, str(k)) for k in range(100)], pause_s=0.01)
+    failing = Child([chunk(1, "x"), {"error": {"message": "decode stream broke", "code": 502}}, "[DONE]"])
+
+    async def go():
+        resp = await fanout.merged([slow.response(), failing.response()], stream=True, include_usage=True)
+        return await collect(resp)
+
+    events = asyncio.run(go())
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "decode stream broke"
+    assert not any("usage" in json.loads(e) for e in events[:-1])
+    assert slow.closed_early  # the other child was closed: its engine aborts it
+
+
+def test_a_child_refused_up_front_fails_the_request_and_closes_the_rest():
+    ok = Child([chunk(0, "a")] * 50, pause_s=0.01)
+
+    async def refused():
+        return JSONResponse({"error": {"message": "bad", "code": 400}}, 400)
+
+    async def go():
+        resp = await fanout.merged([ok.response(), refused()], stream=True, include_usage=False)
+        return resp
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 400 and json.loads(resp.body)["error"]["message"] == "bad"
+    assert not ok.finished  # never read, and closed
+
+
+def test_a_child_that_raises_cancels_the_others_and_the_error_propagates():
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def boom():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("engine gone")
+
+    async def go():
+        await fanout.merged([slow(), boom()], stream=False, include_usage=False)
+
+    with pytest.raises(RuntimeError, match="engine gone"):
+        asyncio.run(go())
+    assert cancelled == [True]
+
+
+def test_non_streamed_children_relayed_as_streams_are_merged():
+    async def relayed(i: int, n: int):
+        async def body():
+            yield json.dumps(completion(i, f"t{i}", n)).encode()
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    async def go():
+        return await fanout.merged([relayed(0, 2), relayed(1, 4)], stream=False, include_usage=False)
+
+    resp = asyncio.run(go())
+    data = json.loads(resp.body)
+    assert [c["text"] for c in data["choices"]] == ["t0", "t1"] and data["usage"]["completion_tokens"] == 6
