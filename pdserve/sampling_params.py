@@ -46,7 +46,12 @@ class SamplingParams:
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_bias(self.logit_bias)
-        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens"):
+        _check(
+            isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool),
+            "min_tokens must be an integer",
+            self.min_tokens,
+        )
+        for name in ("max_tokens", "top_k", "logprobs", "seed"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, int) and not isinstance(value, bool)),
@@ -88,8 +93,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2]", value)
         _check(
-            0.0 < self.repetition_penalty <= 2.0,
-            "repetition_penalty must be in (0, 2]",
+            0.0 < self.repetition_penalty < math.inf,
+            "repetition_penalty must be finite and > 0",
             self.repetition_penalty,
         )
         _check(
@@ -121,7 +126,7 @@ def _token_bias(bias) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         tok = key
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
             tok = int(key)
         _check(
             isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0, "bad logit_bias token id", key

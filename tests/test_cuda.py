@@ -54,6 +54,27 @@ def test_greedy_on_cuda_equals_the_cpu_reference(engines):
     cuda.engine.check_integrity()
 
 
+def test_penalties_bias_and_min_tokens_on_cuda_equal_the_cpu_reference(engines):
+    """The logits processors index the logits on the GPU with ids built on the host."""
+    cpu, cuda = engines
+    ps = _prompts()
+    banned = cpu.generate(ps[:1], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+        min_tokens=4,
+        stop_token_ids=[banned],
+        logit_bias={banned: -5.0, 7: 2.0},
+    )
+    ref, out = cpu.generate(ps, params), cuda.generate(ps, params)
+    for i, (r, o) in enumerate(zip(ref, out, strict=True)):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, f"prompt {i}"
+    cuda.engine.check_integrity()
+
+
 def test_seeded_sampling_on_cuda_is_reproducible_and_batch_independent(engines):
     _, cuda = engines
     prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser("

@@ -126,7 +126,11 @@ def test_sampler_needs_histories_and_keeps_raw_logprobs():
         dict(frequency_penalty=-3),
         dict(frequency_penalty=math.nan),
         dict(repetition_penalty=0),
-        dict(repetition_penalty=2.5),
+        dict(repetition_penalty=math.inf),
+        dict(repetition_penalty=-1.0),
+        dict(min_tokens=None),
+        dict(min_tokens=1.5),
+        dict(logit_bias={"\u00b2": 1}),  # a digit to str.isdigit, not to int()
         dict(min_tokens=-1),
         dict(min_tokens=5, max_tokens=4),
         dict(logit_bias={"a": 1}),

@@ -231,3 +231,75 @@ def test_n_choices_one_child_refused_closes_the_others_decode_leg():
     # (the refused prefill call is not recorded: the wrapper answers it)
     assert sorted(engines.posts) == [("de", "/v1/completions")] * 2 + [("pe", "/v1/completions")]
     assert router.decodes[0].in_flight == 0
+
+
+def test_n_choices_stream_client_leaving_closes_every_decode_leg():
+    """A streamed n = 2 request whose client leaves mid-stream: Starlette cancels the merged stream
+    (and again at each await of its cleanup); both decode legs must still be closed to the end and
+    their in-flight counts dropped. Each decode body's close suspends (as a real connection's does)."""
+    closed: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def streaming_decode(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == "de":
+                engines.posts.append(("de", request.url.path))
+                seed = json.loads(await request.aread())["seed"]
+
+                class Body(httpx.AsyncByteStream):
+                    async def __aiter__(self):
+                        for k in range(1000):
+                            chunk = {"id": "c", "choices": [{"index": 0, "text": f"{seed}.{k} "}]}
+                            yield f"data: {json.dumps(chunk)}\n\n".encode()
+                            await asyncio.sleep(0.01)
+
+                    async def aclose(self) -> None:
+                        await asyncio.sleep(0.05)  # a close that takes a while, as a connection's
+                        closed.append(f"de{seed}")
+
+                return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+            return await handle(request)
+
+        engines.handle = streaming_decode
+        router = await started_router(engines, "none")
+        app = build_router_app(router)
+        sent = json.dumps({"prompt": [1, 2], "max_tokens": 1000, "n": 2, "seed": 0, "stream": True}).encode()
+        messages = [{"type": "http.request", "body": sent, "more_body": False}]
+        gone = asyncio.Event()
+        chunks: list[bytes] = []
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if len(chunks) >= 6:
+                    gone.set()  # the client hangs up after a few chunks
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(sent)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        await asyncio.sleep(0.2)
+        return router, chunks
+
+    router, chunks = asyncio.run(go())
+    assert len(chunks) >= 6
+    assert router.decodes[0].in_flight == 0
+    assert sorted(closed) == ["de0", "de1"]

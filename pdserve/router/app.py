@@ -361,8 +361,8 @@ class _Relay:
     async def aclose(self) -> None:
         if not self.done:
             self.done = True
+            self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
             await self.de_resp.aclose()
-            self.de.in_flight -= 1
 
     async def _relay(self):
         try:

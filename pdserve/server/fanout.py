@@ -11,7 +11,8 @@ answers `n` exactly as one engine does (vLLM v1 also splits such a request into 
   usage counts the prompt once and the completion tokens of every choice (OpenAI's count), with child
   0's `prompt_tokens_details`.
 * Streamed: each child's chunks in its own order, interleaved across children as they come, with
-  index i and child 0's id; one usage chunk at the end (when asked) and one `[DONE]`.
+  index i and the id and `created` of the stream's first chunk; one usage chunk at the end (when
+  asked) and one `[DONE]`.
 * Failure: a child refused before its response started (its status is not 200, or its handler raised)
   fails the request with that answer, and the other children are cancelled. A child that fails
   mid-stream has its error event passed on; the stream then ends and the other children are closed,
@@ -21,10 +22,12 @@ answers `n` exactly as one engine does (vLLM v1 also splits such a request into 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 
+import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.server.protocol import error_body
@@ -45,7 +48,7 @@ def num_choices(n) -> int:
 def child_seed(seed, i: int):
     """Child i's seed: seed + i (wrapped into the accepted range); anything else is left as it was
     (an unseeded request stays unseeded; a bad seed is refused by each child as by the parent)."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < _SEED_SPAN:
         return seed
     s = seed + i
     return s - _SEED_SPAN if s >= _SEED_SPAN else s
@@ -68,7 +71,9 @@ async def merged(children: list[Awaitable[Response]], stream: bool, include_usag
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except asyncio.CancelledError:
-        await _stop(tasks, [])
+        finished = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+        with anyio.CancelScope(shield=True):
+            await _stop(tasks, finished)
         raise
     failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
     if failed is not None:
@@ -122,9 +127,11 @@ async def _merged_events(responses: list[Response], include_usage: bool) -> Asyn
 
     async def pump(i: int, resp: Response) -> None:
         buf = ""
+        utf8 = codecs.getincrementaldecoder("utf-8")()  # a chunk may end inside a character
         try:
             async for chunk in resp.body_iterator:
-                buf += chunk.decode() if isinstance(chunk, bytes) else chunk
+                buf += utf8.decode(chunk) if isinstance(chunk, bytes) else chunk
+                buf = buf.replace("\r\n", "\n")
                 while "\n\n" in buf:
                     event, buf = buf.split("\n\n", 1)
                     q.put_nowait((i, event))
@@ -134,7 +141,7 @@ async def _merged_events(responses: list[Response], include_usage: bool) -> Asyn
 
     pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(responses)]
     usages: list[dict | None] = [None] * len(responses)
-    stream_id = None
+    stream_id, created = None, None
     num_open = len(responses)
     try:
         while num_open:
@@ -154,18 +161,25 @@ async def _merged_events(responses: list[Response], include_usage: bool) -> Asyn
             if not obj.get("choices") and obj.get("usage"):
                 usages[i] = obj
                 continue
-            stream_id = stream_id or obj.get("id")
+            if stream_id is None:
+                stream_id, created = obj.get("id"), obj.get("created")
             obj["id"] = stream_id
+            if created is not None:
+                obj["created"] = created
             for c in obj.get("choices", ()):
                 c["index"] = i
             yield _sse(obj)
         else:
             if include_usage and all(u is not None for u in usages):
                 last = merge_bodies([{**u, "choices": [{}]} for u in usages])
-                yield _sse({**last, "id": stream_id or last.get("id"), "choices": []})
+                last |= {"id": stream_id or last.get("id"), "choices": []}
+                yield _sse(last if created is None else last | {"created": created})
         yield "data: [DONE]\n\n"
     finally:
-        await _stop(pumps, responses)
+        # Shielded: Starlette cancels a stream whose client left again at every await, which would
+        # cut the children's cleanup (a router child's decode leg) short.
+        with anyio.CancelScope(shield=True):
+            await _stop(pumps, responses)
 
 
 def _sse(obj: dict) -> str:
