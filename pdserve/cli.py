@@ -7,6 +7,8 @@ import errno
 import os
 import sys
 
+from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF model directory")
@@ -20,6 +22,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="let chat requests carry `tools` and parse the model's calls this way (hermes: "
+        "<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes); default: tools are refused",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--prefill-quota-ms",
@@ -158,7 +167,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
             # engine's threads are already running, hence the hard exit.
             print(f"error: bootstrap port {a.bootstrap_port} is in use ({e})", file=sys.stderr, flush=True)
             os._exit(3)
-    app = build_app(engine, pd, enable_fault_injection=a.enable_fault_injection)
+    app = build_app(
+        engine, pd, enable_fault_injection=a.enable_fault_injection, tool_call_parser=a.tool_call_parser
+    )
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
         f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",

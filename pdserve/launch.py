@@ -21,6 +21,7 @@ from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 
 ENGINE_FLAGS = (
+    "tool_call_parser",
     "dtype",
     "device",
     "page_size",

@@ -80,12 +80,17 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """`tools`: OpenAI tool objects, shown to the model by the template as it sees fit (HF's
+        `tools` argument; a template that ignores them ignores them)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         try:
             return self._compiled_template().render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

@@ -93,7 +93,13 @@ def cluster(request, demo_model_dir):
     device = "cuda" if request.param.startswith("cuda") else "cpu"
     staged = request.param.endswith("staged")
     threshold = -1.0 if staged else 2.0  # runs/pages never exceeds 1: never staged
-    args = cluster_args(demo_model_dir, pd_staging_threshold=threshold, device=device, dtype="float32")
+    args = cluster_args(
+        demo_model_dir,
+        pd_staging_threshold=threshold,
+        device=device,
+        dtype="float32",
+        tool_call_parser="hermes",
+    )
     c = start_cluster(args, 1, 1)
     c.staged, c.device = staged, device
     c.engine_urls = [u for u in _engine_urls(c)]
@@ -231,6 +237,31 @@ def test_pd_n_choices_equal_colocated_seeded_children(cluster, colocated):
     for bad in (0, 65, "3"):
         r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"n": bad}, timeout=30)
         assert r.status_code == 400 and "n must be" in r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
+def test_pd_chat_with_tools_renders_them_on_both_engines(cluster, colocated):
+    """`launch --tool-call-parser` reaches both engines: the prefill renders the tools into the
+    prompt it computes, the decode parses the answer; the tokens equal a colocated engine's on that
+    prompt (the demo model writes noise, so no call is expected, but any would be parsed)."""
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "list the files"}]
+    body = {"model": "demo", "messages": msgs, "tools": tools, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(cluster.router_url + "/v1/chat/completions", json=body | {"ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    ref_llm = colocated(cluster.device)
+    tok = ref_llm.get_tokenizer()
+    prompt_ids = tok.encode(tok.apply_chat_template(msgs, True, tools), add_special_tokens=False)
+    ref = ref_llm.generate(
+        {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )[0]
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
+    bad = httpx.post(
+        cluster.router_url + "/v1/chat/completions", json=body | {"tool_choice": "required"}, timeout=30
+    )
+    assert bad.status_code == 400 and "tool_choice" in bad.text
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

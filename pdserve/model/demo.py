@@ -17,8 +17,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 SPECIAL = [BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+# Tools (a `tools` list) go into a system turn and an assistant's calls are written back in the
+# hermes form (<tool_call>{json}</tool_call>), as Qwen2.5's template does; plain chats render as before.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\nTools:\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|end|>\n{% endif %}'
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # Stdlib modules whose source is the tokenizer's training text (present in every CPython 3.11+).

@@ -29,7 +29,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server import fanout
+from pdserve.server import fanout, tool_calls
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
@@ -48,10 +48,15 @@ class APIError(Exception):
 
 
 def build_app(
-    engine: LLMEngine, pd: PDContext | None = None, enable_fault_injection: bool = False
+    engine: LLMEngine,
+    pd: PDContext | None = None,
+    enable_fault_injection: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers.
-    `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only)."""
+    `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only).
+    `tool_call_parser` (a name in server/tool_calls.PARSERS) lets chat requests carry `tools`."""
+    tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
     metrics = EngineMetrics()
     if pd is not None:
         metrics.pd = PDMetrics(metrics.registry, pd)
@@ -247,7 +252,9 @@ def build_app(
                 delta = o.text[sent_text:upto]
                 new_tokens = len(o.token_ids) > sent_tokens
                 if delta or out.finished or (new_tokens and (every_token or o.logprobs)):
-                    yield sse(chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None))
+                    made = chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None)
+                    for c in made if isinstance(made, list) else (made,):  # (tool calls: 0..n chunks)
+                        yield sse(c)
                     sent_text, sent_tokens = upto, len(o.token_ids)
         except InvalidRequest as e:  # the stream already started: report in-band
             yield sse(error_body(str(e), 400))
@@ -372,6 +379,28 @@ def build_app(
         resp = chunk(o.text, o, 0, o.finish_reason)
         return resp | {"usage": usage(out)}
 
+    def chat_tools(body: ChatCompletionRequest) -> list[dict] | None:
+        """The request's tools when the model may call them (`tool_choice` auto), else None; 400 for
+        tools this engine cannot parse calls of, or a choice that needs guided decoding."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        if tool_parser is None:
+            raise APIError(
+                "tools need an engine started with --tool-call-parser (e.g. hermes); otherwise the "
+                "model's calls would come back as plain text",
+                param="tools",
+            )
+        if body.tool_choice not in (None, "auto"):
+            raise APIError(
+                "tool_choice must be 'auto' or 'none' ('required' and a named function need guided "
+                "decoding, which this server does not implement)",
+                param="tool_choice",
+            )
+        try:
+            return tool_calls.check_tools(body.tools)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
         return await split(body, http, chat_completion)
@@ -380,10 +409,14 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tools = chat_tools(body)
+        try:
+            messages = tool_calls.template_messages(body.messages)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
 
         def render() -> tuple[str, list[int]]:  # on a worker thread, as `validate`'s tokenizing
-            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
             return prompt, tokenizer.encode(prompt, add_special_tokens=False)  # the template has the BOS
 
         try:
@@ -397,15 +430,42 @@ def build_app(
             lambda: {"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top), pd_field
         )
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
+        calls_stream = tool_calls.ToolStream(tool_parser) if tools else None
+        streamed = [""]  # the answer's text so far (what `stream` sent as deltas)
 
         def chunk(delta, o, start, finish):
-            choice = {
-                "index": 0,
-                "delta": {} if delta is None else {"content": delta},
-                "finish_reason": finish,
-                "logprobs": chat_logprobs(o.logprobs, start) if o is not None else None,
-            }
-            return envelope(rid, "chat.completion.chunk", created, [choice])
+            lps = chat_logprobs(o.logprobs, start) if o is not None else None
+            if calls_stream is None or o is None:  # (the head and usage chunks: as they are)
+                choice = {
+                    "index": 0,
+                    "delta": {} if delta is None else {"content": delta},
+                    "finish_reason": finish,
+                    "logprobs": lps,
+                }
+                return envelope(rid, "chat.completion.chunk", created, [choice])
+            # Tools: the text goes through the parser; a step yields zero or more deltas.
+            streamed[0] += delta
+            deltas = calls_stream.feed(streamed[0], finish is not None)
+            if finish is not None and calls_stream.num_calls:
+                finish = "tool_calls"
+            if not deltas and (finish is not None or lps is not None):
+                deltas = [{}]
+            return [
+                envelope(
+                    rid,
+                    "chat.completion.chunk",
+                    created,
+                    [
+                        {
+                            "index": 0,
+                            "delta": d,
+                            "finish_reason": finish if k == len(deltas) - 1 else None,
+                            "logprobs": lps if k == 0 else None,
+                        }
+                    ],
+                )
+                for k, d in enumerate(deltas)
+            ]
 
         if body.stream and role_name != "prefill":
             include = bool(body.stream_options and body.stream_options.include_usage)
@@ -417,11 +477,17 @@ def build_app(
             )
         out = await run_to_end(req, prompt, http)
         o = out.outputs[0]
+        message: dict = {"role": "assistant", "content": o.text}
+        finish = o.finish_reason
+        if tools:
+            content, calls = tool_parser.parse(o.text)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": o.text},
+            "message": message,
             "logprobs": chat_logprobs(o.logprobs, 0),
-            "finish_reason": o.finish_reason,
+            "finish_reason": finish,
         }
         return envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
 

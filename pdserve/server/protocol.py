@@ -28,8 +28,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
-    # Tool calling needs a tool-call parser we do not have: ignoring the tools would hand an agent
-    # plain text where it expects calls (vLLM also refuses without --enable-auto-tool-choice).
+    # Tools belong to chat completions (its own fields there, server/tool_calls.py); in a plain
+    # completion, and in the legacy `functions` form, ignoring them would hand an agent plain text
+    # where it expects calls.
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -141,6 +142,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Tool calling (server/tool_calls.py): needs an engine started with --tool-call-parser.
+    tools: list | None = None
+    tool_choice: str | dict | None = None  # "auto" (default with tools) | "none"
+    parallel_tool_calls: bool | None = None  # (accepted; the model decides how many calls it makes)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
