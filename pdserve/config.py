@@ -185,6 +185,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 4096  # prompt + generated tokens of one request
+    # A waiting request whose next prompt page a running prefill is computing waits for it to land
+    # in the prefix cache instead of computing it again (n choices, an RL group of one prompt).
+    share_in_flight_prefixes: bool = True
     # DualPath compute quota (None: off): a step's tokens are also capped so its predicted time,
     # overhead + Σ (µs_per_token · new + ns_per_token_pair · new · (cached + new / 2)), stays within
     # the quota (the PE's intra-engine batching of Algorithm 1; the last request is chunked to fit).
@@ -243,6 +246,7 @@ class EngineConfig:
         seed: int = 0,
         served_model_name: str | None = None,
         prefill_quota_s: float | None = None,
+        share_in_flight_prefixes: bool = True,
     ) -> EngineConfig:
         mc = ModelConfig.from_dir(model)
         if device == "auto":
@@ -283,6 +287,7 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_len,
                 prefill_quota_s=prefill_quota_s,
+                share_in_flight_prefixes=share_in_flight_prefixes,
             ),
         )
 

@@ -50,6 +50,12 @@ class Tokenizer:
             i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
         )
 
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one special token of this vocabulary (dropped by skip_special_tokens)."""
+        tid = self._tok.token_to_id(text)
+        added = self._tok.get_added_tokens_decoder()
+        return tid is not None and tid in added and added[tid].special
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works; `encode` holds it throughout (~0.1 s for a
         # 50k-token prompt, during which the engine thread could not step). Same ids.

@@ -96,6 +96,18 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm):
+    greedy = gen(llm, temperature=0, max_tokens=16)
+    stop_tok = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_tok)
+    tok = llm.get_tokenizer()
+    out = gen(llm, temperature=0, max_tokens=16, stop_token_ids=[stop_tok])
+    assert out.token_ids[-1] == stop_tok and out.text == tok.decode(greedy.token_ids[:first])
+    kept = gen(llm, temperature=0, max_tokens=16, stop_token_ids=[stop_tok], include_stop_str_in_output=True)
+    assert kept.text == tok.decode(greedy.token_ids[: first + 1])
+    assert kept.text != out.text
+
+
 def test_stop_strings_truncate_text(llm):
     greedy = gen(llm, temperature=0, max_tokens=24)
     text = greedy.text

@@ -171,3 +171,39 @@ def test_compute_quota_plans_a_waiting_request_after_its_prefix_hit():
     assert cfg.prefill_overhead_s + cfg.prefill_cost_s(2000, num_new + kv.page_size) > cfg.prefill_quota_s
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     kv.check_integrity()
+
+
+def test_same_prompt_at_once_waits_for_the_pages_in_flight_instead_of_recomputing():
+    """Two requests with one 16-token prompt (4 pages of 4) and a third with another prompt, all
+    waiting at once: b's first page is being computed by a, so b waits (c, behind it, goes ahead);
+    next step b admits with a's 3 full pages as prefix hits and computes only its last page."""
+    s = make(num_pages=16, page_size=4, budget=32, max_seqs=4)
+    a, b, c = req("a", 16), req("b", 16), req("c", 4, start=500)
+    for r in (a, b, c):
+        s.add(r)
+    assert run_step(s)[0] == [("a", 16), ("c", 4)]  # b put off: its first page is a's, in flight
+    assert [r.request_id for r in s.waiting] == ["b"] and s.num_prefix_waits == 1
+    assert run_step(s)[0] == [("a", 1), ("c", 1), ("b", 4)]  # b: 3 full pages hit, then its last page
+    assert b.num_cached_tokens == 12 and b.page_ids[:3] == a.page_ids[:3]
+    assert s.kv.num_hit_tokens == 12 and not s.waiting and s.num_prefix_waits == 1
+
+
+def test_a_shared_prefix_waits_only_for_the_shared_pages():
+    """b shares a's first 2 pages, then differs: once those two are computed it is admitted, and
+    computes its own tokens (it never waits for a page it does not share)."""
+    s = make(num_pages=32, page_size=4, budget=32, max_seqs=4)
+    a = req("a", 24)
+    b = Request("b", list(range(8)) + [900 + i for i in range(8)], SamplingParams(max_tokens=100), 100)
+    s.add(a)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 24)]  # a's 6 pages; b waits (its page 0 is in flight)
+    assert run_step(s)[0] == [("a", 1), ("b", 8)]  # b: pages 0-1 hit, then its own 8 tokens
+    assert b.num_cached_tokens == 8 and b.page_ids[:2] == a.page_ids[:2] and s.num_prefix_waits == 1
+
+
+def test_no_prefix_caching_means_no_waiting():
+    s = make(budget=100, prefix=False)
+    a, b = req("a", 16), req("b", 16)
+    s.add(a)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 16), ("b", 16)] and s.num_prefix_waits == 0

@@ -326,6 +326,22 @@ def test_n_choices_equal_their_seeded_children(client, model_name):
     assert chat.choices[1].message.content == second
 
 
+def test_n_choices_of_a_long_prompt_compute_it_once(url, model_name):
+    """The n children of one prompt arrive together: all but one wait for the prompt's pages in
+    flight and find them in the prefix cache (pdserve_prefix_waits), instead of each prefilling it."""
+    before = wait_idle(url)
+    prompt = "def handler(request, context):\n    return process(request.body)\n" * 8  # ~10 pages
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "n": 4}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len({c["text"] for c in r.json()["choices"]}) == 1  # greedy: all the same
+    after = wait_idle(url)
+    assert after["pdserve_prefix_waits"] > before["pdserve_prefix_waits"]
+    hits = after["pdserve_prefix_cache_hit_tokens"] - before["pdserve_prefix_cache_hit_tokens"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert hits >= 3 * ((n_prompt - 1) // PAGE_SIZE) * PAGE_SIZE  # three children hit every full page
+
+
 def test_n_choices_stream_interleaved_with_one_usage_chunk(url, model_name):
     body = {
         "model": model_name,

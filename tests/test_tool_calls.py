@@ -50,15 +50,32 @@ def test_parse_leaves_non_calls_as_content(text):
     assert P.parse(text) == (text, [])
 
 
+def test_a_call_cut_short_leaves_the_whole_answer_as_text():
+    cut = "x" + CALL_LS + '\n<tool_call>{"name": "g", "argu'
+    assert P.parse(cut) == (cut, [])
+
+
+def test_arguments_that_are_not_json_come_back_json_encoded():
+    _, calls = P.parse('<tool_call>{"name": "f", "arguments": "not json"}</tool_call>')
+    assert json.loads(calls[0]["function"]["arguments"]) == "not json"
+    _, calls = P.parse('<tool_call>{"name": "f", "arguments": null}</tool_call>')
+    assert calls[0]["function"]["arguments"] == "{}"
+
+
+def test_stream_keeps_only_the_first_call_when_parallel_calls_are_off():
+    content, calls = merged(feed_by(CALL_LS + CALL_CAT, 5, max_calls=1))
+    assert content == "" and [c["function"]["name"] for c in calls] == ["ls"]
+
+
 def test_parse_blank_content_is_none_and_string_arguments_pass_through():
     content, calls = P.parse('  \n<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
 
 
-def feed_by(text: str, step: int) -> list[dict]:
-    s, out = ToolStream(P), []
-    for end in range(step, len(text) + step, step):
-        out += s.feed(text[: min(end, len(text))], end >= len(text))
+def feed_by(text: str, step: int, max_calls: int | None = None) -> list[dict]:
+    s, out = ToolStream(P, max_calls), []
+    for start in range(0, len(text), step):
+        out += s.feed(text[start : start + step], start + step >= len(text))
     return out
 
 
@@ -83,9 +100,9 @@ def test_stream_gives_the_same_content_and_calls_at_any_chunking(step):
 def test_stream_holds_back_only_what_may_start_a_marker():
     s = ToolStream(P)
     assert s.feed("a <to", False) == [{"content": "a "}]
-    assert s.feed("a <tod", False) == [{"content": "<tod"}]  # not a marker after all
-    assert s.feed("a <tod <tool_call>{", False) == [{"content": " "}]
-    assert s.feed('a <tod <tool_call>{"name": "x"}</tool_call>', False)[0]["tool_calls"][0]["function"] == {
+    assert s.feed("d", False) == [{"content": "<tod"}]  # not a marker after all
+    assert s.feed(" <tool_call>{", False) == [{"content": " "}]
+    assert s.feed('"name": "x"}</tool_call>', False)[0]["tool_calls"][0]["function"] == {
         "name": "x",
         "arguments": "{}",
     }
@@ -256,6 +273,10 @@ def test_tools_render_into_the_prompt_and_past_calls_too(engine):
         ({"tool_choice": {"type": "function", "function": {"name": "ls"}}}, "hermes", "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}]}, "hermes", "name"),
         ({"tools": "ls"}, "hermes", "tools"),
+        ({"tools": None, "tool_choice": "required"}, "hermes", "tool_choice"),  # not ignored without tools
+        ({"tools": None, "tool_choice": "auto"}, "hermes", "needs tools"),
+        ({"tool_choice": "bogus"}, "hermes", "tool_choice"),
+        ({"tools": [1], "tool_choice": "none"}, "hermes", "tool"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}]}, "hermes", "function.name"),
     ],
 )
@@ -264,3 +285,29 @@ def test_bad_tool_requests_are_400s_and_change_no_state(engine, kw, parser, word
     (r,) = run_chat(engine, "ok", [chat_body(**kw)], parser=parser)
     assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
     assert engine.kv.pool.num_free_pages == before and not engine.requests
+
+
+def test_length_cut_keeps_length_and_parallel_off_keeps_one_call(engine):
+    two = CALL_LS + CALL_CAT
+    n_tokens = len(engine.tokenizer.encode(two, add_special_tokens=False))
+    cut, one, none_choice, auto = run_chat(
+        engine,
+        two,
+        [
+            chat_body(max_tokens=n_tokens - 3),  # the second call is cut short
+            chat_body(parallel_tool_calls=False, max_tokens=200),
+            chat_body(tool_choice="none", max_tokens=1),
+            chat_body(max_tokens=1),
+        ],
+    )
+    c = cut.json()["choices"][0]
+    assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]
+    assert c["message"]["content"] == engine.tokenizer.decode(
+        engine.tokenizer.encode(two, add_special_tokens=False)[: n_tokens - 3]
+    )
+    c = one.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and [
+        t["function"]["name"] for t in c["message"]["tool_calls"]
+    ] == ["ls"]
+    # tool_choice none still shows the tools to the model: the same prompt as auto
+    assert none_choice.json()["usage"]["prompt_tokens"] == auto.json()["usage"]["prompt_tokens"]

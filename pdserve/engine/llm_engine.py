@@ -233,9 +233,10 @@ class LLMEngine:
             if req.num_output_tokens < params.min_tokens:
                 return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
         if token in req.eos_token_ids:
+            req.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
-            req.stop_reason = token
+            req.stop_reason, req.stopped_on_token = token, True
             return RequestStatus.FINISHED_STOPPED
         if params.stop and self.tokenizer is not None:
             text = self._text(req)
@@ -263,7 +264,10 @@ class LLMEngine:
             return ""
         skip = req.sampling_params.skip_special_tokens
         if req.status.finished:
-            return self.tokenizer.decode(req.output_token_ids, skip)
+            ids = req.output_token_ids
+            if req.stopped_on_token and not req.sampling_params.include_stop_str_in_output:
+                ids = ids[:-1]  # the stop token's own text is not part of the answer (as in vLLM)
+            return self.tokenizer.decode(ids, skip)
         if req.detokenizer is None:
             req.detokenizer = self.tokenizer.incremental(skip)
         return req.detokenizer.update(req.output_token_ids)

@@ -61,6 +61,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_reason: int | str | None = None
+    stopped_on_token: bool = False  # finished by an EOS or stop_token_ids token (its text is left out)
     num_stop_checked_chars: int = 0  # output text length at the last stop-string check
     num_min_text_chars: int = 0  # output text length while under min_tokens: a stop match ends after it
     prompt_unique_ids: Any = None  # sorted distinct prompt ids (np.int64), for the repetition penalty

@@ -5,6 +5,11 @@ admission order: a decode takes 1 token, an unfinished prefill takes as much of 
 as the budget allows (so prefill chunks and decodes share a step). Waiting requests are then admitted
 FIFO while budget, `max_num_seqs` and pages last; admission first matches the prefix cache.
 
+A waiting request whose next prompt page is being computed by a running prefill (the same prompt
+sent n times at once: n choices, an RL group) is put off until that page is in the prefix cache,
+rather than computing it again; the requests behind it are admitted meanwhile (SGLang's in-batch
+prefix caching has the same aim).
+
 When a running request cannot grow, the most recently admitted running request is preempted: its
 pages are released and it goes back to the head of the waiting queue with its generated tokens kept,
 to be recomputed (mostly from the prefix cache) when it is readmitted.
@@ -46,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefix_waits = 0  # admissions put off for a page another request was computing
         self._cost = (
             AdditiveBatchCost(config.prefill_overhead_s, config.prefill_cost_s)
             if config.prefill_quota_s is not None
@@ -85,9 +91,22 @@ class Scheduler:
             break  # `req` itself was preempted: nothing behind it is left
 
         # A request is never scheduled twice: preempted ones wait for the next step.
+        in_flight: set | None = None  # keys of prompt pages running prefills are computing (lazy)
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not out.preempted:
             req = self.waiting[0]
             hit_pages, hit_keys = self._prefix_hits(req)
+            next_key = self._next_prompt_page_key(req, len(hit_pages))
+            if next_key is not None:
+                if in_flight is None:
+                    in_flight = set().union(*(self._in_flight_keys(r) for r in self.running))
+                if next_key in in_flight:
+                    # Its next page is being computed by a running prefill (the same prompt, e.g. n
+                    # choices or an RL group sent at once): wait for it to land in the prefix cache
+                    # instead of computing it again. Requests behind it may go ahead meanwhile.
+                    deferred.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
             num_hit_tokens = len(hit_pages) * self.kv.page_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if not self.kv.allocate(req, num_new, hit_pages, hit_keys):
@@ -99,7 +118,28 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+            if in_flight is not None:
+                in_flight |= self._in_flight_keys(req)
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
         return out
+
+    def _next_prompt_page_key(self, req: Request, num_hit_pages: int):
+        """Key of the first full prompt page a waiting request would compute (None: no such page, or
+        no prefix caching, or its KV came from elsewhere). `match_prefix` cached the keys."""
+        if not (self.kv.enable_prefix_caching and self.config.share_in_flight_prefixes) or req.page_ids:
+            return None
+        max_pages = (req.num_tokens - 1) // self.kv.page_size
+        if num_hit_pages >= max_pages or num_hit_pages >= len(req.page_key_cache):
+            return None
+        return req.page_key_cache[num_hit_pages]
+
+    def _in_flight_keys(self, req: Request) -> set:
+        """Keys of the full prompt pages a running request has yet to compute (it will publish them)."""
+        ps = self.kv.page_size
+        if not self.kv.enable_prefix_caching or req.num_computed_tokens >= req.num_prompt_tokens:
+            return set()
+        first = req.num_computed_tokens // ps
+        return set(req.page_key_cache[first : (req.num_prompt_tokens - 1) // ps])
 
     @property
     def max_running(self) -> int:

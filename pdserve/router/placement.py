@@ -336,6 +336,12 @@ def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
         return None, max(1, len(prompt) // 4)
     messages = body.get("messages")
     if isinstance(messages, list):
-        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        # Content, an assistant's past tool calls and the tool schemas all reach the prompt.
+        chars = sum(
+            len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+            for m in messages
+            if isinstance(m, dict)
+        )
+        chars += len(str(body.get("tools") or ""))
         return None, max(1, chars // 4)
     return None, 1

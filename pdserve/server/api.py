@@ -379,27 +379,36 @@ def build_app(
         resp = chunk(o.text, o, 0, o.finish_reason)
         return resp | {"usage": usage(out)}
 
-    def chat_tools(body: ChatCompletionRequest) -> list[dict] | None:
-        """The request's tools when the model may call them (`tool_choice` auto), else None; 400 for
-        tools this engine cannot parse calls of, or a choice that needs guided decoding."""
-        if not body.tools or body.tool_choice == "none":
-            return None
+    def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
+        """(tools for the template, whether to parse the answer for calls). The tools are shown to
+        the model even under `tool_choice` "none" (vLLM's default: the prompt, and its prefix-cache
+        hits, stay the same from turn to turn); calls are parsed under "auto". 400 for a choice that
+        needs guided decoding, a choice without tools, malformed tools, or tools to parse without a
+        parser."""
+        choice = body.tool_choice
+        if choice not in (None, "auto", "none"):
+            raise APIError(
+                "tool_choice must be 'auto' or 'none' ('required' and a named function need guided "
+                "decoding, which this server does not implement)",
+                param="tool_choice",
+            )
+        if not body.tools:
+            if choice == "auto":
+                raise APIError("tool_choice 'auto' needs tools", param="tool_choice")
+            return None, False
+        try:
+            tools = tool_calls.check_tools(body.tools)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
+        if choice == "none":
+            return tools, False
         if tool_parser is None:
             raise APIError(
                 "tools need an engine started with --tool-call-parser (e.g. hermes); otherwise the "
                 "model's calls would come back as plain text",
                 param="tools",
             )
-        if body.tool_choice not in (None, "auto"):
-            raise APIError(
-                "tool_choice must be 'auto' or 'none' ('required' and a named function need guided "
-                "decoding, which this server does not implement)",
-                param="tool_choice",
-            )
-        try:
-            return tool_calls.check_tools(body.tools)
-        except ValueError as e:
-            raise APIError(str(e), param="tools") from None
+        return tools, True
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
@@ -409,7 +418,7 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")
-        tools = chat_tools(body)
+        tools, parse_calls = chat_tools(body)
         try:
             messages = tool_calls.template_messages(body.messages)
         except ValueError as e:
@@ -426,12 +435,19 @@ def build_app(
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         pd_field = (body.model_extra or {}).get("pd")
-        req, _ = await validate(
-            lambda: {"prompt_token_ids": prompt_ids}, lambda: body.sampling_params(max_tokens, top), pd_field
-        )
+
+        def params() -> SamplingParams:
+            sp = body.sampling_params(max_tokens, top)
+            if parse_calls and tokenizer.is_special(tool_parser.start):
+                # The call markers are special tokens of this model (Hermes 2 Pro): keep them in the
+                # text, or no call could ever be found (vLLM's hermes parser does the same).
+                sp = dataclasses.replace(sp, skip_special_tokens=False)
+            return sp
+
+        req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field)
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
-        calls_stream = tool_calls.ToolStream(tool_parser) if tools else None
-        streamed = [""]  # the answer's text so far (what `stream` sent as deltas)
+        max_calls = 1 if body.parallel_tool_calls is False else None
+        calls_stream = tool_calls.ToolStream(tool_parser, max_calls) if parse_calls else None
 
         def chunk(delta, o, start, finish):
             lps = chat_logprobs(o.logprobs, start) if o is not None else None
@@ -444,9 +460,8 @@ def build_app(
                 }
                 return envelope(rid, "chat.completion.chunk", created, [choice])
             # Tools: the text goes through the parser; a step yields zero or more deltas.
-            streamed[0] += delta
-            deltas = calls_stream.feed(streamed[0], finish is not None)
-            if finish is not None and calls_stream.num_calls:
+            deltas = calls_stream.feed(delta, finish is not None)
+            if finish not in (None, "length") and calls_stream.num_calls:
                 finish = "tool_calls"
             if not deltas and (finish is not None or lps is not None):
                 deltas = [{}]
@@ -479,10 +494,11 @@ def build_app(
         o = out.outputs[0]
         message: dict = {"role": "assistant", "content": o.text}
         finish = o.finish_reason
-        if tools:
+        if parse_calls:
             content, calls = tool_parser.parse(o.text)
             if calls:
-                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                message = {"role": "assistant", "content": content, "tool_calls": calls[:max_calls]}
+                finish = finish if finish == "length" else "tool_calls"
         choice = {
             "index": 0,
             "message": message,

@@ -32,6 +32,11 @@ class EngineMetrics:
         self.preemptions = Gauge(
             "pdserve_num_preemptions", "Requests preempted (recompute) so far", registry=r
         )
+        self.prefix_waits = Gauge(
+            "pdserve_prefix_waits",
+            "Admissions put off for a prompt page another request was computing (shared, not recomputed)",
+            registry=r,
+        )
         self.generated = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(
             "pdserve_requests_finished", "Requests finished", ["finish_reason"], registry=r
@@ -61,6 +66,7 @@ class EngineMetrics:
         self.prefix_hits.set(engine.kv.num_hit_tokens)
         self.prefix_hit_rate.set(engine.kv.num_hit_tokens / max(engine.kv.num_query_tokens, 1))
         self.preemptions.set(engine.scheduler.num_preemptions)
+        self.prefix_waits.set(engine.scheduler.num_prefix_waits)
         if self.pd is not None:
             self.pd.update()
         for out in outputs:

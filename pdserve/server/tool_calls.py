@@ -15,7 +15,9 @@ block that is not such JSON leaves the whole answer as content, with no calls (a
 Streaming (`ToolStream`): content streams until a call starts, holding back an unfinished `<tool_call>`
 marker; each call goes out whole, as one `tool_calls` delta, once its closing tag arrived (OpenAI
 clients accumulate deltas by `index`, so one delta per call is valid). A block that does not parse,
-or an unclosed one at the end (a length cut), is sent as content so no text is lost.
+or an unclosed one at the end (a length cut), is sent as content so no text is lost (the streamed
+form cannot take back calls already sent, so it is not all-or-nothing). A length cut keeps
+`finish_reason` "length" in both forms. `parallel_tool_calls: false` keeps the first call only.
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ class ToolCallParser:
         if at < 0:
             return text, []
         calls = []
-        for m in re.finditer(re.escape(self.start) + r"(.*?)" + re.escape(self.end), text[at:], re.DOTALL):
-            call = self.decode_call(m.group(1))
+        # A closed block, or an unclosed one running to the end (cut by max_tokens): the latter never
+        # decodes, so a cut call leaves the whole answer as text rather than vanishing.
+        block = re.escape(self.start) + r"(.*?)" + re.escape(self.end) + "|" + re.escape(self.start) + "(.*)"
+        for m in re.finditer(block, text[at:], re.DOTALL):
+            call = self.decode_call(m.group(1)) if m.group(2) is None else None
             if call is None:
                 return text, []
             calls.append(openai_call(call))
-        if not calls:  # an opening marker without a closed call: plain text
-            return text, []
         content = text[:at]
         return (content if content.strip() else None), calls
 
@@ -66,9 +69,15 @@ class HermesParser(ToolCallParser):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get("arguments", {})
+        args = obj.get("arguments")
+        if args is None:
+            args = {}
         if isinstance(args, str):  # some models write the arguments as a JSON string already
-            return {"name": obj["name"], "arguments": args}
+            try:
+                json.loads(args)
+                return {"name": obj["name"], "arguments": args}
+            except ValueError:  # not JSON: encoded, so that the client's json.loads gives it back
+                pass
         return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
@@ -90,19 +99,24 @@ def openai_call(call: dict) -> dict:
 
 
 class ToolStream:
-    """One streamed answer: `feed(text, finished)` with the whole text so far returns the deltas to
-    send (each {"content": str} or {"tool_calls": [item]}); `num_calls` counts the calls sent."""
+    """One streamed answer: `feed(delta, finished)` with the text the step added returns the deltas
+    to send (each {"content": str} or {"tool_calls": [item]}); `num_calls` counts the calls sent.
+    Only the text not yet sent is kept, and an open call is searched for its end from where the last
+    search stopped: O(answer) over the whole stream."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, max_calls: int | None = None) -> None:
         self.parser = parser
-        self.num_sent = 0  # characters of the text consumed (sent as content or as a call)
+        self.max_calls = max_calls  # parallel_tool_calls=false: 1 (later calls are dropped)
+        self.pending = ""  # text received and not yet sent (or dropped)
+        self.searched = 0  # in an open call: `pending` up to here holds no end marker
         self.in_calls = False  # a call has started: no more plain content, only calls
         self.num_calls = 0
 
-    def feed(self, text: str, finished: bool) -> list[dict]:
+    def feed(self, delta: str, finished: bool) -> list[dict]:
         p, out = self.parser, []
+        self.pending += delta
         while True:
-            rest = text[self.num_sent :]
+            rest = self.pending
             if not self.in_calls:
                 at = rest.find(p.start)
                 if at < 0:
@@ -110,31 +124,33 @@ class ToolStream:
                     keep = 0 if finished else _partial_suffix(rest, p.start)
                     if len(rest) > keep:
                         out.append({"content": rest[: len(rest) - keep]})
-                        self.num_sent += len(rest) - keep
+                        self.pending = rest[len(rest) - keep :]
                     return out
                 if at:
                     out.append({"content": rest[:at]})
-                self.num_sent += at
-                self.in_calls = True
+                self.pending, self.in_calls, self.searched = rest[at:], True, 0
                 continue
             at = rest.find(p.start)
             if at < 0:  # text after the last call is dropped (see the module docstring)
-                self.num_sent = len(text) if finished else self.num_sent
+                self.pending = "" if finished else rest[max(0, len(rest) - len(p.start) + 1) :]
                 return out
-            close = rest.find(p.end, at + len(p.start))
+            if at:  # (text between calls is dropped)
+                rest = self.pending = rest[at:]
+                self.searched = 0
+            close = rest.find(p.end, max(len(p.start), self.searched))
             if close < 0:
+                self.searched = max(len(p.start), len(rest) - len(p.end) + 1)
                 if finished:  # an unclosed call (cut by max_tokens): its text goes out as content
-                    out.append({"content": rest[at:]})
-                    self.num_sent = len(text)
+                    out.append({"content": rest})
+                    self.pending = ""
                 return out
-            block = rest[at + len(p.start) : close]
-            call = p.decode_call(block)
+            call = p.decode_call(rest[len(p.start) : close])
             if call is None:
-                out.append({"content": rest[at : close + len(p.end)]})
-            else:
+                out.append({"content": rest[: close + len(p.end)]})
+            elif self.max_calls is None or self.num_calls < self.max_calls:
                 out.append({"tool_calls": [{"index": self.num_calls, **openai_call(call)}]})
                 self.num_calls += 1
-            self.num_sent += close + len(p.end)
+            self.pending, self.searched = rest[close + len(p.end) :], 0
 
 
 def _partial_suffix(text: str, marker: str) -> int:
