@@ -21,6 +21,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-in-flight-prefix-sharing",
+        action="store_true",
+        help="admit copies of a prompt being prefilled at once (each computes it) instead of waiting "
+        "for its pages to reach the prefix cache",
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
         "--tool-call-parser",
@@ -99,6 +105,7 @@ def engine_config_from_args(a: argparse.Namespace):
         seed=a.seed,
         served_model_name=a.served_model_name,
         prefill_quota_s=a.prefill_quota_ms / 1e3 if getattr(a, "prefill_quota_ms", None) else None,
+        share_in_flight_prefixes=not getattr(a, "no_in_flight_prefix_sharing", False),
     )
 
 

@@ -155,6 +155,8 @@ def engine_flags(a) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(value)]
     if getattr(a, "no_prefix_caching", False):
         out.append("--no-prefix-caching")
+    if getattr(a, "no_in_flight_prefix_sharing", False):
+        out.append("--no-in-flight-prefix-sharing")
     return out
 
 

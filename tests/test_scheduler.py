@@ -207,3 +207,57 @@ def test_no_prefix_caching_means_no_waiting():
     s.add(a)
     s.add(b)
     assert run_step(s)[0] == [("a", 16), ("b", 16)] and s.num_prefix_waits == 0
+
+
+def test_a_request_put_off_keeps_its_slot_from_those_behind_it():
+    """max_num_seqs 2, queue [a, b (a's prompt), c]: b waits for a's pages but keeps its slot, so c
+    does not take it (else b would wait for c's whole generation)."""
+    s = make(num_pages=32, page_size=4, budget=64, max_seqs=2)
+    a, b, c = req("a", 16), req("b", 16), req("c", 4, start=500)
+    for r in (a, b, c):
+        s.add(r)
+    assert run_step(s)[0] == [("a", 16)]  # b put off; c may not take its slot
+    assert run_step(s)[0] == [("a", 1), ("b", 4)]
+    assert [r.request_id for r in s.waiting] == ["c"] and s.num_prefix_waits == 1
+
+
+def test_a_request_put_off_keeps_the_pages_its_prompt_needs():
+    """16 pages: a takes 4, b (a's prompt) waits and keeps the 4 pages its prompt needs, so c (40
+    tokens = 10 pages) does not fit beside them and waits too; next step b shares a's 3 full pages
+    and takes 1, and c fits."""
+    s = make(num_pages=16, page_size=4, budget=64, max_seqs=4)
+    a, b, c = req("a", 16), req("b", 16), req("c", 40, start=500)
+    for r in (a, b, c):
+        s.add(r)
+    assert run_step(s)[0] == [("a", 16)]  # without b's reservation c took 10 of the 12 free pages
+    assert run_step(s)[0] == [("a", 1), ("b", 4), ("c", 40)]
+    assert s.kv.pool.num_free_pages == 0
+
+
+def test_compute_quota_leaves_out_a_request_that_will_be_put_off():
+    """The quota is planned without the request the admission loop puts off: its share would go to
+    the one behind it, whose tokens cost more over a long cached context (the step ran ~2x over)."""
+    kv = KVManager(4000, 16, enable_prefix_caching=True)
+    cfg = SchedulerConfig(max_num_batched_tokens=100_000, max_model_len=40_000, prefill_quota_s=0.115)
+    s = Scheduler(cfg, kv)
+    long_ctx = list(range(10_000, 40_000))
+    warm = Request("warm", long_ctx[:29_000], SamplingParams(max_tokens=1), 1)
+    s.add(warm)
+    while warm.num_computed_tokens < len(warm.prompt_token_ids):
+        run_step(s)
+    s.finish(warm, RequestStatus.FINISHED_LENGTH)
+    a = Request("a", list(range(2400)), SamplingParams(max_tokens=1), 1)
+    s.add(a)
+    run_step(s)
+    assert 2000 < a.num_computed_tokens < 2400  # a is mid-prefill: its last pages are in flight
+    b = Request("b", list(range(2400)) + list(range(5000, 5600)), SamplingParams(max_tokens=1), 1)
+    c = Request("c", long_ctx, SamplingParams(max_tokens=1), 1)
+    s.add(b)
+    s.add(c)
+    sched, out = run_step(s)
+    assert "b" not in dict(sched)
+    cost_s = cfg.prefill_overhead_s + sum(
+        cfg.prefill_cost_s(r.num_computed_tokens - n, n)
+        for r, n in zip(out.requests, out.num_new_tokens, strict=True)
+    )
+    assert cost_s <= cfg.prefill_quota_s

@@ -56,6 +56,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     num_preemptions: int = 0
+    waited_for_prefix: bool = False  # put off at admission for a prompt page another request computed
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None

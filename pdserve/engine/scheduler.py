@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SchedulerConfig
 from pdserve.dualpath.scheduler import AdditiveBatchCost, PrefillItem, build_prefill_batch
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvcache.hashing import cached_keys
 from pdserve.kvcache.kv_manager import KVManager
 
 
@@ -51,7 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_prefix_waits = 0  # admissions put off for a page another request was computing
+        self.num_prefix_waits = 0  # requests put off (at least once) for a page another was computing
         self._cost = (
             AdditiveBatchCost(config.prefill_overhead_s, config.prefill_cost_s)
             if config.prefill_quota_s is not None
@@ -90,26 +91,32 @@ class Scheduler:
                 continue
             break  # `req` itself was preempted: nothing behind it is left
 
-        # A request is never scheduled twice: preempted ones wait for the next step.
-        in_flight: set | None = None  # keys of prompt pages running prefills are computing (lazy)
+        # A request is never scheduled twice: preempted ones wait for the next step. A request put off
+        # for a page in flight keeps its place in `max_running` and its pages (those its uncached part
+        # needs) from the requests admitted behind it, so it is not made to wait for their generations.
         deferred: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not out.preempted:
+        num_reserved_pages = 0
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(deferred) < self.max_running
+            and not out.preempted
+        ):
             req = self.waiting[0]
             hit_pages, hit_keys = self._prefix_hits(req)
-            next_key = self._next_prompt_page_key(req, len(hit_pages))
-            if next_key is not None:
-                if in_flight is None:
-                    in_flight = set().union(*(self._in_flight_keys(r) for r in self.running))
-                if next_key in in_flight:
-                    # Its next page is being computed by a running prefill (the same prompt, e.g. n
-                    # choices or an RL group sent at once): wait for it to land in the prefix cache
-                    # instead of computing it again. Requests behind it may go ahead meanwhile.
-                    deferred.append(self.waiting.popleft())
+            if self._waits_for_page_in_flight(req, len(hit_pages), self.running):
+                # Its next page is being computed by a running prefill (the same prompt, e.g. n
+                # choices or an RL group sent at once): wait for it to land in the prefix cache
+                # instead of computing it again. Requests behind it may go ahead meanwhile.
+                deferred.append(self.waiting.popleft())
+                num_reserved_pages += self.kv.num_pages_for(req.num_tokens) - len(hit_pages)
+                if not req.waited_for_prefix:
+                    req.waited_for_prefix = True
                     self.num_prefix_waits += 1
-                    continue
+                continue
             num_hit_tokens = len(hit_pages) * self.kv.page_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate(req, num_new, hit_pages, hit_keys):
+            if not self.kv.allocate(req, num_new, hit_pages, hit_keys, num_reserved_pages):
                 break
             self.kv.record_admission(req, num_hit_tokens)
             self.waiting.popleft()
@@ -118,28 +125,25 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
             budget -= num_new
-            if in_flight is not None:
-                in_flight |= self._in_flight_keys(req)
         self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
         return out
 
-    def _next_prompt_page_key(self, req: Request, num_hit_pages: int):
-        """Key of the first full prompt page a waiting request would compute (None: no such page, or
-        no prefix caching, or its KV came from elsewhere). `match_prefix` cached the keys."""
+    def _waits_for_page_in_flight(self, req: Request, num_hit_pages: int, running) -> bool:
+        """Whether the first full prompt page a waiting request would compute is one a request in
+        `running` is still prefilling (it will publish it). Keys are chained, so equal keys at the
+        same page index mean the same prefix. O(len(running)) per call."""
         if not (self.kv.enable_prefix_caching and self.config.share_in_flight_prefixes) or req.page_ids:
-            return None
-        max_pages = (req.num_tokens - 1) // self.kv.page_size
-        if num_hit_pages >= max_pages or num_hit_pages >= len(req.page_key_cache):
-            return None
-        return req.page_key_cache[num_hit_pages]
-
-    def _in_flight_keys(self, req: Request) -> set:
-        """Keys of the full prompt pages a running request has yet to compute (it will publish them)."""
-        ps = self.kv.page_size
-        if not self.kv.enable_prefix_caching or req.num_computed_tokens >= req.num_prompt_tokens:
-            return set()
-        first = req.num_computed_tokens // ps
-        return set(req.page_key_cache[first : (req.num_prompt_tokens - 1) // ps])
+            return False
+        ps, h = self.kv.page_size, num_hit_pages
+        if h >= (req.num_tokens - 1) // ps or h >= len(req.page_key_cache):  # (match_prefix filled it)
+            return False
+        key = req.page_key_cache[h]
+        for r in running:
+            first, end = r.num_computed_tokens // ps, r.num_prompt_tokens // ps  # its unpublished full pages
+            if first <= h < end and r.num_computed_tokens < r.num_prompt_tokens:
+                if cached_keys(r.page_key_cache, r.all_token_ids, ps, self.kv.root, end)[h] == key:
+                    return True
+        return False
 
     @property
     def max_running(self) -> int:
@@ -160,15 +164,21 @@ class Scheduler:
         request is planned after the prefix hit its admission will take: the same tokens cost more
         over a longer cached context (planned from token 0, a step with a 2k-token hit ran 15% over)."""
 
-        def item(i: int, r: Request) -> PrefillItem:
-            cached = r.num_computed_tokens
-            if r.status == RequestStatus.WAITING:
-                cached += len(self._prefix_hits(r)[0]) * self.kv.page_size
-            return PrefillItem(i, cached, r.num_tokens - cached)
+        planned = list(self.running)
 
-        items = (item(i, r) for i, r in enumerate(itertools.chain(self.running, self.waiting)))
+        def items():
+            for i, r in enumerate(itertools.chain(self.running, self.waiting)):
+                cached = r.num_computed_tokens
+                if r.status == RequestStatus.WAITING:
+                    num_hit_pages = len(self._prefix_hits(r)[0])
+                    if self._waits_for_page_in_flight(r, num_hit_pages, planned):
+                        continue  # put off by the admission loop: none of the step's tokens go to it
+                    cached += num_hit_pages * self.kv.page_size
+                    planned.append(r)
+                yield PrefillItem(i, cached, r.num_tokens - cached)
+
         plan = build_prefill_batch(
-            items, self._cost, self.config.prefill_quota_s, page_tokens=self.kv.page_size
+            items(), self._cost, self.config.prefill_quota_s, page_tokens=self.kv.page_size
         )
         return sum(it.num_new_tokens for it in plan.items) + (plan.chunk.num_new_tokens if plan.chunk else 0)
 

@@ -49,18 +49,24 @@ class KVManager:
         return hits, keys[: len(hits)]
 
     def allocate(
-        self, req: Request, num_new_tokens: int, hit_page_ids: list[int] = (), hit_keys: list[PageKey] = ()
+        self,
+        req: Request,
+        num_new_tokens: int,
+        hit_page_ids: list[int] = (),
+        hit_keys: list[PageKey] = (),
+        num_reserved_pages: int = 0,
     ) -> bool:
         """Make room for `num_new_tokens` more computed tokens. All or nothing; False if short.
 
         `hit_page_ids` (from `match_prefix`, only on admission) are shared into the request first.
+        `num_reserved_pages`: free pages to leave untouched (kept for requests ahead of this one).
         """
         num_hit_tokens = len(hit_page_ids) * self.page_size
         needed = self.num_pages_for(req.num_computed_tokens + num_hit_tokens + num_new_tokens)
         num_fresh = needed - len(req.page_ids) - len(hit_page_ids)
         # Hit pages that sit in the LRU stop being allocatable once acquired.
         num_hits_evictable = sum(1 for p in hit_page_ids if self.pool.ref_count(p) == 0)
-        if num_fresh > self.pool.num_free_pages - num_hits_evictable:
+        if num_fresh > self.pool.num_free_pages - num_hits_evictable - num_reserved_pages:
             return False
         if hit_page_ids:
             self.pool.acquire(hit_page_ids)

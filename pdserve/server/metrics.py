@@ -34,7 +34,7 @@ class EngineMetrics:
         )
         self.prefix_waits = Gauge(
             "pdserve_prefix_waits",
-            "Admissions put off for a prompt page another request was computing (shared, not recomputed)",
+            "Requests put off at admission for a prompt page another request was computing (then shared)",
             registry=r,
         )
         self.generated = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
