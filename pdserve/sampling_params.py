@@ -126,7 +126,7 @@ def _token_bias(bias) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         tok = key
-        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
             tok = int(key)
         _check(
             isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0, "bad logit_bias token id", key

@@ -51,6 +51,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from pdserve.sampling_params import MAX_TOP_LOGPROBS  # noqa: E402
+from pdserve.server.fanout import MAX_N  # noqa: E402
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest  # noqa: E402
 from tests.conftest import serve_subprocess  # noqa: E402
 from tests.fuzz_helpers import fuzz_settings  # noqa: E402
@@ -124,12 +125,12 @@ SUCCESS_SCHEMAS = {
             "choices": {
                 "type": "array",
                 "minItems": 1,
-                "maxItems": 1,
+                "maxItems": MAX_N,
                 "items": {
                     "type": "object",
                     "required": ["index", "text", "finish_reason", "logprobs"],
                     "properties": {
-                        "index": {"const": 0},
+                        "index": {"type": "integer", "minimum": 0, "maximum": MAX_N - 1},
                         "text": {"type": "string"},
                         "finish_reason": _FINISH,
                     },
@@ -146,7 +147,7 @@ SUCCESS_SCHEMAS = {
             "choices": {
                 "type": "array",
                 "minItems": 1,
-                "maxItems": 1,
+                "maxItems": MAX_N,
                 "items": {
                     "type": "object",
                     "required": ["index", "message", "finish_reason"],
@@ -225,7 +226,18 @@ def _sampling_fields(model_name: str) -> dict:
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "seed": _nullable({"type": "integer", "minimum": -_I64, "maximum": 2**64 - 1}),
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
-        "n": {"enum": [1]},
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),  # n > 1: server/fanout.py
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
+        "min_tokens": {"type": "integer", "minimum": 0},  # (above max_tokens: a 400 the contract cannot say)
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},  # (ids beyond the vocabulary: a 400 too)
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            }
+        ),
     }
 
 
