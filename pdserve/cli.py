@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 
+from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
@@ -34,6 +35,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_CALL_PARSERS),
         help="let chat requests carry `tools` and parse the model's calls this way (hermes: "
         "<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes); default: tools are refused",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="move a thinking model's <think>...</think> to reasoning_content in chat answers",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -175,7 +182,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             print(f"error: bootstrap port {a.bootstrap_port} is in use ({e})", file=sys.stderr, flush=True)
             os._exit(3)
     app = build_app(
-        engine, pd, enable_fault_injection=a.enable_fault_injection, tool_call_parser=a.tool_call_parser
+        engine,
+        pd,
+        enable_fault_injection=a.enable_fault_injection,
+        tool_call_parser=a.tool_call_parser,
+        reasoning_parser=a.reasoning_parser,
     )
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "

@@ -22,6 +22,7 @@ from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 
 ENGINE_FLAGS = (
     "tool_call_parser",
+    "reasoning_parser",
     "dtype",
     "device",
     "page_size",

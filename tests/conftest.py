@@ -68,6 +68,15 @@ def demo_model_dir(tmp_path_factory):
     return str(make_demo_model(tmp_path_factory.mktemp("demo")))
 
 
+@pytest.fixture(scope="session")
+def demo_engine(demo_model_dir):
+    """An in-process LLMEngine of the demo model (for routes built with `build_app` in process)."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig.create(demo_model_dir, num_pages=128, max_model_len=1024))
+
+
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str, log_dir, *flags: str):
     """A `pdserve serve` process on 127.0.0.1 (extra `flags` appended); yields (url, proc, log_path).

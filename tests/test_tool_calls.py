@@ -168,19 +168,18 @@ class Scripted:
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model_dir):
-    from pdserve.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig.create(demo_model_dir, num_pages=128, max_model_len=1024))
+def engine(demo_engine):
+    return demo_engine
 
 
-def run_chat(engine, answer: str, bodies: list[dict], parser: str | None = "hermes") -> list[httpx.Response]:
+def run_chat(
+    engine, answer: str, bodies: list[dict], parser: str | None = "hermes", **app_kw
+) -> list[httpx.Response]:
     from pdserve.server.api import build_app
 
     real = engine.runner.sampler
     engine.runner.sampler = Scripted(engine, answer)
-    app = build_app(engine, tool_call_parser=parser)
+    app = build_app(engine, tool_call_parser=parser, **app_kw)
 
     async def go():
         transport = httpx.ASGITransport(app=app)

@@ -29,7 +29,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server import fanout, tool_calls
+from pdserve.server import fanout, reasoning, tool_calls
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
@@ -52,11 +52,14 @@ def build_app(
     pd: PDContext | None = None,
     enable_fault_injection: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers.
     `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only).
-    `tool_call_parser` (a name in server/tool_calls.PARSERS) lets chat requests carry `tools`."""
+    `tool_call_parser` (a name in server/tool_calls.PARSERS) lets chat requests carry `tools`;
+    `reasoning_parser` (server/reasoning.PARSERS) moves a chat answer's thinking to `reasoning_content`."""
     tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
+    thinking = reasoning.make_parser(reasoning_parser) if reasoning_parser else None
     metrics = EngineMetrics()
     if pd is not None:
         metrics.pd = PDMetrics(metrics.registry, pd)
@@ -448,10 +451,27 @@ def build_app(
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
         max_calls = 1 if body.parallel_tool_calls is False else None
         calls_stream = tool_calls.ToolStream(tool_parser, max_calls) if parse_calls else None
+        thought_stream = reasoning.ReasoningStream(thinking) if thinking else None
+
+        def deltas_of(delta: str, finished: bool) -> list[dict]:
+            """A step's text as chat deltas: reasoning first (if a parser splits it off), the rest as
+            content or, with tools, through the tool-call parser."""
+            pieces = thought_stream.feed(delta, finished) if thought_stream else [("content", delta)]
+            out: list[dict] = []
+            for kind, text in pieces:
+                if kind == "reasoning":
+                    out.append({"reasoning_content": text})
+                elif calls_stream is not None:
+                    out += calls_stream.feed(text, False)
+                else:
+                    out.append({"content": text})
+            if finished and calls_stream is not None:
+                out += calls_stream.feed("", True)  # what it held back
+            return out
 
         def chunk(delta, o, start, finish):
             lps = chat_logprobs(o.logprobs, start) if o is not None else None
-            if calls_stream is None or o is None:  # (the head and usage chunks: as they are)
+            if (calls_stream is None and thought_stream is None) or o is None:  # (head and usage: as is)
                 choice = {
                     "index": 0,
                     "delta": {} if delta is None else {"content": delta},
@@ -460,8 +480,8 @@ def build_app(
                 }
                 return envelope(rid, "chat.completion.chunk", created, [choice])
             # Tools: the text goes through the parser; a step yields zero or more deltas.
-            deltas = calls_stream.feed(delta, finish is not None)
-            if finish not in (None, "length") and calls_stream.num_calls:
+            deltas = deltas_of(delta, finish is not None)
+            if finish not in (None, "length") and calls_stream is not None and calls_stream.num_calls:
                 finish = "tool_calls"
             if not deltas and (finish is not None or lps is not None):
                 deltas = [{}]
@@ -494,10 +514,13 @@ def build_app(
         o = out.outputs[0]
         message: dict = {"role": "assistant", "content": o.text}
         finish = o.finish_reason
-        if parse_calls:
-            content, calls = tool_parser.parse(o.text)
+        if thinking is not None:
+            thought, answer = thinking.split(o.text)
+            message = {"role": "assistant", "content": answer, "reasoning_content": thought}
+        if parse_calls and message["content"] is not None:
+            content, calls = tool_parser.parse(message["content"])
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls[:max_calls]}
+                message |= {"content": content, "tool_calls": calls[:max_calls]}
                 finish = finish if finish == "length" else "tool_calls"
         choice = {
             "index": 0,
