@@ -125,6 +125,27 @@ class AsyncEngine:
         """Run `fn` on the engine thread (the only thread that may touch engine state)."""
         self._send(("call", fn))
 
+    async def run(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
+        if not self.alive:
+            raise EngineDeadError("engine is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result, error) -> None:  # (event-loop thread)
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def call() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self.call_soon(call)
+        return await done
+
     def deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         """Engine thread only: push an output (or an error) to the request's stream."""
         self._deliver(out, request_id)

@@ -24,6 +24,10 @@ class InvalidRequest(ValueError):
     """The request cannot be served as given (too long, empty, bad values). No state was changed."""
 
 
+class EngineBusy(InvalidRequest):
+    """The operation needs an idle engine and requests are in flight."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -59,6 +63,8 @@ class LLMEngine:
         # Page references held outside any request's page list (PD prefill write pins): each hook
         # returns the page ids it holds a reference on, one entry per reference (check_integrity).
         self.extra_page_refs: list = []
+        self.weights_dir = config.model  # where the served weights came from (update_weights)
+        self.num_weight_updates = 0
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -212,6 +218,33 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, free_pages=False)
         self.kv.free(req)
         self.release(req)
+
+    def update_weights(self, model_dir: str, abort_running: bool = False) -> tuple[int, list[RequestOutput]]:
+        """Engine thread: serve the weights of `model_dir` from now on (an RL trainer's new
+        checkpoint; same architecture and shapes). Cached prefix pages were computed with the old
+        weights, so the prefix cache is dropped. With requests in flight: EngineBusy, or with
+        `abort_running` they are aborted first (their final outputs are returned for the caller to
+        deliver). A checkpoint that does not match is refused (InvalidRequest, ConfigError,
+        CheckpointError) before any weight changes or any request is aborted.
+        Returns (cached pages dropped, aborted requests' outputs)."""
+        import dataclasses
+
+        from pdserve.config import ModelConfig
+        from pdserve.model.loader import check_checkpoint, update_weights
+
+        current = self.config.model_config
+        new = ModelConfig.from_dir(model_dir)
+        if dataclasses.replace(new, torch_dtype=current.torch_dtype) != current:
+            raise InvalidRequest(f"{model_dir} is not the same model shape as the one served")
+        check_checkpoint(self.runner.model, model_dir, current)
+        if self.requests and not abort_running:
+            raise EngineBusy(f"{len(self.requests)} requests are in flight (abort_running: true aborts them)")
+        aborted = [out for rid in list(self.requests) if (out := self.abort(rid)) is not None]
+        update_weights(self.runner.model, model_dir, current)
+        dropped = self.kv.pool.reset_prefix_cache()
+        self.weights_dir = model_dir
+        self.num_weight_updates += 1
+        return dropped, aborted
 
     def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
         """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""

@@ -117,29 +117,45 @@ def load_model(
         from pdserve.model.layers import RotaryEmbedding
 
         model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope).to(torch_dtype)
+    _load_into(model, model_dir, cfg)
+    return model.eval()
+
+
+def _target(hf_name: str) -> tuple[str, int | None] | None:
+    """Our parameter for a checkpoint tensor: (name, index of this part in a fused tensor or None);
+    None for tensors we do not keep (RoPE caches)."""
+    name = hf_name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return None
+    for hf_suffix, (ours, idx) in _FUSED.items():
+        if f".{hf_suffix}." in f".{name}":
+            kind = name.rsplit(".", 1)[1]  # weight | bias
+            return name.replace(hf_suffix, ours).rsplit(".", 1)[0] + "." + kind, idx
+    return name, None
+
+
+def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Copy every tensor of the checkpoint into the model's parameters (one tensor in memory at a
+    time, but the parts of a fused one). CheckpointError for an unexpected, missing or misshapen one."""
     params = dict(model.named_parameters())
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                name = hf_name.removeprefix("model.")
-                if "rotary_emb" in name:
+                target = _target(hf_name)
+                if target is None:
                     continue
-                tensor = f.get_tensor(hf_name)
-                for hf_suffix, (ours, idx) in _FUSED.items():
-                    if f".{hf_suffix}." in f".{name}":
-                        kind = name.rsplit(".", 1)[1]  # weight | bias
-                        target = name.replace(hf_suffix, ours).rsplit(".", 1)[0] + "." + kind
-                        fused_parts.setdefault(target, {})[idx] = tensor
-                        break
-                else:
-                    if name not in params:
-                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                            continue
-                        raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
-                    _copy(params[name], tensor, hf_name)
-                    loaded.add(name)
+                name, idx = target
+                if idx is not None:
+                    fused_parts.setdefault(name, {})[idx] = f.get_tensor(hf_name)
+                    continue
+                if name not in params:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
+                _copy(params[name], f.get_tensor(hf_name), hf_name)
+                loaded.add(name)
     for target, parts in fused_parts.items():
         ordered = [parts[i] for i in sorted(parts)]
         _copy(params[target], torch.cat(ordered, dim=0), target)
@@ -147,7 +163,52 @@ def load_model(
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    return model.eval()
+
+
+def check_checkpoint(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Raise CheckpointError unless loading `model_dir` into `model` would succeed: every tensor
+    expected, present and of its shape. Reads only the files' headers (no tensor data), so a bad
+    checkpoint is refused before a single weight of the serving model changes."""
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    fused_rows: dict[str, dict[int, tuple]] = {}
+    seen: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                target = _target(hf_name)
+                if target is None:
+                    continue
+                name, idx = target
+                shape = tuple(f.get_slice(hf_name).get_shape())
+                if idx is not None:
+                    fused_rows.setdefault(name, {})[idx] = shape
+                    continue
+                if name not in params:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue
+                    raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
+                if shape != params[name]:
+                    raise CheckpointError(f"{hf_name}: shape {shape} != expected {params[name]}")
+                seen.add(name)
+    for name, parts in fused_rows.items():
+        shapes = [parts[i] for i in sorted(parts)]
+        if name not in params or not shapes or any(sh[1:] != shapes[0][1:] for sh in shapes):
+            raise CheckpointError(f"{name}: parts of shapes {shapes} do not fuse")
+        fused = (sum(sh[0] for sh in shapes), *shapes[0][1:])
+        if fused != params[name]:
+            raise CheckpointError(f"{name}: shape {fused} != expected {params[name]}")
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def update_weights(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Replace the model's weights with those of `model_dir` (same shapes), in place: checked first
+    (headers only), then copied tensor by tensor."""
+    check_checkpoint(model, model_dir, cfg)
+    with torch.inference_mode(False):
+        _load_into(model, model_dir, cfg)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

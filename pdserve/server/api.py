@@ -25,8 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
+from pdserve.config import ConfigError
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine
+from pdserve.model.loader import CheckpointError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server import fanout, reasoning, tool_calls
@@ -35,7 +37,13 @@ from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.native_stream import CumulativeChunks, meta_info
 from pdserve.server.pd_context import PDContext
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    UpdateWeightsRequest,
+    error_body,
+)
 from pdserve.tokenizer import TokenizerError
 
 
@@ -276,6 +284,41 @@ def build_app(
         if not aengine.alive:
             return JSONResponse({"status": "dead", "error": repr(aengine.error)}, status_code=503)
         return {"status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest):
+        """SGLang's endpoint for RL: load a new checkpoint of the same model into the running engine
+        (between rollouts). 409 while requests are in flight, unless `abort_running`."""
+        if role_name != "colocated":
+            raise APIError(
+                "weights cannot change under a PD engine: its KV layout fingerprint (checked by its "
+                "peers and the KV store) names the checkpoint; restart the cluster with the new one"
+            )
+
+        def update() -> tuple[int, int]:  # (engine thread)
+            dropped, aborted = engine.update_weights(body.model_path, body.abort_running)
+            for out in aborted:  # their streams end with finish_reason "abort"
+                aengine.deliver(out, out.request_id)
+            return dropped, len(aborted)
+
+        try:
+            dropped, num_aborted = await aengine.run(update)
+        except EngineBusy as e:
+            raise APIError(str(e), 409, "Conflict") from None
+        except (InvalidRequest, ConfigError, CheckpointError, OSError) as e:
+            raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
+        return {
+            "success": True,
+            "message": f"serving the weights of {body.model_path}",
+            "num_cached_pages_dropped": dropped,
+            "num_requests_aborted": num_aborted,
+            "num_weight_updates": engine.num_weight_updates,
+        }
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's endpoint: forget every cached page no request holds (they become free)."""
+        return {"num_cached_pages_dropped": await aengine.run(engine.kv.pool.reset_prefix_cache)}
 
     @app.get("/pd/info")
     async def pd_info():

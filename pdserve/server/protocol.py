@@ -171,3 +171,11 @@ def error_body(message: str, code: int, err_type: str = "BadRequestError", param
 
 
 Role = Literal["colocated", "prefill", "decode"]
+
+
+class UpdateWeightsRequest(BaseModel):
+    """POST /update_weights_from_disk: a checkpoint directory of the served model's shape."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model_path: str = Field(min_length=1)
+    abort_running: bool = False
