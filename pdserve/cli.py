@@ -37,6 +37,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "<tool_call>{json}</tool_call>, Qwen2.5/Qwen3/Hermes); default: tools are refused",
     )
     p.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="serve POST /update_weights_from_disk (an RL trainer's new checkpoint, loaded in place)",
+    )
+    p.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
@@ -187,6 +192,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         enable_fault_injection=a.enable_fault_injection,
         tool_call_parser=a.tool_call_parser,
         reasoning_parser=a.reasoning_parser,
+        enable_weight_updates=a.enable_weight_updates,
     )
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "

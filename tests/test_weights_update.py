@@ -7,13 +7,17 @@ block the update (409) or are aborted by it."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model import loader
 from pdserve.model.demo import make_demo_model
 from pdserve.server.api import build_app
 
@@ -43,8 +47,8 @@ def completion(c: httpx.AsyncClient, n: int = 12, **kw):
     return c.post("/v1/completions", json=body)
 
 
-def run(engine: LLMEngine, scenario):
-    app = build_app(engine)
+def run(engine: LLMEngine, scenario, **app_kw):
+    app = build_app(engine, **({"enable_weight_updates": True} | app_kw))
 
     async def go():
         transport = httpx.ASGITransport(app=app)
@@ -107,3 +111,84 @@ def test_requests_in_flight_block_the_update_or_are_aborted_by_it(checkpoints):
     assert long.status_code == 200 and long.json()["choices"][0]["finish_reason"] == "abort"
     assert engine.kv.pool.num_used_pages == 0 and not engine.requests
     engine.check_integrity()
+
+
+def test_weight_updates_are_off_unless_enabled(checkpoints):
+    a, b, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        return await c.post("/update_weights_from_disk", json={"model_path": b})
+
+    r = run(engine, scenario, enable_weight_updates=False)
+    assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory, checkpoints):
+    """Checkpoints that must be refused: config.json not JSON; a weights file that is not safetensors;
+    q and k of swapped sizes (the fused total is right, the parts are not)."""
+    a = checkpoints[0]
+    root = tmp_path_factory.mktemp("broken")
+    bad_json = shutil.copytree(a, root / "bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    bad_file = shutil.copytree(a, root / "bad_file")
+    (bad_file / "model.safetensors").write_bytes(b"\x00" * 64)
+    swapped = shutil.copytree(a, root / "swapped")
+    tensors = load_file(str(swapped / "model.safetensors"))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    rows_q, rows_k = tensors[q].shape[0], tensors[k].shape[0]
+    both = torch.cat([tensors[q], tensors[k]])
+    tensors[q], tensors[k] = both[:rows_k].contiguous(), both[rows_k:].contiguous()
+    assert tensors[q].shape[0] == rows_k != rows_q
+    save_file(tensors, str(swapped / "model.safetensors"), metadata={"format": "pt"})
+    return [str(bad_json), str(bad_file), str(swapped)]
+
+
+def test_unreadable_or_misshapen_checkpoints_are_400s_that_change_nothing(checkpoints, broken):
+    a = checkpoints[0]
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        before = (await completion(c)).json()["choices"][0]["text"]
+        answers = [await c.post("/update_weights_from_disk", json={"model_path": p}) for p in broken]
+        after = (await completion(c)).json()["choices"][0]["text"]
+        return before, answers, after
+
+    before, answers, after = run(engine, scenario)
+    assert [r.status_code for r in answers] == [400, 400, 400], [r.text for r in answers]
+    assert "part 0" in answers[2].json()["error"]["message"]
+    assert after == before and engine.num_weight_updates == 0
+
+
+def test_a_copy_that_fails_midway_restores_the_old_weights_or_takes_the_engine_out(checkpoints, monkeypatch):
+    a, b, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    real = loader.load_weights_into
+    fail_on = {b}
+
+    def flaky(model, model_dir, cfg):
+        real(model, model_dir, cfg) if model_dir not in fail_on else None
+        if model_dir in fail_on:
+            # Half of the new weights copied, then the file is gone (rewritten by the trainer).
+            first = next(model.parameters())
+            first.data.zero_()
+            raise OSError("file changed while reading")
+
+    monkeypatch.setattr(loader, "load_weights_into", flaky)
+
+    async def scenario(c):
+        before = (await completion(c)).json()["choices"][0]["text"]
+        restored = await c.post("/update_weights_from_disk", json={"model_path": b})
+        again = (await completion(c)).json()["choices"][0]["text"]
+        fail_on.add(a)  # now the old checkpoint cannot be read back either
+        lost = await c.post("/update_weights_from_disk", json={"model_path": b})
+        health = await c.get("/health")
+        refused = await completion(c)
+        return before, restored, again, lost, health, refused
+
+    before, restored, again, lost, health, refused = run(engine, scenario)
+    assert restored.status_code == 400 and "previous weights are back" in restored.json()["error"]["message"]
+    assert again == before
+    assert lost.status_code == 503 and health.status_code == 503
+    assert refused.status_code == 503 and "inconsistent" in refused.json()["error"]["message"]

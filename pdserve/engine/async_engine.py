@@ -76,6 +76,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -126,25 +127,39 @@ class AsyncEngine:
         self._send(("call", fn))
 
     async def run(self, fn: Callable[[], object]) -> object:
-        """Run `fn` on the engine thread between steps and return its result (or raise its error)."""
+        """Run `fn` on the engine thread between steps and return its result (or raise its error).
+        EngineDeadError if the engine thread dies or stops before running it."""
         if not self.alive:
             raise EngineDeadError("engine is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-
-        def settle(result, error) -> None:  # (event-loop thread)
-            if not done.done():
-                done.set_exception(error) if error is not None else done.set_result(result)
+        waiter = (loop, done)
 
         def call() -> None:
             try:
                 result, error = fn(), None
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 result, error = None, e
-            loop.call_soon_threadsafe(settle, result, error)
+            self._calls.discard(waiter)
+            loop.call_soon_threadsafe(_settle, done, result, error)
 
+        self._calls.add(waiter)
         self.call_soon(call)
+        if not self.alive:  # died meanwhile (its handler may have run before we registered)
+            self._fail_calls(EngineDeadError("engine is not running"))
         return await done
+
+    def finish_aborted(self, out: RequestOutput) -> None:
+        """Engine thread: a request the engine aborted on its own (e.g. for a weight update) ends its
+        stream and counts as aborted, as a client's abort would."""
+        self._deliver(out, out.request_id)
+        if self._on_abort:
+            self._on_abort(out)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for loop, done in list(self._calls):
+            self._calls.discard((loop, done))
+            loop.call_soon_threadsafe(_settle, done, None, error)
 
     def deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         """Engine thread only: push an output (or an error) to the request's stream."""
@@ -161,6 +176,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._fail_calls(EngineDeadError("engine stopped"))
 
     def _send(self, cmd: tuple) -> None:
         self._inbox.append(cmd)
@@ -244,3 +260,13 @@ class AsyncEngine:
             self.error = e
             for rid in list(self._streams):
                 self._deliver(EngineDeadError(f"engine failed: {e!r}"), rid)
+            self._fail_calls(EngineDeadError(f"engine failed: {e!r}"))
+
+
+def _settle(done: asyncio.Future, result, error) -> None:
+    """(event-loop thread) Answer a `run` caller once."""
+    if not done.done():
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)

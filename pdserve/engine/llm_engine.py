@@ -28,6 +28,10 @@ class EngineBusy(InvalidRequest):
     """The operation needs an idle engine and requests are in flight."""
 
 
+class WeightsLost(RuntimeError):
+    """A weight update failed midway and the previous weights could not be restored."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -65,6 +69,7 @@ class LLMEngine:
         self.extra_page_refs: list = []
         self.weights_dir = config.model  # where the served weights came from (update_weights)
         self.num_weight_updates = 0
+        self.weights_lost: str | None = None  # set when an update left the weights inconsistent
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -100,6 +105,8 @@ class LLMEngine:
         `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
         `tokenized` (from `tokenize_prompt`) skips tokenizing it again.
         """
+        if self.weights_lost:
+            raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
         text, ids = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
         if not ids:
             raise InvalidRequest("prompt is empty")
@@ -219,32 +226,50 @@ class LLMEngine:
         self.kv.free(req)
         self.release(req)
 
-    def update_weights(self, model_dir: str, abort_running: bool = False) -> tuple[int, list[RequestOutput]]:
+    def update_weights(self, model_dir: str, abort_running: bool = False, on_abort=None) -> int:
         """Engine thread: serve the weights of `model_dir` from now on (an RL trainer's new
         checkpoint; same architecture and shapes). Cached prefix pages were computed with the old
         weights, so the prefix cache is dropped. With requests in flight: EngineBusy, or with
-        `abort_running` they are aborted first (their final outputs are returned for the caller to
-        deliver). A checkpoint that does not match is refused (InvalidRequest, ConfigError,
-        CheckpointError) before any weight changes or any request is aborted.
-        Returns (cached pages dropped, aborted requests' outputs)."""
+        `abort_running` they are aborted first, each final output handed to `on_abort` at once. A
+        checkpoint that does not match is refused (InvalidRequest, CheckpointError) before any weight
+        changes or any request is aborted. If copying fails midway (the files changed meanwhile), the
+        previous weights are loaded back (CheckpointError); if that fails too, WeightsLost and the
+        engine refuses requests (`weights_lost`). Returns the cached pages dropped."""
         import dataclasses
 
-        from pdserve.config import ModelConfig
-        from pdserve.model.loader import check_checkpoint, update_weights
+        from pdserve.config import ConfigError, ModelConfig
+        from pdserve.model.loader import CheckpointError, check_checkpoint, load_weights_into
 
         current = self.config.model_config
-        new = ModelConfig.from_dir(model_dir)
-        if dataclasses.replace(new, torch_dtype=current.torch_dtype) != current:
+        try:
+            new = ModelConfig.from_dir(model_dir)
+        except (ConfigError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidRequest(f"cannot read {model_dir}/config.json: {e}") from None
+        same = dict(torch_dtype=current.torch_dtype, eos_token_ids=current.eos_token_ids)
+        if dataclasses.replace(new, bos_token_id=current.bos_token_id, **same) != current:
             raise InvalidRequest(f"{model_dir} is not the same model shape as the one served")
         check_checkpoint(self.runner.model, model_dir, current)
         if self.requests and not abort_running:
             raise EngineBusy(f"{len(self.requests)} requests are in flight (abort_running: true aborts them)")
-        aborted = [out for rid in list(self.requests) if (out := self.abort(rid)) is not None]
-        update_weights(self.runner.model, model_dir, current)
-        dropped = self.kv.pool.reset_prefix_cache()
+        for rid in list(self.requests):
+            out = self.abort(rid)
+            if out is not None and on_abort is not None:
+                on_abort(out)
+        dropped = self.kv.pool.reset_prefix_cache()  # (before any copy: no page may outlive its weights)
+        try:
+            load_weights_into(self.runner.model, model_dir, current)
+        except Exception as e:
+            try:
+                load_weights_into(self.runner.model, self.weights_dir, current)
+            except Exception as e2:
+                self.weights_lost = (
+                    f"loading {model_dir} failed ({e!r}), restoring {self.weights_dir} too ({e2!r})"
+                )
+                raise WeightsLost(self.weights_lost) from e2
+            raise CheckpointError(f"loading failed midway ({e!r}); the previous weights are back") from e
         self.weights_dir = model_dir
         self.num_weight_updates += 1
-        return dropped, aborted
+        return dropped
 
     def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
         """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""

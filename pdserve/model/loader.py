@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pdserve.config import ModelConfig
 from pdserve.model.decoder import CausalLM
@@ -167,8 +167,24 @@ def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None
 
 def check_checkpoint(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
     """Raise CheckpointError unless loading `model_dir` into `model` would succeed: every tensor
-    expected, present and of its shape. Reads only the files' headers (no tensor data), so a bad
-    checkpoint is refused before a single weight of the serving model changes."""
+    expected, present and of its shape (each part of a fused one too). Reads only the files'
+    headers (no tensor data), so a bad checkpoint is refused before a weight of the model changes."""
+    try:
+        _check_headers(model, model_dir, cfg)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:
+        raise CheckpointError(f"unreadable checkpoint {str(model_dir)!r}: {e!r}") from e
+
+
+def _part_rows(name: str, idx: int, cfg: ModelConfig) -> int:
+    """Rows of part `idx` of a fused parameter: q | k | v, or gate | up."""
+    if "qkv_proj" in name:
+        return (cfg.num_heads if idx == 0 else cfg.num_kv_heads) * cfg.head_dim
+    return cfg.intermediate_size
+
+
+def _check_headers(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     fused_rows: dict[str, dict[int, tuple]] = {}
     seen: set[str] = set()
@@ -191,24 +207,24 @@ def check_checkpoint(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -
                     raise CheckpointError(f"{hf_name}: shape {shape} != expected {params[name]}")
                 seen.add(name)
     for name, parts in fused_rows.items():
-        shapes = [parts[i] for i in sorted(parts)]
-        if name not in params or not shapes or any(sh[1:] != shapes[0][1:] for sh in shapes):
-            raise CheckpointError(f"{name}: parts of shapes {shapes} do not fuse")
-        fused = (sum(sh[0] for sh in shapes), *shapes[0][1:])
-        if fused != params[name]:
-            raise CheckpointError(f"{name}: shape {fused} != expected {params[name]}")
+        if name not in params:
+            raise CheckpointError(f"unexpected tensors fusing into {name!r}")
+        want = params[name]
+        num_parts = 3 if "qkv_proj" in name else 2
+        for idx in range(num_parts):
+            expected = (_part_rows(name, idx, cfg), *want[1:])
+            if parts.get(idx) != expected:
+                raise CheckpointError(f"{name} part {idx}: shape {parts.get(idx)} != expected {expected}")
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def update_weights(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Replace the model's weights with those of `model_dir` (same shapes), in place: checked first
-    (headers only), then copied tensor by tensor."""
-    check_checkpoint(model, model_dir, cfg)
-    with torch.inference_mode(False):
-        _load_into(model, model_dir, cfg)
+def load_weights_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Copy the weights of `model_dir` into the model, in place (call `check_checkpoint` first: a
+    failure here, e.g. a file rewritten meanwhile, leaves a mix of old and new weights)."""
+    _load_into(model, model_dir, cfg)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

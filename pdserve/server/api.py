@@ -25,9 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
-from pdserve.config import ConfigError
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine
+from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -61,11 +60,14 @@ def build_app(
     enable_fault_injection: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    enable_weight_updates: bool = False,
 ) -> FastAPI:
     """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers.
     `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only).
     `tool_call_parser` (a name in server/tool_calls.PARSERS) lets chat requests carry `tools`;
-    `reasoning_parser` (server/reasoning.PARSERS) moves a chat answer's thinking to `reasoning_content`."""
+    `reasoning_parser` (server/reasoning.PARSERS) moves a chat answer's thinking to `reasoning_content`.
+    `enable_weight_updates` turns on `POST /update_weights_from_disk` (it aborts requests and swaps
+    the weights: off unless asked for, as vLLM keeps such endpoints to its dev mode)."""
     tool_parser = tool_calls.make_parser(tool_call_parser) if tool_call_parser else None
     thinking = reasoning.make_parser(reasoning_parser) if reasoning_parser else None
     metrics = EngineMetrics()
@@ -128,6 +130,8 @@ def build_app(
             req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid)
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
+        except WeightsLost as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
         if role_name == "colocated":
             if pd_field is not None:
                 raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
@@ -283,6 +287,8 @@ def build_app(
     async def health():
         if not aengine.alive:
             return JSONResponse({"status": "dead", "error": repr(aengine.error)}, status_code=503)
+        if engine.weights_lost:
+            return JSONResponse({"status": "weights lost", "error": engine.weights_lost}, status_code=503)
         return {"status": "ok"}
 
     @app.post("/update_weights_from_disk")
@@ -295,18 +301,28 @@ def build_app(
                 "peers and the KV store) names the checkpoint; restart the cluster with the new one"
             )
 
-        def update() -> tuple[int, int]:  # (engine thread)
-            dropped, aborted = engine.update_weights(body.model_path, body.abort_running)
-            for out in aborted:  # their streams end with finish_reason "abort"
-                aengine.deliver(out, out.request_id)
-            return dropped, len(aborted)
+        if not enable_weight_updates:
+            raise APIError(
+                "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
+            )
+        aborted: list = []
+
+        def update() -> int:  # (engine thread)
+            def ended(out) -> None:  # an aborted request's stream ends with finish_reason "abort"
+                aborted.append(out)
+                aengine.finish_aborted(out)
+
+            return engine.update_weights(body.model_path, body.abort_running, ended)
 
         try:
-            dropped, num_aborted = await aengine.run(update)
+            dropped = await aengine.run(update)
         except EngineBusy as e:
             raise APIError(str(e), 409, "Conflict") from None
-        except (InvalidRequest, ConfigError, CheckpointError, OSError) as e:
+        except (InvalidRequest, CheckpointError) as e:
             raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
+        except (WeightsLost, EngineDeadError) as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+        num_aborted = len(aborted)
         return {
             "success": True,
             "message": f"serving the weights of {body.model_path}",
@@ -318,7 +334,10 @@ def build_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """vLLM's endpoint: forget every cached page no request holds (they become free)."""
-        return {"num_cached_pages_dropped": await aengine.run(engine.kv.pool.reset_prefix_cache)}
+        try:
+            return {"num_cached_pages_dropped": await aengine.run(engine.kv.pool.reset_prefix_cache)}
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
 
     @app.get("/pd/info")
     async def pd_info():
