@@ -44,6 +44,24 @@ class Engines:
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
 
+def completion_scope(body: bytes) -> dict:
+    """The ASGI scope of a client's POST /v1/completions of `body` (driven by hand: the test plays
+    the server, so it decides when the client disconnects)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+
 async def started_router(engines: Engines, policy: str) -> Router:
     router = Router(["http://pe"], ["http://de"], policy=policy)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
@@ -123,19 +141,7 @@ def test_a_non_streamed_client_that_leaves_closes_both_legs(policy, waiting_for)
         async def send(message):
             replies.append(message)
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(sent)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
+        scope = completion_scope(sent)
         call = asyncio.ensure_future(app(scope, receive, send))
         expected_posts = {"prefill": 2, "decode": 2, "placement": 0}[waiting_for]
         for _ in range(100):  # until the router waits where the test wants it
@@ -282,19 +288,7 @@ def test_n_choices_stream_client_leaving_closes_every_decode_leg():
                 if len(chunks) >= 6:
                     gone.set()  # the client hangs up after a few chunks
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(sent)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
+        scope = completion_scope(sent)
         await asyncio.wait_for(app(scope, receive, send), 10)
         await asyncio.sleep(0.2)
         return router, chunks

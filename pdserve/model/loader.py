@@ -134,12 +134,9 @@ def _target(hf_name: str) -> tuple[str, int | None] | None:
     return name, None
 
 
-def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Copy every tensor of the checkpoint into the model's parameters (one tensor in memory at a
-    time, but the parts of a fused one). CheckpointError for an unexpected, missing or misshapen one."""
-    params = dict(model.named_parameters())
-    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
-    loaded: set[str] = set()
+def _entries(model_dir: str | Path, params: dict, cfg: ModelConfig):
+    """(open file, checkpoint name, our parameter name, fused part index or None) of every tensor of
+    the checkpoint we keep; CheckpointError for one the model has no parameter for."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
@@ -147,15 +144,25 @@ def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None
                 if target is None:
                     continue
                 name, idx = target
-                if idx is not None:
-                    fused_parts.setdefault(name, {})[idx] = f.get_tensor(hf_name)
-                    continue
-                if name not in params:
+                if idx is None and name not in params:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue
+                        continue  # (tied: the embedding is the head)
                     raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
-                _copy(params[name], f.get_tensor(hf_name), hf_name)
-                loaded.add(name)
+                yield f, hf_name, name, idx
+
+
+def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Copy every tensor of the checkpoint into the model's parameters (one tensor in memory at a
+    time, but the parts of a fused one). CheckpointError for an unexpected, missing or misshapen one."""
+    params = dict(model.named_parameters())
+    fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for f, hf_name, name, idx in _entries(model_dir, params, cfg):
+        if idx is not None:
+            fused_parts.setdefault(name, {})[idx] = f.get_tensor(hf_name)
+            continue
+        _copy(params[name], f.get_tensor(hf_name), hf_name)
+        loaded.add(name)
     for target, parts in fused_parts.items():
         ordered = [parts[i] for i in sorted(parts)]
         _copy(params[target], torch.cat(ordered, dim=0), target)
@@ -188,24 +195,14 @@ def _check_headers(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> 
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     fused_rows: dict[str, dict[int, tuple]] = {}
     seen: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                target = _target(hf_name)
-                if target is None:
-                    continue
-                name, idx = target
-                shape = tuple(f.get_slice(hf_name).get_shape())
-                if idx is not None:
-                    fused_rows.setdefault(name, {})[idx] = shape
-                    continue
-                if name not in params:
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue
-                    raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
-                if shape != params[name]:
-                    raise CheckpointError(f"{hf_name}: shape {shape} != expected {params[name]}")
-                seen.add(name)
+    for f, hf_name, name, idx in _entries(model_dir, params, cfg):
+        shape = tuple(f.get_slice(hf_name).get_shape())
+        if idx is not None:
+            fused_rows.setdefault(name, {})[idx] = shape
+            continue
+        if shape != params[name]:
+            raise CheckpointError(f"{hf_name}: shape {shape} != expected {params[name]}")
+        seen.add(name)
     for name, parts in fused_rows.items():
         if name not in params:
             raise CheckpointError(f"unexpected tensors fusing into {name!r}")
