@@ -29,7 +29,7 @@ class Engines:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
-        role = "prefill" if host == "pe" else "decode"
+        role = "prefill" if host.startswith("pe") else "decode"
         if path == "/pd/info":
             return httpx.Response(200, json={"role": role, "model": "m", "bootstrap_url": "http://pe:1"})
         if path == "/pd/load":
@@ -62,8 +62,8 @@ def completion_scope(body: bytes) -> dict:
     }
 
 
-async def started_router(engines: Engines, policy: str) -> Router:
-    router = Router(["http://pe"], ["http://de"], policy=policy)
+async def started_router(engines: Engines, policy: str, prefills=("http://pe",)) -> Router:
+    router = Router(list(prefills), ["http://de"], policy=policy)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
     await router.check_health()
     if router.placement is not None:
@@ -297,3 +297,24 @@ def test_n_choices_stream_client_leaving_closes_every_decode_leg():
     assert len(chunks) >= 6
     assert router.decodes[0].in_flight == 0
     assert sorted(closed) == ["de0", "de1"]
+
+
+def test_n_choices_go_to_one_prefill_that_computes_their_prompt_once():
+    """Plain routing over two prefills: the three children of an n = 3 request all go to the same
+    prefill (round robin would spread them, and each prefill would compute the shared prompt); the
+    next request goes on round robin to the other."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            # (the mock's decode answers cannot be relayed: what matters is where the legs went)
+            await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "n": 3})
+            first = [h for h, _ in engines.posts if h.startswith("pe")]
+            await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
+        return first, [h for h, _ in engines.posts if h.startswith("pe")]
+
+    first, all_prefill_posts = asyncio.run(go())
+    assert len(first) == 3 and len(set(first)) == 1
+    assert all_prefill_posts[3] != first[0]

@@ -224,14 +224,18 @@ class Router:
             choice = "pe" if self.reads_in_flight["pe"] <= self.reads_in_flight["de"] else "de"
         return choice
 
-    async def dispatch(self, path: str, body: dict, http: Request):
+    async def dispatch(self, path: str, body: dict, http: Request, prefill: Engine | None = None):
+        """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
+        go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
+        sharing). Decodes are still picked per request, to spread the n generations."""
         if self.placement is not None:
             return await self._dispatch_placed(path, body, http)
         read_path = self.choose_read_path(body.pop("read_path", None))
         if read_path in self.reads_in_flight:
             self.reads_in_flight[read_path] += 1
         try:
-            return await self._dispatch(path, body, http, read_path)
+            first = (prefill, None) if prefill is not None else None
+            return await self._dispatch(path, body, http, read_path, first=first)
         finally:
             if read_path in self.reads_in_flight:
                 self.reads_in_flight[read_path] -= 1
@@ -276,10 +280,11 @@ class Router:
         last_error = "no attempt"
         for attempt in range(self.max_prefill_attempts):
             try:
-                if attempt == 0 and first is not None and first[0].healthy:
-                    pe, de = first
+                if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
+                    pe, de = first[0], first[1] or self.pick_decode()
                 else:
-                    pe, de = self.pick_prefill(tried), (first[1] if first else self.pick_decode())
+                    pe = self.pick_prefill(tried)
+                    de = first[1] if first is not None and first[1] is not None else self.pick_decode()
             except NoEngine as e:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
@@ -462,7 +467,11 @@ def build_router_app(router: Router) -> FastAPI:
             return await router.dispatch(path, body, http)
         options = body.get("stream_options")
         include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
-        children = [router.dispatch(path, child, http) for child in fanout.child_bodies(body, n)]
+        try:  # one prefill for all the children (DualPath placement places each on its own)
+            prefill = router.pick_prefill(set()) if router.placement is None else None
+        except NoEngine:
+            prefill = None  # (each child then answers 503 as a single request would)
+        children = [router.dispatch(path, child, http, prefill) for child in fanout.child_bodies(body, n)]
         return await fanout.merged(children, bool(body.get("stream")), include)
 
     @app.post("/v1/completions")
