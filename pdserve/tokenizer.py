@@ -45,6 +45,7 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         # Byte-fallback tokens (<0x00>..<0xFF>, sentencepiece-style vocabularies; none in byte-level BPE).
         self.byte_token_ids = frozenset(
             i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
@@ -52,9 +53,7 @@ class Tokenizer:
 
     def is_special(self, text: str) -> bool:
         """Whether `text` is one special token of this vocabulary (dropped by skip_special_tokens)."""
-        tid = self._tok.token_to_id(text)
-        added = self._tok.get_added_tokens_decoder()
-        return tid is not None and tid in added and added[tid].special
+        return self._tok.token_to_id(text) in self._special_ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works; `encode` holds it throughout (~0.1 s for a

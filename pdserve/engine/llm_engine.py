@@ -7,14 +7,17 @@ publish full pages to the prefix cache -> check stops -> release finished reques
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
-from pdserve.config import EngineConfig
+from pdserve.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.kv_manager import KVManager
+from pdserve.model import loader
+from pdserve.model.loader import CheckpointError
 from pdserve.outputs import CompletionOutput, GrowingPrefix, RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer, TokenizerError
@@ -235,11 +238,6 @@ class LLMEngine:
         changes or any request is aborted. If copying fails midway (the files changed meanwhile), the
         previous weights are loaded back (CheckpointError); if that fails too, WeightsLost and the
         engine refuses requests (`weights_lost`). Returns the cached pages dropped."""
-        import dataclasses
-
-        from pdserve.config import ConfigError, ModelConfig
-        from pdserve.model.loader import CheckpointError, check_checkpoint, load_weights_into
-
         current = self.config.model_config
         try:
             new = ModelConfig.from_dir(model_dir)
@@ -248,7 +246,7 @@ class LLMEngine:
         same = dict(torch_dtype=current.torch_dtype, eos_token_ids=current.eos_token_ids)
         if dataclasses.replace(new, bos_token_id=current.bos_token_id, **same) != current:
             raise InvalidRequest(f"{model_dir} is not the same model shape as the one served")
-        check_checkpoint(self.runner.model, model_dir, current)
+        loader.check_checkpoint(self.runner.model, model_dir, current)
         if self.requests and not abort_running:
             raise EngineBusy(f"{len(self.requests)} requests are in flight (abort_running: true aborts them)")
         for rid in list(self.requests):
@@ -257,10 +255,10 @@ class LLMEngine:
                 on_abort(out)
         dropped = self.kv.pool.reset_prefix_cache()  # (before any copy: no page may outlive its weights)
         try:
-            load_weights_into(self.runner.model, model_dir, current)
+            loader.load_weights_into(self.runner.model, model_dir, current)
         except Exception as e:
             try:
-                load_weights_into(self.runner.model, self.weights_dir, current)
+                loader.load_weights_into(self.runner.model, self.weights_dir, current)
             except Exception as e2:
                 self.weights_lost = (
                     f"loading {model_dir} failed ({e!r}), restoring {self.weights_dir} too ({e2!r})"

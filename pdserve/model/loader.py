@@ -117,7 +117,7 @@ def load_model(
         from pdserve.model.layers import RotaryEmbedding
 
         model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope).to(torch_dtype)
-    _load_into(model, model_dir, cfg)
+    load_weights_into(model, model_dir, cfg)
     return model.eval()
 
 
@@ -151,9 +151,11 @@ def _entries(model_dir: str | Path, params: dict, cfg: ModelConfig):
                 yield f, hf_name, name, idx
 
 
-def _load_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Copy every tensor of the checkpoint into the model's parameters (one tensor in memory at a
-    time, but the parts of a fused one). CheckpointError for an unexpected, missing or misshapen one."""
+def load_weights_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Copy every tensor of the checkpoint into the model's parameters, in place (one tensor in memory
+    at a time, but the parts of a fused one). CheckpointError for an unexpected, missing or misshapen
+    one. On a serving model, call `check_checkpoint` first: a failure here (e.g. a file rewritten
+    meanwhile) leaves a mix of old and new weights."""
     params = dict(model.named_parameters())
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
@@ -216,12 +218,6 @@ def _check_headers(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> 
     missing = sorted(set(params) - seen)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-
-
-def load_weights_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Copy the weights of `model_dir` into the model, in place (call `check_checkpoint` first: a
-    failure here, e.g. a file rewritten meanwhile, leaves a mix of old and new weights)."""
-    _load_into(model, model_dir, cfg)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

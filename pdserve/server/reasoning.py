@@ -15,6 +15,8 @@ tool-call parser reads. Parsers by name, as vLLM's `--reasoning-parser`:
 
 from __future__ import annotations
 
+from pdserve.server.tool_calls import partial_marker_len
+
 
 class ReasoningParser:
     name = ""
@@ -91,7 +93,7 @@ class ReasoningStream:
                     out.append(("reasoning", self.pending[:at]))
                 self.pending, self.state = self.pending[at + len(p.end) :], "content"
                 continue
-            keep = 0 if finished else _partial_suffix(self.pending, p.end)
+            keep = 0 if finished else partial_marker_len(self.pending, p.end)
             if len(self.pending) > keep:
                 out.append(("reasoning", self.pending[: len(self.pending) - keep]))
                 self.pending = self.pending[len(self.pending) - keep :]
@@ -100,10 +102,3 @@ class ReasoningStream:
             out.append(("reasoning" if self.state == "reasoning" else "content", self.pending))
             self.pending = ""
         return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -121,7 +121,7 @@ class ToolStream:
                 at = rest.find(p.start)
                 if at < 0:
                     # Hold back a tail that may be the start of the marker (unless the answer ended).
-                    keep = 0 if finished else _partial_suffix(rest, p.start)
+                    keep = 0 if finished else partial_marker_len(rest, p.start)
                     if len(rest) > keep:
                         out.append({"content": rest[: len(rest) - keep]})
                         self.pending = rest[len(rest) - keep :]
@@ -153,8 +153,8 @@ class ToolStream:
             self.pending, self.searched = rest[close + len(p.end) :], 0
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+def partial_marker_len(text: str, marker: str) -> int:
+    """(Streams hold this much back: it may still become `marker`.) Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
