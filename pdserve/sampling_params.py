@@ -6,10 +6,111 @@ engine state.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+# llguidance's JSON options for `disable_any_whitespace`: Python's json.dumps separators (the form most
+# models write), no other whitespace.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass
+class StructuredOutputs:
+    """Constrain the output to a grammar (vLLM's `structured_outputs`), compiled and applied by
+    `model/grammar.py`. Exactly one of:
+
+    - `json`: a JSON schema (a dict, or its text); `json_object`: any JSON object;
+    - `regex`: a regular expression (Rust `regex` syntax) the whole output must match;
+    - `choice`: the output is one of these strings;
+    - `grammar`: a context-free grammar, Lark in llguidance's dialect (may embed `%json {...}`) or GBNF.
+
+    `disable_any_whitespace`: JSON with no optional whitespace (only `, ` and `: ` between items),
+    which keeps a weak model from running on in blanks until max_tokens (vLLM's option of that name).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.json_object, bool), "json_object must be a boolean", self.json_object)
+        given = [
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object is not False else [])
+        _check(
+            len(given) == 1,
+            "structured_outputs needs exactly one of json, json_object, regex, choice, grammar",
+            given,
+        )
+        _check(
+            isinstance(self.disable_any_whitespace, bool),
+            "disable_any_whitespace must be a boolean",
+            self.disable_any_whitespace,
+        )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    _check(False, "structured_outputs.json must be a JSON schema (an object)", self.json)
+            _check(
+                isinstance(schema, dict | bool), "structured_outputs.json must be a JSON schema", self.json
+            )
+            self.json = schema
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and value),
+                f"{name} must be a non-empty string",
+                value,
+            )
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, list | tuple)
+                and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice),
+                "choice must be a non-empty list of non-empty strings",
+                self.choice,
+            )
+            self.choice = list(self.choice)
+
+    @classmethod
+    def of(cls, value) -> StructuredOutputs | None:
+        """From a request's JSON (a dict with the fields above); unknown keys are a ValueError."""
+        if value is None or isinstance(value, StructuredOutputs):
+            return value
+        _check(isinstance(value, dict), "structured_outputs must be an object", value)
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        _check(not unknown, "unknown structured_outputs fields", sorted(unknown))
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        """json (json_object included) | regex | choice | grammar."""
+        if self.json is not None or self.json_object:
+            return "json"
+        return "regex" if self.regex is not None else "choice" if self.choice is not None else "grammar"
+
+    @property
+    def text(self) -> str:
+        """The spec as one string: a schema's JSON (keys in the client's order: properties are
+        generated in the order the schema lists them), the choices' JSON list."""
+        if self.json_object:
+            return '{"type": "object"}'
+        if self.json is not None:
+            return json.dumps(self.json)
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex if self.regex is not None else self.grammar
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        return self.kind, self.text, self.disable_any_whitespace
 
 
 @dataclass
@@ -32,6 +133,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or output (HF/CTRL form)
+    # Structured outputs (model/grammar.py): the answer must match this grammar. A dict is converted.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +149,7 @@ class SamplingParams:
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         _check(
             isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool),
             "min_tokens must be an integer",

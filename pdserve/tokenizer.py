@@ -51,6 +51,10 @@ class Tokenizer:
             i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
         )
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads for structured outputs)."""
+        return self._tok.to_str()
+
     def is_special(self, text: str) -> bool:
         """Whether `text` is one special token of this vocabulary (dropped by skip_special_tokens)."""
         return self._tok.token_to_id(text) in self._special_ids

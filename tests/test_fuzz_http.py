@@ -231,6 +231,10 @@ def _sampling_fields(model_name: str) -> dict:
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
         "min_tokens": {"type": "integer", "minimum": 0},  # (above max_tokens: a 400 the contract cannot say)
+        # Structured outputs (the other forms' checks need a compiler: a 400 the contract cannot say)
+        "guided_choice": _nullable(
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+        ),
         "logit_bias": _nullable(
             {
                 "type": "object",

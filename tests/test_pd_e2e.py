@@ -259,9 +259,50 @@ def test_pd_chat_with_tools_renders_them_on_both_engines(cluster, colocated):
     assert r.json()["usage"]["prompt_tokens"] == len(prompt_ids)
     assert r.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
     bad = httpx.post(
-        cluster.router_url + "/v1/chat/completions", json=body | {"tool_choice": "required"}, timeout=30
+        cluster.router_url + "/v1/chat/completions", json=body | {"tool_choice": {"function": {}}}, timeout=30
     )
     assert bad.status_code == 400 and "tool_choice" in bad.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
+def test_pd_structured_outputs_equal_colocated(cluster, colocated):
+    """The prefill samples token 1 under the request's grammar, the decode builds the same grammar from
+    the same body, replays token 1 into it and goes on: the answer equals a colocated engine's, and
+    matches. A named tool_choice gives its call through the router too."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+    spec = {"json": schema, "disable_any_whitespace": True}
+    ref_llm = colocated(cluster.device)
+    prompt = warm_prompts()[2] + "    return"
+    for temp, seed in ((0, None), (1.0, 7)):
+        ref = ref_llm.generate(
+            prompt, SamplingParams(temperature=temp, seed=seed, max_tokens=40, structured_outputs=spec)
+        )[0].outputs[0]
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 40, "temperature": temp, "seed": seed}
+        r = httpx.post(
+            cluster.router_url + "/v1/completions", json=body | {"structured_outputs": spec}, timeout=120
+        )
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["choices"][0]["text"] == ref.text and r.json()["choices"][0]["finish_reason"] == "stop"
+        )
+        assert set(json.loads(ref.text)) == {"n", "tag"}
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": schema}}]
+    msgs = [{"role": "user", "content": "list the files"}]
+    named = {"type": "function", "function": {"name": "ls"}}
+    body = {"model": "demo", "messages": msgs, "tools": tools, "tool_choice": named, "max_tokens": 60}
+    r = httpx.post(cluster.router_url + "/v1/chat/completions", json=body | {"temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "ls" and set(json.loads(call["function"]["arguments"])) == {"n", "tag"}
+    bad = body | {"structured_outputs": {"regex": "(unclosed"}, "tool_choice": "none"}
+    r = httpx.post(cluster.router_url + "/v1/chat/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and "does not compile" in r.text
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

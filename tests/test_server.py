@@ -327,8 +327,10 @@ def test_n_choices_equal_their_seeded_children(client, model_name):
 
 
 def test_n_choices_of_a_long_prompt_compute_it_once(url, model_name):
-    """The n children of one prompt arrive together: all but one wait for the prompt's pages in
-    flight and find them in the prefix cache (pdserve_prefix_waits), instead of each prefilling it."""
+    """The n children of one prompt arrive together; the prompt is computed once: the others find
+    every full page in the prefix cache, whether they waited for its pages in flight
+    (pdserve_prefix_waits; the scheduler's tests pin that exactly) or, on a slow or busy machine,
+    arrived after the first child's prefill had finished."""
     before = wait_idle(url)
     prompt = "def handler(request, context):\n    return process(request.body)\n" * 8  # ~10 pages
     body = {"model": model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "n": 4}
@@ -336,7 +338,6 @@ def test_n_choices_of_a_long_prompt_compute_it_once(url, model_name):
     assert r.status_code == 200, r.text
     assert len({c["text"] for c in r.json()["choices"]}) == 1  # greedy: all the same
     after = wait_idle(url)
-    assert after["pdserve_prefix_waits"] > before["pdserve_prefix_waits"]
     hits = after["pdserve_prefix_cache_hit_tokens"] - before["pdserve_prefix_cache_hit_tokens"]
     n_prompt = r.json()["usage"]["prompt_tokens"]
     assert hits >= 3 * ((n_prompt - 1) // PAGE_SIZE) * PAGE_SIZE  # three children hit every full page
@@ -435,8 +436,10 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
         {"echo": True},
         {"best_of": 2},
         {"prompt_logprobs": 1},  # vLLM's extra parameters we do not implement
-        {"response_format": {"type": "json_object"}},
-        {"guided_choice": ["a", "b"]},
+        {
+            "response_format": {"type": "structural_tag"}
+        },  # (json_object / json_schema: test_structured_outputs)
+        {"structural_tag": '{"structures": []}'},
         {"stream_options": {"include_usage": True}},  # without stream
     ):
         with pytest.raises(openai.BadRequestError) as ei:

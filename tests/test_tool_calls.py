@@ -268,8 +268,8 @@ def test_tools_render_into_the_prompt_and_past_calls_too(engine):
     ("kw", "parser", "word"),
     [
         ({}, None, "--tool-call-parser"),
-        ({"tool_choice": "required"}, "hermes", "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "ls"}}}, "hermes", "tool_choice"),
+        ({"tool_choice": "required"}, None, "--tool-call-parser"),  # (its grammar is the parser's format)
+        ({"tool_choice": {"type": "function", "function": {"name": "cat"}}}, "hermes", "not among"),
         ({"tools": [{"type": "function", "function": {}}]}, "hermes", "name"),
         ({"tools": "ls"}, "hermes", "tools"),
         ({"tools": None, "tool_choice": "required"}, "hermes", "tool_choice"),  # not ignored without tools

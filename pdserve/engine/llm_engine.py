@@ -17,6 +17,7 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.kv_manager import KVManager
 from pdserve.model import loader
+from pdserve.model.grammar import GrammarBackend, InvalidGrammar
 from pdserve.model.loader import CheckpointError
 from pdserve.outputs import CompletionOutput, GrowingPrefix, RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -48,6 +49,11 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,)
             if self.tokenizer and self.tokenizer.eos_token_id is not None
             else ()
+        )
+        self.grammars = (  # structured outputs; llguidance's view of the vocabulary is built on first use
+            GrammarBackend(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids)
+            if self.tokenizer is not None
+            else None
         )
         layout = self.runner.kv_cache.layout
         self.kv = KVManager(
@@ -138,6 +144,13 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured outputs need a tokenizer; this model has none")
+            try:
+                req.grammar = self.grammars.grammar_for(params.structured_outputs)
+            except InvalidGrammar as e:
+                raise InvalidRequest(str(e)) from None
         return req
 
     def add(self, req: Request, prompt_text: str | None = None) -> None:
@@ -281,7 +294,9 @@ class LLMEngine:
         """Why the request must stop after its newest token (None: go on). Engine thread only."""
         token = req.output_token_ids[-1]
         params = req.sampling_params
-        if req.num_output_tokens <= params.min_tokens:
+        # A grammar that allows no further token ends the request (min_tokens cannot outlast it).
+        grammar_done = req.grammar is not None and req.grammar.terminated
+        if req.num_output_tokens <= params.min_tokens and not grammar_done:
             # Stop strings count only in text after the first min_tokens tokens (vLLM's rule): a later
             # match must end after this text. Below min_tokens the sampler gave no stop token either.
             if params.stop and self.tokenizer is not None:
@@ -307,6 +322,8 @@ class LLMEngine:
                 if at >= 0:
                     req.stop_reason = s
                     return RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

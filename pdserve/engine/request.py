@@ -67,6 +67,7 @@ class Request:
     num_min_text_chars: int = 0  # output text length while under min_tokens: a stop match ends after it
     prompt_unique_ids: Any = None  # sorted distinct prompt ids (np.int64), for the repetition penalty
     detokenizer: Any = None  # the output's text, a few tokens per step (tokenizer.IncrementalDetokenizer)
+    grammar: Any = None  # structured outputs: the matcher every output token advances (model/grammar.py)
     # PD disaggregation: a prefill request keeps its pages after it finishes until the decode acked
     # the transfer (`LLMEngine.release_held`); `pd` holds the role's per-request transfer state.
     hold_pages: bool = False
@@ -95,5 +96,8 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
+        """Every output token comes through here: sampled, or (PD decode) token 1 from the prefill."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)

@@ -36,6 +36,7 @@ class TokenHistory(Protocol):
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
     prompt_unique_ids: np.ndarray | None  # cache: sorted distinct prompt ids, filled here on first use
+    grammar: object | None  # structured outputs (model/grammar.RequestGrammar), masked by the Sampler
 
 
 def needs_history(p: SamplingParams) -> bool:

@@ -1,9 +1,10 @@
 """Token sampling for one step: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Rows that ask for min_tokens, logit_bias or a penalty go through `logits_processors.apply` first
-(greedy rows take the argmax of the processed logits). Logprobs are those of the model's raw
-distribution (log_softmax of the logits before any processing, temperature and truncation), as vLLM
-v1 reports them by default.
+Rows whose request has a grammar (structured outputs) get the tokens it forbids masked to -inf first
+(`model/grammar.py`), then rows that ask for min_tokens, logit_bias or a penalty go through
+`logits_processors.apply` (greedy rows take the argmax of the processed logits). Logprobs are those of
+the model's distribution before any processing, temperature and truncation, as vLLM v1 reports them
+by default — after the grammar's mask, which vLLM v1 also applies to the logits its sampler receives.
 
 Sampling uses the exponential race (argmax of p / q, q ~ Exp(1)), which draws exactly from p and
 lets a seeded request draw its noise from its own generator, so its output does not depend on what
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.model import logits_processors
+from pdserve.model import grammar, logits_processors
 from pdserve.model.logits_processors import TokenHistory
 from pdserve.sampling_params import SamplingParams
+
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -41,14 +44,20 @@ class Sampler:
     @torch.inference_mode()
     def __call__(
         self,
-        logits: torch.Tensor,  # [N, V] float32; rows with logits processors are changed in place
+        logits: torch.Tensor,  # [N, V] float32; rows with a grammar or logits processors: changed in place
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        histories: list[TokenHistory] | None = None,  # per row; needed when any row's params use them
+        histories: list[TokenHistory] | None = None,  # per row (their grammar, tokens for processors)
     ) -> SampleResult:
         n = logits.shape[0]
+        if histories is not None:
+            rows = [i for i, h in enumerate(histories) if getattr(h, "grammar", None) is not None]
+            if rows:
+                grammar.mask_logits(logits, rows, [histories[i].grammar for i in rows])  # (in place)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lp = torch.log_softmax(logits[want], dim=-1) if want else None  # of the raw logits
+        # Of the raw logits (after a grammar's mask). A masked token's -inf is reported as -9999.0, as
+        # vLLM's API does: JSON has no infinity.
+        lp = torch.log_softmax(logits[want], dim=-1).clamp_(min=LOGPROB_FLOOR) if want else None
         if any(logits_processors.needs_history(p) for p in params):
             if histories is None:
                 raise ValueError("min_tokens, logit_bias and penalties need the rows' token histories")

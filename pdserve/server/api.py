@@ -29,7 +29,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
 from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -444,36 +444,57 @@ def build_app(
         resp = chunk(o.text, o, 0, o.finish_reason)
         return resp | {"usage": usage(out)}
 
-    def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
-        """(tools for the template, whether to parse the answer for calls). The tools are shown to
-        the model even under `tool_choice` "none" (vLLM's default: the prompt, and its prefix-cache
-        hits, stay the same from turn to turn); calls are parsed under "auto". 400 for a choice that
-        needs guided decoding, a choice without tools, malformed tools, or tools to parse without a
-        parser."""
+    def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool, str | None]:
+        """(tools for the template, whether to parse the answer for calls, the grammar the answer must
+        follow). The tools are shown to the model even under `tool_choice` "none" (vLLM's default: the
+        prompt, and its prefix-cache hits, stay the same from turn to turn); calls are parsed under
+        "auto", "required" and a named function, the last two constrained to calls in the parser's
+        format (`ToolCallParser.call_grammar`). 400 for a choice without tools, malformed tools, a
+        name not among them, tools to parse without a parser, or a forced call with another
+        structured output."""
         choice = body.tool_choice
-        if choice not in (None, "auto", "none"):
+        if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
             raise APIError(
-                "tool_choice must be 'auto' or 'none' ('required' and a named function need guided "
-                "decoding, which this server does not implement)",
-                param="tool_choice",
+                "tool_choice must be 'auto', 'none', 'required' or a named function", param="tool_choice"
             )
         if not body.tools:
-            if choice == "auto":
-                raise APIError("tool_choice 'auto' needs tools", param="tool_choice")
-            return None, False
+            if choice is not None and choice != "none":
+                raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+            return None, False, None
         try:
             tools = tool_calls.check_tools(body.tools)
         except ValueError as e:
             raise APIError(str(e), param="tools") from None
+        try:
+            forced = tool_calls.forced_tools(tools, choice)
+        except ValueError as e:
+            raise APIError(str(e), param="tool_choice") from None
         if choice == "none":
-            return tools, False
+            return tools, False, None
         if tool_parser is None:
             raise APIError(
                 "tools need an engine started with --tool-call-parser (e.g. hermes); otherwise the "
                 "model's calls would come back as plain text",
                 param="tools",
             )
-        return tools, True
+        if forced is None:
+            return tools, True, None
+        try:
+            other = body.structured()
+        except ValueError:
+            other = None  # (reported by validate)
+        if other is not None:
+            raise APIError(
+                "tool_choice 'required' or a named function already constrains the answer; it cannot "
+                "be combined with response_format, structured_outputs or guided_*",
+                param="tool_choice",
+            )
+        names, parallel = forced
+        return (
+            tools,
+            True,
+            tool_parser.call_grammar(names, parallel and body.parallel_tool_calls is not False),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
@@ -483,7 +504,7 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")
-        tools, parse_calls = chat_tools(body)
+        tools, parse_calls, call_grammar = chat_tools(body)
         try:
             messages = tool_calls.template_messages(body.messages)
         except ValueError as e:
@@ -503,6 +524,8 @@ def build_app(
 
         def params() -> SamplingParams:
             sp = body.sampling_params(max_tokens, top)
+            if call_grammar is not None:
+                sp = dataclasses.replace(sp, structured_outputs=StructuredOutputs(grammar=call_grammar))
             if parse_calls and tokenizer.is_special(tool_parser.start):
                 # The call markers are special tokens of this model (Hermes 2 Pro): keep them in the
                 # text, or no call could ever be found (vLLM's hermes parser does the same).
@@ -600,6 +623,13 @@ def build_app(
         sp = dict(body.sampling_params)
         if "max_new_tokens" in sp:
             sp["max_tokens"] = sp.pop("max_new_tokens")
+        # SGLang's names for structured outputs (a schema's text, a regex, an EBNF grammar).
+        sglang = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+        given = {sglang[k]: v for k in list(sp) if k in sglang and (v := sp.pop(k)) is not None}
+        if given:
+            if "structured_outputs" in sp:
+                raise APIError("give structured_outputs or json_schema / regex / ebnf, not both")
+            sp["structured_outputs"] = given
         unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise APIError(f"unknown sampling params: {sorted(unknown)}")

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
 
 class StreamOptions(BaseModel):
@@ -15,7 +15,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI / vLLM fields whose meaning we do not implement, with the values that mean "off". Any other
-# value is a 400: a client asking for an echo or a grammar must not get a plain completion instead.
+# value is a 400: a client asking for an echo or beam search must not get a plain completion instead.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (1,),
     "echo": (False,),
@@ -23,11 +23,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False,),
     # vLLM's extra parameters we do not implement: refused rather than silently ignored.
     "prompt_logprobs": (),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
+    "structural_tag": (),
     # Tools belong to chat completions (its own fields there, server/tool_calls.py); in a plain
     # completion, and in the legacy `functions` form, ignoring them would hand an agent plain text
     # where it expects calls.
@@ -78,6 +74,45 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM's extra parameter
+    # Structured outputs (model/grammar.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; at most one of them.
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None  # sampling_params.StructuredOutputs' fields
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one structured-output spec the request gives, if any (ValueError for two, or a bad one)."""
+        specs = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                specs.append(StructuredOutputs(json_object=True))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict | bool):
+                    raise ValueError("response_format json_schema needs {'json_schema': {'name', 'schema'}}")
+                # (no schema: any JSON value that is an object, as OpenAI's json_object)
+                specs.append(StructuredOutputs(json=js.get("schema", {"type": "object"})))
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format type {kind!r} is not supported (text, json_object, json_schema)"
+                )
+        if self.structured_outputs is not None:
+            specs.append(StructuredOutputs.of(self.structured_outputs))
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        specs += [StructuredOutputs(**{k: v}) for k, v in guided.items() if v is not None]
+        if len(specs) > 1:
+            raise ValueError("give one of response_format, structured_outputs and guided_*, not several")
+        return specs[0] if specs else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n not in (None, 1):  # (a route splits n > 1 into children of n = 1 before this)
@@ -100,6 +135,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            structured_outputs=self.structured(),
         )
 
 

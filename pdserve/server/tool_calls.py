@@ -26,6 +26,8 @@ import json
 import re
 import uuid
 
+from pdserve.sampling_params import COMPACT_JSON
+
 
 class ToolCallParser:
     """Finds tool calls in a model's answer. Subclasses set the markers; `decode_call` reads one."""
@@ -37,6 +39,13 @@ class ToolCallParser:
     def decode_call(self, block: str) -> dict | None:
         """One call's text (between the markers) -> {"name", "arguments" (a JSON string)}; None if
         it is not a call."""
+        raise NotImplementedError
+
+    def call_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """A grammar (Lark, llguidance's dialect) of an answer made only of calls to `tools`, in this
+        parser's format: one call, or with `parallel` one or more. Used for `tool_choice` "required"
+        and a named function: the model writes calls the way its template taught it, and the parser
+        reads them back (SGLang constrains its parsers' formats the same way)."""
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -79,6 +88,18 @@ class HermesParser(ToolCallParser):
             except ValueError:  # not JSON: encoded, so that the client's json.loads gives it back
                 pass
         return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+    def call_grammar(self, tools: list[dict], parallel: bool) -> str:
+        # Each call is one JSON object: the tool's name, then arguments matching its parameters, in the
+        # compact form Hermes and Qwen templates show (`{"name": "f", "arguments": {"x": 1}}`).
+        schema = {
+            "anyOf": [call_schema(t["function"]) for t in tools],
+            "x-guidance": COMPACT_JSON,
+        }
+        lit = json.dumps  # a JSON string is a Lark string literal
+        call = f"{lit(self.start + NL)} %json {json.dumps(schema)} {lit(NL + self.end)}"
+        more = f" ({lit(NL)} call)*" if parallel else ""
+        return f"start: call{more}{NL}call: {call}{NL}"
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {HermesParser.name: HermesParser}
@@ -192,6 +213,43 @@ def _template_call(c) -> dict:
         except ValueError:
             pass  # left as the string it was: the template shows it as such
     return {**c, "function": {**fn, "arguments": args}}
+
+
+NL = "\n"
+
+
+def call_schema(fn: dict) -> dict:
+    """JSON schema of one call to function `fn` (a tool's `function`): its name, its arguments."""
+    params = fn.get("parameters") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def forced_tools(tools: list[dict], choice) -> tuple[list[dict], bool] | None:
+    """For `tool_choice` "required" or a named function ({"type": "function", "function": {"name"}}):
+    (the tools the answer must call, whether several calls may follow one another); None for "auto"
+    and "none". ValueError for a name not among the tools or a malformed choice."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return tools, True
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(fn, dict)
+        or choice.get("type", "function") != "function"
+        or not isinstance(fn.get("name"), str)
+    ):
+        raise ValueError(
+            "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
+    named = [t for t in tools if t["function"]["name"] == fn["name"]]
+    if not named:
+        raise ValueError(f"tool_choice names {fn['name']!r}, which is not among the request's tools")
+    return named[:1], False
 
 
 def check_tools(tools) -> list[dict]:
