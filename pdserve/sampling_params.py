@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 # llguidance's JSON options for `disable_any_whitespace`: Python's json.dumps separators (the form most
 # models write), no other whitespace.
+MAX_SPEC_CHARS = 256 * 1024  # a structured-output spec's text (schema, regex, choices, grammar)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -26,8 +27,12 @@ class StructuredOutputs:
     - `choice`: the output is one of these strings;
     - `grammar`: a context-free grammar, Lark in llguidance's dialect (may embed `%json {...}`) or GBNF.
 
-    `disable_any_whitespace`: JSON with no optional whitespace (only `, ` and `: ` between items),
-    which keeps a weak model from running on in blanks until max_tokens (vLLM's option of that name).
+    `disable_any_whitespace`: JSON with no optional whitespace (only `, ` and `: ` between items, the
+    form json.dumps writes and models mostly learned; vLLM's guidance backend also drops those two
+    spaces), which keeps a weak model from running on in blanks until max_tokens.
+    `whitespace_pattern`: a regex for JSON's whitespace. `start_after` (pdserve's; the chat route
+    sets it for reasoning models): the grammar applies only once the answer contains this text.
+    The spec's text is at most MAX_SPEC_CHARS (a 50k-entry choice takes seconds to compile).
     """
 
     json: dict | str | None = None
@@ -36,6 +41,8 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.json_object, bool), "json_object must be a boolean", self.json_object)
@@ -70,6 +77,13 @@ class StructuredOutputs:
                 f"{name} must be a non-empty string",
                 value,
             )
+        for name in ("whitespace_pattern", "start_after"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and value),
+                f"{name} must be a non-empty string",
+                value,
+            )
         if self.choice is not None:
             _check(
                 isinstance(self.choice, list | tuple)
@@ -79,13 +93,26 @@ class StructuredOutputs:
                 self.choice,
             )
             self.choice = list(self.choice)
+        size = len(self.text)
+        _check(
+            size <= MAX_SPEC_CHARS, f"structured output spec is too large (> {MAX_SPEC_CHARS} chars)", size
+        )
 
     @classmethod
     def of(cls, value) -> StructuredOutputs | None:
-        """From a request's JSON (a dict with the fields above); unknown keys are a ValueError."""
+        """From a request's JSON (a dict with the fields above). A null field is an absent one (a
+        vLLM client serialises every field of its params); vLLM's `disable_fallback` is accepted (one
+        backend here), its `disable_additional_properties` and `structural_tag` only when off; other
+        keys are a ValueError."""
         if value is None or isinstance(value, StructuredOutputs):
             return value
         _check(isinstance(value, dict), "structured_outputs must be an object", value)
+        value = {k: v for k, v in value.items() if v is not None}
+        value.pop("disable_fallback", None)
+        for key in ("disable_additional_properties", "structural_tag"):
+            _check(value.pop(key, False) is False, f"structured_outputs.{key} is not supported", key)
+        if value.get("json_object") is False:
+            value.pop("json_object")
         unknown = set(value) - set(cls.__dataclass_fields__)
         _check(not unknown, "unknown structured_outputs fields", sorted(unknown))
         return cls(**value)
@@ -109,8 +136,8 @@ class StructuredOutputs:
             return json.dumps(self.choice)
         return self.regex if self.regex is not None else self.grammar
 
-    def cache_key(self) -> tuple[str, str, bool]:
-        return self.kind, self.text, self.disable_any_whitespace
+    def cache_key(self) -> tuple:
+        return self.kind, self.text, self.disable_any_whitespace, self.whitespace_pattern
 
 
 @dataclass

@@ -55,6 +55,10 @@ class Tokenizer:
         """The tokenizer as tokenizer.json text (what llguidance reads for structured outputs)."""
         return self._tok.to_str()
 
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` if it is one entry of the vocabulary (an added token such as `<tool_call>`)."""
+        return self._tok.token_to_id(text)
+
     def is_special(self, text: str) -> bool:
         """Whether `text` is one special token of this vocabulary (dropped by skip_special_tokens)."""
         return self._tok.token_to_id(text) in self._special_ids

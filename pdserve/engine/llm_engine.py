@@ -51,7 +51,12 @@ class LLMEngine:
             else ()
         )
         self.grammars = (  # structured outputs; llguidance's view of the vocabulary is built on first use
-            GrammarBackend(self.tokenizer.to_json(), mc.vocab_size, self.eos_token_ids)
+            GrammarBackend(
+                self.tokenizer.to_json(),
+                mc.vocab_size,
+                self.eos_token_ids,
+                lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False),
+            )
             if self.tokenizer is not None
             else None
         )
@@ -148,7 +153,8 @@ class LLMEngine:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs need a tokenizer; this model has none")
             try:
-                req.grammar = self.grammars.grammar_for(params.structured_outputs)
+                spec = params.structured_outputs
+                req.grammar = self.grammars.grammar_for(spec, spec.start_after)
             except InvalidGrammar as e:
                 raise InvalidRequest(str(e)) from None
         return req
@@ -323,6 +329,9 @@ class LLMEngine:
                     req.stop_reason = s
                     return RequestStatus.FINISHED_STOPPED
         if grammar_done:
+            if req.grammar.failed:  # (finish_reason "abort"; stop_reason says why)
+                req.stop_reason = f"structured output failed: {req.grammar.failed}"
+                return RequestStatus.FINISHED_ABORTED
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -51,7 +51,7 @@ class Sampler:
     ) -> SampleResult:
         n = logits.shape[0]
         if histories is not None:
-            rows = [i for i, h in enumerate(histories) if getattr(h, "grammar", None) is not None]
+            rows = [i for i, h in enumerate(histories) if getattr(h, "grammar", None) and h.grammar.active]
             if rows:
                 grammar.mask_logits(logits, rows, [histories[i].grammar for i in rows])  # (in place)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -493,7 +493,9 @@ def build_app(
         return (
             tools,
             True,
-            tool_parser.call_grammar(names, parallel and body.parallel_tool_calls is not False),
+            tool_parser.call_grammar(
+                names, parallel and body.parallel_tool_calls is not False, tokenizer.token_id
+            ),
         )
 
     @app.post("/v1/chat/completions")
@@ -526,6 +528,14 @@ def build_app(
             sp = body.sampling_params(max_tokens, top)
             if call_grammar is not None:
                 sp = dataclasses.replace(sp, structured_outputs=StructuredOutputs(grammar=call_grammar))
+            if thinking is not None and sp.structured_outputs is not None:
+                # The answer starts with the model's thinking, which no grammar describes: constrain
+                # what follows its end marker (unless the prompt already closed it: thinking off).
+                closed = prompt.rstrip().endswith(thinking.end)
+                spec = dataclasses.replace(
+                    sp.structured_outputs, start_after=None if closed else thinking.end
+                )
+                sp = dataclasses.replace(sp, structured_outputs=spec)
             if parse_calls and tokenizer.is_special(tool_parser.start):
                 # The call markers are special tokens of this model (Hermes 2 Pro): keep them in the
                 # text, or no call could ever be found (vLLM's hermes parser does the same).
@@ -535,6 +545,7 @@ def build_app(
         req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field)
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
         max_calls = 1 if body.parallel_tool_calls is False else None
+        named = isinstance(body.tool_choice, dict)
         calls_stream = tool_calls.ToolStream(tool_parser, max_calls) if parse_calls else None
         thought_stream = reasoning.ReasoningStream(thinking) if thinking else None
 
@@ -566,7 +577,12 @@ def build_app(
                 return envelope(rid, "chat.completion.chunk", created, [choice])
             # Tools: the text goes through the parser; a step yields zero or more deltas.
             deltas = deltas_of(delta, finish is not None)
-            if finish not in (None, "length") and calls_stream is not None and calls_stream.num_calls:
+            if (
+                finish not in (None, "length")
+                and calls_stream is not None
+                and calls_stream.num_calls
+                and not named
+            ):
                 finish = "tool_calls"
             if not deltas and (finish is not None or lps is not None):
                 deltas = [{}]
@@ -606,7 +622,8 @@ def build_app(
             content, calls = tool_parser.parse(message["content"])
             if calls:
                 message |= {"content": content, "tool_calls": calls[:max_calls]}
-                finish = finish if finish == "length" else "tool_calls"
+                # (a named function was the only possible answer: "stop", as OpenAI and vLLM say)
+                finish = finish if finish == "length" or named else "tool_calls"
         choice = {
             "index": 0,
             "message": message,

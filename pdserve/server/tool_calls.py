@@ -41,11 +41,13 @@ class ToolCallParser:
         it is not a call."""
         raise NotImplementedError
 
-    def call_grammar(self, tools: list[dict], parallel: bool) -> str:
+    def call_grammar(self, tools: list[dict], parallel: bool, token_id=lambda text: None) -> str:
         """A grammar (Lark, llguidance's dialect) of an answer made only of calls to `tools`, in this
         parser's format: one call, or with `parallel` one or more. Used for `tool_choice` "required"
         and a named function: the model writes calls the way its template taught it, and the parser
-        reads them back (SGLang constrains its parsers' formats the same way)."""
+        reads them back (SGLang constrains its parsers' formats the same way). `token_id(text)`: the
+        id of `text` if it is one token of the vocabulary (a marker is then that token, as the model
+        was trained to write it, not spelled out in pieces)."""
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -89,17 +91,21 @@ class HermesParser(ToolCallParser):
                 pass
         return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
-    def call_grammar(self, tools: list[dict], parallel: bool) -> str:
-        # Each call is one JSON object: the tool's name, then arguments matching its parameters, in the
-        # compact form Hermes and Qwen templates show (`{"name": "f", "arguments": {"x": 1}}`).
-        schema = {
-            "anyOf": [call_schema(t["function"]) for t in tools],
-            "x-guidance": COMPACT_JSON,
-        }
-        lit = json.dumps  # a JSON string is a Lark string literal
-        call = f"{lit(self.start + NL)} %json {json.dumps(schema)} {lit(NL + self.end)}"
-        more = f" ({lit(NL)} call)*" if parallel else ""
-        return f"start: call{more}{NL}call: {call}{NL}"
+    def call_grammar(self, tools: list[dict], parallel: bool, token_id=lambda text: None) -> str:
+        # Each call is one JSON object, the tool's name then arguments matching its parameters, in the
+        # compact form Hermes and Qwen templates show (`{"name": "f", "arguments": {"x": 1}}`). One
+        # %json alternative per tool: each is its own schema root, so its `$defs` resolve.
+        def marker(text: str) -> str:
+            tid = token_id(text)
+            return json.dumps(text) if tid is None else f"<[{tid}]>"
+
+        bodies = " | ".join(f"%json {json.dumps(call_schema(t['function']))}" for t in tools)
+        lines = [
+            f"start: call ({json.dumps(NL)} call)*" if parallel else "start: call",
+            f"call: {marker(self.start)} {json.dumps(NL)} body {json.dumps(NL)} {marker(self.end)}",
+            f"body: {bodies}",
+        ]
+        return NL.join(lines) + NL
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {HermesParser.name: HermesParser}
@@ -219,13 +225,18 @@ NL = "\n"
 
 
 def call_schema(fn: dict) -> dict:
-    """JSON schema of one call to function `fn` (a tool's `function`): its name, its arguments."""
-    params = fn.get("parameters") or {"type": "object"}
+    """JSON schema of one call to function `fn` (a tool's `function`): its name, its arguments. The
+    parameters' definitions (`$defs`, `definitions`: what pydantic and agent SDKs write) move to the
+    call's root, where their `#/$defs/...` references point."""
+    params = dict(fn.get("parameters") or {"type": "object"})
+    defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
         "required": ["name", "arguments"],
         "additionalProperties": False,
+        "x-guidance": COMPACT_JSON,
+        **defs,
     }
 
 
