@@ -113,7 +113,8 @@ _USAGE = {
         "total_tokens": {"type": "integer", "minimum": 1},
     },
 }
-_FINISH = {"enum": ["stop", "length"]}
+# ("abort": a structured output whose grammar failed midway, e.g. a regex past llguidance's limits)
+_FINISH = {"enum": ["stop", "length", "abort"]}
 _ENVELOPE = ["id", "object", "created", "model", "choices", "usage"]
 SUCCESS_SCHEMAS = {
     "/v1/completions": {

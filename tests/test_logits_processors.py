@@ -44,6 +44,20 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     assert h.prompt_unique_ids.tolist() == [0, 1]  # cached once per request
 
 
+def test_a_tiny_repetition_penalty_gives_the_largest_float_not_infinity():
+    """5e-324 (found by the HTTP fuzzing): 2.0 / r overflows; +inf would make softmax NaN and the
+    sampler pick token 0 whatever it was (under a grammar, a token the grammar forbids)."""
+    logits = row(2.0, -1.0, -INF, 0.5)
+    out = logits_processors.apply(
+        logits, [SamplingParams(repetition_penalty=5e-324)], [History([0, 1, 2], [])]
+    )
+    tiny = torch.finfo(torch.float32).tiny  # (r is held at the smallest normal float)
+    assert out.tolist() == [[torch.tensor(2.0 / tiny).item(), torch.tensor(-tiny).item(), -INF, 0.5]]
+    assert torch.isfinite(out[0, :2]).all()
+    probs = Sampler("cpu", 0)(out, [SamplingParams(temperature=1.0)], [None])
+    assert probs.token_ids == [0]
+
+
 def test_frequency_and_presence_penalties_count_output_tokens_only():
     logits = row(1.0, 1.0, 1.0, 1.0)
     h = History([0, 0, 0], [1, 1, 1, 2])  # prompt token 0 is not penalised

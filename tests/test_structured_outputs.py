@@ -277,6 +277,17 @@ def test_a_grammar_that_fails_midway_aborts_its_request_and_says_why(llm):
     )  # (and the engine goes on)
 
 
+def test_an_extreme_repetition_penalty_still_samples_what_the_grammar_allows(llm):
+    """(The HTTP fuzzing's case: a 5e-324 penalty made softmax NaN, the sampler took token 0, which
+    the grammar forbids, and the request aborted.)"""
+    spec = {"choice": CHOICES}
+    p = SamplingParams(
+        temperature=1.0, seed=1, max_tokens=10, repetition_penalty=5e-324, structured_outputs=spec
+    )
+    for out in llm.generate(["x", "Hello there", "def f():"], p):
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in CHOICES
+
+
 def test_a_grammar_ends_the_request_before_min_tokens_and_with_ignore_eos(llm):
     for kw in ({"min_tokens": 20}, {"ignore_eos": True}):
         (out,) = llm.generate("x", SamplingParams(max_tokens=50, structured_outputs={"choice": ["ok"]}, **kw))

@@ -122,7 +122,13 @@ def apply(logits: torch.Tensor, params: list[SamplingParams], histories: list[To
         r = torch.tensor([params[i].repetition_penalty for i in rep_rows], dtype=logits.dtype)
         r = r.repeat_interleave(torch.tensor([len(a) for a in seen])).to(device)
         vals = logits[r_idx, t_idx]
-        logits[r_idx, t_idx] = torch.where(vals > 0, vals / r, vals * r)
+        # A tiny r (found by the HTTP fuzzing: 5e-324) is 0 in float32, making -inf * r NaN, and sends
+        # positive logits to +inf, softmax to NaN: r is kept >= the smallest normal float, the
+        # quotient <= the largest.
+        finfo = torch.finfo(logits.dtype)
+        r = r.clamp(min=finfo.tiny)
+        divided = (vals / r).clamp_(max=finfo.max)
+        logits[r_idx, t_idx] = torch.where(vals > 0, divided, vals * r)
     out_rows = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
     if out_rows:
         uniq = [_counts(histories[i].output_token_ids) for i in out_rows]
