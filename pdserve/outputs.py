@@ -66,3 +66,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: dict = field(default_factory=dict)  # arrival/first/last token times (monotonic s)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, token i's given tokens < i, ...]

@@ -152,6 +152,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
+    # None: none; n >= 0: every prompt token's logprob given the ones before it, plus the top-n there
+    # (vLLM's extra parameter; such a request takes no prefix-cache hit: cached tokens have no logits)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Token-dependent logits processors (model/logits_processors.py; vLLM v1's formulas and order).
@@ -182,7 +185,7 @@ class SamplingParams:
             "min_tokens must be an integer",
             self.min_tokens,
         )
-        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, int) and not isinstance(value, bool)),
@@ -228,11 +231,13 @@ class SamplingParams:
             "repetition_penalty must be finite and > 0",
             self.repetition_penalty,
         )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or 0 <= value <= MAX_TOP_LOGPROBS,
+                f"{name} must be in [0, {MAX_TOP_LOGPROBS}]",
+                value,
+            )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", self.stop)
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -232,6 +232,7 @@ def _sampling_fields(model_name: str) -> dict:
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
         "min_tokens": {"type": "integer", "minimum": 0},  # (above max_tokens: a 400 the contract cannot say)
+        "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
         # Structured outputs (the other forms' checks need a compiler: a 400 the contract cannot say)
         "guided_choice": _nullable(
             {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
@@ -253,6 +254,7 @@ def request_contract(raw: dict, model_name: str, vocab: int) -> dict:
     comp.update(_sampling_fields(model_name))
     comp["max_tokens"] = _nullable({"type": "integer", "minimum": 1}) | {"default": 16}
     comp["logprobs"] = _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    comp["echo"] = {"type": "boolean"}
     comp["stop"] = {
         "anyOf": [
             {"type": "string"},

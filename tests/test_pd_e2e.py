@@ -303,6 +303,9 @@ def test_pd_structured_outputs_equal_colocated(cluster, colocated):
     bad = body | {"structured_outputs": {"regex": "(unclosed"}, "tool_choice": "none"}
     r = httpx.post(cluster.router_url + "/v1/chat/completions", json=bad, timeout=30)
     assert r.status_code == 400 and "does not compile" in r.text
+    plp = {"model": "demo", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}
+    r = httpx.post(cluster.router_url + "/v1/completions", json=plp, timeout=30)
+    assert r.status_code == 400 and "colocated" in r.text  # (the prompt is computed on the prefill)
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

@@ -395,6 +395,9 @@ class LLMEngine:
                 "cached_tokens_storage": req.num_storage_tokens,
                 "num_preemptions": req.num_preemptions,
             },
+            # (complete once the prompt is computed, i.e. from the first output on; the engine only
+            # appends to it, so the list itself is handed out)
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     def release(self, req: Request) -> RequestOutput:

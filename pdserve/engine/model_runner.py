@@ -14,12 +14,14 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.kv_cache import KVCache
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleResult
+
+PROMPT_LOGPROBS_ROWS = 256  # positions per logits slice for prompt logprobs ([256, V] float32 at a time)
 
 
 class ModelRunner:
@@ -149,11 +151,37 @@ class ModelRunner:
             decode_masks.append(g.mask & (q_pos - k_pos < window))
         return chunk_masks, decode_masks
 
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, start: int) -> None:
+        """Append the prompt logprobs this chunk's hidden states [n, H] (positions start..) give: the
+        state at position p scores prompt token p + 1. Entries already there (a recompute after
+        preemption) are not computed again. Logits in slices of PROMPT_LOGPROBS_ROWS positions: a
+        whole chunk's [n, V] float32 (8k x 152k) would take 5 GB."""
+        k = req.sampling_params.prompt_logprobs
+        prompt = req.prompt_token_ids
+        first = max(start, len(req.prompt_logprobs) - 1)  # position scoring the next missing entry
+        last = min(start + len(hidden), len(prompt) - 1)  # (the last prompt token scores no prompt token)
+        for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, last)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[lo - start : hi - start]).float(), dim=-1)
+            targets = self._tensor(prompt[lo + 1 : hi + 1])
+            chosen = lp.gather(1, targets[:, None])
+            ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+            tops = lp.topk(k, dim=-1) if k else None
+            top_ids, top_vals = (tops.indices.tolist(), tops.values.tolist()) if k else (None, None)
+            for j, (t, v) in enumerate(zip(prompt[lo + 1 : hi + 1], chosen[:, 0].tolist(), strict=True)):
+                top = list(zip(top_ids[j], top_vals[j], strict=True)) if k else []
+                req.prompt_logprobs.append(TokenLogprob(t, v, top, ranks[j]))
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], SampleResult]:
         """Run one step. Returns the requests that reached their newest token, and their samples."""
         input_ids, positions, meta, window_masks, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self._kv_views, meta, window_masks)
+        row = 0
+        for r, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            if r.prompt_logprobs is not None:
+                self._prompt_logprobs(r, hidden[row : row + n], r.num_computed_tokens)
+            row += n
         reqs = [
             r
             for r, n in zip(sched.requests, sched.num_new_tokens, strict=True)

@@ -38,6 +38,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM)
 
 
 @dataclass(eq=False)  # identity semantics: queues remove by `is`, not by field equality
@@ -59,6 +60,8 @@ class Request:
     waited_for_prefix: bool = False  # put off at admission for a prompt page another request computed
     status: RequestStatus = RequestStatus.WAITING
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt_logprobs: [None, then token i's given tokens < i], filled as the prompt is computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_reason: int | str | None = None
@@ -82,6 +85,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:

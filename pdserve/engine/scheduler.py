@@ -134,6 +134,8 @@ class Scheduler:
         same page index mean the same prefix. O(len(running)) per call."""
         if not (self.kv.enable_prefix_caching and self.config.share_in_flight_prefixes) or req.page_ids:
             return False
+        if req.prompt_logprobs is not None:  # (it takes no hit: see _prefix_hits)
+            return False
         ps, h = self.kv.page_size, num_hit_pages
         if h >= (req.num_tokens - 1) // ps or h >= len(req.page_key_cache):  # (match_prefix filled it)
             return False
@@ -155,8 +157,11 @@ class Scheduler:
     def _prefix_hits(self, req: Request) -> tuple[list, list]:
         """Prefix-cache pages a waiting request would share at admission (read-only). A request that
         arrives with KV already in its pages (loaded from the store or another engine) is not matched
-        against the prefix cache again."""
-        return ([], []) if req.page_ids else self.kv.match_prefix(req)
+        against the prefix cache again; one that wants prompt logprobs computes its whole prompt (a
+        cached token has no logits), as in vLLM."""
+        if req.page_ids or req.prompt_logprobs is not None:
+            return [], []
+        return self.kv.match_prefix(req)
 
     def _quota_tokens(self) -> int:
         """Tokens this step may compute under the compute quota: the DualPath batch builder over

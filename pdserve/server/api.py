@@ -136,6 +136,11 @@ def build_app(
             if pd_field is not None:
                 raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
             return req, text
+        if params.prompt_logprobs is not None:
+            # (the prefill computes the prompt, the decode answers: the logprobs would have to cross)
+            raise APIError(
+                "prompt_logprobs (and echo with logprobs) need a colocated engine", param="prompt_logprobs"
+            )
         if (
             not isinstance(pd_field, dict)
             or not isinstance(pd_field.get("room"), int)
@@ -191,6 +196,9 @@ def build_app(
     def token_str(tid: int) -> str:
         return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
 
+    def token_str_all(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+
     def completion_logprobs(lps, start: int, starts: list[int]) -> dict | None:
         """`starts`: the request's running character offsets, starts[i] = where token i begins in the
         completion; kept by the caller across a stream's chunks and extended here as tokens arrive."""
@@ -205,6 +213,42 @@ def build_app(
             "token_logprobs": [lp.logprob for lp in items],
             "top_logprobs": [{token_str(t): v for t, v in lp.top} for lp in items],
             "text_offset": starts[start : len(lps)],
+        }
+
+    def prompt_logprobs_body(entries) -> list | None:
+        """vLLM's `prompt_logprobs`: [None, {token id: {logprob, rank, decoded_token}}, ...], each entry
+        holding the prompt's own token and the top-n at that position."""
+        if entries is None:
+            return None
+        out: list = [None]
+        for e in entries[1:]:
+            d = {
+                str(t): {"logprob": v, "rank": r, "decoded_token": token_str(t)}
+                for r, (t, v) in enumerate(e.top, 1)
+            }
+            d[str(e.token_id)] = {
+                "logprob": e.logprob,
+                "rank": e.rank,
+                "decoded_token": token_str(e.token_id),
+            }
+            out.append(d)
+        return out
+
+    def echo_logprobs(entries, prompt_ids: list[int]) -> dict:
+        """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): its tokens,
+        their logprobs (the first None: nothing scores it) and top-n (with the token itself)."""
+        tokens = [token_str(t) for t in prompt_ids]
+        offsets = [0]
+        for t in tokens[:-1]:
+            offsets.append(offsets[-1] + len(t))
+        tops = [None] + [
+            {token_str(t): v for t, v in e.top} | {token_str(e.token_id): e.logprob} for e in entries[1:]
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [e.logprob for e in entries[1:]],
+            "top_logprobs": tops,
+            "text_offset": offsets,
         }
 
     def chat_logprobs(lps, start: int) -> dict | None:
@@ -421,15 +465,22 @@ def build_app(
         created, rid = int(time.time()), req.request_id
         # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
         want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
-        token_starts = [0]
+        echoed = ""  # `echo`: the prompt as given (a token prompt: decoded), before the completion
+        if body.echo:
+            echoed = text if text is not None else token_str_all(req.prompt_token_ids)
+        token_starts = [len(echoed)]
 
         def chunk(delta, o, start, finish):
-            choice = {
-                "index": 0,
-                "text": delta,
-                "finish_reason": finish,
-                "logprobs": completion_logprobs(o.logprobs, start, token_starts) if o is not None else None,
-            }
+            lps = completion_logprobs(o.logprobs, start, token_starts) if o is not None else None
+            first = o is not None and start == 0  # (the first chunk of a stream, or the whole answer)
+            if first and body.echo:
+                delta = echoed + delta
+                if lps is not None:
+                    head = echo_logprobs(req.prompt_logprobs, req.prompt_token_ids)
+                    lps = {key: head[key] + lps[key] for key in lps}
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lps}
+            if first and body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs)
             if want_ids and o is not None:
                 choice["token_ids"] = list(o.token_ids[start:])
             return envelope(rid, "text_completion", created, [choice])
@@ -630,7 +681,10 @@ def build_app(
             "logprobs": chat_logprobs(o.logprobs, 0),
             "finish_reason": finish,
         }
-        return envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
+        resp = envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
+        if body.prompt_logprobs is not None:  # (vLLM puts them beside the choices in chat)
+            resp["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs)
+        return resp
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: Request):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,11 +19,9 @@ class StreamOptions(BaseModel):
 # value is a 400: a client asking for an echo or beam search must not get a plain completion instead.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "use_beam_search": (False,),
     # vLLM's extra parameters we do not implement: refused rather than silently ignored.
-    "prompt_logprobs": (),
     "structural_tag": (),
     # Tools belong to chat completions (its own fields there, server/tool_calls.py); in a plain
     # completion, and in the legacy `functions` form, ignoring them would hand an agent plain text
@@ -74,6 +73,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extra parameter
     logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias in [-100, 100]
     min_tokens: int = 0  # vLLM's extra parameter
+    prompt_logprobs: int | None = None  # vLLM's extra parameter: every prompt token's logprob (top-n)
     # Structured outputs (model/grammar.py): OpenAI's response_format, vLLM's structured_outputs and
     # its older guided_* fields; at most one of them.
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
@@ -136,6 +136,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             structured_outputs=self.structured(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -143,6 +144,14 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # The prompt before the completion; with `logprobs`, the prompt's tokens lead them (the first None)
+    echo: bool = False
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        sp = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:  # (the prompt's part needs its tokens' logprobs)
+            sp = dataclasses.replace(sp, prompt_logprobs=max(sp.prompt_logprobs or 0, logprobs))
+        return sp
 
     def single_prompt(self) -> str | dict:
         p = self.prompt

@@ -1,0 +1,172 @@
+"""prompt_logprobs (vLLM's extra parameter) and `echo` on completions: the log-probability of every
+prompt token given the ones before it, as RL trainers (a reference policy's logprobs of a rollout) and
+evaluation harnesses (lm-eval's loglikelihood through echo + logprobs) ask for them.
+
+Checked against Hugging Face's own forward on a tiny checkpoint: values, ranks and top-k, through
+chunked prefill, a prefix-cache hit that must not be taken, and preemption by recompute."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+def prompts_for(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    """[T - 1, V]: row i is the distribution of token i + 1 given tokens 0..i."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+
+
+def check_against_hf(entries, ref: torch.Tensor, prompt: list[int], k: int) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        e, row = entries[i], ref[i - 1]
+        assert e.token_id == prompt[i]
+        assert e.logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert e.rank == int((row > row[prompt[i]]).sum()) + 1
+        top_ids = [t for t, _ in e.top]
+        assert len(top_ids) == k
+        if k:
+            assert top_ids == row.topk(k).indices.tolist()
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in e.top]), row[top_ids], rtol=1e-4, atol=1e-4
+            )
+
+
+@pytest.fixture(scope="module")
+def llama(hf_checkpoints):
+    return hf_checkpoints["llama"]
+
+
+def test_prompt_logprobs_equal_hf_through_chunks_and_without_prefix_hits(llama):
+    """A 16-token step budget cuts the 90-token prompt into chunks; the second request repeats the
+    first prompt, whose pages are cached: it must compute them anyway (cached tokens have no logits)."""
+    path, hf = llama
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=400, max_num_batched_tokens=16, max_model_len=512)
+    prompts = prompts_for(0, (90, 7, 2))
+    p = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4)
+    outs = llm.generate([{"prompt_token_ids": x} for x in prompts], p)
+    for prompt, out in zip(prompts, outs, strict=True):
+        check_against_hf(out.prompt_logprobs, hf_prompt_logprobs(hf, prompt), prompt, 4)
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], p)[0]
+    assert again.num_cached_tokens == 0
+    check_against_hf(again.prompt_logprobs, hf_prompt_logprobs(hf, prompts[0]), prompts[0], 4)
+    plain = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None  # others still hit
+    assert plain.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    zero = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=1, prompt_logprobs=0))[
+        0
+    ]
+    check_against_hf(zero.prompt_logprobs, hf_prompt_logprobs(hf, prompts[1]), prompts[1], 0)
+
+
+def test_preemption_recomputes_without_repeating_entries(llama):
+    path, hf = llama
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=40, max_num_batched_tokens=64, max_model_len=256)
+    prompts = prompts_for(5, (30, 41, 52, 35, 44))
+    outs = llm.generate(
+        [{"prompt_token_ids": x} for x in prompts],
+        SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=1),
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        check_against_hf(out.prompt_logprobs, hf_prompt_logprobs(hf, prompt), prompt, 1)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
+def test_bad_prompt_logprobs_are_value_errors(bad):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------
+def post_all(engine, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
+    from pdserve.server.api import build_app
+
+    app = build_app(engine)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            return [await c.post(path, json=b) for path, b in requests]
+
+    try:
+        return asyncio.run(go())
+    finally:
+        app.state.engine.shutdown()
+
+
+def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
+    """vLLM's shapes: `prompt_logprobs` per choice, [None, {token id: {logprob, rank, decoded_token}},
+    ...] holding the prompt's token and the top-k; `echo` puts the prompt before the completion, and
+    with `logprobs` the prompt's tokens lead the logprobs (the first one None), as lm-eval reads them."""
+    tok = demo_engine.tokenizer
+    prompt = "def handler(request):\n    return request"
+    ids = tok.encode(prompt)
+    base = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    plain, with_plp, echo, echo_lp, streamed, chat = post_all(
+        demo_engine,
+        [
+            ("/v1/completions", base | {"logprobs": 1}),
+            ("/v1/completions", base | {"prompt_logprobs": 2}),
+            ("/v1/completions", base | {"echo": True}),
+            ("/v1/completions", base | {"echo": True, "logprobs": 2}),
+            ("/v1/completions", base | {"echo": True, "logprobs": 2, "stream": True}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 1},
+            ),
+        ],
+    )
+    for r in (plain, with_plp, echo, echo_lp, streamed, chat):
+        assert r.status_code == 200, r.text
+    completion = plain.json()["choices"][0]["text"]
+    plp = with_plp.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        assert str(ids[i]) in entry and 2 <= len(entry) <= 3
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        assert entry[str(ids[i])]["decoded_token"] == tok.decode([ids[i]])
+    assert (
+        "prompt_logprobs" not in plain.json()["choices"][0]
+        or plain.json()["choices"][0]["prompt_logprobs"] is None
+    )
+
+    assert echo.json()["choices"][0]["text"] == prompt + completion
+    lp = echo_lp.json()["choices"][0]["logprobs"]
+    assert echo_lp.json()["choices"][0]["text"] == prompt + completion
+    assert (
+        len(lp["tokens"]) == len(ids) + 3
+        and lp["token_logprobs"][0] is None
+        and lp["top_logprobs"][0] is None
+    )
+    assert lp["token_logprobs"][1:] and all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert lp["token_logprobs"][1 : len(ids)] == [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    assert lp["token_logprobs"][len(ids) :] == plain.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(prompt)
+    chunks = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: {")]
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
+    assert text == prompt + completion
+    n_chat = chat.json()["usage"]["prompt_tokens"]
+    assert len(chat.json()["prompt_logprobs"]) == n_chat and chat.json()["prompt_logprobs"][0] is None
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"echo": "yes"}])
+def test_bad_prompt_logprobs_requests_are_400s(demo_engine, extra):
+    before = demo_engine.kv.pool.num_free_pages
+    (r,) = post_all(demo_engine, [("/v1/completions", {"prompt": "x", "max_tokens": 2} | extra)])
+    assert r.status_code == 400, r.text
+    assert not demo_engine.requests and demo_engine.kv.pool.num_free_pages == before
