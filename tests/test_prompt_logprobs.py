@@ -71,6 +71,22 @@ def test_prompt_logprobs_equal_hf_through_chunks_and_without_prefix_hits(llama):
     check_against_hf(zero.prompt_logprobs, hf_prompt_logprobs(hf, prompts[1]), prompts[1], 0)
 
 
+@pytest.mark.parametrize(("length", "budget"), [(300, 512), (64, 32), (1, 16)])
+def test_slices_chunks_and_edges(llama, length, budget):
+    """300 tokens in one step: two logits slices of 256 positions; 64 tokens in two chunks of 32, the
+    second ending exactly at the prompt's end; a one-token prompt has nothing to score ([None])."""
+    path, hf = llama
+    llm = LLM(
+        path, page_size=4, dtype="float32", num_pages=400, max_num_batched_tokens=budget, max_model_len=512
+    )
+    (prompt,) = prompts_for(length, (length,))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+    if length == 1:
+        assert out.prompt_logprobs == [None]
+    else:
+        check_against_hf(out.prompt_logprobs, hf_prompt_logprobs(hf, prompt), prompt, 2)
+
+
 def test_preemption_recomputes_without_repeating_entries(llama):
     path, hf = llama
     llm = LLM(path, page_size=4, dtype="float32", num_pages=40, max_num_batched_tokens=64, max_model_len=256)
@@ -83,6 +99,24 @@ def test_preemption_recomputes_without_repeating_entries(llama):
     for prompt, out in zip(prompts, outs, strict=True):
         check_against_hf(out.prompt_logprobs, hf_prompt_logprobs(hf, prompt), prompt, 1)
     llm.engine.check_integrity()
+
+
+def test_only_pages_whose_entries_exist_are_taken_from_the_cache(llama):
+    """A first admission computes the whole prompt; re-admitted after a preemption, the request takes
+    the cached pages whose tokens it already scored (page_size 4: 9 entries cover 2 pages)."""
+    path, _ = llama
+    llm = LLM(path, page_size=4, dtype="float32", num_pages=64, max_model_len=256)
+    (prompt,) = prompts_for(9, (30,))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1))  # caches its 7 full pages
+    req = llm.engine.make_request(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    sched = llm.engine.scheduler
+    assert sched._prefix_hits(req) == ([], [])
+    req.prompt_logprobs += [None] * 8  # (as if tokens 1..8 were scored before a preemption)
+    assert len(sched._prefix_hits(req)[0]) == 2
+    req.prompt_logprobs += [None] * 21  # all 30
+    assert len(sched._prefix_hits(req)[0]) == 7 == len(llm.engine.kv.match_prefix(req)[0])
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
@@ -132,6 +166,7 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
     )
     for r in (plain, with_plp, echo, echo_lp, streamed, chat):
         assert r.status_code == 200, r.text
+    token_texts = [tok.decode([t], skip_special_tokens=False) for t in ids]
     completion = plain.json()["choices"][0]["text"]
     plp = with_plp.json()["choices"][0]["prompt_logprobs"]
     assert len(plp) == len(ids) and plp[0] is None
@@ -156,10 +191,15 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
     assert lp["token_logprobs"][1:] and all(isinstance(v, float) for v in lp["token_logprobs"][1:])
     assert lp["token_logprobs"][1 : len(ids)] == [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
     assert lp["token_logprobs"][len(ids) :] == plain.json()["choices"][0]["logprobs"]["token_logprobs"]
-    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(prompt)
-    chunks = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: {")]
-    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
-    assert text == prompt + completion
+    # (offsets run over the tokens' own texts, the prompt's first, as vLLM counts them)
+    assert lp["text_offset"][: len(ids) + 1] == [sum(map(len, token_texts[:i])) for i in range(len(ids) + 1)]
+    assert lp["tokens"][: len(ids)] == token_texts
+    chunks = [
+        json.loads(line[6:])["choices"][0] for line in streamed.text.split("\n") if line.startswith("data: {")
+    ]
+    assert "".join(c["text"] for c in chunks) == prompt + completion
+    streamed_lp = {k: sum((c["logprobs"][k] for c in chunks if c["logprobs"]), []) for k in lp}
+    assert streamed_lp == lp
     n_chat = chat.json()["usage"]["prompt_tokens"]
     assert len(chat.json()["prompt_logprobs"]) == n_chat and chat.json()["prompt_logprobs"][0] is None
 
@@ -170,3 +210,43 @@ def test_bad_prompt_logprobs_requests_are_400s(demo_engine, extra):
     (r,) = post_all(demo_engine, [("/v1/completions", {"prompt": "x", "max_tokens": 2} | extra)])
     assert r.status_code == 400, r.text
     assert not demo_engine.requests and demo_engine.kv.pool.num_free_pages == before
+
+
+def test_other_forms_n_generate_and_token_ids(demo_engine):
+    """n > 1: each choice carries the prompt's logprobs; /generate returns them SGLang's way
+    (input_token_logprobs: [logprob, id], the first logprob null); return_token_ids adds the prompt's
+    ids beside the completion's (vLLM)."""
+    tok = demo_engine.tokenizer
+    prompt = "x = compute(y)"
+    ids = tok.encode(prompt)
+    n2, gen, with_ids = post_all(
+        demo_engine,
+        [
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 2, "n": 2, "seed": 1, "prompt_logprobs": 0}),
+            ("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 2, "prompt_logprobs": 1}}),
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True, "return_token_ids": True}),
+        ],
+    )
+    plps = [c["prompt_logprobs"] for c in n2.json()["choices"]]
+    assert len(plps) == 2 and plps[0] == plps[1] and len(plps[0]) == len(ids)
+    meta = gen.json()["meta_info"]
+    assert [t for _, t in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
+    assert [round(v, 5) for v, _ in meta["input_token_logprobs"][1:]] == [
+        round(plps[0][i][str(ids[i])]["logprob"], 5) for i in range(1, len(ids))
+    ]
+    assert meta["input_top_logprobs"][0] is None and all(len(t) == 1 for t in meta["input_top_logprobs"][1:])
+    choice = with_ids.json()["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "word"),
+    [
+        ("/v1/chat/completions", {"echo": True}, "echo"),  # (vLLM's chat echo means another thing)
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, "stream"),
+    ],
+)
+def test_chat_refuses_echo_and_streamed_prompt_logprobs(demo_engine, path, extra, word):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
+    (r,) = post_all(demo_engine, [(path, body)])
+    assert r.status_code == 400 and word in r.json()["error"]["message"], r.text

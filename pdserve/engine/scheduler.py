@@ -134,7 +134,7 @@ class Scheduler:
         same page index mean the same prefix. O(len(running)) per call."""
         if not (self.kv.enable_prefix_caching and self.config.share_in_flight_prefixes) or req.page_ids:
             return False
-        if req.prompt_logprobs is not None:  # (it takes no hit: see _prefix_hits)
+        if req.prompt_logprobs is not None:  # (it takes no hit on a first admission: see _prefix_hits)
             return False
         ps, h = self.kv.page_size, num_hit_pages
         if h >= (req.num_tokens - 1) // ps or h >= len(req.page_key_cache):  # (match_prefix filled it)
@@ -158,10 +158,15 @@ class Scheduler:
         """Prefix-cache pages a waiting request would share at admission (read-only). A request that
         arrives with KV already in its pages (loaded from the store or another engine) is not matched
         against the prefix cache again; one that wants prompt logprobs computes its whole prompt (a
-        cached token has no logits), as in vLLM."""
-        if req.page_ids or req.prompt_logprobs is not None:
+        cached token has no logits, as in vLLM), except, after a preemption, the part whose entries it
+        already has."""
+        if req.page_ids:
             return [], []
-        return self.kv.match_prefix(req)
+        hit_pages, hit_keys = self.kv.match_prefix(req)
+        if req.prompt_logprobs is not None:  # only pages whose tokens' entries exist (after preemption)
+            n = (len(req.prompt_logprobs) - 1) // self.kv.page_size
+            hit_pages, hit_keys = hit_pages[:n], hit_keys[:n]
+        return hit_pages, hit_keys
 
     def _quota_tokens(self) -> int:
         """Tokens this step may compute under the compute quota: the DualPath batch builder over

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -193,6 +194,7 @@ def build_app(
             },
         }
 
+    @functools.lru_cache(maxsize=1 << 18)  # (prompt logprobs of a 32k prompt at k = 20: ~690k lookups)
     def token_str(tid: int) -> str:
         return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
 
@@ -215,13 +217,14 @@ def build_app(
             "text_offset": starts[start : len(lps)],
         }
 
-    def prompt_logprobs_body(entries) -> list | None:
+    def prompt_logprobs_body(entries, num_prompt_tokens: int) -> list | None:
         """vLLM's `prompt_logprobs`: [None, {token id: {logprob, rank, decoded_token}}, ...], each entry
-        holding the prompt's own token and the top-n at that position."""
+        holding the prompt's own token and the top-n at that position (null past what was computed:
+        a request aborted mid-prompt)."""
         if entries is None:
             return None
         out: list = [None]
-        for e in entries[1:]:
+        for e in entries[1:num_prompt_tokens]:
             d = {
                 str(t): {"logprob": v, "rank": r, "decoded_token": token_str(t)}
                 for r, (t, v) in enumerate(e.top, 1)
@@ -232,7 +235,7 @@ def build_app(
                 "decoded_token": token_str(e.token_id),
             }
             out.append(d)
-        return out
+        return out + [None] * (num_prompt_tokens - len(out))
 
     def echo_logprobs(entries, prompt_ids: list[int]) -> dict:
         """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): its tokens,
@@ -241,13 +244,12 @@ def build_app(
         offsets = [0]
         for t in tokens[:-1]:
             offsets.append(offsets[-1] + len(t))
-        tops = [None] + [
-            {token_str(t): v for t, v in e.top} | {token_str(e.token_id): e.logprob} for e in entries[1:]
-        ]
+        missing = [None] * (len(prompt_ids) - len(entries))  # (aborted mid-prompt)
+        tops = [{token_str(t): v for t, v in e.top} | {token_str(e.token_id): e.logprob} for e in entries[1:]]
         return {
             "tokens": tokens,
-            "token_logprobs": [None] + [e.logprob for e in entries[1:]],
-            "top_logprobs": tops,
+            "token_logprobs": [None] + [e.logprob for e in entries[1:]] + missing,
+            "top_logprobs": [None] + tops + missing,
             "text_offset": offsets,
         }
 
@@ -466,9 +468,11 @@ def build_app(
         # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
         want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
         echoed = ""  # `echo`: the prompt as given (a token prompt: decoded), before the completion
+        token_starts = [0]  # (with echo the offsets run on from the prompt's tokens', as in vLLM)
         if body.echo:
             echoed = text if text is not None else token_str_all(req.prompt_token_ids)
-        token_starts = [len(echoed)]
+            if body.logprobs is not None:
+                token_starts = [sum(len(token_str(t)) for t in req.prompt_token_ids)]
 
         def chunk(delta, o, start, finish):
             lps = completion_logprobs(o.logprobs, start, token_starts) if o is not None else None
@@ -480,7 +484,9 @@ def build_app(
                     lps = {key: head[key] + lps[key] for key in lps}
             choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lps}
             if first and body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs, req.num_prompt_tokens)
+            if want_ids and first:
+                choice["prompt_token_ids"] = list(req.prompt_token_ids)
             if want_ids and o is not None:
                 choice["token_ids"] = list(o.token_ids[start:])
             return envelope(rid, "text_completion", created, [choice])
@@ -557,6 +563,8 @@ def build_app(
         check_model(body.model)
         if tokenizer is None:
             raise APIError("this model has no tokenizer; chat is unavailable")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError("prompt_logprobs with stream is not supported on chat", param="prompt_logprobs")
         tools, parse_calls, call_grammar = chat_tools(body)
         try:
             messages = tool_calls.template_messages(body.messages)
@@ -683,7 +691,9 @@ def build_app(
         }
         resp = envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
         if body.prompt_logprobs is not None:  # (vLLM puts them beside the choices in chat)
-            resp["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs)
+            resp["prompt_logprobs"] = await asyncio.to_thread(
+                prompt_logprobs_body, req.prompt_logprobs, req.num_prompt_tokens
+            )
         return resp
 
     @app.post("/generate")
@@ -718,6 +728,12 @@ def build_app(
             if o.logprobs is not None:
                 meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in o.logprobs]
                 meta["output_top_logprobs"] = [lp.top for lp in o.logprobs]
+            if out.prompt_logprobs is not None:  # (SGLang's names; the first token has no logprob)
+                pl = out.prompt_logprobs
+                meta["input_token_logprobs"] = [[None, out.prompt_token_ids[0]]] + [
+                    [e.logprob, e.token_id] for e in pl[1:]
+                ]
+                meta["input_top_logprobs"] = [None] + [e.top for e in pl[1:]]
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream:

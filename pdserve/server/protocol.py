@@ -19,6 +19,7 @@ class StreamOptions(BaseModel):
 # value is a 400: a client asking for an echo or beam search must not get a plain completion instead.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (1,),
+    "echo": (False,),  # (chat only: completions have their own field; vLLM's chat echo is another thing)
     "suffix": ("",),
     "use_beam_search": (False,),
     # vLLM's extra parameters we do not implement: refused rather than silently ignored.
