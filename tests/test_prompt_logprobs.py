@@ -189,8 +189,13 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
         and lp["top_logprobs"][0] is None
     )
     assert lp["token_logprobs"][1:] and all(isinstance(v, float) for v in lp["token_logprobs"][1:])
-    assert lp["token_logprobs"][1 : len(ids)] == [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
-    assert lp["token_logprobs"][len(ids) :] == plain.json()["choices"][0]["logprobs"]["token_logprobs"]
+    # (approx: the plain request found the prompt cached, so it ran another kernel path)
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(
+        [plp[i][str(ids[i])]["logprob"] for i in range(1, len(ids))], abs=1e-4
+    )
+    assert lp["token_logprobs"][len(ids) :] == pytest.approx(
+        plain.json()["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+    )
     # (offsets run over the tokens' own texts, the prompt's first, as vLLM counts them)
     assert lp["text_offset"][: len(ids) + 1] == [sum(map(len, token_texts[:i])) for i in range(len(ids) + 1)]
     assert lp["tokens"][: len(ids)] == token_texts
@@ -231,9 +236,10 @@ def test_other_forms_n_generate_and_token_ids(demo_engine):
     assert len(plps) == 2 and plps[0] == plps[1] and len(plps[0]) == len(ids)
     meta = gen.json()["meta_info"]
     assert [t for _, t in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
-    assert [round(v, 5) for v, _ in meta["input_token_logprobs"][1:]] == [
-        round(plps[0][i][str(ids[i])]["logprob"], 5) for i in range(1, len(ids))
-    ]
+    # (a batch of two and a lone request may differ in the last float bits)
+    assert [v for v, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
+        [plps[0][i][str(ids[i])]["logprob"] for i in range(1, len(ids))], abs=1e-4
+    )
     assert meta["input_top_logprobs"][0] is None and all(len(t) == 1 for t in meta["input_top_logprobs"][1:])
     choice = with_ids.json()["choices"][0]
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 2
