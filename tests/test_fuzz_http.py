@@ -71,6 +71,10 @@ TARGETS = [
     ("/v1/chat/completions", "POST", GenerationMode.NEGATIVE, 25),
     ("/generate", "POST", GenerationMode.POSITIVE, 40),
     ("/generate", "POST", GenerationMode.NEGATIVE, 25),
+    ("/tokenize", "POST", GenerationMode.POSITIVE, 15),
+    ("/tokenize", "POST", GenerationMode.NEGATIVE, 10),
+    ("/detokenize", "POST", GenerationMode.POSITIVE, 10),
+    ("/detokenize", "POST", GenerationMode.NEGATIVE, 10),
     ("/v1/models", "GET", GenerationMode.POSITIVE, 5),
     ("/health", "GET", GenerationMode.POSITIVE, 5),
 ]
@@ -178,6 +182,15 @@ SUCCESS_SCHEMAS = {
             },
         },
     },
+    "/tokenize": {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens"],
+        "properties": {
+            "count": {"type": "integer", "minimum": 0},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+    },
+    "/detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
     "/v1/models": {
         "type": "object",
         "required": ["object", "data"],
@@ -301,6 +314,10 @@ def request_contract(raw: dict, model_name: str, vocab: int) -> dict:
         "ignore_eos": {},
         "skip_special_tokens": {},
         "include_stop_str_in_output": {},
+    }
+    comps["DetokenizeRequest"]["properties"]["tokens"] = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
     }
     gen = comps["GenerateRequest"]
     gen["properties"]["sampling_params"] = {"type": "object", "properties": sp, "additionalProperties": False}

@@ -306,6 +306,10 @@ def test_pd_structured_outputs_equal_colocated(cluster, colocated):
     plp = {"model": "demo", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}
     r = httpx.post(cluster.router_url + "/v1/completions", json=plp, timeout=30)
     assert r.status_code == 400 and "colocated" in r.text  # (the prompt is computed on the prefill)
+    r = httpx.post(cluster.router_url + "/tokenize", json={"prompt": prompt}, timeout=30)  # (forwarded)
+    assert r.status_code == 200 and r.json()["tokens"] == ref_llm.get_tokenizer().encode(prompt)
+    r = httpx.post(cluster.router_url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

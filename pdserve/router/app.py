@@ -490,6 +490,22 @@ def build_router_app(router: Router) -> FastAPI:
         r = await router.client.get(live[0].url + "/v1/models")
         return Response(r.content, r.status_code, media_type="application/json")
 
+    async def to_an_engine(path: str, http: Request) -> Response:
+        """/tokenize, /detokenize: every engine has the model's tokenizer; a live decode answers."""
+        live = [e for e in router.decodes + router.prefills if e.healthy]
+        if not live:
+            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+        r = await router.client.post(live[0].url + path, content=await http.body(), headers=JSON)
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request):
+        return await to_an_engine("/tokenize", http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request):
+        return await to_an_engine("/detokenize", http)
+
     @app.get("/health")
     async def health():
         ok = any(e.healthy for e in router.prefills) and any(e.healthy for e in router.decodes)

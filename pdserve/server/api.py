@@ -1,11 +1,12 @@
 """HTTP API of one engine: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, native
-`/generate`, `/health`, `/metrics`.
+`/generate`, `/health`, `/metrics`, and (server/tokenize.py) `/tokenize`, `/detokenize`.
 
 Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
 request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
 
-Length (~430 lines): one ``build_app`` whose routes share the validation, usage and streaming
-closures; the request schemas are in ``protocol.py``, the metrics in ``metrics.py``.
+Length (~720 lines): one ``build_app`` whose routes share the validation, usage, logprobs and
+streaming closures (splitting it would pass a dozen closures around); the request schemas are in
+``protocol.py``, the metrics in ``metrics.py``, tool calls, reasoning and n > 1 in their own modules.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pdserve.server.protocol import (
     UpdateWeightsRequest,
     error_body,
 )
+from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
 
 
@@ -81,6 +83,7 @@ def build_app(
     metrics.on_step(engine, [])
     model_name = engine.config.model_name
     tokenizer = engine.tokenizer
+    vocab_size = engine.config.model_config.vocab_size
     app = FastAPI(title="pdserve")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     app.state.engine = aengine
@@ -567,16 +570,13 @@ def build_app(
             raise APIError("prompt_logprobs with stream is not supported on chat", param="prompt_logprobs")
         tools, parse_calls, call_grammar = chat_tools(body)
         try:
-            messages = tool_calls.template_messages(body.messages)
+            tool_calls.template_messages(body.messages)  # (checked here: a malformed one is about messages)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-
-        def render() -> tuple[str, list[int]]:  # on a worker thread, as `validate`'s tokenizing
-            prompt = tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools)
-            return prompt, tokenizer.encode(prompt, add_special_tokens=False)  # the template has the BOS
-
-        try:
-            prompt, prompt_ids = await asyncio.to_thread(render)
+        try:  # (on a worker thread, as `validate`'s tokenizing; /tokenize renders the same way)
+            prompt, prompt_ids = await asyncio.to_thread(
+                render_chat, tokenizer, body.messages, body.add_generation_prompt, tools
+            )
         except TokenizerError as e:
             raise APIError(str(e)) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -752,4 +752,7 @@ def build_app(
             return StreamingResponse(events(), media_type="text/event-stream")
         return native(await run_to_end(req, text, http))
 
+    app.include_router(
+        tokenize_routes(tokenizer, engine.config.scheduler.max_model_len, vocab_size, check_model)
+    )
     return app
