@@ -318,3 +318,24 @@ def test_n_choices_go_to_one_prefill_that_computes_their_prompt_once():
     first, all_prefill_posts = asyncio.run(go())
     assert len(first) == 3 and len(set(first)) == 1
     assert all_prefill_posts[3] != first[0]
+
+
+def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            ok = await c.post("/tokenize", json={"prompt": "hi"})
+            posts = list(engines.posts)
+
+            def refuse(request: httpx.Request) -> httpx.Response:
+                raise httpx.ConnectError("connection refused", request=request)
+
+            router.client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+            down = await c.post("/detokenize", json={"tokens": [1]})
+        return ok, posts, down
+
+    ok, posts, down = asyncio.run(go())
+    assert ok.status_code == 200 and posts == [("de", "/tokenize")]
+    assert down.status_code == 503 and "unreachable" in down.json()["error"]["message"]

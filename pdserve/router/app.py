@@ -495,7 +495,12 @@ def build_router_app(router: Router) -> FastAPI:
         live = [e for e in router.decodes + router.prefills if e.healthy]
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
-        r = await router.client.post(live[0].url + path, content=await http.body(), headers=JSON)
+        try:
+            r = await router.client.post(live[0].url + path, content=await http.body(), headers=JSON)
+        except httpx.HTTPError as e:  # (died since its last health check)
+            return JSONResponse(
+                error_body(f"{live[0].url} unreachable: {e!r}", 503, "ServiceUnavailable"), 503
+            )
         return Response(r.content, r.status_code, media_type="application/json")
 
     @app.post("/tokenize")
