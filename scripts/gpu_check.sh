@@ -11,7 +11,7 @@
 #
 # The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
 # skipped), so the whole run ends inside a lease. Where Python packages are missing (a machine with no
-# registry), wheels in .whl/ are installed first.
+# registry), wheels in .whl/ are installed first (llguidance included: the engine imports it).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-500}

@@ -75,6 +75,22 @@ def test_penalties_bias_and_min_tokens_on_cuda_equal_the_cpu_reference(engines):
     cuda.engine.check_integrity()
 
 
+def test_structured_outputs_and_prompt_logprobs_on_cuda_equal_the_cpu_reference(engines):
+    """The grammar's bits are expanded on the GPU (the CPU unpacks them with numpy); prompt logprobs
+    slice the GPU's hidden states."""
+    cpu, cuda = engines
+    ps = _prompts()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}}
+    spec = {"json": schema | {"required": ["n", "ok"]}, "disable_any_whitespace": True}
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec, prompt_logprobs=2)
+    ref, out = cpu.generate(ps, params), cuda.generate(ps, params)
+    for i, (r, o) in enumerate(zip(ref, out, strict=True)):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids, f"prompt {i}"
+        for e_r, e_o in zip(r.prompt_logprobs[1:], o.prompt_logprobs[1:], strict=True):
+            assert e_o.token_id == e_r.token_id and e_o.logprob == pytest.approx(e_r.logprob, abs=1e-4)
+    cuda.engine.check_integrity()
+
+
 def test_seeded_sampling_on_cuda_is_reproducible_and_batch_independent(engines):
     _, cuda = engines
     prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser("
