@@ -70,14 +70,7 @@ class StructuredOutputs:
                 isinstance(schema, dict | bool), "structured_outputs.json must be a JSON schema", self.json
             )
             self.json = schema
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            _check(
-                value is None or (isinstance(value, str) and value),
-                f"{name} must be a non-empty string",
-                value,
-            )
-        for name in ("whitespace_pattern", "start_after"):
+        for name in ("regex", "grammar", "whitespace_pattern", "start_after"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, str) and value),

@@ -77,6 +77,32 @@ def demo_engine(demo_model_dir):
     return LLMEngine(EngineConfig.create(demo_model_dir, num_pages=128, max_model_len=1024))
 
 
+def post_in_process(engine, requests: list[tuple[str, dict]], sampler=None, **app_kw) -> list:
+    """POST each (path, JSON body) in turn to the HTTP app built on `engine` (`build_app(engine,
+    **app_kw)`, in process: no server); returns the httpx responses. With `sampler`, the engine's
+    sampler is that one meanwhile (a scripted answer)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.server.api import build_app
+
+    real = engine.runner.sampler
+    engine.runner.sampler = sampler or real
+    app = build_app(engine, **app_kw)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            return [await c.post(path, json=body) for path, body in requests]
+
+    try:
+        return asyncio.run(go())
+    finally:
+        app.state.engine.shutdown()
+        engine.runner.sampler = real
+
+
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str, log_dir, *flags: str):
     """A `pdserve serve` process on 127.0.0.1 (extra `flags` appended); yields (url, proc, log_path).

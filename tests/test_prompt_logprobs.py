@@ -7,7 +7,6 @@ chunked prefill, a prefix-cache hit that must not be taken, and preemption by re
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from tests.conftest import post_in_process
 
 
 def prompts_for(seed: int, lengths) -> list[list[int]]:
@@ -127,19 +127,7 @@ def test_bad_prompt_logprobs_are_value_errors(bad):
 
 # ---- HTTP ----------------------------------------------------------------------------------------
 def post_all(engine, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
-    from pdserve.server.api import build_app
-
-    app = build_app(engine)
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            return [await c.post(path, json=b) for path, b in requests]
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.state.engine.shutdown()
+    return post_in_process(engine, requests)
 
 
 def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):

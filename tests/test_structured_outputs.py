@@ -4,7 +4,6 @@ structured_outputs, guided_*, SGLang's /generate keys, tool_choice "required" an
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -18,6 +17,7 @@ from pdserve.engine.llm_engine import InvalidRequest
 from pdserve.model import grammar
 from pdserve.sampling_params import StructuredOutputs
 from pdserve.server.protocol import CompletionRequest
+from tests.conftest import post_in_process
 
 SCHEMA = {
     "type": "object",
@@ -295,26 +295,8 @@ def test_a_grammar_ends_the_request_before_min_tokens_and_with_ignore_eos(llm):
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------
-def run_requests(
-    engine, requests: list[tuple[str, dict]], parser: str | None = "hermes", sampler=None, **app_kw
-) -> list[httpx.Response]:
-    """POST each (path, body) in turn to an app on `engine` (optionally with a scripted `sampler`)."""
-    from pdserve.server.api import build_app
-
-    real = engine.runner.sampler
-    engine.runner.sampler = sampler or real
-    app = build_app(engine, tool_call_parser=parser, **app_kw)
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            return [await c.post(path, json=b) for path, b in requests]
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.state.engine.shutdown()
-        engine.runner.sampler = real
+def run_requests(engine, requests: list[tuple[str, dict]], sampler=None, **app_kw) -> list[httpx.Response]:
+    return post_in_process(engine, requests, sampler, **({"tool_call_parser": "hermes"} | app_kw))
 
 
 def sse(r: httpx.Response) -> list[dict]:

@@ -3,41 +3,17 @@ routes use them (a chat's count equals its completion's prompt_tokens), and bad 
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
-from tests.test_tool_calls import TOOLS
+from tests.conftest import post_in_process
+from tests.test_tool_calls import HISTORY, TOOLS
 
-MSGS = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "what is in src?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "src"}'}}
-        ],
-    },
-    {"role": "tool", "content": "a.py b.py", "tool_call_id": "c1"},
-]
+MSGS = [{"role": "system", "content": "You are terse."}, *HISTORY]
 
 
 def post_all(engine, requests: list[tuple[str, dict]]) -> list[httpx.Response]:
-    from pdserve.server.api import build_app
-
-    app = build_app(engine, tool_call_parser="hermes")
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            return [await c.post(path, json=b) for path, b in requests]
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.state.engine.shutdown()
+    return post_in_process(engine, requests, tool_call_parser="hermes")
 
 
 def test_tokenize_equals_what_the_routes_compute(demo_engine):

@@ -234,18 +234,22 @@ def test_chat_with_tools_but_no_call_and_with_tool_choice_none_is_plain(engine):
     assert content == answer
 
 
+# A turn after a call: the user's question, the assistant's call, the tool's result.
+HISTORY = [
+    {"role": "user", "content": "what is in src?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "src"}'}}
+        ],
+    },
+    {"role": "tool", "content": "a.py b.py", "tool_call_id": "c1"},
+]
+
+
 def test_tools_render_into_the_prompt_and_past_calls_too(engine):
-    history = [
-        {"role": "user", "content": "what is in src?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "src"}'}}
-            ],
-        },
-        {"role": "tool", "content": "a.py b.py", "tool_call_id": "c1"},
-    ]
+    history = HISTORY
     plain, with_tools, turn2 = run_chat(
         engine,
         "ok",

@@ -482,34 +482,32 @@ def build_router_app(router: Router) -> FastAPI:
     async def chat(http: Request):
         return await split("/v1/chat/completions", http)
 
-    @app.get("/v1/models")
-    async def models():
-        live = [e for e in router.decodes if e.healthy]
-        if not live:
-            return JSONResponse(error_body("no healthy decode engine", 503, "ServiceUnavailable"), 503)
-        r = await router.client.get(live[0].url + "/v1/models")
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    async def to_an_engine(path: str, http: Request) -> Response:
-        """/tokenize, /detokenize: every engine has the model's tokenizer; a live decode answers."""
+    async def to_an_engine(method: str, path: str, http: Request | None = None) -> Response:
+        """What any engine answers alike (the model list, its tokenizer): a live one answers, decodes
+        first; one that died since its last health check is a 503."""
         live = [e for e in router.decodes + router.prefills if e.healthy]
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+        body = await http.body() if http is not None else None
         try:
-            r = await router.client.post(live[0].url + path, content=await http.body(), headers=JSON)
-        except httpx.HTTPError as e:  # (died since its last health check)
+            r = await router.client.request(method, live[0].url + path, content=body, headers=JSON)
+        except httpx.HTTPError as e:
             return JSONResponse(
                 error_body(f"{live[0].url} unreachable: {e!r}", 503, "ServiceUnavailable"), 503
             )
         return Response(r.content, r.status_code, media_type="application/json")
 
+    @app.get("/v1/models")
+    async def models():
+        return await to_an_engine("GET", "/v1/models")
+
     @app.post("/tokenize")
     async def tokenize(http: Request):
-        return await to_an_engine("/tokenize", http)
+        return await to_an_engine("POST", "/tokenize", http)
 
     @app.post("/detokenize")
     async def detokenize(http: Request):
-        return await to_an_engine("/detokenize", http)
+        return await to_an_engine("POST", "/detokenize", http)
 
     @app.get("/health")
     async def health():
