@@ -145,9 +145,6 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus top-n
-    # None: none; n >= 0: every prompt token's logprob given the ones before it, plus the top-n there
-    # (vLLM's extra parameter; such a request takes no prefix-cache hit: cached tokens have no logits)
-    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Token-dependent logits processors (model/logits_processors.py; vLLM v1's formulas and order).
@@ -158,6 +155,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or output (HF/CTRL form)
     # Structured outputs (model/grammar.py): the answer must match this grammar. A dict is converted.
     structured_outputs: StructuredOutputs | None = None
+    # None: none; n >= 0: every prompt token's logprob given the ones before it, plus the top-n there
+    # (vLLM's extra parameter; such a request takes no prefix-cache hit: cached tokens have no logits)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

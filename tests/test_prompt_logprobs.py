@@ -197,6 +197,11 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
     assert len(chat.json()["prompt_logprobs"]) == n_chat and chat.json()["prompt_logprobs"][0] is None
 
 
+def test_echo_null_is_echo_false(demo_engine):
+    (r,) = post_all(demo_engine, [("/v1/completions", {"prompt": "hello", "max_tokens": 2, "echo": None})])
+    assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith("hello")
+
+
 @pytest.mark.parametrize("extra", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"echo": "yes"}])
 def test_bad_prompt_logprobs_requests_are_400s(demo_engine, extra):
     before = demo_engine.kv.pool.num_free_pages

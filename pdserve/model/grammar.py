@@ -86,8 +86,9 @@ class RequestGrammar:
 
 
 class GrammarBackend:
-    """One per engine: the tokenizer as llguidance sees it (built on first use, ~1 s for a 150k
-    vocabulary) and the compiled-grammar cache. Thread-safe: requests are validated on worker threads.
+    """One per engine: the tokenizer as llguidance sees it (built on first use, under the lock: 1 s
+    for a 150k vocabulary on a quiet 2-core machine, several on a busy one) and the compiled-grammar
+    cache. Thread-safe: requests are validated on worker threads.
 
     `decode(token_id)`: a token's text (special tokens included), for `start_after`."""
 

@@ -146,7 +146,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     # The prompt before the completion; with `logprobs`, the prompt's tokens lead them (the first None)
-    echo: bool = False
+    echo: bool | None = False  # (null: false, as vLLM reads it)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         sp = super().sampling_params(max_tokens, logprobs)
