@@ -6,14 +6,15 @@ engine state.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_SPEC_CHARS = 256 * 1024  # a structured-output spec's text (schema, regex, choices, grammar)
 # llguidance's JSON options for `disable_any_whitespace`: Python's json.dumps separators (the form most
 # models write), no other whitespace.
-MAX_SPEC_CHARS = 256 * 1024  # a structured-output spec's text (schema, regex, choices, grammar)
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -117,10 +118,11 @@ class StructuredOutputs:
             return "json"
         return "regex" if self.regex is not None else "choice" if self.choice is not None else "grammar"
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
         """The spec as one string: a schema's JSON (keys in the client's order: properties are
-        generated in the order the schema lists them), the choices' JSON list."""
+        generated in the order the schema lists them), the choices' JSON list. Computed once (the size
+        check, the cache key and the compiler read it)."""
         if self.json_object:
             return '{"type": "object"}'
         if self.json is not None:

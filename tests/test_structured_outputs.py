@@ -494,7 +494,7 @@ def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(demo_engi
     choice = rs[0].json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert choice["message"]["reasoning_content"] == "plan it" and choice["message"]["content"] == "not sure"
-    g = demo_engine.grammars.grammar_for(StructuredOutputs(choice=CHOICES), start_after="</think>")
+    g = demo_engine.grammars.grammar_for(StructuredOutputs(choice=CHOICES, start_after="</think>"))
     for t in demo_engine.tokenizer.encode("plan it</th", add_special_tokens=False):
         g.accept(t)
     assert not g.active

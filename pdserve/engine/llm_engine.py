@@ -153,8 +153,7 @@ class LLMEngine:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs need a tokenizer; this model has none")
             try:
-                spec = params.structured_outputs
-                req.grammar = self.grammars.grammar_for(spec, spec.start_after)
+                req.grammar = self.grammars.grammar_for(params.structured_outputs)
             except InvalidGrammar as e:
                 raise InvalidRequest(str(e)) from None
         return req

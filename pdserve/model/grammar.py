@@ -116,16 +116,17 @@ class GrammarBackend:
                 )
             return self._tok
 
-    def grammar_for(self, spec: StructuredOutputs, start_after: str | None = None) -> RequestGrammar:
-        """A fresh matcher at the start of `spec`'s grammar; InvalidGrammar if it does not compile or
-        fails on its first step (computed here, on the caller's thread, not on the engine's)."""
+    def grammar_for(self, spec: StructuredOutputs) -> RequestGrammar:
+        """A fresh matcher at the start of `spec`'s grammar (waiting for `spec.start_after` if set);
+        InvalidGrammar if it does not compile or fails on its first step (computed here, on the
+        caller's thread, not on the engine's)."""
         key = spec.cache_key()
         tok = self.tokenizer()
         with self._lock:
             template = self._templates.get(key)
             if template is not None:
                 self._templates.move_to_end(key)
-                return RequestGrammar(template.deep_copy(), self, start_after)
+                return RequestGrammar(template.deep_copy(), self, spec.start_after)
         template = llguidance.LLMatcher(tok, _llguidance_grammar(spec), log_level=0)
         if not template.is_error():
             template.compute_bitmask()  # (the lexer's first states: where a pathological regex blows up)
@@ -135,7 +136,7 @@ class GrammarBackend:
             self._templates[key] = template
             while len(self._templates) > _CACHE_SIZE:
                 self._templates.popitem(last=False)
-            return RequestGrammar(template.deep_copy(), self, start_after)
+            return RequestGrammar(template.deep_copy(), self, spec.start_after)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:
@@ -195,10 +196,9 @@ def _llguidance_grammar(spec: StructuredOutputs) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=options or None)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.text)
-        if spec.kind == "choice":
-            choices = json.loads(spec.text)
+        if spec.kind == "choice":  # (a JSON string is a Lark string literal)
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in choices)
+                "start: " + " | ".join(map(json.dumps, spec.choice))
             )
         return llguidance.grammar_from("grammar", spec.text)  # Lark (llguidance's dialect) or GBNF
     except ValueError as e:

@@ -371,12 +371,11 @@ def build_app(
             raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
         except (WeightsLost, EngineDeadError) as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
-        num_aborted = len(aborted)
         return {
             "success": True,
             "message": f"serving the weights of {body.model_path}",
             "num_cached_pages_dropped": dropped,
-            "num_requests_aborted": num_aborted,
+            "num_requests_aborted": len(aborted),
             "num_weight_updates": engine.num_weight_updates,
         }
 
@@ -510,8 +509,7 @@ def build_app(
         prompt, and its prefix-cache hits, stay the same from turn to turn); calls are parsed under
         "auto", "required" and a named function, the last two constrained to calls in the parser's
         format (`ToolCallParser.call_grammar`). 400 for a choice without tools, malformed tools, a
-        name not among them, tools to parse without a parser, or a forced call with another
-        structured output."""
+        name not among them, or tools to parse without a parser."""
         choice = body.tool_choice
         if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
             raise APIError(
@@ -539,16 +537,6 @@ def build_app(
             )
         if forced is None:
             return tools, True, None
-        try:
-            other = body.structured()
-        except ValueError:
-            other = None  # (reported by validate)
-        if other is not None:
-            raise APIError(
-                "tool_choice 'required' or a named function already constrains the answer; it cannot "
-                "be combined with response_format, structured_outputs or guided_*",
-                param="tool_choice",
-            )
         names, parallel = forced
         return (
             tools,
@@ -569,16 +557,14 @@ def build_app(
         if body.prompt_logprobs is not None and body.stream:
             raise APIError("prompt_logprobs with stream is not supported on chat", param="prompt_logprobs")
         tools, parse_calls, call_grammar = chat_tools(body)
-        try:
-            tool_calls.template_messages(body.messages)  # (checked here: a malformed one is about messages)
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from None
         try:  # (on a worker thread, as `validate`'s tokenizing; /tokenize renders the same way)
             prompt, prompt_ids = await asyncio.to_thread(
                 render_chat, tokenizer, body.messages, body.add_generation_prompt, tools
             )
-        except TokenizerError as e:
+        except TokenizerError as e:  # (the template refused the chat)
             raise APIError(str(e)) from None
+        except ValueError as e:  # a malformed message (tool_calls)
+            raise APIError(str(e), param="messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         pd_field = (body.model_extra or {}).get("pd")
@@ -586,6 +572,11 @@ def build_app(
         def params() -> SamplingParams:
             sp = body.sampling_params(max_tokens, top)
             if call_grammar is not None:
+                if sp.structured_outputs is not None:
+                    raise ValueError(
+                        "tool_choice 'required' or a named function already constrains the answer; it "
+                        "cannot be combined with response_format, structured_outputs or guided_*"
+                    )
                 sp = dataclasses.replace(sp, structured_outputs=StructuredOutputs(grammar=call_grammar))
             if thinking is not None and sp.structured_outputs is not None:
                 # The answer starts with the model's thinking, which no grammar describes: constrain
@@ -605,6 +596,12 @@ def build_app(
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
         max_calls = 1 if body.parallel_tool_calls is False else None
         named = isinstance(body.tool_choice, dict)
+
+        def finish_with_calls(finish: str | None) -> str | None:
+            """An answer that made calls finishes "tool_calls", unless cut ("length") or the calls were
+            a named function's, the only possible answer ("stop", as OpenAI and vLLM say)."""
+            return finish if finish in (None, "length") or named else "tool_calls"
+
         calls_stream = tool_calls.ToolStream(tool_parser, max_calls) if parse_calls else None
         thought_stream = reasoning.ReasoningStream(thinking) if thinking else None
 
@@ -636,13 +633,8 @@ def build_app(
                 return envelope(rid, "chat.completion.chunk", created, [choice])
             # Tools: the text goes through the parser; a step yields zero or more deltas.
             deltas = deltas_of(delta, finish is not None)
-            if (
-                finish not in (None, "length")
-                and calls_stream is not None
-                and calls_stream.num_calls
-                and not named
-            ):
-                finish = "tool_calls"
+            if calls_stream is not None and calls_stream.num_calls:
+                finish = finish_with_calls(finish)
             if not deltas and (finish is not None or lps is not None):
                 deltas = [{}]
             return [
@@ -681,8 +673,7 @@ def build_app(
             content, calls = tool_parser.parse(message["content"])
             if calls:
                 message |= {"content": content, "tool_calls": calls[:max_calls]}
-                # (a named function was the only possible answer: "stop", as OpenAI and vLLM say)
-                finish = finish if finish == "length" or named else "tool_calls"
+                finish = finish_with_calls(finish)
         choice = {
             "index": 0,
             "message": message,

@@ -181,7 +181,8 @@ class ToolStream:
 
 
 def partial_marker_len(text: str, marker: str) -> int:
-    """(Streams hold this much back: it may still become `marker`.) Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    """Length of the longest suffix of `text` that is a proper prefix of `marker` (a stream holds that
+    much back: it may still become the marker)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
