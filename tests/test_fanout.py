@@ -57,6 +57,39 @@ def test_children_bodies_and_seeds():
     assert fanout.num_choices(None) == 1 and fanout.num_choices(64) == 64
 
 
+def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
+    assert fanout.batch_of("x") is None and fanout.batch_of([1, 2]) is None and fanout.batch_of([]) is None
+    assert fanout.batch_of(["x"]) is None and fanout.batch_of([[1, 2]]) is None  # (one prompt)
+    assert fanout.batch_of(["x", "y"]) == ["x", "y"] and fanout.batch_of([[1], [2]]) == [[1], [2]]
+    for bad, word in ((["x", [1]], "not both"), ([[1], "x"], "not both"), (["x"] * 1025, "at most 1024")):
+        with pytest.raises(ValueError, match=word):
+            fanout.batch_of(bad)
+    assert fanout.num_children(16, 64) == 1024
+    with pytest.raises(ValueError, match="more than 1024"):
+        fanout.num_children(17, 64)
+    kids = fanout.child_bodies({"prompt": ["a", "b"], "n": 2, "seed": 5}, 2, ["a", "b"])
+    assert [(k["prompt"], k["seed"], k["n"]) for k in kids] == [
+        ("a", 5, 1),
+        ("a", 6, 1),
+        ("b", 5, 1),
+        ("b", 6, 1),
+    ]
+    # Two prompts of 7 and 9 tokens, two choices each: the prompts count once each, details summed.
+    parts = [completion(0, "a", 3), completion(1, "b", 5), completion(2, "c", 2), completion(3, "d", 1)]
+    for p in parts[2:]:
+        p["usage"] |= {"prompt_tokens": 9, "total_tokens": 9 + p["usage"]["completion_tokens"]}
+        p["usage"]["prompt_tokens_details"] = {"cached_tokens": 8}
+    merged = fanout.merge_bodies(parts, 2)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in merged["choices"]] == ["a", "b", "c", "d"]
+    assert merged["usage"] == {
+        "prompt_tokens": 16,
+        "completion_tokens": 11,
+        "total_tokens": 27,
+        "prompt_tokens_details": {"cached_tokens": 12},
+    }
+
+
 class Child:
     """A streamed child: yields `events` (SSE data payloads), with an optional pause; records whether
     its generator was closed before it finished (what aborts a request on its engine)."""

@@ -127,15 +127,15 @@ SUCCESS_SCHEMAS = {
         "properties": {
             "object": {"const": "text_completion"},
             "id": {"type": "string"},
-            "choices": {
+            "choices": {  # (n per prompt, two prompts at most: the request schema below)
                 "type": "array",
                 "minItems": 1,
-                "maxItems": MAX_N,
+                "maxItems": 2 * MAX_N,
                 "items": {
                     "type": "object",
                     "required": ["index", "text", "finish_reason", "logprobs"],
                     "properties": {
-                        "index": {"type": "integer", "minimum": 0, "maximum": MAX_N - 1},
+                        "index": {"type": "integer", "minimum": 0, "maximum": 2 * MAX_N - 1},
                         "text": {"type": "string"},
                         "finish_reason": _FINISH,
                     },
@@ -279,8 +279,9 @@ def request_contract(raw: dict, model_name: str, vocab: int) -> dict:
         "anyOf": [
             {"type": "string", "minLength": 1},
             ids,
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": ids},
+            # (prompt lists: server/fanout.py; two at most, as n goes to 64 and each child is a request)
+            {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "maxItems": 2, "items": ids},
         ]
     }
     chat = comps["ChatCompletionRequest"]["properties"]

@@ -241,6 +241,21 @@ def test_pd_n_choices_equal_colocated_seeded_children(cluster, colocated):
         wait_engine_idle(url)
 
 
+def test_pd_prompt_list_equals_colocated_per_prompt(cluster, colocated):
+    """A prompt list through the router: one PD request per prompt, merged in order, each choice what
+    one engine samples for its prompt alone; usage counts both prompts."""
+    prompts = [warm_prompts()[0] + "  return", "import sys\nprint("]
+    body = {"model": "demo", "prompt": prompts, "max_tokens": 6, "temperature": 1.0, "seed": 4}
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    ref_llm = colocated(cluster.device)
+    refs = ref_llm.generate(prompts, SamplingParams(temperature=1.0, seed=4, max_tokens=6, ignore_eos=True))
+    assert [c["text"] for c in r.json()["choices"]] == [x.outputs[0].text for x in refs]
+    assert r.json()["usage"]["prompt_tokens"] == sum(len(x.prompt_token_ids) for x in refs)
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_chat_with_tools_renders_them_on_both_engines(cluster, colocated):
     """`launch --tool-call-parser` reaches both engines: the prefill renders the tools into the
     prompt it computes, the decode parses the answer; the tokens equal a colocated engine's on that

@@ -320,6 +320,46 @@ def test_n_choices_go_to_one_prefill_that_computes_their_prompt_once():
     assert all_prefill_posts[3] != first[0]
 
 
+def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_prefill():
+    """A prompt list [p0, p1] with n = 2 over two prefills: four children, each forwarding one prompt
+    with seed + j (choice j); a prompt's two choices share a prefill, the prompts take turns. Mixed or
+    too long lists are a 400 from the router, with nothing sent to an engine."""
+    sent: list[tuple[str, dict]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host.startswith("pe"):
+                sent.append((request.url.host, json.loads(await request.aread())))
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            # (the mock's decode answers cannot be relayed: what matters is what the legs carried)
+            body = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 4, "n": 2, "seed": 7}
+            await c.post("/v1/completions", json=body)
+            num_sent = len(sent)
+            bad = [
+                await c.post("/v1/completions", json={"prompt": ["a", [1]], "max_tokens": 4}),
+                await c.post("/v1/completions", json={"prompt": ["a"] * 1025}),
+                await c.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 60}),
+            ]
+        return num_sent, bad
+
+    num_sent, bad = asyncio.run(go())
+    assert num_sent == 4 and len(sent) == 4
+    legs = sorted((b["prompt"], b["seed"], b["n"], host) for host, b in sent)
+    assert [leg[:3] for leg in legs] == [([1, 2], 7, 1), ([1, 2], 8, 1), ([3, 4, 5], 7, 1), ([3, 4, 5], 8, 1)]
+    assert legs[0][3] == legs[1][3] and legs[2][3] == legs[3][3] and legs[0][3] != legs[2][3]
+    messages = [r.json()["error"]["message"] for r in bad]
+    assert [r.status_code for r in bad] == [400] * 3
+    assert "not both" in messages[0] and "at most 1024" in messages[1] and "more than 1024" in messages[2]
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

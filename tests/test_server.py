@@ -577,9 +577,66 @@ def test_penalties_bias_and_min_tokens_over_http(client, model_name, url, llm):
     assert wait_idle(url)["pdserve_kv_pages_used"] == 0
 
 
-def test_batched_prompt_list_is_a_400(url, model_name):
-    r = httpx.post(url + "/v1/completions", json={"model": model_name, "prompt": ["a", "b"]}, timeout=10)
-    assert_openai_error(r, 400)
+def test_a_prompt_list_answers_as_one_request_per_prompt(client, model_name, url):
+    """A list of prompts (strings or token-id lists) with n = 2: choice p·2 + j is what prompt p alone
+    samples with seed + j (vLLM's order); usage counts each prompt once; streamed, the same texts."""
+    prompts = [PROMPT, "import os\n", "class Stack:"]
+    kw = dict(model=model_name, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw, prompt=prompts, n=2, seed=3)
+    assert [c.index for c in r.choices] == list(range(6))
+    alone = [client.completions.create(**kw, prompt=p, seed=3 + j) for p in prompts for j in range(2)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])
+    assert r.usage.completion_tokens == 36 and r.usage.total_tokens == r.usage.prompt_tokens + 36
+    ids = [httpx.post(url + "/tokenize", json={"prompt": p}, timeout=10).json()["tokens"] for p in prompts]
+    by_ids = client.completions.create(**kw, prompt=ids, seed=3)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[::2]]
+    body = {"model": model_name, "prompt": prompts, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2}
+    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    texts = [""] * 6
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == [c.text for c in r.choices]
+    assert events[-1]["usage"]["prompt_tokens"] == r.usage.prompt_tokens
+    assert wait_idle(url)["pdserve_kv_pages_used"] == 0
+
+
+def test_a_prompt_list_with_echo_and_logprobs_is_lm_evals_batch(client, model_name):
+    """lm-eval's loglikelihood batch: echo + logprobs over a prompt list, each choice as its prompt
+    alone (the prompt's token logprobs lead, the first None)."""  # (greedy: one token each)
+    prompts = ["The cat sat on", "def add(a, b):"]
+    kw = dict(model=model_name, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    batch = client.completions.create(**kw, prompt=prompts)
+    for choice, p in zip(batch.choices, prompts, strict=True):
+        one = client.completions.create(**kw, prompt=p).choices[0]
+        assert choice.text == one.text and choice.text.startswith(p)
+        assert choice.logprobs.tokens == one.logprobs.tokens
+        assert choice.logprobs.token_logprobs[0] is None and one.logprobs.token_logprobs[0] is None
+        # (computed in one step with the other prompt, not alone: equal up to float32 summation order)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_bad_prompt_lists_are_400s_and_leave_the_engine_clean(url, model_name):
+    before = wait_idle(url)
+    cases = [
+        ({"prompt": ["a", [1, 2]]}, "prompt"),  # (the body's own validation: no such union member)
+        ({"prompt": ["a"] * 1025}, "at most 1024 prompts"),
+        ({"prompt": ["a"] * 20, "n": 60}, "more than 1024 choices"),
+        ({"prompt": ["a", "hello " * (MAX_MODEL_LEN + 50)], "max_tokens": 4}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": [[5, 6], []]}, "prompt"),
+    ]
+    for extra, word in cases:
+        r = httpx.post(url + "/v1/completions", json={"model": model_name} | extra, timeout=30)
+        assert word in assert_openai_error(r, 400)["message"], r.text
+    after = wait_idle(url)
+    assert after["pdserve_kv_pages_used"] == 0 and after["pdserve_num_requests_running"] == 0
+    finished = sum(v for k, v in after.items() if k.startswith("pdserve_requests_finished_total"))
+    assert finished == sum(v for k, v in before.items() if k.startswith("pdserve_requests_finished_total"))
 
 
 @pytest.mark.parametrize(

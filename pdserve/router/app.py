@@ -455,7 +455,8 @@ def build_router_app(router: Router) -> FastAPI:
         return body
 
     async def split(path: str, http: Request) -> Response:
-        """`n` > 1: n requests of one choice, each dispatched on its own, merged (server/fanout.py)."""
+        """`n` > 1 or a prompt list: requests of one prompt and one choice, each dispatched on its
+        own, merged (server/fanout.py)."""
         body = await body_of(http)
         if isinstance(body, Response):
             return body
@@ -463,16 +464,24 @@ def build_router_app(router: Router) -> FastAPI:
             n = fanout.num_choices(body.get("n"))
         except ValueError as e:
             return JSONResponse(error_body(str(e), 400, param="n"), 400)
-        if n == 1:
+        try:
+            prompts = fanout.batch_of(body.get("prompt")) if path == "/v1/completions" else None
+            fanout.num_children(len(prompts or [None]), n)
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), 400, param="prompt"), 400)
+        if n == 1 and prompts is None:
             return await router.dispatch(path, body, http)
         options = body.get("stream_options")
         include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
-        try:  # one prefill for all the children (DualPath placement places each on its own)
-            prefill = router.pick_prefill(set()) if router.placement is None else None
-        except NoEngine:
-            prefill = None  # (each child then answers 503 as a single request would)
-        children = [router.dispatch(path, child, http, prefill) for child in fanout.child_bodies(body, n)]
-        return await fanout.merged(children, bool(body.get("stream")), include)
+        bodies = fanout.child_bodies(body, n, prompts)
+        children = []
+        for first in range(0, len(bodies), n):  # one prompt's choices share a prefill (its prefix cache)
+            try:  # (DualPath placement places each on its own)
+                prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
+            except NoEngine:
+                prefill = None  # (each child then answers 503 as a single request would)
+            children += [router.dispatch(path, child, http, prefill) for child in bodies[first : first + n]]
+        return await fanout.merged(children, bool(body.get("stream")), include, n)
 
     @app.post("/v1/completions")
     async def completions(http: Request):

@@ -120,7 +120,14 @@ def build_app(
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     async def validate(make_prompt, make_params, pd_field=None):
-        """Build and check everything; any bad value becomes a 400 before the engine sees it.
+        """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
+        of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py)."""
+        req, text = await validate_one(make_prompt, make_params, pd_field)
+        await fanout.validated()
+        return req, text
+
+    async def validate_one(make_prompt, make_params, pd_field):
+        """(validate's checks, for one request)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
         stalled every stream this engine serves meanwhile.
@@ -439,22 +446,36 @@ def build_app(
         }
 
     async def split(body, http: Request, one) -> Response | dict:
-        """`n` > 1: n children of one choice each (server/fanout.py); else the request itself."""
+        """`n` > 1 or a list of prompts: a child of one prompt and one choice each (server/fanout.py);
+        else the request itself."""
         try:
             n = fanout.num_choices(body.n)
         except ValueError as e:
             raise APIError(str(e), param="n") from None
-        if n == 1:
+        try:
+            prompts = fanout.batch_of(body.prompt) if isinstance(body, CompletionRequest) else None
+            fanout.num_children(len(prompts or [None]), n)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+        if n == 1 and prompts is None:
             return await one(body, http)
         if role_name != "colocated":
-            raise APIError("n > 1 is split into requests of one choice by the router", param="n")
+            what = "n > 1" if prompts is None else "a prompt list"
+            raise APIError(f"{what} is split into requests by the router", param="prompt" if prompts else "n")
 
-        async def child(i: int) -> Response:
-            out = await one(body.model_copy(update={"n": 1, "seed": fanout.child_seed(body.seed, i)}), http)
+        gate = fanout.StartGate(len(prompts or [None]) * n)
+
+        async def child(prompt, j: int) -> Response:
+            fanout.CHILD_GATE.set(gate)  # (in this child's own task: merged runs each as one)
+            update = {"n": 1, "seed": fanout.child_seed(body.seed, j)}
+            out = await one(
+                body.model_copy(update=update if prompts is None else update | {"prompt": prompt}), http
+            )
             return out if isinstance(out, Response) else JSONResponse(out)
 
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        return await fanout.merged([child(i) for i in range(n)], bool(body.stream), include)
+        children = [child(p, j) for p in prompts or [None] for j in range(n)]
+        return await fanout.merged(children, bool(body.stream), include, n)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):

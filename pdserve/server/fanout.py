@@ -1,18 +1,27 @@
-"""Parallel sampling (`n` > 1): n requests of one choice each, merged into one OpenAI response.
+"""Parallel sampling (`n` > 1) and batched prompts: requests of one prompt and one choice each,
+merged into one OpenAI response.
 
 Who calls it: the completion routes of a colocated engine (`server/api.py`) and of the router
 (`router/app.py`), each with its own single-request path as the children's handler, so a PD cluster
-answers `n` exactly as one engine does (vLLM v1 also splits such a request into child requests).
+answers `n` and a prompt list exactly as one engine does (vLLM v1 also splits such a request into
+child requests).
 
-* Children: the client's body with `n` = 1 and, when seeded, `seed` + i (vLLM's rule: child i of a
-  seeded request equals a request with that seed); all are started at once. (Like vLLM v1, they do
-  not share the prompt's prefill within a step; a later step's child finds it in the prefix cache.)
+* Children: for prompt p (of P; `/v1/completions` takes a list of prompts, e.g. lm-eval's batches)
+  and choice j (of n), child p·n + j is the client's body with that one prompt, `n` = 1 and, when
+  seeded, `seed` + j (vLLM's rule: choice j of a seeded request equals a request with that seed;
+  every prompt of a batch gets the same seeds, as vLLM gives each its own copy of the params); all are
+  started at once. (Like vLLM v1, a prompt's n children do not share its prefill within a step; a
+  later step's child finds it in the prefix cache.)
 * Not streamed: choice i is child i's only choice, with index i; id, created and model are child 0's;
-  usage counts the prompt once and the completion tokens of every choice (OpenAI's count), with child
-  0's `prompt_tokens_details`.
+  usage counts each prompt once (its first choice's `prompt_tokens` and `prompt_tokens_details`,
+  summed over prompts) and the completion tokens of every choice (OpenAI's count).
 * Streamed: each child's chunks in its own order, interleaved across children as they come, with
   index i and the id and `created` of the stream's first chunk; one usage chunk at the end (when
   asked) and one `[DONE]`.
+* Validation first: the colocated route's children each validate their request, then wait until
+  all have (`StartGate`), so a bad prompt in a list refuses the request before any child reaches the
+  engine. (The router's children are validated by their engines, each on its own: one refused there
+  cancels the others, which aborts those already started.)
 * Failure: a child refused before its response started (its status is not 200, or its handler raised)
   fails the request with that answer, and the other children are cancelled. A child that fails
   mid-stream has its error event passed on; the stream then ends and the other children are closed,
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import contextvars
 import json
 from collections.abc import AsyncIterator, Awaitable
 
@@ -32,7 +42,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.server.protocol import error_body
 
-MAX_N = 64  # choices per request (each is a request of its own on the engines)
+MAX_N = 64  # choices per prompt (each is a request of its own on the engines)
+MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches, with room to spare
 _SEED_SPAN = 2**64  # SamplingParams takes seeds in [-2**63, 2**64): a child's seed wraps inside it
 
 
@@ -54,19 +65,75 @@ def child_seed(seed, i: int):
     return s - _SEED_SPAN if s >= _SEED_SPAN else s
 
 
-def child_bodies(body: dict, n: int) -> list[dict]:
-    """The router's children: the client's JSON body, `n` = 1, seeds per `child_seed`."""
+class StartGate:
+    """The colocated route's children of one request: each calls `passed()` once its request is
+    validated and waits there until every child has; a child refused instead raises, and `merged`
+    cancels the waiting others, none of whose requests has reached the engine."""
+
+    def __init__(self, num_children: int) -> None:
+        self.num_waiting = num_children
+        self.all_passed = asyncio.Event()
+
+    async def passed(self) -> None:
+        self.num_waiting -= 1
+        if self.num_waiting == 0:
+            self.all_passed.set()
+        await self.all_passed.wait()
+
+
+# The gate of the child this task runs (set by the route in the child's own task; None outside one).
+CHILD_GATE: contextvars.ContextVar[StartGate | None] = contextvars.ContextVar("child_gate", default=None)
+
+
+async def validated() -> None:
+    """Called by a route once its request is validated: inside a child, wait for its siblings."""
+    gate = CHILD_GATE.get()
+    if gate is not None:
+        await gate.passed()
+
+
+def batch_of(prompt) -> list | None:
+    """A completion's prompt list (several strings, or several lists of token ids) -> its prompts;
+    None for one prompt (a string, one list of token ids, a list of one prompt, or a shape the route's
+    own validation refuses). ValueError for a list that mixes strings and token lists, or too long."""
+    if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], str | list):
+        return None
+    kind = type(prompt[0])
+    if not all(type(p) is kind for p in prompt):
+        raise ValueError("a prompt list holds strings or lists of token ids, not both")
+    if len(prompt) > MAX_CHILDREN:
+        raise ValueError(f"at most {MAX_CHILDREN} prompts per request, got {len(prompt)}")
+    return prompt
+
+
+def num_children(num_prompts: int, n: int) -> int:
+    """Prompts x choices; ValueError past MAX_CHILDREN (each child is a request on the engines)."""
+    if num_prompts * n > MAX_CHILDREN:
+        raise ValueError(f"{num_prompts} prompts x n={n} is more than {MAX_CHILDREN} choices per request")
+    return num_prompts * n
+
+
+def child_bodies(body: dict, n: int, prompts: list | None = None) -> list[dict]:
+    """The router's children: the client's JSON body, with prompt p of `prompts` (when batched) and
+    `n` = 1, seeds per `child_seed`; child p·n + j is prompt p's choice j."""
     out = []
-    for i in range(n):
-        child = {**body, "n": 1}
-        if "seed" in body:
-            child["seed"] = child_seed(body["seed"], i)
-        out.append(child)
+    for prompt in prompts if prompts is not None else [None]:
+        for j in range(n):
+            child = {**body, "n": 1}
+            if prompts is not None:
+                child["prompt"] = prompt
+            if "seed" in body:
+                child["seed"] = child_seed(body["seed"], j)
+            out.append(child)
     return out
 
 
-async def merged(children: list[Awaitable[Response]], stream: bool, include_usage: bool) -> Response:
-    """Run the children's handlers (each returns a Response or raises) and merge their answers."""
+async def merged(
+    children: list[Awaitable[Response]], stream: bool, include_usage: bool, n: int | None = None
+) -> Response:
+    """Run the children's handlers (each returns a Response or raises) and merge their answers;
+    children p·n .. p·n + n - 1 are one prompt's choices (`n` None: all are one prompt's)."""
+    n = n or len(children)
     tasks = [asyncio.ensure_future(c) for c in children]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -87,11 +154,11 @@ async def merged(children: list[Awaitable[Response]], stream: bool, include_usag
         await _stop([], [r for r in responses if r is not bad])
         return bad
     if stream:
-        return StreamingResponse(_merged_events(responses, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_merged_events(responses, include_usage, n), media_type="text/event-stream")
     bodies = await asyncio.gather(*(_read(r) for r in responses))
     try:
         parts = [json.loads(b) for b in bodies]
-        return JSONResponse(merge_bodies(parts))
+        return JSONResponse(merge_bodies(parts, n))
     except (ValueError, KeyError, IndexError, TypeError):
         # A child's body is not a completion (e.g. the router relayed a decode's in-band error): pass
         # on the first such body as it was.
@@ -104,24 +171,33 @@ async def merged(children: list[Awaitable[Response]], stream: bool, include_usag
         raise
 
 
-def merge_bodies(parts: list[dict]) -> dict:
-    """Non-streamed children's responses -> one response with their choices, index i each."""
+def merge_bodies(parts: list[dict], n: int | None = None) -> dict:
+    """Non-streamed children's responses -> one response with their choices, index i each; parts
+    p·n .. p·n + n - 1 are prompt p's choices (`n` None: one prompt), whose prompt is counted once."""
     out = dict(parts[0])
     out["choices"] = []
     for i, p in enumerate(parts):
         (choice,) = p["choices"]
         out["choices"].append({**choice, "index": i})
     if "usage" in out:
+        firsts = [p["usage"] for p in parts[:: n or len(parts)]]  # (each prompt's first choice)
+        prompt = sum(u["prompt_tokens"] for u in firsts)
         completion = sum(p["usage"]["completion_tokens"] for p in parts)
         out["usage"] = {
             **parts[0]["usage"],
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": parts[0]["usage"]["prompt_tokens"] + completion,
+            "total_tokens": prompt + completion,
         }
+        details = [u.get("prompt_tokens_details") for u in firsts]
+        if len(firsts) > 1 and all(isinstance(d, dict) for d in details):
+            out["usage"]["prompt_tokens_details"] = {
+                key: sum(d.get(key) or 0 for d in details) for key in details[0]
+            }
     return out
 
 
-async def _merged_events(responses: list[Response], include_usage: bool) -> AsyncIterator[str]:
+async def _merged_events(responses: list[Response], include_usage: bool, n: int) -> AsyncIterator[str]:
     q: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -171,7 +247,7 @@ async def _merged_events(responses: list[Response], include_usage: bool) -> Asyn
             yield _sse(obj)
         else:
             if include_usage and all(u is not None for u in usages):
-                last = merge_bodies([{**u, "choices": [{}]} for u in usages])
+                last = merge_bodies([{**u, "choices": [{}]} for u in usages], n)
                 last |= {"id": stream_id or last.get("id"), "choices": []}
                 yield _sse(last if created is None else last | {"created": created})
         yield "data: [DONE]\n\n"

@@ -157,8 +157,8 @@ class CompletionRequest(_SamplingFields):
     def single_prompt(self) -> str | dict:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
+            if len(p) != 1:  # (a route splits a prompt list into children of one prompt before this)
+                raise ValueError("a prompt list must be split into requests of one prompt first")
             p = p[0]
         return {"prompt_token_ids": p} if isinstance(p, list) else p
 
