@@ -340,6 +340,40 @@ def test_pd_engines_refuse_a_weights_update_and_reset_their_prefix_cache(cluster
         wait_engine_idle(url)
 
 
+def test_pd_abort_request_through_the_router_ends_a_stream_by_its_id(cluster):
+    """An RL rollout manager aborts a streamed PD request by the id its chunks carry (the decode's):
+    the router sends /abort_request to every engine, the stream ends with finish_reason "abort" long
+    before max_tokens, and every engine is idle after; flush_cache goes to all engines too."""
+    body = {"model": "demo", "prompt": "def f(x):", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    texts, finish, answer = [], None, None
+    with httpx.stream(
+        "POST", cluster.router_url + "/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            (choice,) = chunk["choices"]
+            texts.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+            if len(texts) == 3:
+                answer = httpx.post(
+                    cluster.router_url + "/abort_request", json={"rid": chunk["id"]}, timeout=30
+                )
+    assert answer.status_code == 200 and answer.json()["success"], answer.text
+    per_engine = answer.json()["engines"]
+    assert sorted(per_engine) == sorted(cluster.engine_urls)
+    assert sum(a["num_requests_aborted"] for a in per_engine.values()) == 1  # (the decode's)
+    assert finish == "abort" and 3 <= len(texts) < 900
+    flushed = httpx.get(cluster.router_url + "/flush_cache", timeout=30)
+    assert flushed.status_code == 200 and sorted(flushed.json()["engines"]) == sorted(cluster.engine_urls)
+    bad = httpx.post(cluster.router_url + "/abort_request", json={}, timeout=30)
+    assert bad.status_code == 400 and "rid or abort_all" in bad.json()["error"]["message"]
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_greedy_equals_colocated(cluster, colocated):
     ps = prompts()
     max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]

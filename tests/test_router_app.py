@@ -360,6 +360,46 @@ def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_pr
     assert "not both" in messages[0] and "at most 1024" in messages[1] and "more than 1024" in messages[2]
 
 
+def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
+    """/abort_request, /flush_cache and /reset_prefix_cache reach every live engine with the body as
+    sent; the answer maps each engine's reply; a dead engine is skipped, an unreachable one is a 502."""
+    sent: list[tuple[str, str, bytes]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            if request.url.path in ("/abort_request", "/flush_cache", "/reset_prefix_cache"):
+                sent.append((request.url.host, request.url.path, await request.aread()))
+                if request.url.host == "pe2":
+                    raise httpx.ConnectError("refused")
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            router.prefills[1].healthy = False
+            abort = await c.post("/abort_request", json={"rid": "cmpl-1"})
+            flush = await c.get("/flush_cache")
+            router.prefills[1].healthy = True
+            reset = await c.post("/reset_prefix_cache")
+        return abort, flush, reset
+
+    abort, flush, reset = asyncio.run(go())
+    assert abort.status_code == 200 and abort.json() == {
+        "success": True,
+        "engines": {u: {"success": True, "num_requests_aborted": 1} for u in ("http://pe", "http://de")},
+    }
+    assert sorted((h, p) for h, p, _ in sent[:2]) == [("de", "/abort_request"), ("pe", "/abort_request")]
+    assert {b for _, _, b in sent[:2]} == {b'{"rid":"cmpl-1"}'}
+    assert flush.status_code == 200 and sorted(h for h, p, _ in sent if p == "/flush_cache") == ["de", "pe"]
+    assert reset.status_code == 502 and not reset.json()["success"]
+    assert "unreachable" in reset.json()["engines"]["http://pe2"]["error"]
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

@@ -122,6 +122,23 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def abort_now(self, request_ids: list[str] | None = None) -> int:
+        """Event-loop thread: end the given requests (None: every one being streamed) on behalf of
+        someone other than their caller (SGLang's /abort_request). Each caller's stream ends with the
+        output so far and finish_reason "abort" (a PD request still in transfer: with the role's
+        failure), and its pages are freed. Ids not streamed here are skipped. Returns how many were."""
+        ids = [r for r in (list(self._streams) if request_ids is None else request_ids) if r in self._streams]
+
+        def abort() -> None:  # (engine thread)
+            for rid in ids:
+                out = self.role.abort(rid) if self.role is not None else self.engine.abort(rid)
+                if out is not None:
+                    self.finish_aborted(out)
+
+        if ids:
+            await self.run(abort)
+        return len(ids)
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread (the only thread that may touch engine state)."""
         self._send(("call", fn))

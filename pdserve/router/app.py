@@ -8,9 +8,11 @@ fails before any KV could have been sent is retried on another prefill (fresh ro
 client noticing. A client that disconnects aborts both sides: while it streams, the engines' handlers
 see their connections close; while the router waits for it (placement, the prefill's answer, a
 non-streamed decode), the router polls the client's connection and closes both legs itself.
-Engines are health-checked in the background; a dead one gets no new requests.
+Engines are health-checked in the background; a dead one gets no new requests. What any engine
+answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
+must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them.
 
-Length (~470 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+Length (~590 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
 abort both on disconnect) and the HTTP routes that call it; DualPath placement lives in
 ``router/placement.py``.
 """
@@ -506,9 +508,53 @@ def build_router_app(router: Router) -> FastAPI:
             )
         return Response(r.content, r.status_code, media_type="application/json")
 
+    async def to_every_engine(path: str, http: Request) -> Response:
+        """What every engine must do (abort requests, drop cached pages): the client's body sent to
+        each live engine at once; 200 with each one's answer by URL, or 502 (the same map) when any
+        engine failed or refused (a bad body is refused by all alike: that engine's answer, as is)."""
+        live = [e for e in router.prefills + router.decodes if e.healthy]
+        if not live:
+            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+        body = await http.body()
+
+        async def one(engine: Engine) -> tuple[int, object]:
+            try:
+                r = await router.client.post(engine.url + path, content=body, headers=JSON)
+            except httpx.HTTPError as e:
+                return 502, {"error": f"{engine.url} unreachable: {e!r}"}
+            try:
+                return r.status_code, r.json()
+            except ValueError:
+                return 502, {"error": f"{engine.url} answered {r.status_code}: {r.text[:200]}"}
+
+        answers = await asyncio.gather(*(one(e) for e in live))
+        statuses = {status for status, _ in answers}
+        if statuses == {400}:  # (the body itself is bad: every engine says why)
+            return JSONResponse(answers[0][1], 400)
+        ok = statuses == {200}
+        out = {"success": ok, "engines": {e.url: a for e, (_, a) in zip(live, answers, strict=True)}}
+        return JSONResponse(out, 200 if ok else 502)
+
+    @app.post("/abort_request")
+    async def abort_request(http: Request):
+        """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine."""
+        return await to_every_engine("/abort_request", http)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(http: Request):
+        return await to_every_engine("/reset_prefix_cache", http)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(http: Request):
+        return await to_every_engine("/flush_cache", http)
+
     @app.get("/v1/models")
     async def models():
         return await to_an_engine("GET", "/v1/models")
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return await to_an_engine("GET", "/get_model_info")
 
     @app.post("/tokenize")
     async def tokenize(http: Request):

@@ -1,10 +1,11 @@
 """HTTP API of one engine: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, native
-`/generate`, `/health`, `/metrics`, and (server/tokenize.py) `/tokenize`, `/detokenize`.
+`/generate`, `/health`, `/metrics`, (server/tokenize.py) `/tokenize`, `/detokenize`, and
+(server/admin.py) the control endpoints: `/abort_request`, cache resets, weight updates.
 
 Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
 request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
 
-Length (~720 lines): one ``build_app`` whose routes share the validation, usage, logprobs and
+Length (~700 lines): one ``build_app`` whose routes share the validation, usage, logprobs and
 streaming closures (splitting it would pass a dozen closures around); the request schemas are in
 ``protocol.py``, the metrics in ``metrics.py``, tool calls, reasoning and n > 1 in their own modules.
 """
@@ -28,33 +29,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
-from pdserve.model.loader import CheckpointError
+from pdserve.engine.llm_engine import InvalidRequest, LLMEngine, WeightsLost
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
+from pdserve.server.admin import admin_routes
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.native_stream import CumulativeChunks, meta_info
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    UpdateWeightsRequest,
     error_body,
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
-
-
-class APIError(Exception):
-    def __init__(
-        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.err_type, self.param = status, err_type, param
 
 
 def build_app(
@@ -346,53 +339,6 @@ def build_app(
         if engine.weights_lost:
             return JSONResponse({"status": "weights lost", "error": engine.weights_lost}, status_code=503)
         return {"status": "ok"}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateWeightsRequest):
-        """SGLang's endpoint for RL: load a new checkpoint of the same model into the running engine
-        (between rollouts). 409 while requests are in flight, unless `abort_running`."""
-        if role_name != "colocated":
-            raise APIError(
-                "weights cannot change under a PD engine: its KV layout fingerprint (checked by its "
-                "peers and the KV store) names the checkpoint; restart the cluster with the new one"
-            )
-
-        if not enable_weight_updates:
-            raise APIError(
-                "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
-            )
-        aborted: list = []
-
-        def update() -> int:  # (engine thread)
-            def ended(out) -> None:  # an aborted request's stream ends with finish_reason "abort"
-                aborted.append(out)
-                aengine.finish_aborted(out)
-
-            return engine.update_weights(body.model_path, body.abort_running, ended)
-
-        try:
-            dropped = await aengine.run(update)
-        except EngineBusy as e:
-            raise APIError(str(e), 409, "Conflict") from None
-        except (InvalidRequest, CheckpointError) as e:
-            raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
-        except (WeightsLost, EngineDeadError) as e:
-            raise APIError(str(e), 503, "ServiceUnavailable") from None
-        return {
-            "success": True,
-            "message": f"serving the weights of {body.model_path}",
-            "num_cached_pages_dropped": dropped,
-            "num_requests_aborted": len(aborted),
-            "num_weight_updates": engine.num_weight_updates,
-        }
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        """vLLM's endpoint: forget every cached page no request holds (they become free)."""
-        try:
-            return {"num_cached_pages_dropped": await aengine.run(engine.kv.pool.reset_prefix_cache)}
-        except EngineDeadError as e:
-            raise APIError(str(e), 503, "ServiceUnavailable") from None
 
     @app.get("/pd/info")
     async def pd_info():
@@ -764,6 +710,7 @@ def build_app(
             return StreamingResponse(events(), media_type="text/event-stream")
         return native(await run_to_end(req, text, http))
 
+    app.include_router(admin_routes(aengine, engine, role_name, enable_weight_updates))
     app.include_router(
         tokenize_routes(tokenizer, engine.config.scheduler.max_model_len, vocab_size, check_model)
     )

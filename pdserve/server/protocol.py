@@ -216,7 +216,31 @@ def error_body(message: str, code: int, err_type: str = "BadRequestError", param
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+class APIError(Exception):
+    """Raised by an engine's route: answered as `error_body(...)` with that status (server/api.py)."""
+
+    def __init__(
+        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
 Role = Literal["colocated", "prefill", "decode"]
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request (SGLang's): the request `rid`, or every request with `abort_all`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        if bool(self.rid) == self.abort_all:
+            raise ValueError("give a rid or abort_all: true (one of them)")
+        return self
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -1,0 +1,98 @@
+"""Control endpoints of one engine, for RL loops and operators (SGLang's and vLLM's names).
+
+Who calls them: an RL trainer's rollout manager between (or at the end of) rollout steps, and
+operators; the PD router forwards `/abort_request` and the cache resets to every engine
+(router/app.py). `server/api.py` mounts `admin_routes` on every engine's app.
+
+* `POST /abort_request` `{"rid": ...}` or `{"abort_all": true}` (SGLang's): end requests now, e.g.
+  the over-sampled rollouts a step no longer needs. Each one's answer (stream or whole) ends with the
+  tokens so far and finish_reason "abort", its pages freed; an unknown or finished id is no error
+  (it may have just finished). Answers how many were aborted.
+* `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
+  no request holds.
+* `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`; colocated only): load a
+  new checkpoint of the same model in place, between rollouts.
+* `GET /get_model_info` (SGLang's): the served checkpoint (after weight updates: the latest one).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
+from pdserve.model.loader import CheckpointError
+from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest
+
+
+def admin_routes(
+    aengine: AsyncEngine, engine: LLMEngine, role_name: str, enable_weight_updates: bool
+) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        try:
+            num_aborted = await aengine.abort_now(None if body.abort_all else [body.rid])
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+        return {"success": True, "num_requests_aborted": num_aborted}
+
+    async def reset_prefix_cache() -> dict:
+        try:
+            return {"num_cached_pages_dropped": await aengine.run(engine.kv.pool.reset_prefix_cache)}
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+
+    router.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+    router.add_api_route("/flush_cache", reset_prefix_cache, methods=["GET", "POST"])
+
+    @router.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": engine.weights_dir,
+            "tokenizer_path": engine.config.model,
+            "served_model_name": engine.config.model_name,
+            "is_generation": True,
+            "max_model_len": engine.config.scheduler.max_model_len,
+            "num_weight_updates": engine.num_weight_updates,
+        }
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest):
+        """409 while requests are in flight, unless `abort_running` (each then ends with "abort")."""
+        if role_name != "colocated":
+            raise APIError(
+                "weights cannot change under a PD engine: its KV layout fingerprint (checked by its "
+                "peers and the KV store) names the checkpoint; restart the cluster with the new one"
+            )
+        if not enable_weight_updates:
+            raise APIError(
+                "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
+            )
+        aborted: list = []
+
+        def update() -> int:  # (engine thread)
+            def ended(out) -> None:  # an aborted request's stream ends with finish_reason "abort"
+                aborted.append(out)
+                aengine.finish_aborted(out)
+
+            return engine.update_weights(body.model_path, body.abort_running, ended)
+
+        try:
+            dropped = await aengine.run(update)
+        except EngineBusy as e:
+            raise APIError(str(e), 409, "Conflict") from None
+        except (InvalidRequest, CheckpointError) as e:
+            raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
+        except (WeightsLost, EngineDeadError) as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+        return {
+            "success": True,
+            "message": f"serving the weights of {body.model_path}",
+            "num_cached_pages_dropped": dropped,
+            "num_requests_aborted": len(aborted),
+            "num_weight_updates": engine.num_weight_updates,
+        }
+
+    return router

@@ -1,0 +1,130 @@
+"""The control endpoints (server/admin.py), through the app in process: `/abort_request` ends exactly
+the requests it names (each answer with its tokens so far and finish_reason "abort", its pages freed),
+`abort_all` ends every one, bad bodies are 400s that abort nothing; `/flush_cache` and
+`/get_model_info` answer as SGLang's do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.server.api import build_app
+
+PROMPT_IDS = list(range(5, 45))
+KW = dict(num_pages=128, max_model_len=1024, page_size=16)
+LONG = 900  # tokens: far more than the test takes to abort (an unaborted answer would finish "length")
+
+
+def run(engine: LLMEngine, scenario):
+    app = build_app(engine)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            return await scenario(c)
+
+    try:
+        return asyncio.run(go())
+    finally:
+        app.state.engine.shutdown()
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def generate(c: httpx.AsyncClient, rid: str):
+    sp = {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    return c.post("/generate", json={"input_ids": PROMPT_IDS, "sampling_params": sp, "rid": rid})
+
+
+async def streamed(c: httpx.AsyncClient) -> list[dict]:
+    body = {"prompt": PROMPT_IDS, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = []
+    async with c.stream("POST", "/v1/completions", json=body) as r:  # (ASGITransport: read at the end)
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_abort_request_ends_the_named_request_then_abort_all_the_rest(demo_model_dir):
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+
+    async def scenario(c):
+        first = asyncio.ensure_future(generate(c, "rollout-1"))
+        second = asyncio.ensure_future(generate(c, "rollout-2"))
+        stream = asyncio.ensure_future(streamed(c))
+        reqs = engine.requests
+        await until(lambda: len(reqs) == 3 and all(r.num_output_tokens >= 3 for r in list(reqs.values())))
+        bad = [
+            await c.post("/abort_request", json=body)
+            for body in ({}, {"rid": "x", "abort_all": True}, {"rid": 5}, {"rid": "x", "why": "y"})
+        ]
+        unknown = await c.post("/abort_request", json={"rid": "no-such-request"})
+        one = await c.post("/abort_request", json={"rid": "rollout-1"})
+        first_answer = await first
+        still_running = set(engine.requests)
+        rest = await c.post("/abort_request", json={"abort_all": True})
+        return bad, unknown, one, first_answer, still_running, rest, await second, await stream
+
+    bad, unknown, one, first, still_running, rest, second, chunks = run(engine, scenario)
+    assert [r.status_code for r in bad] == [400] * 4
+    assert "rid or abort_all" in bad[0].json()["error"]["message"]
+    assert unknown.json() == {"success": True, "num_requests_aborted": 0}
+    assert one.json() == {"success": True, "num_requests_aborted": 1}
+    assert "rollout-2" in still_running and "rollout-1" not in still_running and len(still_running) == 2
+    assert rest.json()["num_requests_aborted"] == 2
+    full = LLM(demo_model_dir, dtype="float32", **KW).generate(
+        {"prompt_token_ids": PROMPT_IDS}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    )[0]
+    for answer in (first.json(), second.json()):
+        assert answer["meta_info"]["finish_reason"] == "abort"
+        ids = answer["output_ids"]
+        assert 0 < len(ids) < LONG and ids[:60] == list(full.outputs[0].token_ids)[: len(ids)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert engine.kv.pool.num_used_pages == 0 and not engine.requests
+    engine.check_integrity()
+
+
+def test_flush_cache_and_model_info(demo_model_dir):
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+
+    async def scenario(c):
+        body = {"prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0}
+        await c.post("/v1/completions", json=body)
+        flushed = await c.post("/flush_cache")
+        again = await c.get("/flush_cache")
+        return flushed, again, await c.get("/get_model_info")
+
+    flushed, again, info = run(engine, scenario)
+    assert flushed.json()["num_cached_pages_dropped"] == len(PROMPT_IDS) // KW["page_size"]
+    assert again.json() == {"num_cached_pages_dropped": 0}
+    assert info.json() == {
+        "model_path": demo_model_dir,
+        "tokenizer_path": demo_model_dir,
+        "served_model_name": engine.config.model_name,
+        "is_generation": True,
+        "max_model_len": 1024,
+        "num_weight_updates": 0,
+    }
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+def test_abort_request_is_a_post(demo_model_dir, method):
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+
+    async def scenario(c):
+        return await c.request(method, "/abort_request")
+
+    assert run(engine, scenario).status_code == 405
