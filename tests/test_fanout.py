@@ -61,12 +61,14 @@ def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
     assert fanout.batch_of("x") is None and fanout.batch_of([1, 2]) is None and fanout.batch_of([]) is None
     assert fanout.batch_of(["x"]) is None and fanout.batch_of([[1, 2]]) is None  # (one prompt)
     assert fanout.batch_of(["x", "y"]) == ["x", "y"] and fanout.batch_of([[1], [2]]) == [[1], [2]]
-    for bad, word in ((["x", [1]], "not both"), ([[1], "x"], "not both"), (["x"] * 1025, "at most 1024")):
-        with pytest.raises(ValueError, match=word):
+    for bad in (["x", [1]], [[1], "x"], ["x", 1]):
+        with pytest.raises(ValueError, match="every prompt of a list must be a string, or every one"):
             fanout.batch_of(bad)
-    assert fanout.num_children(16, 64) == 1024
-    with pytest.raises(ValueError, match="more than 1024"):
+    assert fanout.num_children(16, 64) == 1024 and fanout.num_children(1024, 1) == 1024
+    with pytest.raises(ValueError, match="17 prompts x n=64: more than 1024"):
         fanout.num_children(17, 64)
+    with pytest.raises(ValueError, match="1025 prompts: more than 1024"):
+        fanout.num_children(1025, 1)
     kids = fanout.child_bodies({"prompt": ["a", "b"], "n": 2, "seed": 5}, 2, ["a", "b"])
     assert [(k["prompt"], k["seed"], k["n"]) for k in kids] == [
         ("a", 5, 1),
@@ -88,6 +90,36 @@ def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
         "total_tokens": 27,
         "prompt_tokens_details": {"cached_tokens": 12},
     }
+
+
+def test_the_start_gate_opens_when_every_child_passed_or_left():
+    """Children wait at `validated()` until all have passed; one that ended without validating
+    (left) does not hold them; outside a child `validated()` returns at once."""
+    order: list[str] = []
+
+    async def child(gate, name: str, validates: bool, delay_s: float):
+        ticket = gate.ticket()
+        fanout.CHILD_GATE.set(ticket)
+        await asyncio.sleep(delay_s)
+        if validates:
+            await fanout.validated()
+            order.append(f"{name} started")
+        ticket.leave()  # (as the route does once its child answered)
+
+    async def go():
+        await fanout.validated()  # (no child here)
+        gate = fanout.StartGate(3)
+        tasks = [
+            asyncio.ensure_future(child(gate, "a", True, 0.0)),
+            asyncio.ensure_future(child(gate, "b", True, 0.05)),
+            asyncio.ensure_future(child(gate, "c", False, 0.1)),  # returns early, never validates
+        ]
+        await asyncio.sleep(0.07)
+        waiting = list(order)  # a and b passed, c not yet ended: nobody started
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return waiting
+
+    assert asyncio.run(go()) == [] and sorted(order) == ["a started", "b started"]
 
 
 class Child:

@@ -357,7 +357,64 @@ def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_pr
     assert legs[0][3] == legs[1][3] and legs[2][3] == legs[3][3] and legs[0][3] != legs[2][3]
     messages = [r.json()["error"]["message"] for r in bad]
     assert [r.status_code for r in bad] == [400] * 3
-    assert "not both" in messages[0] and "at most 1024" in messages[1] and "more than 1024" in messages[2]
+    assert "every prompt of a list must be a string" in messages[0]
+    assert (
+        "1025 prompts: more than 1024" in messages[1] and "20 prompts x n=60: more than 1024" in messages[2]
+    )
+
+
+class Once(httpx.AsyncByteStream):
+    """A body the router can relay (a mock's `json=` body is already read)."""
+
+    def __init__(self, obj: dict) -> None:
+        self.data = json.dumps(obj).encode()
+
+    async def __aiter__(self):
+        yield self.data
+
+
+def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
+    """The decodes' answers to [p0, p1] with n = 2, merged by the router: choice p*2 + j is prompt p's
+    answer; usage adds each prompt's tokens once (and its cached tokens), every completion's tokens."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def decode_answers(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "de" and request.url.path == "/v1/completions":
+                sent = json.loads(await request.aread())
+                n = len(sent["prompt"])
+                usage = {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}
+                answer = {
+                    "id": f"cmpl-{sent['pd']['room']}",
+                    "choices": [
+                        {"index": 0, "text": f"{sent['prompt']}/{sent['seed']}", "finish_reason": "length"}
+                    ],
+                    "usage": usage | {"prompt_tokens_details": {"cached_tokens": n - 1}},
+                }
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return await handle(request)
+
+        engines.handle = decode_answers
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 2, "n": 2, "seed": 0}
+            return await c.post("/v1/completions", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert [(c["index"], c["text"]) for c in data["choices"]] == [
+        (0, "[1, 2]/0"), (1, "[1, 2]/1"), (2, "[3, 4, 5]/0"), (3, "[3, 4, 5]/1")
+    ]  # fmt: skip
+    assert data["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 8,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():

@@ -624,11 +624,12 @@ def test_bad_prompt_lists_are_400s_and_leave_the_engine_clean(url, model_name):
     before = wait_idle(url)
     cases = [
         ({"prompt": ["a", [1, 2]]}, "prompt"),  # (the body's own validation: no such union member)
-        ({"prompt": ["a"] * 1025}, "at most 1024 prompts"),
+        ({"prompt": ["a"] * 1025}, "1025 prompts: more than 1024 choices"),
         ({"prompt": ["a"] * 20, "n": 60}, "more than 1024 choices"),
-        ({"prompt": ["a", "hello " * (MAX_MODEL_LEN + 50)], "max_tokens": 4}, "prompt"),
-        ({"prompt": ["a", ""]}, "prompt"),
-        ({"prompt": [[5, 6], []]}, "prompt"),
+        ({"prompt": ["a", "hello " * (MAX_MODEL_LEN + 50)], "max_tokens": 4}, "maximum context length"),
+        ({"prompt": ["a", ""]}, "prompt is empty"),
+        ({"prompt": [[5, 6], []]}, "prompt is empty"),
+        ({"prompt": ["a", ""], "stream": True}, "prompt is empty"),
     ]
     for extra, word in cases:
         r = httpx.post(url + "/v1/completions", json={"model": model_name} | extra, timeout=30)

@@ -477,12 +477,13 @@ def build_router_app(router: Router) -> FastAPI:
         include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
         bodies = fanout.child_bodies(body, n, prompts)
         children = []
-        for first in range(0, len(bodies), n):  # one prompt's choices share a prefill (its prefix cache)
+        for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
             try:  # (DualPath placement places each on its own)
                 prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
             except NoEngine:
                 prefill = None  # (each child then answers 503 as a single request would)
-            children += [router.dispatch(path, child, http, prefill) for child in bodies[first : first + n]]
+            for child in bodies[prompt_start : prompt_start + n]:
+                children.append(router.dispatch(path, child, http, prefill))
         return await fanout.merged(children, bool(body.get("stream")), include, n)
 
     @app.post("/v1/completions")

@@ -400,7 +400,7 @@ def build_app(
             raise APIError(str(e), param="n") from None
         try:
             prompts = fanout.batch_of(body.prompt) if isinstance(body, CompletionRequest) else None
-            fanout.num_children(len(prompts or [None]), n)
+            num_children = fanout.num_children(len(prompts or [None]), n)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         if n == 1 and prompts is None:
@@ -409,14 +409,17 @@ def build_app(
             what = "n > 1" if prompts is None else "a prompt list"
             raise APIError(f"{what} is split into requests by the router", param="prompt" if prompts else "n")
 
-        gate = fanout.StartGate(len(prompts or [None]) * n)
+        gate = fanout.StartGate(num_children)
 
         async def child(prompt, j: int) -> Response:
-            fanout.CHILD_GATE.set(gate)  # (in this child's own task: merged runs each as one)
+            ticket = gate.ticket()
+            fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
             update = {"n": 1, "seed": fanout.child_seed(body.seed, j)}
             out = await one(
                 body.model_copy(update=update if prompts is None else update | {"prompt": prompt}), http
             )
+            ticket.leave()  # (answered without validating: must not hold its siblings; one that raised
+            # must not open the gate either: `merged` cancels the waiting siblings instead)
             return out if isinstance(out, Response) else JSONResponse(out)
 
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)

@@ -66,50 +66,73 @@ def child_seed(seed, i: int):
 
 
 class StartGate:
-    """The colocated route's children of one request: each calls `passed()` once its request is
-    validated and waits there until every child has; a child refused instead raises, and `merged`
-    cancels the waiting others, none of whose requests has reached the engine."""
+    """The colocated route's children of one request start together: each child's task holds a
+    ticket (`CHILD_GATE`); the route calls `validated()` once the child's request is checked, which
+    waits until every ticket has passed or left. A child refused instead raises, and `merged` cancels
+    the waiting others, none of whose requests has reached the engine (so a raising child must not
+    leave: that could open the gate first). A child that returns without passing leaves, so its
+    siblings are never held by it."""
 
     def __init__(self, num_children: int) -> None:
         self.num_waiting = num_children
         self.all_passed = asyncio.Event()
 
-    async def passed(self) -> None:
+    def ticket(self) -> _Ticket:
+        return _Ticket(self)
+
+    def _count_down(self) -> None:
         self.num_waiting -= 1
         if self.num_waiting == 0:
             self.all_passed.set()
-        await self.all_passed.wait()
 
 
-# The gate of the child this task runs (set by the route in the child's own task; None outside one).
-CHILD_GATE: contextvars.ContextVar[StartGate | None] = contextvars.ContextVar("child_gate", default=None)
+class _Ticket:
+    def __init__(self, gate: StartGate) -> None:
+        self.gate, self.counted = gate, False
+
+    async def passed(self) -> None:
+        if not self.counted:
+            self.counted = True
+            self.gate._count_down()
+        await self.gate.all_passed.wait()
+
+    def leave(self) -> None:
+        if not self.counted:
+            self.counted = True
+            self.gate._count_down()
+
+
+# The ticket of the child this task runs (set by the route in the child's own task; None outside one).
+CHILD_GATE: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("child_gate", default=None)
 
 
 async def validated() -> None:
     """Called by a route once its request is validated: inside a child, wait for its siblings."""
-    gate = CHILD_GATE.get()
-    if gate is not None:
-        await gate.passed()
+    ticket = CHILD_GATE.get()
+    if ticket is not None:
+        await ticket.passed()
 
 
 def batch_of(prompt) -> list | None:
     """A completion's prompt list (several strings, or several lists of token ids) -> its prompts;
     None for one prompt (a string, one list of token ids, a list of one prompt, or a shape the route's
-    own validation refuses). ValueError for a list that mixes strings and token lists, or too long."""
+    own validation refuses). ValueError for a list whose prompts are not all of one kind (the
+    number of prompts is bounded by `num_children`)."""
     if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], str | list):
         return None
     kind = type(prompt[0])
     if not all(type(p) is kind for p in prompt):
-        raise ValueError("a prompt list holds strings or lists of token ids, not both")
-    if len(prompt) > MAX_CHILDREN:
-        raise ValueError(f"at most {MAX_CHILDREN} prompts per request, got {len(prompt)}")
+        raise ValueError("every prompt of a list must be a string, or every one a list of token ids")
     return prompt
 
 
 def num_children(num_prompts: int, n: int) -> int:
-    """Prompts x choices; ValueError past MAX_CHILDREN (each child is a request on the engines)."""
+    """Prompts x choices; ValueError past MAX_CHILDREN (each child is a request on the engines).
+    (A colocated request's children tokenize on the default thread pool: a large list queues ahead of
+    other clients' prompts there for a moment, as that many separate requests would.)"""
     if num_prompts * n > MAX_CHILDREN:
-        raise ValueError(f"{num_prompts} prompts x n={n} is more than {MAX_CHILDREN} choices per request")
+        what = f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n={n}"
+        raise ValueError(f"{what}: more than {MAX_CHILDREN} choices per request")
     return num_prompts * n
 
 
@@ -190,10 +213,13 @@ def merge_bodies(parts: list[dict], n: int | None = None) -> dict:
             "total_tokens": prompt + completion,
         }
         details = [u.get("prompt_tokens_details") for u in firsts]
-        if len(firsts) > 1 and all(isinstance(d, dict) for d in details):
-            out["usage"]["prompt_tokens_details"] = {
-                key: sum(d.get(key) or 0 for d in details) for key in details[0]
-            }
+        if len(firsts) > 1:  # (summed over prompts; vLLM reports its last prompt's alone)
+            if all(isinstance(d, dict) for d in details):
+                out["usage"]["prompt_tokens_details"] = {
+                    key: sum(d.get(key) or 0 for d in details) for key in details[0]
+                }
+            else:  # (some engine wrote none: no total would be true)
+                out["usage"].pop("prompt_tokens_details", None)
     return out
 
 
