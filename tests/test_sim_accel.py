@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.sim import accel
+from tests.conftest import can_compile_simulator
 
 # Runs a small cluster under every mode in a fresh interpreter (activation must precede the imports)
 # and prints the figures, exactly (repr of floats), plus which cluster module ran and the types of
@@ -21,6 +22,7 @@ from pdserve.sim import accel
 _SCRIPT = r"""
 import collections, gc, json, sys
 from pdserve.sim import accel
+from tests.conftest import can_compile_simulator
 compiled = sys.argv[1] == "compiled"
 if compiled:
     assert accel.activate(), "no build"
@@ -109,32 +111,17 @@ def test_damaged_build_falls_back_to_pure_python(tmp_path):
     assert proc.stdout.split() == ["refused", "True", "True", "False"], proc.stderr[-2000:]
 
 
-def _can_compile() -> bool:
-    import sysconfig
-
-    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    return (
-        accel.mypyc_available() and headers.is_file() and shutil.which(os.environ.get("CC", "cc")) is not None
-    )
-
-
-@pytest.mark.timeout(1200)  # a cold mypyc build takes ~2 min on 2 cores, more on a loaded machine
-@pytest.mark.skipif(not _can_compile(), reason="needs mypyc (pip install mypy), a C compiler and Python.h")
-def test_compiled_simulator_gives_identical_figures(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("pdserve-cache")
+@pytest.mark.timeout(1200)  # a cold mypyc build takes ~2.5 min on 2 cores, more on a loaded machine
+@pytest.mark.skipif(
+    not can_compile_simulator(), reason="needs mypyc (pip install mypy), a C compiler and Python.h"
+)
+def test_compiled_simulator_gives_identical_figures(simulator_build):
+    # Started after collection (tests/conftest.py), over a damaged build where this one goes: `build`
+    # must replace it, not trust its marker.
+    cache, build = simulator_build
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(cache)}
-    # A damaged build already sits where this one goes: `build` must replace it, not trust its marker.
-    damaged = Path(_python("from pdserve.sim import accel; print(accel.build_dir())", cache).stdout.strip())
-    damaged.mkdir(parents=True)
-    (damaged / "BUILD_OK").write_text("damaged\n")
-    build = subprocess.run(
-        [sys.executable, "-m", "pdserve.sim.accel", "build"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    log, _ = build.communicate(timeout=900)
+    assert build.returncode == 0, log[-4000:]
     pure, compiled = _run("pure", env), _run("compiled", env)
     assert pure["cluster"].endswith("cluster.py")
     assert compiled["cluster"].endswith(".so") and str(cache) in compiled["cluster"]
