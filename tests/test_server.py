@@ -160,6 +160,28 @@ def test_streaming_without_include_usage_has_no_usage_chunk(client, model_name):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, model_name):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk carries the counts
+    so far (completion tokens growing to max_tokens; chat's role chunk: 0); without include_usage,
+    none; the last chunk is still the whole usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=model_name, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kw, prompt=PROMPT, stream=True, stream_options=options))
+    text_chunks = [ch for ch in chunks if ch.choices]
+    counts = [ch.usage.completion_tokens for ch in text_chunks]
+    assert all(ch.usage is not None for ch in chunks) and counts == sorted(counts) and counts[-1] == 12
+    assert {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens}
+    assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details is not None
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = list(client.chat.completions.create(**kw, messages=msgs, stream=True, stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert [ch.usage.completion_tokens for ch in chat if ch.choices][-1] == 12
+    off = {"include_usage": False, "continuous_usage_stats": True}  # (vLLM: only with include_usage)
+    plain = list(client.completions.create(**kw, prompt=PROMPT, stream=True, stream_options=off))
+    assert all(ch.usage is None for ch in plain)
+
+
 def test_raw_sse_framing(url, model_name):
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:

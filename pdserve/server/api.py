@@ -44,6 +44,7 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    StreamOptions,
     error_body,
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
@@ -298,12 +299,25 @@ def build_app(
         return f"data: {json.dumps(obj)}\n\n"
 
     async def stream(
-        req, text, chunk_fn, include_usage: bool, head: list[dict] = (), every_token: bool = False
+        req, text, chunk_fn, options: StreamOptions | None, head: list[dict] = (), every_token: bool = False
     ) -> AsyncIterator[str]:
         """Turn the engine's cumulative outputs into SSE deltas; hold back a trailing partial UTF-8 char.
-        `every_token`: a chunk for every new token even when its text is held back (token-id clients)."""
+        `every_token`: a chunk for every new token even when its text is held back (token-id clients).
+        `options` (the client's stream_options): `include_usage` adds a last chunk with the usage;
+        with `continuous_usage_stats` too (vLLM's), every chunk carries the usage so far."""
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+
+        def so_far(num_output_tokens: int) -> dict:  # (as vLLM's: the three counts, no details)
+            n = req.num_prompt_tokens
+            return {
+                "prompt_tokens": n,
+                "completion_tokens": num_output_tokens,
+                "total_tokens": n + num_output_tokens,
+            }
+
         for h in head:
-            yield sse(h)
+            yield sse(h | {"usage": so_far(0)} if continuous else h)
         sent_text, sent_tokens, last = 0, 0, None
         try:
             async for out in aengine.generate(req, text):
@@ -318,7 +332,7 @@ def build_app(
                 if delta or out.finished or (new_tokens and (every_token or o.logprobs)):
                     made = chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None)
                     for c in made if isinstance(made, list) else (made,):  # (tool calls: 0..n chunks)
-                        yield sse(c)
+                        yield sse(c | {"usage": so_far(len(o.token_ids))} if continuous else c)
                     sent_text, sent_tokens = upto, len(o.token_ids)
         except InvalidRequest as e:  # the stream already started: report in-band
             yield sse(error_body(str(e), 400))
@@ -464,9 +478,8 @@ def build_app(
             return envelope(rid, "text_completion", created, [choice])
 
         if body.stream and role_name != "prefill":
-            include = bool(body.stream_options and body.stream_options.include_usage)
             await resolve_pd(req)
-            events = stream(req, text, chunk, include, every_token=want_ids)
+            events = stream(req, text, chunk, body.stream_options, every_token=want_ids)
             return StreamingResponse(events, media_type="text/event-stream")
         out = await run_to_end(req, text, http)
         o = out.outputs[0]
@@ -625,12 +638,11 @@ def build_app(
             ]
 
         if body.stream and role_name != "prefill":
-            include = bool(body.stream_options and body.stream_options.include_usage)
             await resolve_pd(req)
             head = chunk("", None, 0, None)
             head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             return StreamingResponse(
-                stream(req, prompt, chunk, include, [head]), media_type="text/event-stream"
+                stream(req, prompt, chunk, body.stream_options, [head]), media_type="text/event-stream"
             )
         out = await run_to_end(req, prompt, http)
         o = out.outputs[0]

@@ -13,6 +13,7 @@ from pdserve.sampling_params import SamplingParams, StructuredOutputs
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, the usage in every chunk)
 
 
 # OpenAI / vLLM fields whose meaning we do not implement, with the values that mean "off". Any other
