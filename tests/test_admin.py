@@ -89,7 +89,7 @@ def test_abort_request_ends_the_named_request_then_abort_all_the_rest(demo_model
         {"prompt_token_ids": PROMPT_IDS}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     )[0]
     for answer in (first.json(), second.json()):
-        assert answer["meta_info"]["finish_reason"] == "abort"
+        assert answer["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted"}
         ids = answer["output_ids"]
         assert 0 < len(ids) < LONG and ids[:60] == list(full.outputs[0].token_ids)[: len(ids)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"

@@ -178,7 +178,13 @@ SUCCESS_SCHEMAS = {
             "meta_info": {
                 "type": "object",
                 "required": ["id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"],
-                "properties": {"finish_reason": _FINISH},
+                "properties": {  # (SGLang's shape: server/native_stream.finish_reason)
+                    "finish_reason": {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {"type": _FINISH},
+                    }
+                },
             },
         },
     },

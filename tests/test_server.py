@@ -793,7 +793,14 @@ def test_generate_input_ids_matches_completion_and_offline(client, model_name, u
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(ids)
     assert meta["completion_tokens"] == 10
-    assert meta["finish_reason"] == "length"
+    assert meta["finish_reason"] == {"type": "length", "length": 10}  # (SGLang's shape)
+    sp = {"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [out["output_ids"][2]]}
+    stopped = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=30).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": out["output_ids"][2]}
+    assert stopped["output_ids"] == out["output_ids"][: stopped["output_ids"].index(out["output_ids"][2]) + 1]
+    sp = {"max_new_tokens": 10, "temperature": 0, "stop": [out["text"][3:6]]}
+    by_text = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=30).json()
+    assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": out["text"][3:6]}
 
     cmpl = client.completions.create(model=model_name, prompt=[ids], max_tokens=10, temperature=0)
     assert cmpl.choices[0].text == out["text"]
@@ -824,7 +831,8 @@ def test_generate_text_stream_and_logprobs(url, llm):
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["output_ids"] == out["output_ids"]
-    assert last["meta_info"]["finish_reason"] == "length"
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": len(out["output_ids"])}
+    assert all(json.loads(e)["meta_info"]["finish_reason"] is None for e in events[:-2])
 
 
 def test_generate_custom_rid(url):
@@ -850,7 +858,7 @@ def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
-    assert last["meta_info"]["finish_reason"] == "length" and len(last["output_ids"]) == 200
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 200
     wait_idle(url)
 
 

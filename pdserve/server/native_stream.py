@@ -12,7 +12,23 @@ from __future__ import annotations
 
 import json
 
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import CompletionOutput, RequestOutput
+
+
+def finish_reason(o: CompletionOutput) -> dict | None:
+    """SGLang's shape, which RL rollout code reads (`meta_info["finish_reason"]["type"]`):
+    {"type": "stop", "matched": the stop token id or string} | {"type": "length", "length": tokens}
+    | {"type": "abort", "message": why}; None while running."""
+    if o.finish_reason is None:
+        return None
+    if o.finish_reason == "length":
+        return {"type": "length", "length": len(o.token_ids)}
+    if o.finish_reason == "stop":
+        return {"type": "stop", "matched": o.stop_reason}
+    return {
+        "type": o.finish_reason,
+        "message": o.stop_reason if isinstance(o.stop_reason, str) else "aborted",
+    }
 
 
 def meta_info(out: RequestOutput) -> dict:
@@ -23,7 +39,7 @@ def meta_info(out: RequestOutput) -> dict:
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(o.token_ids),
         "cached_tokens": out.num_cached_tokens,
-        "finish_reason": o.finish_reason,
+        "finish_reason": finish_reason(o),
     }
 
 
