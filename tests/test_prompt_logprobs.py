@@ -212,7 +212,7 @@ def test_bad_prompt_logprobs_requests_are_400s(demo_engine, extra):
 
 def test_other_forms_n_generate_and_token_ids(demo_engine):
     """n > 1: each choice carries the prompt's logprobs; /generate returns them SGLang's way
-    (input_token_logprobs: [logprob, id], the first logprob null); return_token_ids adds the prompt's
+    (input_token_logprobs: [logprob, id, text or null], the first logprob null); return_token_ids adds the prompt's
     ids beside the completion's (vLLM)."""
     tok = demo_engine.tokenizer
     prompt = "x = compute(y)"
@@ -228,14 +228,60 @@ def test_other_forms_n_generate_and_token_ids(demo_engine):
     plps = [c["prompt_logprobs"] for c in n2.json()["choices"]]
     assert len(plps) == 2 and plps[0] == plps[1] and len(plps[0]) == len(ids)
     meta = gen.json()["meta_info"]
-    assert [t for _, t in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][0] is None
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids and meta["input_token_logprobs"][0][
+        0
+    ] is None
+    assert {text for _, _, text in meta["input_token_logprobs"]} == {None}  # (no return_text_in_logprobs)
     # (a batch of two and a lone request may differ in the last float bits)
-    assert [v for v, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
+    assert [v for v, _, _ in meta["input_token_logprobs"][1:]] == pytest.approx(
         [plps[0][i][str(ids[i])]["logprob"] for i in range(1, len(ids))], abs=1e-4
     )
     assert meta["input_top_logprobs"][0] is None and all(len(t) == 1 for t in meta["input_top_logprobs"][1:])
     choice = with_ids.json()["choices"][0]
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 2
+
+
+def test_generate_takes_sglangs_logprob_fields(demo_engine):
+    """SGLang's top-level return_logprob / top_logprobs_num / logprob_start_len /
+    return_text_in_logprobs: the same numbers as our sampling_params.logprobs and prompt_logprobs,
+    the prompt's from logprob_start_len on, entries [logprob, id, text]; streamed, the last chunk
+    carries the same meta_info; bad values are 400s."""
+    tok = demo_engine.tokenizer
+    prompt = "def area(r):\n    return"
+    ids = tok.encode(prompt)
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    sglang = {"text": prompt, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 2}
+    sglang |= {"logprob_start_len": 3, "return_text_in_logprobs": True}
+    ours = {"text": prompt, "sampling_params": sp | {"logprobs": 2, "prompt_logprobs": 2}}
+    a, b, streamed, *bad = post_all(
+        demo_engine,
+        [
+            ("/generate", sglang),
+            ("/generate", ours),
+            ("/generate", sglang | {"stream": True}),
+            ("/generate", sglang | {"logprob_start_len": len(ids)}),
+            ("/generate", sglang | {"top_logprobs_num": -1}),
+            ("/generate", sglang | {"sampling_params": sp | {"logprobs": 1}}),
+            ("/generate", sglang | {"top_logprobs_num": 21}),
+        ],
+    )
+    ma, mb = a.json()["meta_info"], b.json()["meta_info"]
+    assert a.json()["output_ids"] == b.json()["output_ids"]
+    out = a.json()["output_ids"]
+    assert [(lp, t) for lp, t, _ in ma["output_token_logprobs"]] == [
+        (lp, t) for lp, t, _ in mb["output_token_logprobs"]
+    ]
+    assert [text for _, _, text in ma["output_token_logprobs"]] == [tok.decode([t]) for t in out]
+    assert [t for _, t, _ in ma["input_token_logprobs"]] == ids[3:]  # from logprob_start_len
+    assert ma["input_token_logprobs"][0][0] == mb["input_token_logprobs"][3][0] is not None
+    assert len(mb["input_token_logprobs"]) == len(ids) and mb["input_top_logprobs"][0] is None
+    for tops in ma["output_top_logprobs"] + ma["input_top_logprobs"]:
+        assert len(tops) == 2 and tops[0][0] >= tops[1][0] and all(isinstance(e[2], str) for e in tops)
+    last = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+    assert last["meta_info"] | {"id": None} == ma | {"id": None}  # (everything but the request id)
+    assert [r.status_code for r in bad] == [400] * 4
+    assert "logprob_start_len" in bad[0].json()["error"]["message"]
+    assert "not both" in bad[2].json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -817,7 +817,7 @@ def test_generate_text_stream_and_logprobs(url, llm):
     out = r.json()
     assert out["output_ids"] == ref.outputs[0].token_ids
     lps = out["meta_info"]["output_token_logprobs"]
-    assert [t for _, t in lps] == out["output_ids"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
     assert all(len(top) == 2 for top in out["meta_info"]["output_top_logprobs"])
 
     events = []
@@ -959,7 +959,21 @@ def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir):
     assert len(threads) == 2 and loop_thread not in threads
 
 
-def test_generate_stream_chunks_are_what_json_dumps_writes(demo_model_dir):
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"sampling_params": {"max_new_tokens": 40, "temperature": 0, "logprobs": 2}},
+        {  # SGLang's fields: token texts in the entries, the prompt's logprobs from position 1
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": 1,
+            "return_text_in_logprobs": True,
+        },
+    ],
+    ids=["logprobs", "sglang-fields"],
+)
+def test_generate_stream_chunks_are_what_json_dumps_writes(demo_model_dir, fields):
     """/generate streams cumulative chunks (SGLang's format). They are now encoded by extending the
     previous chunk's pieces (O(new tokens), where a full encode per chunk was O(output^2) per
     stream): each chunk must still be exactly `json.dumps` of its content, a prefix of the next, and
@@ -970,7 +984,7 @@ def test_generate_stream_chunks_are_what_json_dumps_writes(demo_model_dir):
 
     engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=MAX_MODEL_LEN))
     app = build_app(engine)
-    body = {"text": "def f(x):", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "logprobs": 2}}
+    body = {"text": 'def f(x):\n    """A "quoted" \\ doc."""'} | fields
 
     async def run():
         transport = httpx.ASGITransport(app=app)

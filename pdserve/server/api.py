@@ -37,7 +37,13 @@ from pdserve.server.admin import admin_routes
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
-from pdserve.server.native_stream import CumulativeChunks, meta_info
+from pdserve.server.native_stream import (
+    CumulativeChunks,
+    input_logprobs,
+    logprob_entry,
+    meta_info,
+    top_entries,
+)
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
     APIError,
@@ -687,32 +693,44 @@ def build_app(
         unknown = set(sp) - set(SamplingParams.__dataclass_fields__)
         if unknown:
             raise APIError(f"unknown sampling params: {sorted(unknown)}")
+        if body.return_logprob:  # (SGLang's top-level fields; sampling_params.logprobs is ours)
+            if "logprobs" in sp or "prompt_logprobs" in sp:
+                raise APIError("give return_logprob or sampling_params' logprobs / prompt_logprobs, not both")
+            sp["logprobs"] = body.top_logprobs_num
+            if body.logprob_start_len >= 0:
+                sp["prompt_logprobs"] = body.top_logprobs_num
         if role_name != "colocated":
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
         req, text = await validate(lambda: prompt, lambda: SamplingParams(**sp))
+        input_start = max(0, body.logprob_start_len)
+        if req.prompt_logprobs is not None and input_start >= req.num_prompt_tokens:
+            raise APIError(
+                f"logprob_start_len {input_start} must be below the prompt's {req.num_prompt_tokens} tokens",
+                param="logprob_start_len",
+            )
         if body.rid:
             if aengine.is_active(body.rid):
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
+        token_text = token_str if body.return_text_in_logprobs else None
 
         def native(out: RequestOutput) -> dict:
             o = out.outputs[0]
             meta = meta_info(out)
-            if o.logprobs is not None:
-                meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in o.logprobs]
-                meta["output_top_logprobs"] = [lp.top for lp in o.logprobs]
-            if out.prompt_logprobs is not None:  # (SGLang's names; the first token has no logprob)
-                pl = out.prompt_logprobs
-                meta["input_token_logprobs"] = [[None, out.prompt_token_ids[0]]] + [
-                    [e.logprob, e.token_id] for e in pl[1:]
+            if o.logprobs is not None:  # (SGLang's [logprob, token id, text or null] entries)
+                meta["output_token_logprobs"] = [
+                    logprob_entry(lp.logprob, lp.token_id, token_text) for lp in o.logprobs
                 ]
-                meta["input_top_logprobs"] = [None] + [e.top for e in pl[1:]]
+                meta["output_top_logprobs"] = [top_entries(lp.top, token_text) for lp in o.logprobs]
+            if out.prompt_logprobs is not None:
+                meta |= input_logprobs(out, input_start, token_text)
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream:
 
             async def events():
-                chunks = CumulativeChunks()  # (the same bytes as sse(native(out)), O(new tokens))
+                # (the same bytes as sse(native(out)), O(new tokens))
+                chunks = CumulativeChunks(token_text, input_start)
                 try:
                     async for out in aengine.generate(req, text):
                         yield f"data: {chunks.encode(out)}\n\n"

@@ -11,8 +11,11 @@ character at a time, so the pieces join into exactly the bytes `json.dumps` give
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from pdserve.outputs import CompletionOutput, RequestOutput
+
+TokenText = Callable[[int], str] | None  # a token id's text, for logprob entries (None: no text)
 
 
 def finish_reason(o: CompletionOutput) -> dict | None:
@@ -31,6 +34,31 @@ def finish_reason(o: CompletionOutput) -> dict | None:
     }
 
 
+def logprob_entry(logprob: float | None, token_id: int, token_text: TokenText) -> list:
+    """SGLang's [logprob, token id, token text] (the text with `return_text_in_logprobs`, else None)."""
+    return [logprob, token_id, token_text(token_id) if token_text is not None else None]
+
+
+def top_entries(top: list[tuple[int, float]], token_text: TokenText) -> list[list]:
+    """One position's top-k as SGLang lists them: [[logprob, token id, text], ...], best first."""
+    return [logprob_entry(lp, tid, token_text) for tid, lp in top]
+
+
+def input_logprobs(out: RequestOutput, start: int, token_text: TokenText) -> dict:
+    """`input_token_logprobs` / `input_top_logprobs` of prompt positions `start`.. (SGLang's
+    `logprob_start_len`); the first prompt token has none (null)."""
+    pl, ids = out.prompt_logprobs, out.prompt_token_ids
+    return {
+        "input_token_logprobs": [
+            logprob_entry(None if i == 0 else pl[i].logprob, ids[i], token_text)
+            for i in range(start, len(ids))
+        ],
+        "input_top_logprobs": [
+            None if i == 0 else top_entries(pl[i].top, token_text) for i in range(start, len(ids))
+        ],
+    }
+
+
 def meta_info(out: RequestOutput) -> dict:
     """A `/generate` answer's `meta_info` before its logprobs (which come last, when asked for)."""
     o = out.outputs[0]
@@ -44,14 +72,17 @@ def meta_info(out: RequestOutput) -> dict:
 
 
 class CumulativeChunks:
-    def __init__(self) -> None:
+    def __init__(self, token_text: TokenText = None, input_start: int = 0) -> None:
+        self._token_text = token_text
+        self._input_start = input_start  # (prompt logprobs, when asked for: from this position)
+        self._inputs = ""  # their `"input_token_logprobs": ..., "input_top_logprobs": ...`, once known
         self._num_ids = 0
         self._ids = ""  # "1, 2, 3": the ids array's inside, as json.dumps writes it
         self._text = ""
         self._text_json = ""  # the text's JSON string, without the quotes
         self._num_logprobs = 0
-        self._logprobs = ""  # "[lp, id], ..."
-        self._tops = ""  # "[[id, lp], ...], ..."
+        self._logprobs = ""  # "[lp, id, text], ..."
+        self._tops = ""  # "[[lp, id, text], ...], ..."
 
     def encode(self, out: RequestOutput) -> str:
         """json.dumps of {"output_ids", "text", "meta_info"} for `out` (server/api.py's `native`)."""
@@ -70,8 +101,10 @@ class CumulativeChunks:
         if o.logprobs is not None:
             new = o.logprobs[self._num_logprobs :]
             if new:
-                lps = ", ".join(json.dumps([lp.logprob, lp.token_id]) for lp in new)
-                tops = ", ".join(json.dumps(lp.top) for lp in new)
+                lps = ", ".join(
+                    json.dumps(logprob_entry(lp.logprob, lp.token_id, self._token_text)) for lp in new
+                )
+                tops = ", ".join(json.dumps(top_entries(lp.top, self._token_text)) for lp in new)
                 self._logprobs = f"{self._logprobs}, {lps}" if self._logprobs else lps
                 self._tops = f"{self._tops}, {tops}" if self._tops else tops
                 self._num_logprobs = len(o.logprobs)
@@ -79,4 +112,8 @@ class CumulativeChunks:
                 f'{meta[:-1]}, "output_token_logprobs": [{self._logprobs}], '
                 f'"output_top_logprobs": [{self._tops}]}}'
             )
+        if out.prompt_logprobs is not None:
+            if not self._inputs:  # (the prompt's are known from the first output on, and never change)
+                self._inputs = json.dumps(input_logprobs(out, self._input_start, self._token_text))[1:-1]
+            meta = f"{meta[:-1]}, {self._inputs}}}"
         return f'{{"output_ids": [{self._ids}], "text": "{self._text_json}", "meta_info": {meta}}}'

@@ -211,6 +211,12 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    # SGLang's logprob fields: each output token's logprob (and its top `top_logprobs_num`); with
+    # `logprob_start_len` >= 0, the prompt's from that position too; entries [logprob, id, text or null].
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0)
+    logprob_start_len: int = Field(default=-1, ge=-1)
+    return_text_in_logprobs: bool = False
 
 
 def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
