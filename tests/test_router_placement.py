@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdserve.router.app import Engine
-from pdserve.router.placement import Placement, PlacementError, PrefixIndex, prompt_shape
+from pdserve.router.placement import Placement, PlacementError, PrefixIndex, prompt_pieces, prompt_shape
 
 BPT = 4096  # KV bytes per token
 
@@ -73,6 +73,59 @@ def test_hit_tokens_then_record_is_both_with_one_hashing():
         one.record(ids)
         assert two.hit_tokens_then_record(ids) == hits
         assert list(one._keys) == list(two._keys)  # the same keys in the same LRU order (capacity 6)
+
+
+def test_text_and_chat_prompts_get_hit_estimates_from_their_pieces():
+    """No tokenizer in the router: a text's 256-character chunks and a chat's messages are chained;
+    the leading ones seen before count as hits at 4 characters per token, in whole blocks (64)."""
+    idx = PrefixIndex(block_tokens=64)
+    text = "".join(chr(97 + i % 26) for i in range(1000))  # 3 full chunks (the 232-char tail is not one)
+    assert [c for _, c in prompt_pieces({"prompt": text})] == [256, 256, 256]
+    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": text}), 250) == 0
+    longer = text + "x" * 600  # 6 chunks: the first 3 seen before = 768 chars = 192 tokens = 3 blocks
+    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": longer}), 400) == 192
+    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": "b" + longer}), 400) == 0  # chained
+    assert prompt_pieces({"prompt": "\ud800" * 300}) is not None  # (a lone surrogate: no crash)
+
+    system = {"role": "system", "content": "s" * 1200}
+    turn1 = {"messages": [system, {"role": "user", "content": "u" * 400}]}
+    assert idx.estimated_hits_then_record(prompt_pieces(turn1), prompt_shape(turn1)[1]) == 0
+    reply = {"role": "assistant", "content": "a" * 300}
+    turn2 = {"messages": turn1["messages"] + [reply, {"role": "user", "content": "v" * 200}]}
+    # The first turn's messages (1,600 chars = 400 tokens) are hits: 6 whole blocks.
+    assert idx.estimated_hits_then_record(prompt_pieces(turn2), prompt_shape(turn2)[1]) == 384
+    # Key order inside a message does not matter; another tool list changes everything after it.
+    reordered = {"messages": [{"content": "s" * 1200, "role": "system"}] + turn2["messages"][1:]}
+    assert idx.estimated_hits_then_record(prompt_pieces(reordered), prompt_shape(reordered)[1]) == 512
+    tools = {"tools": [{"type": "function", "function": {"name": "ls"}}]}
+    assert idx.estimated_hits_then_record(prompt_pieces(turn2 | tools), prompt_shape(turn2 | tools)[1]) == 0
+    assert prompt_pieces({"prompt": [1, 2, 3]}) is None
+
+
+def test_a_chat_agents_next_turn_reads_by_the_read_queues_not_always_on_the_prefill_side():
+    """Without hit estimates a chat request had no hits, and the scheduler always picked the PE read
+    path for it; with them, a second turn's stored prefix is read where the queue is shorter."""
+    pl, _, _ = cluster("dualpath")
+    turns = []
+    for i in range(4):
+        first = {"messages": [{"role": "system", "content": f"agent {i} " * 300}]}
+        turns.append(first)
+        second = {"messages": first["messages"] + [{"role": "user", "content": "go on " * 50}]}
+        turns.append(second)
+
+    async def go():
+        out = []
+        for body in turns:
+            ids, n = prompt_shape(body)
+            out.append(await pl.place(ids, n, 16, prompt_pieces(body)))
+        return out
+
+    out = asyncio.run(go())
+    firsts, seconds = out[0::2], out[1::2]
+    assert all(a.num_pe_read_tokens + a.num_de_read_tokens == 0 for a in firsts)  # nothing stored yet
+    hits = [a.num_pe_read_tokens + a.num_de_read_tokens for a in seconds]
+    assert hits == [576] * 4  # (2,400 characters: 600 tokens, 9 whole blocks of 64)
+    assert {a.read_path for a in seconds} == {"pe", "de"}
 
 
 def test_alpha_defaults_to_three_seconds_of_the_slowest_snic():

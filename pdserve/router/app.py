@@ -36,6 +36,7 @@ from pdserve.router.placement import (
     DEFAULT_PLACEMENT_TOKENS,
     Placement,
     PlacementError,
+    prompt_pieces,
     prompt_shape,
     requested_max_tokens,
 )
@@ -259,7 +260,8 @@ class Router:
         if max_tokens is None:
             max_tokens = DEFAULT_PLACEMENT_TOKENS
         try:
-            a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens))
+            pieces = prompt_pieces(body) if prompt_ids is None else None
+            a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens, pieces))
         except ClientGone:
             return client_gone()
         except PlacementError as e:

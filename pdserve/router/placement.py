@@ -10,11 +10,15 @@ Who calls what (all on the router's event loop, so no locks):
 * after each load report and each arrival, `_pump()` runs one fetch over the queue head.
 
 Hit tokens: the scheduler needs each request's hit tokens (stored KV to read) before any engine sees
-it. The router estimates them from the token-id prompts it has routed: a bounded index of chained
-block hashes (the store's block granularity). A prompt's leading blocks that an earlier prompt had are
-counted as hits (the decode wrote them back when that request committed). Text prompts count as all
-new tokens (4 characters per token). Estimates only steer placement; the engines read what the store
-really has, and their load reports overwrite the scheduler's optimistic view within 50 ms.
+it -- without any, a request is all new tokens and always reads on the PE side. The router estimates
+them from the prompts it has routed, in a bounded index of chained hashes: a prompt's leading pieces
+that an earlier prompt had are counted as hits (the decode wrote them back when that request
+committed). Token-id prompts are cut into the store's blocks; the router has no tokenizer, so a text
+prompt is cut into TEXT_CHUNK_CHARS-character chunks and a chat into its tools and messages (an
+agent's next turn repeats the last turn's messages and appends to them), their hits counted at
+CHARS_PER_TOKEN and rounded down to whole blocks. Estimates only steer placement; the engines read
+what the store really has, and their load reports overwrite the scheduler's optimistic view within
+50 ms.
 
 Dead engines: a dead prefill reports β + 1 tokens forever (never chosen by `dualpath`); a dead decode
 reports no free pages and a huge token count (its group is never the least loaded). `round_robin`
@@ -24,7 +28,9 @@ ignores loads, so `Router` re-picks a live engine when the scheduler named a dea
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -40,6 +46,8 @@ from pdserve.dualpath.scheduler import (
 from pdserve.kvcache.hashing import page_keys, root_key
 
 REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
+CHARS_PER_TOKEN = 4  # text and chat prompts: the router's estimate of their tokens (it has no tokenizer)
+TEXT_CHUNK_CHARS = 256  # a text prompt's pieces for prefix hits (~64 tokens: one store block or less)
 UNLIMITED_TOKENS = 1 << 40
 ALPHA_READ_S = 3.0  # paper: a node is preferred when its read queue is readable within 3 s
 # An assignment counts in its node's read queue until a report taken this long after it (the request
@@ -65,6 +73,7 @@ class PrefixIndex:
         self.block_tokens = block_tokens
         self.capacity = capacity
         self.root = root_key("router")
+        self.text_root = root_key("router-text")  # (text and chat pieces: never equal to a block's key)
         self._keys: OrderedDict[bytes, None] = OrderedDict()
 
     def hit_tokens(self, token_ids: list[int]) -> int:
@@ -82,6 +91,24 @@ class PrefixIndex:
         hits = self._hits(keys, (len(token_ids) - 1) // self.block_tokens)
         self._record(keys)
         return hits
+
+    def estimated_hits_then_record(self, pieces: list[tuple[bytes, int]], num_tokens: int) -> int:
+        """Text and chat prompts: `pieces` are the prompt's pieces in order, (bytes, characters), from
+        `prompt_pieces`. The leading pieces seen before count as hits, at CHARS_PER_TOKEN, in whole
+        blocks, at least one token left of the estimated `num_tokens`; then all are recorded."""
+        keys, parent = [], self.text_root
+        for data, _ in pieces:
+            parent = hashlib.blake2b(parent + data, digest_size=16).digest()
+            keys.append(parent)
+        matched_chars = 0
+        for key, (_, chars) in zip(keys, pieces, strict=True):
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            matched_chars += chars
+        self._record(keys)
+        hit_tokens = min(matched_chars // CHARS_PER_TOKEN, num_tokens - 1)
+        return max(0, hit_tokens) // self.block_tokens * self.block_tokens
 
     def _hits(self, keys: list[bytes], max_blocks: int) -> int:
         hits = 0
@@ -251,8 +278,15 @@ class Placement:
         s.report_read_queue(node, int(tokens))
 
     # ---- requests --------------------------------------------------------------------------------
-    async def place(self, prompt_ids: list[int] | None, prompt_len: int, max_tokens: int) -> Assignment:
-        """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError."""
+    async def place(
+        self,
+        prompt_ids: list[int] | None,
+        prompt_len: int,
+        max_tokens: int,
+        prompt_pieces: list[tuple[bytes, int]] | None = None,
+    ) -> Assignment:
+        """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
+        A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate."""
         if self.scheduler is None:
             raise PlacementError("the router has no load report from every engine yet; retry shortly")
         page_tokens = self.scheduler.config.page_tokens
@@ -263,7 +297,12 @@ class Placement:
                 f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
                 f"the largest decode engine has {biggest}"
             )
-        hits = self.index.hit_tokens_then_record(prompt_ids) if prompt_ids else 0
+        if prompt_ids:
+            hits = self.index.hit_tokens_then_record(prompt_ids)
+        elif prompt_pieces:
+            hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len)
+        else:
+            hits = 0
         pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
         waiting = _Waiting(pending, asyncio.get_running_loop().create_future())
         self.queue.append(waiting)
@@ -321,9 +360,33 @@ def requested_max_tokens(path: str, body: dict) -> int | None:
     return None
 
 
+def prompt_pieces(body: dict) -> list[tuple[bytes, int]] | None:
+    """A text or chat body's pieces for prefix hits, in order, as (bytes, characters): a text's full
+    TEXT_CHUNK_CHARS chunks; a chat's tools, then each message (canonical JSON, so equal messages
+    give equal bytes). Characters are counted as `prompt_shape` counts them. None for token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        n = TEXT_CHUNK_CHARS
+        return [(prompt[i : i + n].encode(errors="surrogatepass"), n) for i in range(0, len(prompt) - n + 1, n)]
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    tools = body.get("tools")
+    pieces = [(_canonical(tools), len(str(tools or "")))]
+    for m in messages:
+        if isinstance(m, dict):
+            chars = len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+            pieces.append((_canonical(m), chars))
+    return pieces
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(errors="surrogatepass")
+
+
 def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
     """(token ids or None, prompt length in tokens) of a completion or chat body, for placement.
-    Text is estimated at 4 characters per token (only placement uses it; engines tokenize).
+    Text is estimated at CHARS_PER_TOKEN (only placement uses it; engines tokenize).
     ValueError for a token id that is not a non-negative 64-bit integer."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) and len(prompt) == 1:
@@ -333,7 +396,7 @@ def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
             raise ValueError("prompt token ids must be in [0, 2**63)")
         return prompt, len(prompt)
     if isinstance(prompt, str):
-        return None, max(1, len(prompt) // 4)
+        return None, max(1, len(prompt) // CHARS_PER_TOKEN)
     messages = body.get("messages")
     if isinstance(messages, list):
         # Content, an assistant's past tool calls and the tool schemas all reach the prompt.
@@ -343,5 +406,5 @@ def prompt_shape(body: dict) -> tuple[list[int] | None, int]:
             if isinstance(m, dict)
         )
         chars += len(str(body.get("tools") or ""))
-        return None, max(1, chars // 4)
+        return None, max(1, chars // CHARS_PER_TOKEN)
     return None, 1
