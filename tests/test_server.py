@@ -663,11 +663,52 @@ def test_bad_prompt_lists_are_400s_and_leave_the_engine_clean(url, model_name):
 
 
 @pytest.mark.parametrize(
-    "sp", [{"temperature": "hot"}, {"max_new_tokens": "3"}, {"stop": 5}], ids=["temperature", "max", "stop"]
+    "sp",
+    [
+        {"temperature": "hot"},
+        {"max_new_tokens": "3"},
+        {"stop": 5},
+        {"max_new_tokens": 3, "max_tokens": 3},
+        {"no_stop_trim": "yes"},
+        {"spaces_between_special_tokens": 0},
+    ],
+    ids=["temperature", "max", "stop", "both-names", "no-stop-trim", "spaces"],
 )
 def test_generate_wrongly_typed_sampling_params_is_a_400(url, sp):
     r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": sp}, timeout=10)
     assert_openai_error(r, 400)
+
+
+def test_generate_takes_sglangs_sampling_param_names(url):
+    """What SGLang rollout code sends (min_new_tokens, no_stop_trim, spaces_between_special_tokens)
+    means what our names mean: the same tokens and text."""
+    first = httpx.post(
+        url + "/generate",
+        json={"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}},
+        timeout=30,
+    ).json()
+    stop = first["text"][2:5]
+    sglang = {
+        "max_new_tokens": 8,
+        "min_new_tokens": 1,
+        "temperature": 0,
+        "stop": [stop],
+        "no_stop_trim": True,
+    }
+    sglang["spaces_between_special_tokens"] = False
+    ours = {
+        "max_tokens": 8,
+        "min_tokens": 1,
+        "temperature": 0,
+        "stop": [stop],
+        "include_stop_str_in_output": True,
+    }
+    a, b = (
+        httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": sp}, timeout=30).json()
+        for sp in (sglang, ours)
+    )
+    assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"] and a["text"].endswith(stop)
+    assert a["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
 
 def test_chat_max_completion_tokens_zero_is_a_400(client, model_name, llm):

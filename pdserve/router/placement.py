@@ -367,7 +367,9 @@ def prompt_pieces(body: dict) -> list[tuple[bytes, int]] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         n = TEXT_CHUNK_CHARS
-        return [(prompt[i : i + n].encode(errors="surrogatepass"), n) for i in range(0, len(prompt) - n + 1, n)]
+        return [
+            (prompt[i : i + n].encode(errors="surrogatepass"), n) for i in range(0, len(prompt) - n + 1, n)
+        ]
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
@@ -381,7 +383,9 @@ def prompt_pieces(body: dict) -> list[tuple[bytes, int]] | None:
 
 
 def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(errors="surrogatepass")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        errors="surrogatepass"
+    )
 
 
 def prompt_shape(body: dict) -> tuple[list[int] | None, int]:

@@ -56,6 +56,13 @@ from pdserve.server.protocol import (
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
 
+# /generate's sampling_params under SGLang's names -> ours (the meaning is the same).
+SGLANG_SAMPLING_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+
 
 def build_app(
     engine: LLMEngine,
@@ -681,8 +688,14 @@ def build_app(
             raise APIError("give exactly one of input_ids or text")
         prompt = body.text if body.text is not None else {"prompt_token_ids": body.input_ids}
         sp = dict(body.sampling_params)
-        if "max_new_tokens" in sp:
-            sp["max_tokens"] = sp.pop("max_new_tokens")
+        for sglang_name, ours in SGLANG_SAMPLING_NAMES.items():  # (SGLang's names for ours)
+            if sglang_name in sp:
+                if ours in sp:
+                    raise APIError(f"give {sglang_name} or {ours}, not both")
+                sp[ours] = sp.pop(sglang_name)
+        # SGLang's `spaces_between_special_tokens` acts in slow tokenizers only; ours are fast ones.
+        if type(sp.pop("spaces_between_special_tokens", True)) is not bool:
+            raise APIError("spaces_between_special_tokens must be a boolean")
         # SGLang's names for structured outputs (a schema's text, a regex, an EBNF grammar).
         sglang = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
         given = {sglang[k]: v for k in list(sp) if k in sglang and (v := sp.pop(k)) is not None}
