@@ -69,9 +69,9 @@ def test_abort_request_ends_the_named_request_then_abort_all_the_rest(demo_model
         await until(lambda: len(reqs) == 3 and all(r.num_output_tokens >= 3 for r in list(reqs.values())))
         bad = [
             await c.post("/abort_request", json=body)
-            for body in ({}, {"rid": "x", "abort_all": True}, {"rid": 5}, {"rid": "x", "why": "y"})
+            for body in ({}, {"rid": "x", "abort_all": True}, {"rid": 5}, {"abort_all": "yes"})
         ]
-        unknown = await c.post("/abort_request", json={"rid": "no-such-request"})
+        unknown = await c.post("/abort_request", json={"rid": "no-such-request", "abort_message": "x"})
         one = await c.post("/abort_request", json={"rid": "rollout-1"})
         first_answer = await first
         still_running = set(engine.requests)

@@ -449,6 +449,7 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     assert abort.status_code == 200 and abort.json() == {
         "success": True,
         "engines": {u: {"success": True, "num_requests_aborted": 1} for u in ("http://pe", "http://de")},
+        "unhealthy": ["http://pe2"],  # (out of service: not asked)
     }
     assert sorted((h, p) for h, p, _ in sent[:2]) == [("de", "/abort_request"), ("pe", "/abort_request")]
     assert {b for _, _, b in sent[:2]} == {b'{"rid":"cmpl-1"}'}

@@ -709,6 +709,12 @@ def test_generate_takes_sglangs_sampling_param_names(url):
     )
     assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"] and a["text"].endswith(stop)
     assert a["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    eos = {"max_new_tokens": 4, "temperature": 0, "logit_bias": {"1": 100.0}}  # (the demo's EOS: id 1)
+    ended = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": eos}, timeout=30).json()
+    assert ended["output_ids"] == [1] and ended["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": 1,
+    }
 
 
 def test_chat_max_completion_tokens_zero_is_a_400(client, model_name, llm):

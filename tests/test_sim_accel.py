@@ -22,7 +22,6 @@ from tests.conftest import can_compile_simulator
 _SCRIPT = r"""
 import collections, gc, json, sys
 from pdserve.sim import accel
-from tests.conftest import can_compile_simulator
 compiled = sys.argv[1] == "compiled"
 if compiled:
     assert accel.activate(), "no build"

@@ -403,6 +403,7 @@ def _json(body: dict, http: Request) -> bytes:
 
 
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
+CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -514,15 +515,19 @@ def build_router_app(router: Router) -> FastAPI:
     async def to_every_engine(path: str, http: Request) -> Response:
         """What every engine must do (abort requests, drop cached pages): the client's body sent to
         each live engine at once; 200 with each one's answer by URL, or 502 (the same map) when any
-        engine failed or refused (a bad body is refused by all alike: that engine's answer, as is)."""
+        engine failed or refused (a bad body is refused by all alike: that engine's answer, as is).
+        Engines out of service are listed as `unhealthy` (not asked: they may not answer)."""
         live = [e for e in router.prefills + router.decodes if e.healthy]
+        down = [e.url for e in router.prefills + router.decodes if not e.healthy]
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
         body = await http.body()
 
         async def one(engine: Engine) -> tuple[int, object]:
             try:
-                r = await router.client.post(engine.url + path, content=body, headers=JSON)
+                r = await router.client.post(
+                    engine.url + path, content=body, headers=JSON, timeout=CONTROL_TIMEOUT_S
+                )
             except httpx.HTTPError as e:
                 return 502, {"error": f"{engine.url} unreachable: {e!r}"}
             try:
@@ -536,6 +541,8 @@ def build_router_app(router: Router) -> FastAPI:
             return JSONResponse(answers[0][1], 400)
         ok = statuses == {200}
         out = {"success": ok, "engines": {e.url: a for e, (_, a) in zip(live, answers, strict=True)}}
+        if down:
+            out["unhealthy"] = down
         return JSONResponse(out, 200 if ok else 502)
 
     @app.post("/abort_request")

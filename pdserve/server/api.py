@@ -319,7 +319,7 @@ def build_app(
         `options` (the client's stream_options): `include_usage` adds a last chunk with the usage;
         with `continuous_usage_stats` too (vLLM's), every chunk carries the usage so far."""
         include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        continuous = include_usage and bool(options.continuous_usage_stats)
 
         def so_far(num_output_tokens: int) -> dict:  # (as vLLM's: the three counts, no details)
             n = req.num_prompt_tokens

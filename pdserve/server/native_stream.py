@@ -26,8 +26,9 @@ def finish_reason(o: CompletionOutput) -> dict | None:
         return None
     if o.finish_reason == "length":
         return {"type": "length", "length": len(o.token_ids)}
-    if o.finish_reason == "stop":
-        return {"type": "stop", "matched": o.stop_reason}
+    if o.finish_reason == "stop":  # (an EOS token sets no stop_reason: it is the last token, as SGLang says)
+        matched = o.stop_reason if o.stop_reason is not None else (o.token_ids[-1] if o.token_ids else None)
+        return {"type": "stop", "matched": matched}
     return {
         "type": o.finish_reason,
         "message": o.stop_reason if isinstance(o.stop_reason, str) else "aborted",

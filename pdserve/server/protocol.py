@@ -13,7 +13,7 @@ from pdserve.sampling_params import SamplingParams, StructuredOutputs
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, the usage in every chunk)
+    continuous_usage_stats: bool | None = False  # (vLLM's: with include_usage, the usage in every chunk)
 
 
 # OpenAI / vLLM fields whose meaning we do not implement, with the values that mean "off". Any other
@@ -237,9 +237,10 @@ Role = Literal["colocated", "prefill", "decode"]
 
 
 class AbortRequest(BaseModel):
-    """POST /abort_request (SGLang's): the request `rid`, or every request with `abort_all`."""
+    """POST /abort_request (SGLang's): the request `rid`, or every request with `abort_all`. (SGLang's
+    other fields, e.g. `abort_message`, are accepted and have no effect here.)"""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
     rid: str = ""
     abort_all: bool = False
 
