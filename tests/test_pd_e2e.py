@@ -374,6 +374,38 @@ def test_pd_abort_request_through_the_router_ends_a_stream_by_its_id(cluster):
         wait_engine_idle(url)
 
 
+def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(cluster):
+    """abort_all through the router while the prefill computes three long prompts: each client gets
+    its answer with finish_reason "abort" (the prefill's failed room reads as the abort, so the
+    router does not retry it on a prefill elsewhere, nor answer 503), and every engine is idle after."""
+    import concurrent.futures
+
+    prefill = next(
+        u for u in cluster.engine_urls if httpx.get(u + "/pd/info", timeout=5).json()["role"] == "prefill"
+    )
+    retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
+    prompts = [f"# job {i}\n" + BASE * 14 for i in range(3)]  # ~800 tokens each: 7 prefill steps of 128
+
+    def one(prompt: str) -> httpx.Response:
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+        return httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        deadline = time.monotonic() + 30
+        while metrics(prefill)["pdserve_num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        aborted = httpx.post(cluster.router_url + "/abort_request", json={"abort_all": True}, timeout=30)
+        answers = [f.result() for f in futures]
+    assert aborted.status_code == 200 and aborted.json()["success"], aborted.text
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    finishes = [a.json()["choices"][0]["finish_reason"] for a in answers]
+    assert finishes == ["abort"] * 3
+    assert httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"] == retries
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_greedy_equals_colocated(cluster, colocated):
     ps = prompts()
     max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]

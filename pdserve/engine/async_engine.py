@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.request import Request
-from pdserve.outputs import RequestOutput
+from pdserve.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class AsyncEngine:
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -100,18 +101,23 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         self._send(("add", req, prompt_text))
-        finished = False
+        finished, last = False, None
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    if req.request_id in self._aborting:  # (`abort_now` ended it inside a PD transfer)
+                        finished = True
+                        yield _aborted_output(req, last)
+                        return
                     raise item
-                finished = item.finished
+                finished, last = item.finished, item
                 yield item
                 if finished:
                     return
         finally:
             self._streams.pop(req.request_id, None)
+            self._aborting.discard(req.request_id)
             if not finished:
                 self._send(("abort", req.request_id))
 
@@ -122,12 +128,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    async def abort_now(self, request_ids: list[str] | None = None) -> int:
-        """Event-loop thread: end the given requests (None: every one being streamed) on behalf of
-        someone other than their caller (SGLang's /abort_request). Each caller's stream ends with the
-        output so far and finish_reason "abort" (a PD request still in transfer: with the role's
-        failure), and its pages are freed. Ids not streamed here are skipped. Returns how many were."""
-        ids = [r for r in (list(self._streams) if request_ids is None else request_ids) if r in self._streams]
+    async def abort_now(self, request_id: str | None = None) -> int:
+        """Event-loop thread: end the request `request_id` and its children (`<id>_<i>`: the choices
+        and prompts of one request, server/fanout.py), or with None every request being streamed, on
+        behalf of someone other than their callers (SGLang's /abort_request). Each caller's stream
+        ends with the output so far and finish_reason "abort" (a PD request still in transfer too:
+        the role's failure reads as the abort), and its pages are freed. Returns how many there were."""
+        ids = [
+            r
+            for r in self._streams
+            if request_id is None or r == request_id or r.startswith(f"{request_id}_")
+        ]
+        self._aborting.update(ids)
 
         def abort() -> None:  # (engine thread)
             for rid in ids:
@@ -287,3 +299,26 @@ def _settle(done: asyncio.Future, result, error) -> None:
             done.set_exception(error)
         else:
             done.set_result(result)
+
+
+def _aborted_output(req: Request, last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request `abort_now` ended while its PD role held it (no engine output
+    says so): what it had produced, finish_reason "abort"."""
+    o = last.outputs[0] if last is not None else None
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=None,
+        prompt_token_ids=list(req.prompt_token_ids),
+        outputs=[
+            CompletionOutput(
+                index=0,
+                text=o.text if o else "",
+                token_ids=list(o.token_ids) if o else [],
+                logprobs=list(o.logprobs) if o and o.logprobs is not None else None,
+                finish_reason="abort",
+                stop_reason="aborted",
+            )
+        ],
+        finished=True,
+        num_cached_tokens=last.num_cached_tokens if last is not None else 0,
+    )

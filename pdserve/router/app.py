@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -478,7 +479,7 @@ def build_router_app(router: Router) -> FastAPI:
             return await router.dispatch(path, body, http)
         options = body.get("stream_options")
         include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
-        bodies = fanout.child_bodies(body, n, prompts)
+        bodies = fanout.child_bodies(body, n, prompts, uuid.uuid4().hex)
         children = []
         for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
             try:  # (DualPath placement places each on its own)

@@ -5,9 +5,11 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
 (router/app.py). `server/api.py` mounts `admin_routes` on every engine's app.
 
 * `POST /abort_request` `{"rid": ...}` or `{"abort_all": true}` (SGLang's): end requests now, e.g.
-  the over-sampled rollouts a step no longer needs. Each one's answer (stream or whole) ends with the
-  tokens so far and finish_reason "abort", its pages freed; an unknown or finished id is no error
-  (it may have just finished). Answers how many were aborted.
+  the over-sampled rollouts a step no longer needs. `rid` is the id the client saw: a `/generate`
+  rid, or a completion's or chat's `id` (with `n` > 1 or a prompt list: all of its choices). Each
+  one's answer (stream or whole) ends with the tokens so far and finish_reason "abort", its pages
+  freed; an unknown or finished id is no error (it may have just finished). Answers how many were
+  aborted. (A request still being validated, not yet streamed, is not among them.)
 * `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
   no request holds.
 * `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`; colocated only): load a
@@ -32,8 +34,10 @@ def admin_routes(
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
+        # The ids clients see: a completion's is the engine's, a chat's says "chatcmpl-" for "cmpl-".
+        rid = "cmpl-" + body.rid.removeprefix("chatcmpl-") if body.rid.startswith("chatcmpl-") else body.rid
         try:
-            num_aborted = await aengine.abort_now(None if body.abort_all else [body.rid])
+            num_aborted = await aengine.abort_now(None if body.abort_all else rid)
         except EngineDeadError as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
         return {"success": True, "num_requests_aborted": num_aborted}

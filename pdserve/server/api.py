@@ -126,14 +126,15 @@ def build_app(
         if name is not None and name != model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
-    async def validate(make_prompt, make_params, pd_field=None):
+    async def validate(make_prompt, make_params, pd_field=None, request_id: str | None = None):
         """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
-        of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py)."""
-        req, text = await validate_one(make_prompt, make_params, pd_field)
+        of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py).
+        The engine's id is "cmpl-" + `request_id` (vLLM's field; the client's, or a fresh one)."""
+        req, text = await validate_one(make_prompt, make_params, pd_field, request_id)
         await fanout.validated()
         return req, text
 
-    async def validate_one(make_prompt, make_params, pd_field):
+    async def validate_one(make_prompt, make_params, pd_field, request_id):
         """(validate's checks, for one request)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
@@ -144,12 +145,14 @@ def build_app(
         """
         try:
             params: SamplingParams = make_params()
-            prompt, rid = make_prompt(), f"cmpl-{uuid.uuid4().hex}"
+            prompt, rid = make_prompt(), f"cmpl-{request_id or uuid.uuid4().hex}"
             req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid)
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
         except WeightsLost as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
+        if aengine.is_active(rid):
+            raise APIError(f"request id {rid!r} is already active", 409, "Conflict", "request_id")
         if role_name == "colocated":
             if pd_field is not None:
                 raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
@@ -437,11 +440,12 @@ def build_app(
             raise APIError(f"{what} is split into requests by the router", param="prompt" if prompts else "n")
 
         gate = fanout.StartGate(num_children)
+        base_id = body.request_id or uuid.uuid4().hex  # (child i: base_id_i; the merged answer's: base_id)
 
-        async def child(prompt, j: int) -> Response:
+        async def child(prompt, i: int, j: int) -> Response:
             ticket = gate.ticket()
             fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
-            update = {"n": 1, "seed": fanout.child_seed(body.seed, j)}
+            update = {"n": 1, "seed": fanout.child_seed(body.seed, j), "request_id": f"{base_id}_{i}"}
             out = await one(
                 body.model_copy(update=update if prompts is None else update | {"prompt": prompt}), http
             )
@@ -450,7 +454,8 @@ def build_app(
             return out if isinstance(out, Response) else JSONResponse(out)
 
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        children = [child(p, j) for p in prompts or [None] for j in range(n)]
+        pairs = [(p, j) for p in prompts or [None] for j in range(n)]
+        children = [child(p, i, j) for i, (p, j) in enumerate(pairs)]
         return await fanout.merged(children, bool(body.stream), include, n)
 
     @app.post("/v1/completions")
@@ -461,7 +466,10 @@ def build_app(
         check_model(body.model)
         pd_field = (body.model_extra or {}).get("pd")
         req, text = await validate(
-            body.single_prompt, lambda: body.sampling_params(body.max_tokens, body.logprobs), pd_field
+            body.single_prompt,
+            lambda: body.sampling_params(body.max_tokens, body.logprobs),
+            pd_field,
+            body.request_id,
         )
         created, rid = int(time.time()), req.request_id
         # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
@@ -588,7 +596,7 @@ def build_app(
                 sp = dataclasses.replace(sp, skip_special_tokens=False)
             return sp
 
-        req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field)
+        req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id)
         created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
         max_calls = 1 if body.parallel_tool_calls is False else None
         named = isinstance(body.tool_choice, dict)

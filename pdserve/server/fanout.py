@@ -136,19 +136,27 @@ def num_children(num_prompts: int, n: int) -> int:
     return num_prompts * n
 
 
-def child_bodies(body: dict, n: int, prompts: list | None = None) -> list[dict]:
+def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str = "") -> list[dict]:
     """The router's children: the client's JSON body, with prompt p of `prompts` (when batched) and
-    `n` = 1, seeds per `child_seed`; child p·n + j is prompt p's choice j."""
+    `n` = 1, seeds per `child_seed`; child i = p·n + j is prompt p's choice j, with `request_id`
+    `<base_id>_<i>` (the client's request_id, else `base_id`), so that one id names them all."""
     out = []
+    base = body.get("request_id") if isinstance(body.get("request_id"), str) else base_id
     for prompt in prompts if prompts is not None else [None]:
         for j in range(n):
-            child = {**body, "n": 1}
+            child = {**body, "n": 1, "request_id": f"{base}_{len(out)}"}
             if prompts is not None:
                 child["prompt"] = prompt
             if "seed" in body:
                 child["seed"] = child_seed(body["seed"], j)
             out.append(child)
     return out
+
+
+def parent_id(child_id):
+    """The merged answer's id from child 0's: `cmpl-<base>_0` -> `cmpl-<base>` (the id /abort_request
+    takes for all the children); anything else as it is."""
+    return child_id[:-2] if isinstance(child_id, str) and child_id.endswith("_0") else child_id
 
 
 async def merged(
@@ -198,6 +206,7 @@ def merge_bodies(parts: list[dict], n: int | None = None) -> dict:
     """Non-streamed children's responses -> one response with their choices, index i each; parts
     p·n .. p·n + n - 1 are prompt p's choices (`n` None: one prompt), whose prompt is counted once."""
     out = dict(parts[0])
+    out["id"] = parent_id(out.get("id"))
     out["choices"] = []
     for i, p in enumerate(parts):
         (choice,) = p["choices"]
@@ -264,7 +273,7 @@ async def _merged_events(responses: list[Response], include_usage: bool, n: int)
                 usages[i] = obj
                 continue
             if stream_id is None:
-                stream_id, created = obj.get("id"), obj.get("created")
+                stream_id, created = parent_id(obj.get("id")), obj.get("created")
             obj["id"] = stream_id
             if created is not None:
                 obj["created"] = created

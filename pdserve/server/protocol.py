@@ -55,6 +55,9 @@ class _SamplingFields(BaseModel):
         return self
 
     model: str | None = None
+    # vLLM's: the request's id is "cmpl-" + this (chat answers say "chatcmpl-"); it names the request
+    # for /abort_request, and the choices of one request are its children "<id>_<i>".
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
