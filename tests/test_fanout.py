@@ -69,7 +69,14 @@ def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
         fanout.num_children(17, 64)
     with pytest.raises(ValueError, match="1025 prompts: more than 1024"):
         fanout.num_children(1025, 1)
-    kids = fanout.child_bodies({"prompt": ["a", "b"], "n": 2, "seed": 5}, 2, ["a", "b"])
+    assert fanout.parent_id("cmpl-x_3", 3) == "cmpl-x" and fanout.parent_id("cmpl-x_3") == "cmpl-x_3"
+    assert fanout.base_request_id(None, "fresh") == "fresh" and fanout.base_request_id("job", "f") == "job"
+    for bad in ("", 5, "x" * 252):
+        with pytest.raises(ValueError, match="request_id of a request split"):
+            fanout.base_request_id(bad, "fresh")
+    assert fanout.base_request_id("x" * 251, "f") == "x" * 251  # (+ "_1023" = 256, the engines' limit)
+    kids = fanout.child_bodies({"prompt": ["a", "b"], "n": 2, "seed": 5}, 2, ["a", "b"], "base")
+    assert [k["request_id"] for k in kids] == ["base_0", "base_1", "base_2", "base_3"]
     assert [(k["prompt"], k["seed"], k["n"]) for k in kids] == [
         ("a", 5, 1),
         ("a", 6, 1),
@@ -179,6 +186,21 @@ def test_streams_are_reindexed_with_one_id_one_usage_and_one_done():
     assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 3
     assert objs[-1]["usage"]["total_tokens"] == 10
     assert a.finished and b.finished
+
+
+def test_a_merged_stream_takes_the_parent_id_whichever_child_speaks_first():
+    """Children `cmpl-x_<i>`: the stream's id is `cmpl-x` (what /abort_request takes for all of
+    them), also when child 1's chunk comes first."""
+    slow = Child([{"id": "cmpl-x_0", "choices": [{"index": 0, "text": "a"}]}, "[DONE]"], pause_s=0.05)
+    fast = Child([{"id": "cmpl-x_1", "choices": [{"index": 0, "text": "b"}]}, "[DONE]"])
+
+    async def go():
+        resp = await fanout.merged([slow.response(), fast.response()], stream=True, include_usage=False)
+        return await collect(resp)
+
+    events = asyncio.run(go())
+    objs = [json.loads(e) for e in events[:-1]]
+    assert [o["choices"][0]["text"] for o in objs] == ["b", "a"] and {o["id"] for o in objs} == {"cmpl-x"}
 
 
 def test_an_error_mid_stream_is_passed_on_and_closes_the_other_children():

@@ -263,8 +263,13 @@ def test_generate_takes_sglangs_logprob_fields(demo_engine):
             ("/generate", sglang | {"top_logprobs_num": -1}),
             ("/generate", sglang | {"sampling_params": sp | {"logprobs": 1}}),
             ("/generate", sglang | {"top_logprobs_num": 21}),
+            ("/generate", sglang | {"logprob_start_len": -1}),
         ],
     )
+    *bad, default_start = bad
+    no_input = default_start.json()["meta_info"]  # (SGLang's default: the keys, empty here)
+    assert no_input["input_token_logprobs"] == [] and no_input["input_top_logprobs"] == []
+    assert len(no_input["output_token_logprobs"]) == 4
     ma, mb = a.json()["meta_info"], b.json()["meta_info"]
     assert a.json()["output_ids"] == b.json()["output_ids"]
     out = a.json()["output_ids"]

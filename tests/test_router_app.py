@@ -347,6 +347,7 @@ def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_pr
                 await c.post("/v1/completions", json={"prompt": ["a", [1]], "max_tokens": 4}),
                 await c.post("/v1/completions", json={"prompt": ["a"] * 1025}),
                 await c.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 60}),
+                await c.post("/v1/completions", json={"prompt": [1], "n": 2, "request_id": "x" * 252}),
             ]
         return num_sent, bad
 
@@ -355,8 +356,14 @@ def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_pr
     legs = sorted((b["prompt"], b["seed"], b["n"], host) for host, b in sent)
     assert [leg[:3] for leg in legs] == [([1, 2], 7, 1), ([1, 2], 8, 1), ([3, 4, 5], 7, 1), ([3, 4, 5], 8, 1)]
     assert legs[0][3] == legs[1][3] and legs[2][3] == legs[3][3] and legs[0][3] != legs[2][3]
+    ids = sorted(b["request_id"] for _, b in sent)  # one base, child i = prompt p's choice j: p*2 + j
+    base = ids[0][:-2]
+    assert ids == [f"{base}_{i}" for i in range(4)]
+    assert {(tuple(b["prompt"]), b["seed"]): b["request_id"][-1] for _, b in sent} == {
+        ((1, 2), 7): "0", ((1, 2), 8): "1", ((3, 4, 5), 7): "2", ((3, 4, 5), 8): "3"
+    }  # fmt: skip
     messages = [r.json()["error"]["message"] for r in bad]
-    assert [r.status_code for r in bad] == [400] * 3
+    assert [r.status_code for r in bad] == [400] * 4 and "request_id" in messages[3]
     assert "every prompt of a list must be a string" in messages[0]
     assert (
         "1025 prompts: more than 1024" in messages[1] and "20 prompts x n=60: more than 1024" in messages[2]

@@ -100,6 +100,16 @@ def test_text_and_chat_prompts_get_hit_estimates_from_their_pieces():
     tools = {"tools": [{"type": "function", "function": {"name": "ls"}}]}
     assert idx.estimated_hits_then_record(prompt_pieces(turn2 | tools), prompt_shape(turn2 | tools)[1]) == 0
     assert prompt_pieces({"prompt": [1, 2, 3]}) is None
+    # The template's own fields are part of the first piece (they change every rendered token).
+    thinking = turn2 | {"chat_template_kwargs": {"enable_thinking": False}}
+    assert idx.estimated_hits_then_record(prompt_pieces(thinking), prompt_shape(thinking)[1]) == 0
+    # A crafted body costs bounded work: 4,096 pieces at most; nesting too deep to write: no estimate.
+    assert len(prompt_pieces({"messages": [{}] * 10_000})) == 4096
+    assert len(prompt_pieces({"prompt": "x" * (256 * 5000)})) == 4096
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"k": deep}
+    assert prompt_pieces({"messages": [{"role": "user", "content": "x", "extra": deep}]}) is None
 
 
 def test_a_chat_agents_next_turn_reads_by_the_read_queues_not_always_on_the_prefill_side():

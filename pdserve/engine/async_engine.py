@@ -76,6 +76,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
+        self._client_ids: dict[str, str] = {}  # streamed id -> its Request.client_id, where it has one
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -100,6 +101,8 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {req.request_id!r} is already active")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
+        if req.client_id is not None:
+            self._client_ids[req.request_id] = req.client_id
         self._send(("add", req, prompt_text))
         finished, last = False, None
         try:
@@ -117,6 +120,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(req.request_id, None)
+            self._client_ids.pop(req.request_id, None)
             self._aborting.discard(req.request_id)
             if not finished:
                 self._send(("abort", req.request_id))
@@ -129,16 +133,18 @@ class AsyncEngine:
         self._send(("abort", request_id))
 
     async def abort_now(self, request_id: str | None = None) -> int:
-        """Event-loop thread: end the request `request_id` and its children (`<id>_<i>`: the choices
-        and prompts of one request, server/fanout.py), or with None every request being streamed, on
-        behalf of someone other than their callers (SGLang's /abort_request). Each caller's stream
-        ends with the output so far and finish_reason "abort" (a PD request still in transfer too:
-        the role's failure reads as the abort), and its pages are freed. Returns how many there were."""
-        ids = [
-            r
-            for r in self._streams
-            if request_id is None or r == request_id or r.startswith(f"{request_id}_")
-        ]
+        """Event-loop thread: end the requests whose id or client id is `request_id` or starts with
+        `<request_id>_` (the choices and prompts of one request, server/fanout.py; SGLang matches
+        by prefix too), or with None every request being streamed, on behalf of someone other than
+        their callers (SGLang's /abort_request). Each caller's stream ends with the output so far and
+        finish_reason "abort" (a PD request still in transfer too: the role's failure reads as the
+        abort), and its pages are freed. Returns how many there were."""
+
+        def named(rid: str) -> bool:
+            names = (rid, self._client_ids.get(rid, rid))
+            return any(x == request_id or x.startswith(f"{request_id}_") for x in names)
+
+        ids = [r for r in self._streams if request_id is None or named(r)]
         self._aborting.update(ids)
 
         def abort() -> None:  # (engine thread)
@@ -314,7 +320,13 @@ def _aborted_output(req: Request, last: RequestOutput | None) -> RequestOutput:
                 index=0,
                 text=o.text if o else "",
                 token_ids=list(o.token_ids) if o else [],
-                logprobs=list(o.logprobs) if o and o.logprobs is not None else None,
+                logprobs=(
+                    list(o.logprobs)
+                    if o and o.logprobs is not None
+                    else []
+                    if req.sampling_params.logprobs is not None
+                    else None
+                ),  # fmt: skip
                 finish_reason="abort",
                 stop_reason="aborted",
             )

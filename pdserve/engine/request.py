@@ -76,6 +76,10 @@ class Request:
     hold_pages: bool = False
     pd: Any = None
     read_path: str = "none"  # DualPath: where prompt KV found in the persistent store is read: none|pe|de
+    # The id the client knows the request by ("cmpl-" + its request_id; children "<id>_<i>"), when it
+    # is not `request_id`: it names the answer and /abort_request takes it. Two requests may share it
+    # (a PD leg and its retry on one decode, a client reusing an id); `request_id` stays unique.
+    client_id: str | None = None
     num_storage_tokens: int = 0  # prompt tokens whose KV came from the persistent store
     # Chained keys of the full pages / store blocks of all_token_ids, computed once: the token list
     # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).

@@ -479,7 +479,10 @@ def build_router_app(router: Router) -> FastAPI:
             return await router.dispatch(path, body, http)
         options = body.get("stream_options")
         include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
-        bodies = fanout.child_bodies(body, n, prompts, uuid.uuid4().hex)
+        try:
+            bodies = fanout.child_bodies(body, n, prompts, uuid.uuid4().hex)
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), 400, param="request_id"), 400)
         children = []
         for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
             try:  # (DualPath placement places each on its own)

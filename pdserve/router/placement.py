@@ -48,6 +48,12 @@ from pdserve.kvcache.hashing import page_keys, root_key
 REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
 CHARS_PER_TOKEN = 4  # text and chat prompts: the router's estimate of their tokens (it has no tokenizer)
 TEXT_CHUNK_CHARS = 256  # a text prompt's pieces for prefix hits (~64 tokens: one store block or less)
+# Pieces hashed per prompt, at most: 1 MiB of text or 4,096 messages (far past any context) bound the
+# router's work on a crafted body; a longer prompt's estimate stops there.
+MAX_PROMPT_PIECES = 4096
+# Pieces hashed per prompt, at most: 1 MiB of text or 4,096 messages (far past any context) bound the
+# router's work on a crafted body; a longer prompt's estimate stops there.
+MAX_PROMPT_PIECES = 4096
 UNLIMITED_TOKENS = 1 << 40
 ALPHA_READ_S = 3.0  # paper: a node is preferred when its read queue is readable within 3 s
 # An assignment counts in its node's read queue until a report taken this long after it (the request
@@ -362,23 +368,27 @@ def requested_max_tokens(path: str, body: dict) -> int | None:
 
 def prompt_pieces(body: dict) -> list[tuple[bytes, int]] | None:
     """A text or chat body's pieces for prefix hits, in order, as (bytes, characters): a text's full
-    TEXT_CHUNK_CHARS chunks; a chat's tools, then each message (canonical JSON, so equal messages
-    give equal bytes). Characters are counted as `prompt_shape` counts them. None for token ids."""
+    TEXT_CHUNK_CHARS chunks; a chat's tools (and template fields), then each message (canonical
+    JSON, so equal messages give equal bytes); MAX_PROMPT_PIECES at most. Characters are counted as
+    `prompt_shape` counts them. None for token ids (and a body too deeply nested to write back)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         n = TEXT_CHUNK_CHARS
-        return [
-            (prompt[i : i + n].encode(errors="surrogatepass"), n) for i in range(0, len(prompt) - n + 1, n)
-        ]
+        ends = range(n, min(len(prompt), n * MAX_PROMPT_PIECES) + 1, n)
+        return [(prompt[e - n : e].encode(errors="surrogatepass"), n) for e in ends]
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
-    tools = body.get("tools")
-    pieces = [(_canonical(tools), len(str(tools or "")))]
-    for m in messages:
-        if isinstance(m, dict):
-            chars = len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
-            pieces.append((_canonical(m), chars))
+    # The first piece: what else shapes the rendered prompt before the first message.
+    head = {k: body.get(k) for k in ("tools", "chat_template", "chat_template_kwargs")}
+    try:
+        pieces = [(_canonical(head), len(str(body.get("tools") or "")))]
+        for m in messages[: MAX_PROMPT_PIECES - 1]:
+            if isinstance(m, dict):
+                chars = len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+                pieces.append((_canonical(m), chars))
+    except (RecursionError, ValueError):  # (nesting too deep to write back: no estimate)
+        return None
     return pieces
 
 

@@ -129,7 +129,7 @@ def build_app(
     async def validate(make_prompt, make_params, pd_field=None, request_id: str | None = None):
         """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
         of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py).
-        The engine's id is "cmpl-" + `request_id` (vLLM's field; the client's, or a fresh one)."""
+        With `request_id` (vLLM's field), the client knows the request as "cmpl-" + it (`client_id`)."""
         req, text = await validate_one(make_prompt, make_params, pd_field, request_id)
         await fanout.validated()
         return req, text
@@ -145,14 +145,14 @@ def build_app(
         """
         try:
             params: SamplingParams = make_params()
-            prompt, rid = make_prompt(), f"cmpl-{request_id or uuid.uuid4().hex}"
+            prompt, rid = make_prompt(), f"cmpl-{uuid.uuid4().hex}"
             req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid)
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
         except WeightsLost as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
-        if aengine.is_active(rid):
-            raise APIError(f"request id {rid!r} is already active", 409, "Conflict", "request_id")
+        if request_id is not None:
+            req.client_id = f"cmpl-{request_id}"
         if role_name == "colocated":
             if pd_field is not None:
                 raise APIError("'pd' is only accepted by prefill and decode engines", param="pd")
@@ -440,7 +440,10 @@ def build_app(
             raise APIError(f"{what} is split into requests by the router", param="prompt" if prompts else "n")
 
         gate = fanout.StartGate(num_children)
-        base_id = body.request_id or uuid.uuid4().hex  # (child i: base_id_i; the merged answer's: base_id)
+        try:  # (child i: base_id_i; the merged answer's: base_id)
+            base_id = fanout.base_request_id(body.request_id, uuid.uuid4().hex)
+        except ValueError as e:
+            raise APIError(str(e), param="request_id") from None
 
         async def child(prompt, i: int, j: int) -> Response:
             ticket = gate.ticket()
@@ -471,7 +474,7 @@ def build_app(
             pd_field,
             body.request_id,
         )
-        created, rid = int(time.time()), req.request_id
+        created, rid = int(time.time()), req.client_id or req.request_id
         # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
         want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
         echoed = ""  # `echo`: the prompt as given (a token prompt: decoded), before the completion
@@ -597,7 +600,7 @@ def build_app(
             return sp
 
         req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id)
-        created, rid = int(time.time()), "chatcmpl-" + req.request_id.removeprefix("cmpl-")
+        created, rid = int(time.time()), "chatcmpl-" + (req.client_id or req.request_id).removeprefix("cmpl-")
         max_calls = 1 if body.parallel_tool_calls is False else None
         named = isinstance(body.tool_choice, dict)
 
@@ -718,7 +721,7 @@ def build_app(
             if "logprobs" in sp or "prompt_logprobs" in sp:
                 raise APIError("give return_logprob or sampling_params' logprobs / prompt_logprobs, not both")
             sp["logprobs"] = body.top_logprobs_num
-            if body.logprob_start_len >= 0:
+            if body.logprob_start_len >= 0:  # (-1, SGLang's default: no prompt logprobs, empty lists)
                 sp["prompt_logprobs"] = body.top_logprobs_num
         if role_name != "colocated":
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
@@ -745,6 +748,8 @@ def build_app(
                 meta["output_top_logprobs"] = [top_entries(lp.top, token_text) for lp in o.logprobs]
             if out.prompt_logprobs is not None:
                 meta |= input_logprobs(out, input_start, token_text)
+            elif body.return_logprob:  # (SGLang writes the keys whenever logprobs are asked for)
+                meta |= {"input_token_logprobs": [], "input_top_logprobs": []}
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream:

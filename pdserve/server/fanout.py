@@ -136,12 +136,30 @@ def num_children(num_prompts: int, n: int) -> int:
     return num_prompts * n
 
 
+MAX_CHILD_SUFFIX_CHARS = 5  # "_1023"
+
+
+def base_request_id(client_request_id, fresh: str) -> str:
+    """The id a split request's children extend (`<id>_<i>`): the client's request_id, else
+    `fresh`. ValueError for a client's that is empty, not a string, or leaves no room for the suffix
+    (the children's ids must pass the engines' length check, as the client's did)."""
+    from pdserve.server.protocol import MAX_REQUEST_ID_CHARS
+
+    if client_request_id is None:
+        return fresh
+    limit = MAX_REQUEST_ID_CHARS - MAX_CHILD_SUFFIX_CHARS
+    if not isinstance(client_request_id, str) or not 1 <= len(client_request_id) <= limit:
+        raise ValueError(f"request_id of a request split into choices must be a string of 1 to {limit} chars")
+    return client_request_id
+
+
 def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str = "") -> list[dict]:
     """The router's children: the client's JSON body, with prompt p of `prompts` (when batched) and
     `n` = 1, seeds per `child_seed`; child i = p·n + j is prompt p's choice j, with `request_id`
-    `<base_id>_<i>` (the client's request_id, else `base_id`), so that one id names them all."""
+    `<base>_<i>` (`base`: `base_request_id` of the client's and `base_id`), so that one id names
+    them all. ValueError from `base_request_id`."""
     out = []
-    base = body.get("request_id") if isinstance(body.get("request_id"), str) else base_id
+    base = base_request_id(body.get("request_id"), base_id)
     for prompt in prompts if prompts is not None else [None]:
         for j in range(n):
             child = {**body, "n": 1, "request_id": f"{base}_{len(out)}"}
@@ -153,10 +171,11 @@ def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str =
     return out
 
 
-def parent_id(child_id):
-    """The merged answer's id from child 0's: `cmpl-<base>_0` -> `cmpl-<base>` (the id /abort_request
-    takes for all the children); anything else as it is."""
-    return child_id[:-2] if isinstance(child_id, str) and child_id.endswith("_0") else child_id
+def parent_id(child_id, i: int = 0):
+    """The merged answer's id from child i's: `cmpl-<base>_<i>` -> `cmpl-<base>` (the id
+    /abort_request takes for all the children); anything else as it is."""
+    suffix = f"_{i}"
+    return child_id[: -len(suffix)] if isinstance(child_id, str) and child_id.endswith(suffix) else child_id
 
 
 async def merged(
@@ -273,7 +292,7 @@ async def _merged_events(responses: list[Response], include_usage: bool, n: int)
                 usages[i] = obj
                 continue
             if stream_id is None:
-                stream_id, created = parent_id(obj.get("id")), obj.get("created")
+                stream_id, created = parent_id(obj.get("id"), i), obj.get("created")
             obj["id"] = stream_id
             if created is not None:
                 obj["created"] = created

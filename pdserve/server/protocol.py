@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
+MAX_REQUEST_ID_CHARS = 256  # a client's request_id (a split request's children add "_<i>" to it)
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -57,7 +59,7 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     # vLLM's: the request's id is "cmpl-" + this (chat answers say "chatcmpl-"); it names the request
     # for /abort_request, and the choices of one request are its children "<id>_<i>".
-    request_id: str | None = Field(default=None, min_length=1, max_length=128)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
