@@ -152,29 +152,41 @@ def demo_engine(demo_model_dir):
 
 
 def post_in_process(engine, requests: list[tuple[str, dict]], sampler=None, **app_kw) -> list:
-    """POST each (path, JSON body) in turn to the HTTP app built on `engine` (`build_app(engine,
-    **app_kw)`, in process: no server); returns the httpx responses. With `sampler`, the engine's
-    sampler is that one meanwhile (a scripted answer)."""
+    """POST each (path, JSON body) in turn to the HTTP app built on `engine` (`run_in_process`);
+    returns the httpx responses. With `sampler`, the engine's sampler is that one meanwhile (a
+    scripted answer)."""
+
+    async def scenario(c):
+        return [await c.post(path, json=body) for path, body in requests]
+
+    real = engine.runner.sampler
+    engine.runner.sampler = sampler or real
+    try:
+        return run_in_process(engine, scenario, **app_kw)
+    finally:
+        engine.runner.sampler = real
+
+
+def run_in_process(engine, scenario, **app_kw):
+    """`await scenario(client)` against the HTTP app built on `engine` (`build_app(engine,
+    **app_kw)`, in process: no server); returns what it returns. The engine thread stops after."""
     import asyncio
 
     import httpx
 
     from pdserve.server.api import build_app
 
-    real = engine.runner.sampler
-    engine.runner.sampler = sampler or real
     app = build_app(engine, **app_kw)
 
     async def go():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            return [await c.post(path, json=body) for path, body in requests]
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            return await scenario(c)
 
     try:
         return asyncio.run(go())
     finally:
         app.state.engine.shutdown()
-        engine.runner.sampler = real
 
 
 @contextlib.contextmanager

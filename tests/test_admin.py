@@ -14,7 +14,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.server.api import build_app
+from tests.conftest import run_in_process
 
 PROMPT_IDS = list(range(5, 45))
 KW = dict(num_pages=128, max_model_len=1024, page_size=16)
@@ -22,17 +22,7 @@ LONG = 900  # tokens: far more than the test takes to abort (an unaborted answer
 
 
 def run(engine: LLMEngine, scenario):
-    app = build_app(engine)
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            return await scenario(c)
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.state.engine.shutdown()
+    return run_in_process(engine, scenario)
 
 
 async def until(predicate, timeout_s: float = 30.0) -> None:

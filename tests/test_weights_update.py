@@ -19,7 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model import loader
 from pdserve.model.demo import make_demo_model
-from pdserve.server.api import build_app
+from tests.conftest import run_in_process
 
 PROMPT = "def handler(request, context):\n    return process(request.body)\n" * 3
 KW = dict(num_pages=128, max_model_len=1024, page_size=16)
@@ -48,17 +48,7 @@ def completion(c: httpx.AsyncClient, n: int = 12, **kw):
 
 
 def run(engine: LLMEngine, scenario, **app_kw):
-    app = build_app(engine, **({"enable_weight_updates": True} | app_kw))
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            return await scenario(c)
-
-    try:
-        return asyncio.run(go())
-    finally:
-        app.state.engine.shutdown()
+    return run_in_process(engine, scenario, **({"enable_weight_updates": True} | app_kw))
 
 
 def test_new_weights_serve_exactly_what_an_engine_loaded_from_them_does(checkpoints):
