@@ -125,6 +125,36 @@ def test_the_ids_clients_see_abort_their_requests(demo_model_dir):
     engine.check_integrity()
 
 
+def test_abort_all_also_ends_a_request_still_being_checked(demo_model_dir):
+    """A request validated before an abort of everything but streamed after it (it was tokenizing,
+    or waiting at a split request's start gate) ends at once with finish_reason "abort", no token
+    computed; one validated after the abort runs."""
+    from pdserve.engine.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def go():
+        before, text = aengine.validate({"prompt_token_ids": PROMPT_IDS}, params, "before")
+        assert await aengine.abort_now() == 0  # (nothing streamed yet)
+        after, text2 = aengine.validate({"prompt_token_ids": PROMPT_IDS}, params, "after")
+        return [o async for o in aengine.generate(before, text)], [
+            o async for o in aengine.generate(after, text2)
+        ]
+
+    try:
+        aborted, ran = asyncio.run(go())
+    finally:
+        aengine.shutdown()
+    (only,) = aborted
+    assert (
+        only.finished and only.outputs[0].finish_reason == "abort" and list(only.outputs[0].token_ids) == []
+    )
+    assert ran[-1].outputs[0].finish_reason == "length" and len(ran[-1].outputs[0].token_ids) == 3
+    assert engine.kv.pool.num_used_pages == 0 and not engine.requests
+
+
 def test_flush_cache_and_model_info(demo_model_dir):
     engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
 

@@ -77,6 +77,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
         self._client_ids: dict[str, str] = {}  # streamed id -> its Request.client_id, where it has one
+        self.abort_epoch = 0  # `abort_now()` of everything so far (a request remembers the one it came in)
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -88,8 +89,14 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def validate(self, prompt, params, request_id: str | None = None) -> tuple[Request, str | None]:
+        """Any thread: the request, checked (read-only). It remembers the abort epoch it arrived in,
+        so an `abort_now()` of everything while it was still being checked (tokenized, or held at a
+        split request's start gate) ends it as soon as it is streamed."""
+        epoch = self.abort_epoch
         tokenized = self.engine.tokenize_prompt(prompt)
-        return self.engine.make_request(prompt, params, request_id, tokenized), tokenized[0]
+        req = self.engine.make_request(prompt, params, request_id, tokenized)
+        req.abort_epoch = epoch
+        return req, tokenized[0]
 
     async def generate(self, req: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating."""
@@ -99,6 +106,9 @@ class AsyncEngine:
             # Refused before touching the other stream: replacing its queue (and aborting the id on the
             # way out) would cut off the caller that owns it.
             raise InvalidRequest(f"request id {req.request_id!r} is already active")
+        if req.abort_epoch < self.abort_epoch:  # everything was aborted while it was being checked
+            yield _aborted_output(req, None)
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         if req.client_id is not None:
@@ -144,6 +154,8 @@ class AsyncEngine:
             names = (rid, self._client_ids.get(rid, rid))
             return any(x == request_id or x.startswith(f"{request_id}_") for x in names)
 
+        if request_id is None:
+            self.abort_epoch += 1
         ids = [r for r in self._streams if request_id is None or named(r)]
         self._aborting.update(ids)
 
