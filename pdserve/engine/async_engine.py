@@ -106,7 +106,10 @@ class AsyncEngine:
             # Refused before touching the other stream: replacing its queue (and aborting the id on the
             # way out) would cut off the caller that owns it.
             raise InvalidRequest(f"request id {req.request_id!r} is already active")
-        if req.abort_epoch < self.abort_epoch:  # everything was aborted while it was being checked
+        if req.abort_epoch < self.abort_epoch and self.role is None:
+            # Everything was aborted while it was being checked. (Not on a PD role: its peer's half of
+            # the request may have come in after the abort, and would wait for this one until its
+            # deadline; there such a request runs, as before.)
             yield _aborted_output(req, None)
             return
         queue: asyncio.Queue = asyncio.Queue()

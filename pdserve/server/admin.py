@@ -9,8 +9,9 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   rid, or a completion's or chat's `id` (with `n` > 1 or a prompt list: all of its choices). Each
   one's answer (stream or whole) ends with the tokens so far and finish_reason "abort", its pages
   freed; an unknown or finished id is no error (it may have just finished). Answers how many were
-  aborted. `abort_all` also ends the requests still being checked (tokenized, or waiting for the
-  other choices of their request): each answers "abort" as soon as it would start; `rid` does not.
+  aborted. On a colocated engine `abort_all` also ends the requests still being checked (tokenized,
+  or waiting for the other choices of their request): each answers "abort" as soon as it would
+  start; `rid` does not, nor does a PD engine (the request's other half may arrive after the abort).
 * `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
   no request holds.
 * `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`; colocated only): load a
