@@ -264,9 +264,14 @@ def test_generate_takes_sglangs_logprob_fields(demo_engine):
             ("/generate", sglang | {"sampling_params": sp | {"logprobs": 1}}),
             ("/generate", sglang | {"top_logprobs_num": 21}),
             ("/generate", sglang | {"logprob_start_len": -1}),
+            ("/generate", sglang | {"logprob_start_len": -1, "stream": True}),
         ],
     )
-    *bad, default_start = bad
+    *bad, default_start, default_streamed = bad
+    last_default = [json.loads(x[6:]) for x in default_streamed.text.splitlines() if x.startswith("data: {")][
+        -1
+    ]
+    assert last_default["meta_info"] | {"id": None} == default_start.json()["meta_info"] | {"id": None}
     no_input = default_start.json()["meta_info"]  # (SGLang's default: the keys, empty here)
     assert no_input["input_token_logprobs"] == [] and no_input["input_top_logprobs"] == []
     assert len(no_input["output_token_logprobs"]) == 4

@@ -74,9 +74,9 @@ class AsyncEngine:
         self._check_idle = check_integrity_when_idle
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its caller's loop, its output queue, the request): what is being streamed
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
-        self._client_ids: dict[str, str] = {}  # streamed id -> its Request.client_id, where it has one
         self.abort_epoch = 0  # `abort_now()` of everything so far (a request remembers the one it came in)
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
@@ -113,9 +113,7 @@ class AsyncEngine:
             yield _aborted_output(req, None)
             return
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
-        if req.client_id is not None:
-            self._client_ids[req.request_id] = req.client_id
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue, req)
         self._send(("add", req, prompt_text))
         finished, last = False, None
         try:
@@ -133,7 +131,6 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(req.request_id, None)
-            self._client_ids.pop(req.request_id, None)
             self._aborting.discard(req.request_id)
             if not finished:
                 self._send(("abort", req.request_id))
@@ -153,13 +150,13 @@ class AsyncEngine:
         finish_reason "abort" (a PD request still in transfer too: the role's failure reads as the
         abort), and its pages are freed. Returns how many there were."""
 
-        def named(rid: str) -> bool:
-            names = (rid, self._client_ids.get(rid, rid))
+        def named(req: Request) -> bool:
+            names = (req.request_id, req.client_id or req.request_id)
             return any(x == request_id or x.startswith(f"{request_id}_") for x in names)
 
         if request_id is None:
             self.abort_epoch += 1
-        ids = [r for r in self._streams if request_id is None or named(r)]
+        ids = [rid for rid, (_, _, req) in self._streams.items() if request_id is None or named(req)]
         self._aborting.update(ids)
 
         def abort() -> None:  # (engine thread)
@@ -235,7 +232,7 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         target = self._streams.get(request_id)
         if target is not None:
-            loop, queue = target
+            loop, queue, _ = target
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _loop(self) -> None:
@@ -326,6 +323,10 @@ def _aborted_output(req: Request, last: RequestOutput | None) -> RequestOutput:
     """The final output of a request `abort_now` ended while its PD role held it (no engine output
     says so): what it had produced, finish_reason "abort"."""
     o = last.outputs[0] if last is not None else None
+    if o is not None and o.logprobs is not None:
+        logprobs = list(o.logprobs)
+    else:  # (none produced yet: an empty list when they were asked for)
+        logprobs = [] if req.sampling_params.logprobs is not None else None
     return RequestOutput(
         request_id=req.request_id,
         prompt=None,
@@ -335,13 +336,7 @@ def _aborted_output(req: Request, last: RequestOutput | None) -> RequestOutput:
                 index=0,
                 text=o.text if o else "",
                 token_ids=list(o.token_ids) if o else [],
-                logprobs=(
-                    list(o.logprobs)
-                    if o and o.logprobs is not None
-                    else []
-                    if req.sampling_params.logprobs is not None
-                    else None
-                ),  # fmt: skip
+                logprobs=logprobs,
                 finish_reason="abort",
                 stop_reason="aborted",
             )

@@ -26,7 +26,7 @@ from fastapi import APIRouter
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
-from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest
+from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest, request_id_of
 
 
 def admin_routes(
@@ -36,10 +36,8 @@ def admin_routes(
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        # The ids clients see: a completion's is the engine's, a chat's says "chatcmpl-" for "cmpl-".
-        rid = "cmpl-" + body.rid.removeprefix("chatcmpl-") if body.rid.startswith("chatcmpl-") else body.rid
-        try:
-            num_aborted = await aengine.abort_now(None if body.abort_all else rid)
+        try:  # (the id the client saw: a chat's says "chatcmpl-" for "cmpl-")
+            num_aborted = await aengine.abort_now(None if body.abort_all else request_id_of(body.rid))
         except EngineDeadError as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
         return {"success": True, "num_requests_aborted": num_aborted}

@@ -51,6 +51,7 @@ from pdserve.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     StreamOptions,
+    chat_id,
     error_body,
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
@@ -445,20 +446,16 @@ def build_app(
         except ValueError as e:
             raise APIError(str(e), param="request_id") from None
 
-        async def child(prompt, i: int, j: int) -> Response:
+        async def child(update: dict) -> Response:
             ticket = gate.ticket()
             fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
-            update = {"n": 1, "seed": fanout.child_seed(body.seed, j), "request_id": f"{base_id}_{i}"}
-            out = await one(
-                body.model_copy(update=update if prompts is None else update | {"prompt": prompt}), http
-            )
+            out = await one(body.model_copy(update=update), http)
             ticket.leave()  # (answered without validating: must not hold its siblings; one that raised
             # must not open the gate either: `merged` cancels the waiting siblings instead)
             return out if isinstance(out, Response) else JSONResponse(out)
 
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        pairs = [(p, j) for p in prompts or [None] for j in range(n)]
-        children = [child(p, i, j) for i, (p, j) in enumerate(pairs)]
+        children = [child(u) for u in fanout.child_updates(n, prompts, base_id, body.seed)]
         return await fanout.merged(children, bool(body.stream), include, n)
 
     @app.post("/v1/completions")
@@ -600,7 +597,7 @@ def build_app(
             return sp
 
         req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id)
-        created, rid = int(time.time()), "chatcmpl-" + (req.client_id or req.request_id).removeprefix("cmpl-")
+        created, rid = int(time.time()), chat_id(req.client_id or req.request_id)
         max_calls = 1 if body.parallel_tool_calls is False else None
         named = isinstance(body.tool_choice, dict)
 
@@ -726,6 +723,7 @@ def build_app(
         if role_name != "colocated":
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
         req, text = await validate(lambda: prompt, lambda: SamplingParams(**sp))
+        # The meta_info's input logprobs: from this position; None when no logprob was asked for.
         input_start = max(0, body.logprob_start_len)
         if req.prompt_logprobs is not None and input_start >= req.num_prompt_tokens:
             raise APIError(
@@ -737,6 +735,8 @@ def build_app(
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
         token_text = token_str if body.return_text_in_logprobs else None
+        if req.prompt_logprobs is None and not body.return_logprob:
+            input_start = None
 
         def native(out: RequestOutput) -> dict:
             o = out.outputs[0]
@@ -746,10 +746,8 @@ def build_app(
                     logprob_entry(lp.logprob, lp.token_id, token_text) for lp in o.logprobs
                 ]
                 meta["output_top_logprobs"] = [top_entries(lp.top, token_text) for lp in o.logprobs]
-            if out.prompt_logprobs is not None:
+            if input_start is not None:
                 meta |= input_logprobs(out, input_start, token_text)
-            elif body.return_logprob:  # (SGLang writes the keys whenever logprobs are asked for)
-                meta |= {"input_token_logprobs": [], "input_top_logprobs": []}
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream:

@@ -90,16 +90,14 @@ class _Ticket:
     def __init__(self, gate: StartGate) -> None:
         self.gate, self.counted = gate, False
 
-    async def passed(self) -> None:
-        if not self.counted:
-            self.counted = True
-            self.gate._count_down()
-        await self.gate.all_passed.wait()
-
     def leave(self) -> None:
         if not self.counted:
             self.counted = True
             self.gate._count_down()
+
+    async def passed(self) -> None:
+        self.leave()
+        await self.gate.all_passed.wait()
 
 
 # The ticket of the child this task runs (set by the route in the child's own task; None outside one).
@@ -153,22 +151,24 @@ def base_request_id(client_request_id, fresh: str) -> str:
     return client_request_id
 
 
-def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str = "") -> list[dict]:
-    """The router's children: the client's JSON body, with prompt p of `prompts` (when batched) and
-    `n` = 1, seeds per `child_seed`; child i = p·n + j is prompt p's choice j, with `request_id`
-    `<base>_<i>` (`base`: `base_request_id` of the client's and `base_id`), so that one id names
-    them all. ValueError from `base_request_id`."""
+def child_updates(n: int, prompts: list | None, base: str, seed) -> list[dict]:
+    """The fields each child of a split request takes over its parent's: child i = p·n + j is
+    prompt p's choice j (of `prompts`, when a list), `n` = 1, seed per `child_seed`, and
+    `request_id` `<base>_<i>`, so that one id names them all. (Both splits use it: the engine's
+    route over its parsed body, the router's over the client's JSON.)"""
     out = []
-    base = base_request_id(body.get("request_id"), base_id)
     for prompt in prompts if prompts is not None else [None]:
         for j in range(n):
-            child = {**body, "n": 1, "request_id": f"{base}_{len(out)}"}
-            if prompts is not None:
-                child["prompt"] = prompt
-            if "seed" in body:
-                child["seed"] = child_seed(body["seed"], j)
-            out.append(child)
+            update = {"n": 1, "seed": child_seed(seed, j), "request_id": f"{base}_{len(out)}"}
+            out.append(update if prompts is None else update | {"prompt": prompt})
     return out
+
+
+def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str = "") -> list[dict]:
+    """The router's children: the client's JSON body under each of `child_updates`, with the base
+    id `base_request_id` gives (the client's request_id, else `base_id`). ValueError from it."""
+    base = base_request_id(body.get("request_id"), base_id)
+    return [{**body, **update} for update in child_updates(n, prompts, base, body.get("seed"))]
 
 
 def parent_id(child_id, i: int = 0):

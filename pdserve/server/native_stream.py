@@ -47,8 +47,11 @@ def top_entries(top: list[tuple[int, float]], token_text: TokenText) -> list[lis
 
 def input_logprobs(out: RequestOutput, start: int, token_text: TokenText) -> dict:
     """`input_token_logprobs` / `input_top_logprobs` of prompt positions `start`.. (SGLang's
-    `logprob_start_len`); the first prompt token has none (null)."""
+    `logprob_start_len`); the first prompt token has none (null). Empty when the prompt was not
+    scored (SGLang writes the keys whenever logprobs are asked for)."""
     pl, ids = out.prompt_logprobs, out.prompt_token_ids
+    if pl is None:
+        return {"input_token_logprobs": [], "input_top_logprobs": []}
     return {
         "input_token_logprobs": [
             logprob_entry(None if i == 0 else pl[i].logprob, ids[i], token_text)
@@ -73,9 +76,9 @@ def meta_info(out: RequestOutput) -> dict:
 
 
 class CumulativeChunks:
-    def __init__(self, token_text: TokenText = None, input_start: int = 0) -> None:
+    def __init__(self, token_text: TokenText = None, input_start: int | None = None) -> None:
         self._token_text = token_text
-        self._input_start = input_start  # (prompt logprobs, when asked for: from this position)
+        self._input_start = input_start  # (`input_logprobs` from this position; None: not asked for)
         self._inputs = ""  # their `"input_token_logprobs": ..., "input_top_logprobs": ...`, once known
         self._num_ids = 0
         self._ids = ""  # "1, 2, 3": the ids array's inside, as json.dumps writes it
@@ -113,7 +116,7 @@ class CumulativeChunks:
                 f'{meta[:-1]}, "output_token_logprobs": [{self._logprobs}], '
                 f'"output_top_logprobs": [{self._tops}]}}'
             )
-        if out.prompt_logprobs is not None:
+        if self._input_start is not None:
             if not self._inputs:  # (the prompt's are known from the first output on, and never change)
                 self._inputs = json.dumps(input_logprobs(out, self._input_start, self._token_text))[1:-1]
             meta = f"{meta[:-1]}, {self._inputs}}}"

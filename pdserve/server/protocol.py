@@ -9,6 +9,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
+
+def chat_id(request_id: str) -> str:
+    """A chat answer's id for the request `cmpl-<x>`: `chatcmpl-<x>` (vLLM's and OpenAI's prefix)."""
+    return "chatcmpl-" + request_id.removeprefix("cmpl-")
+
+
+def request_id_of(answer_id: str) -> str:
+    """The request behind an answer's id (`chat_id` undone): what /abort_request looks up."""
+    return "cmpl-" + answer_id.removeprefix("chatcmpl-") if answer_id.startswith("chatcmpl-") else answer_id
+
+
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id (a split request's children add "_<i>" to it)
 
 
