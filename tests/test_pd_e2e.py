@@ -14,6 +14,7 @@ import json
 import os
 import re
 import time
+import uuid
 
 import httpx
 import pytest
@@ -384,7 +385,7 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
         u for u in cluster.engine_urls if httpx.get(u + "/pd/info", timeout=5).json()["role"] == "prefill"
     )
     retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
-    prompts = [f"# job {i}\n" + BASE * 14 for i in range(3)]  # ~800 tokens each: 7 prefill steps of 128
+    prompts = [f"# job {i}\n" + BASE * 14 for i in range(3)]  # ~380 tokens each: 3 prefill steps of 128
 
     def one(prompt: str) -> httpx.Response:
         body = {"model": "demo", "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
@@ -401,6 +402,46 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
     assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
     finishes = [a.json()["choices"][0]["finish_reason"] for a in answers]
     assert finishes == ["abort"] * 3
+    assert httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"] == retries
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluster, side):
+    """/abort_request ends PD requests on one engine only while the prefill computes (as when the
+    other engine had not registered its half yet when the abort came; here the client sends the abort
+    to one engine, naming its own `request_id`s by their common prefix). The aborted half tells its
+    peer the room ended on purpose, so each client still gets an answer with finish_reason "abort".
+    Before: aborted on the prefill, the decode answered 503; aborted on the decode, the prefill
+    answered 503, and the router retried it on a prefill to a full answer."""
+    import concurrent.futures
+
+    urls = {httpx.get(u + "/pd/info", timeout=5).json()["role"]: u for u in cluster.engine_urls}
+    retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
+    base = f"one-side-{side}-{uuid.uuid4().hex[:6]}"
+
+    def one(i: int) -> httpx.Response:
+        body = {
+            "model": "demo",
+            "prompt": f"# {side} {i}\n" + BASE * 30,  # ~815 tokens each: 7 prefill steps of 128
+            "max_tokens": 150,
+            "temperature": 0,
+            "ignore_eos": True,
+            "request_id": f"{base}_{i}",  # (the client sees "cmpl-" + it, as vLLM makes it)
+        }
+        return httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(one, i) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while metrics(urls["prefill"])["pdserve_num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        aborted = httpx.post(urls[side] + "/abort_request", json={"rid": f"cmpl-{base}"}, timeout=30)
+        answers = [f.result() for f in futures]
+    assert aborted.status_code == 200 and aborted.json()["num_requests_aborted"] == 3, aborted.text
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert [a.json()["choices"][0]["finish_reason"] for a in answers] == ["abort"] * 3
     assert httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"] == retries
     for url in cluster.engine_urls:
         wait_engine_idle(url)

@@ -35,6 +35,7 @@ from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import AbortTracker, KVState, RoomTable
 from pdserve.engine import pd_decode
+from pdserve.engine.async_engine import RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import LEASE_MARGIN_S, MIN_LEASE_MARGIN_S, PDConfig, decode_notif
 from pdserve.engine.pd_decode import DecodeRole
@@ -808,13 +809,68 @@ def test_router_request_after_acked_abort_never_writes_into_freed_decode_pages(m
     p.de_role.abort("late")
     p.drive(lambda: not p.de_role.releasing)  # acked: the decode freed (and may reuse) the pages
     assert p.de_engine.kv.pool.num_used_pages == 0
-    try:  # the router's request for the room arrives late: it must be refused or go nowhere
+    # The router's request for the room arrives late: refused as a failure (503: the router retries
+    # it elsewhere), not as a bad request (a 400 the router would relay) nor as an abort.
+    with pytest.raises(RuntimeError, match="aborted by its decode engine: aborted by client") as refused:
         p.pe_role.add(preq, None)
-    except InvalidRequest:
-        pass
+    assert type(refused.value) is RuntimeError
     p.settle(0.1)
     assert p.submits == []
     assert room not in p.pe_role.early
+
+
+@pytest.mark.parametrize("client_abort", [True, False], ids=["abort_request", "other_failure"])
+def test_prefill_abort_before_the_decode_asked_answers_its_late_kv_request_at_once(make_pair, client_abort):
+    """/abort_request reaches the prefill while the decode's half is still being tokenized (the
+    decode's own abort_request found nothing to end). The decode's KVRequest comes after the room is
+    gone: it is told Failed at once (before: parked, the decode waited out its deadline, then a 503),
+    and an abort on purpose reaches the decode's caller as an abort (RequestAborted), not an error."""
+    p = make_pair(fake_clocks=True)  # no clock moves: a deadline cannot be what ends the decode's room
+    room = new_room()
+    preq, dreq = p.requests(prompt(9), 4, "pa", room)
+    p.pe_role.add(preq, None)
+    p.settle(0.02, decode=False)
+    assert p.pe_role.abort("pa", client_abort=client_abort) is None
+    p.settle(0.02, decode=False)  # nothing in flight: reaped at once
+    assert room not in p.pe_role.by_room and p.pe_role.tombstones[room].client_abort == client_abort
+    assert [type(x) for x in p.pe_sink.items["pa"]] == [RequestAborted if client_abort else RuntimeError]
+    assert p.pe_sent == []  # no decode asked yet: nobody to tell
+
+    p.de_role.add(dreq, None)
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("pa") == ["PD transfer failed: prefill failed: aborted by client"]
+    assert [type(x) for x in p.de_sink.items["pa"]] == [RequestAborted if client_abort else RuntimeError]
+    assert p.pe_sent == [(RegisterAck, 1), (Status, room)]
+    assert room not in p.pe_role.early  # answered, not parked
+    assert p.de_role.failures == {"prefill failed": 1} and p.de_engine.kv.pool.num_used_pages == 0
+    p.assert_clean()
+
+
+def test_decode_abort_request_ends_the_prefills_half_as_an_abort_and_a_late_one_too(make_pair):
+    """/abort_request on the decode (its id is the one a client sees) while the prefill computes: the
+    prefill's caller (the router) gets RequestAborted, so it answers "abort" and is not retried on
+    another prefill; a room the decode aborted before the router's request reached the prefill
+    refuses that request the same way."""
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 2.0})
+    room = p.submit_both(prompt(30), 8, "da")
+    p.drive(lambda: len(p.submits) >= 1)
+    assert p.de_role.abort("da", client_abort=True) is None
+    assert [type(x) for x in p.de_sink.items["da"]] == [RequestAborted]
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Failed, step_prefill=False)  # mid-prefill
+    p.drive(lambda: p.idle())
+    assert p.pe_role.rooms.num_expired == 0
+    assert p.pe_sink.errors("da") == ["prefill failed: aborted by decode: aborted by client"]
+    assert [type(x) for x in p.pe_sink.items["da"] if isinstance(x, BaseException)] == [RequestAborted]
+
+    late = new_room()
+    preq, dreq = p.requests(prompt(9), 4, "late2", late)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: late in p.pe_role.early)
+    p.de_role.abort("late2", client_abort=True)
+    p.drive(lambda: not p.de_role.releasing)
+    with pytest.raises(RequestAborted, match="aborted on its decode engine: aborted by client"):
+        p.pe_role.add(preq, None)
+    p.assert_clean()
 
 
 def test_abort_after_decode_failure_keeps_pages_until_ack(make_pair):

@@ -40,9 +40,10 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
-# 2: Register announces its pool size (kv_num_pages), RegisterAck the prefill's room life. Peers of
-# different versions drop each other's messages as WrongVersion (counted), never half-parse them.
-PROTOCOL_VERSION = 2
+# 2: Register announces its pool size (kv_num_pages), RegisterAck the prefill's room life.
+# 3: Abort and Status carry `client_abort` (the room ends because its request was aborted on purpose).
+# Peers of different versions drop each other's messages as WrongVersion (counted), never half-parse them.
+PROTOCOL_VERSION = 3
 MAC_BYTES = 32
 # Largest message (all frames together) `decode` accepts unless told otherwise. ControlChannel passes its
 # own `max_msg_bytes`, which also caps each frame inside ZMQ (MAXMSGSIZE). The biggest legitimate
@@ -147,6 +148,9 @@ class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
 
     state: Annotated[int, Meta(ge=0, le=4)]
     error: str = ""
+    # Failed because the request was aborted on purpose (/abort_request), not by a fault: the other
+    # half ends its request with finish_reason "abort", as an answer, instead of an error.
+    client_abort: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
@@ -154,6 +158,7 @@ class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
     and none of its writes to the room is in flight (see state.AbortTracker)."""
 
     reason: str
+    client_abort: bool = False  # as in Status: the request was aborted on purpose, not failed
 
 
 class AbortAck(msgspec.Struct, tag="abort_ack", forbid_unknown_fields=True):

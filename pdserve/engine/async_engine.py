@@ -32,6 +32,13 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestAborted(RuntimeError):
+    """A role delivers this to a request's stream when its PD peer ended the room because the request
+    was aborted on purpose (`/abort_request` reached the other engine first, or only it).
+    `generate()` then ends the stream as an abort on this engine would: the output so far,
+    finish_reason "abort". So the router neither retries the request nor relays an error for it."""
+
+
 class EngineRole:
     """A PD role (prefill or decode side) plugged into the engine thread's loop.
 
@@ -46,7 +53,9 @@ class EngineRole:
     def add(self, req: Request, prompt_text: str | None) -> None:
         raise NotImplementedError
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, client_abort: bool = False) -> RequestOutput | None:
+        """End a request: its caller stopped iterating, or (`client_abort`) `/abort_request` named it,
+        which the role tells its peer, so the peer's half ends as an abort too, not as a failure."""
         raise NotImplementedError
 
     def tick(self) -> bool:
@@ -120,7 +129,8 @@ class AsyncEngine:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    if req.request_id in self._aborting:  # (`abort_now` ended it inside a PD transfer)
+                    # `abort_now` ended it inside a PD transfer, or the peer's half was aborted.
+                    if req.request_id in self._aborting or isinstance(item, RequestAborted):
                         finished = True
                         yield _aborted_output(req, last)
                         return
@@ -161,7 +171,10 @@ class AsyncEngine:
 
         def abort() -> None:  # (engine thread)
             for rid in ids:
-                out = self.role.abort(rid) if self.role is not None else self.engine.abort(rid)
+                if self.role is not None:
+                    out = self.role.abort(rid, client_abort=True)
+                else:
+                    out = self.engine.abort(rid)
                 if out is not None:
                     self.finish_aborted(out)
 
@@ -320,8 +333,9 @@ def _settle(done: asyncio.Future, result, error) -> None:
 
 
 def _aborted_output(req: Request, last: RequestOutput | None) -> RequestOutput:
-    """The final output of a request `abort_now` ended while its PD role held it (no engine output
-    says so): what it had produced, finish_reason "abort"."""
+    """The final output of a request `abort_now` ended while its PD role held it, or whose PD peer
+    ended its room on purpose (RequestAborted; no engine output says so): what it had produced,
+    finish_reason "abort"."""
     o = last.outputs[0] if last is not None else None
     if o is not None and o.logprobs is not None:
         logprobs = list(o.logprobs)

@@ -32,7 +32,7 @@ import torch
 from pdserve.disagg.handoff import gate
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState
-from pdserve.engine.async_engine import EngineRole
+from pdserve.engine.async_engine import EngineRole, RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import MIN_LEASE_MARGIN_S, PDConfig, PDRoleBase, decode_notif
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
@@ -182,13 +182,13 @@ class DecodeRole(PDRoleBase, EngineRole):
             ):
                 self._register(peer)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, client_abort: bool = False) -> RequestOutput | None:
         room = self.by_request.get(request_id)
         if room is not None and room in self.releasing:
             return None  # already failed; its pages wait for the prefill's ack (or the lease)
         if room is None or room not in self._all_rooms():
             return self.engine.abort(request_id)  # already running: a plain decode abort
-        self._fail(room, "aborted by client")
+        self._fail(room, "aborted by client", client_abort=client_abort)
         return None
 
     def _all_rooms(self) -> dict[int, DecodeRoom]:
@@ -247,7 +247,12 @@ class DecodeRole(PDRoleBase, EngineRole):
                 peer.state = "new"  # let a later request retry (e.g. after the prefill restarts)
         elif isinstance(body, Status) and body.state == KVState.Failed:
             if room in self.transfer or any(d.room == room for d in self.prealloc):
-                self._fail(room, f"prefill failed: {body.error}", peer_already_knows=True)
+                self._fail(
+                    room,
+                    f"prefill failed: {body.error}",
+                    peer_already_knows=True,
+                    client_abort=body.client_abort,
+                )
             elif room in self.releasing:
                 # We aborted first, but the prefill failed the room on its own (e.g. its deadline) and
                 # reports it with the same promise as an AbortAck: none of its writes can still land.
@@ -457,8 +462,15 @@ class DecodeRole(PDRoleBase, EngineRole):
 
     # ---- failure -------------------------------------------------------------------------------
     def _fail(
-        self, room: int, reason: str, already_failed: bool = False, peer_already_knows: bool = False
+        self,
+        room: int,
+        reason: str,
+        already_failed: bool = False,
+        peer_already_knows: bool = False,
+        client_abort: bool = False,
     ) -> None:
+        """`client_abort`: /abort_request named the request (here, or on the prefill that tells us):
+        its caller gets the abort as an answer, and the prefill hears it was one."""
         dr = self.transfer.pop(room, None)
         if dr is None:
             dr = next((d for d in self.prealloc if d.room == room), None)
@@ -468,10 +480,12 @@ class DecodeRole(PDRoleBase, EngineRole):
         if not already_failed:
             self.rooms.fail(room, reason)
         self.count_failure(reason)
-        self.aengine.deliver(RuntimeError(f"PD transfer failed: {reason}"), dr.req.request_id)
+        error = RequestAborted if client_abort else RuntimeError
+        self.aengine.deliver(error(f"PD transfer failed: {reason}"), dr.req.request_id)
+        abort = Abort(reason=reason, client_abort=client_abort)
         if dr.requested and not peer_already_knows:
             # The prefill may still write our pages: stop it, free only after its ack or the lease.
-            self.control.send(dr.peer_addr, Abort(reason=reason), room)
+            self.control.send(dr.peer_addr, abort, room)
             peer = self.peers.get(dr.peer_addr)
             self.aborts.begin(room, max(self.config.lease_s, peer.lease_s if peer else 0.0))
             self.releasing[room] = dr
@@ -479,7 +493,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             # Never asked for KV, or the prefill failed the room itself: it sends Status(Failed) only
             # once none of its writes to us can still land, so the pages are free to reuse now.
             if not dr.requested and not peer_already_knows:
-                self.control.send(dr.peer_addr, Abort(reason=reason), room)  # let it drop the room early
+                self.control.send(dr.peer_addr, abort, room)  # let it drop the room early
             self._free(dr)
 
     def _free(self, dr: DecodeRoom) -> None:

@@ -30,11 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import DuplicateRoom, KVState
-from pdserve.engine.async_engine import EngineRole
+from pdserve.engine.async_engine import EngineRole, RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import PDConfig, PDRoleBase, encode_notif
 from pdserve.engine.pd_layerwise import LayerwisePrefill, RoomEnded
@@ -78,6 +79,7 @@ class PrefillRoom:
     local_slot: int = -1  # our handoff source row
     abort_reply_to: str | None = None  # the decode asked us to stop: ack once nothing is in flight
     fail_reason: str = ""
+    client_abort: bool = False  # it failed because /abort_request named it (here or on the decode)
     # DualPath read paths: PE path = our own store read in flight; DE path = our pull of the prompt KV
     # the decode read from the store (a data-plane read). The request is schedulable when the
     # KVRequest arrived and neither is pending.
@@ -86,6 +88,17 @@ class PrefillRoom:
     store_hit: tuple | None = None  # (host buffer, leading good blocks) once read
     de_hit_page_ids: list[int] = field(default_factory=list)  # DE path: the decode holds these
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
+
+
+class Tombstone(NamedTuple):
+    """A room that ended before one side knew it: the decode aborted it before the router's request
+    reached us, or we failed it before the decode's KVRequest did. Kept for the abort lease, so the
+    late half is answered at once (the request refused, the KVRequest told Failed) instead of waiting
+    out a deadline, and with how it ended: a `client_abort` ends the late half as an abort too."""
+
+    t_s: float
+    reason: str
+    client_abort: bool
 
 
 class PrefillRole(PDRoleBase, EngineRole):
@@ -110,7 +123,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
-        self.tombstones: dict[int, float] = {}  # rooms the decode aborted before we knew them
+        self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
@@ -119,9 +132,12 @@ class PrefillRole(PDRoleBase, EngineRole):
     # ---- intake (engine thread) ----------------------------------------------------------------
     def add(self, req: Request, prompt_text: str | None) -> None:
         room = req.pd
-        if room in self.tombstones:
-            # The decode already aborted this room (its Abort beat the router's request here).
-            raise InvalidRequest(f"room {room} was aborted by its decode engine")
+        tomb = self.tombstones.get(room)
+        if tomb is not None:  # the decode already aborted this room (its Abort beat the router's request)
+            if tomb.client_abort:  # (the router then relays the decode's answer: "abort" too)
+                raise RequestAborted(f"room {room} was aborted on its decode engine: {tomb.reason}")
+            # Not the client's doing (e.g. the decode's deadline): a failure the router may retry.
+            raise RuntimeError(f"room {room} was aborted by its decode engine: {tomb.reason}")
         try:
             self.rooms.create(room, KVState.Bootstrapping)
         except DuplicateRoom:
@@ -142,11 +158,11 @@ class PrefillRole(PDRoleBase, EngineRole):
         if early is not None:
             self._on_kv_request(room, early[1], early[2])
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, client_abort: bool = False) -> RequestOutput | None:
         room = self.by_request.get(request_id)
         if room is None:
             return self.engine.abort(request_id)
-        self._fail(room, "aborted by client")
+        self._fail(room, "aborted by client", client_abort=client_abort)
         return None
 
     # ---- the loop (engine thread) --------------------------------------------------------------
@@ -165,8 +181,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         for room, (t, _, _) in list(self.early.items()):
             if now - t > self.config.deadline_s:
                 del self.early[room]
-        for room, t in list(self.tombstones.items()):
-            if now - t > self.config.lease_s:  # the decode has long forgotten the room
+        for room, tomb in list(self.tombstones.items()):
+            if now - tomb.t_s > self.config.lease_s:  # the decode has long forgotten the room
                 del self.tombstones[room]
         self._reap()
         return bool(self.transfers) or bool(self.by_room)
@@ -267,6 +283,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         elif isinstance(body, KVRequest):
             if room in self.by_room:
                 self._on_kv_request(room, env.sender, body)
+            elif room in self.tombstones:  # it ended here before the decode asked: say so now
+                self._tell_ended(room, env.sender)
             else:  # the decode was faster than the router's POST to us: keep it for a while
                 self.early[room] = (time.monotonic(), env.sender, body)
         elif isinstance(body, Status):
@@ -289,7 +307,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 # Not (yet) ours: remember the abort so a late router request or a parked KVRequest
                 # can never write into pages the decode is about to free, then ack at once.
                 self.early.pop(room, None)
-                self.tombstones[room] = time.monotonic()
+                self.tombstones[room] = Tombstone(time.monotonic(), body.reason, body.client_abort)
                 if sender is not None:
                     self.control.send(sender.reply_addr, AbortAck(), room)
                 return
@@ -297,10 +315,21 @@ class PrefillRole(PDRoleBase, EngineRole):
             pr.abort_reply_to = peer.reply_addr if peer is not None else None
             if self.rooms.state(room) in (KVState.Success, KVState.Failed):
                 return  # already terminal: `_reap` acks once nothing is in flight
-            self._fail(room, f"aborted by decode: {body.reason}")
+            self._fail(room, f"aborted by decode: {body.reason}", client_abort=body.client_abort)
 
     def _peer_by_sender(self, sender: str) -> DecodePeer | None:
         return self.peers.get(sender)
+
+    def _tell_ended(self, room: int, sender: str) -> None:
+        """A KVRequest for a room that failed here before it came (e.g. aborted while its decode was
+        still tokenizing): Failed at once, as `_reap` would have told a decode it knew. Before, the
+        request was parked and the decode waited out its deadline, then answered a 503. Nothing of
+        the room was ever written, so the promise of Status(Failed) holds."""
+        peer = self.peers.get(sender)
+        if peer is not None:
+            tomb = self.tombstones[room]
+            failed = Status(state=KVState.Failed, error=tomb.reason, client_abort=tomb.client_abort)
+            self.control.send(peer.reply_addr, failed, room)
 
     def _on_register(self, msg: Register, reg_id: int, sender: str) -> None:
         """A decode introduces itself (once). `reg_id` (the envelope's room field) is echoed back so
@@ -579,7 +608,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self._send_pages(pr, pr.num_pages_sent, -(-req.num_prompt_tokens // self.page_size), last=True)
 
     # ---- failure and release -------------------------------------------------------------------
-    def _fail(self, room: int, reason: str, already_failed: bool = False) -> None:
+    def _fail(self, room: int, reason: str, already_failed: bool = False, client_abort: bool = False) -> None:
         pr = self.by_room.get(room)
         if pr is None:
             return
@@ -596,10 +625,12 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.agent.abort(tid)
         # The decode hears of the failure (Status Failed, or AbortAck if it asked) from `_reap`, only
         # once none of our writes to it can still land: then it may free its pages at once.
-        pr.fail_reason = reason
-        # Tell the router's waiter, if the prompt never finished.
+        pr.fail_reason, pr.client_abort = reason, client_abort
+        # Tell the router's waiter, if the prompt never finished. An abort on purpose is an answer
+        # ("abort"), not a failure the router would retry on another prefill.
         if not pr.req.status.finished:
-            self.aengine.deliver(RuntimeError(f"prefill failed: {reason}"), pr.req.request_id)
+            error = RequestAborted if client_abort else RuntimeError
+            self.aengine.deliver(error(f"prefill failed: {reason}"), pr.req.request_id)
 
     def _reap(self) -> None:
         """Free rooms that are terminal and have nothing in flight."""
@@ -615,9 +646,10 @@ class PrefillRole(PDRoleBase, EngineRole):
             if pr.abort_reply_to is not None:
                 self.control.send(pr.abort_reply_to, AbortAck(), room)
             elif state == KVState.Failed and pr.peer is not None:
-                self.control.send(
-                    pr.peer.reply_addr, Status(state=KVState.Failed, error=pr.fail_reason), room
-                )
+                failed = Status(state=KVState.Failed, error=pr.fail_reason, client_abort=pr.client_abort)
+                self.control.send(pr.peer.reply_addr, failed, room)
+            elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
+                self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort)
             del self.by_room[room]
             self.by_request.pop(pr.req.request_id, None)
             self.rooms.remove(room)
@@ -635,6 +667,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.handoff.check_integrity()
         assert all(room in self.rooms for room in self.by_room), "a room is tracked but not in the table"
         assert set(self.transfers.values()) <= set(self.by_room), "a transfer outlived its room"
+        assert not set(self.tombstones) & set(self.by_room), "a room is both live and ended"
         assert set(self.staging_slots) <= set(self.transfers), "a staging slot outlived its transfer"
         assert set(self.pinned) <= set(self.transfers), "a pinned page outlived its write"
         assert not set(self.abandoned_reads) & set(self.awaited), "an abandoned read is still awaited"

@@ -12,6 +12,8 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   aborted. On a colocated engine `abort_all` also ends the requests still being checked (tokenized,
   or waiting for the other choices of their request): each answers "abort" as soon as it would
   start; `rid` does not, nor does a PD engine (the request's other half may arrive after the abort).
+  A PD engine tells the peer of each aborted request that it was aborted on purpose, so the peer's
+  half answers "abort" too, also when it registers only after the abort (pd_prefill's tombstones).
 * `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
   no request holds.
 * `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`; colocated only): load a
