@@ -155,6 +155,70 @@ def test_abort_all_also_ends_a_request_still_being_checked(demo_model_dir):
     assert engine.kv.pool.num_used_pages == 0 and not engine.requests
 
 
+@pytest.mark.parametrize("before", ["both", "prefill", "decode"])
+def test_pd_abort_all_ends_the_halves_of_a_request_still_being_checked(demo_model_dir, before):
+    """PD: an abort of everything on both engines while `before` half (or both) of a request was
+    still being checked (a prefill half tokenizing, a decode half looking up its prefill). Both halves
+    answer "abort", also a half validated after the abort: the aborted half ends its room on purpose
+    and tells the peer. No token is computed, no room expires, nothing stays held. Before, a PD half
+    validated before the abort ran as if there had been none."""
+    import dataclasses
+
+    from pdserve.engine.async_engine import AsyncEngine
+    from pdserve.engine.pd_common import PDConfig
+    from pdserve.server.pd_context import PDContext
+
+    config = PDConfig(cluster_secret=b"admin-test-secret", transfer_backend="fake", bootstrap_port=0)
+    roles = ("prefill", "decode")
+    engines = {r: LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW)) for r in roles}
+    ctx = {r: PDContext(engines[r], r, config) for r in roles}
+    aengines = {r: AsyncEngine(engines[r], role=ctx[r].role) for r in roles}
+    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+    room = 4242
+
+    def half(role: str):  # (as the engines' handlers make the router's two requests)
+        req, text = aengines[role].validate({"prompt_token_ids": PROMPT_IDS}, params, f"{role}-half")
+        if role == "prefill":
+            req.sampling_params, req.max_tokens = dataclasses.replace(params, max_tokens=1), 1
+            req.pd = room
+        else:
+            req.pd = (room, ctx["prefill"].control.address)
+        return req, text
+
+    def settled(role: str) -> bool:
+        held = ctx[role].role.by_room if role == "prefill" else ctx[role].role.releasing
+        return not len(ctx[role].role.rooms) and not held and not engines[role].requests
+
+    async def go():
+        halves = {r: half(r) for r in roles if before in (r, "both")}
+        for a in aengines.values():
+            assert await a.abort_now() == 0  # (nothing streamed yet)
+        halves |= {r: half(r) for r in roles if r not in halves}
+
+        async def answer(role: str) -> list:
+            return [o async for o in aengines[role].generate(*halves[role])]
+
+        outs = await asyncio.gather(*(answer(r) for r in roles))
+        for r in roles:
+            await until(lambda r=r: settled(r))
+        return outs
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        for r in roles:
+            aengines[r].shutdown()
+            ctx[r].close()
+    for out in outs:
+        assert [(o.finished, o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in out] == [
+            (True, "abort", [])
+        ]
+    for r in roles:
+        assert ctx[r].role.rooms.num_expired == 0, r
+        assert engines[r].kv.pool.num_used_pages == 0
+        engines[r].check_integrity()
+
+
 def test_flush_cache_and_model_info(demo_model_dir):
     engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
 

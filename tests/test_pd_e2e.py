@@ -447,6 +447,36 @@ def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluste
         wait_engine_idle(url)
 
 
+def test_pd_halves_the_router_aborted_answer_abort_at_once_in_the_clients_format(cluster):
+    """`pd.aborted` (the router got an abort of everything while it held the request): each engine
+    answers "abort" with no token and no room, streamed or whole; a non-boolean is a 400."""
+    info = {u: httpx.get(u + "/pd/info", timeout=5).json() for u in cluster.engine_urls}
+    prefill = next(u for u, i in info.items() if i["role"] == "prefill")
+    decode = next(u for u, i in info.items() if i["role"] == "decode")
+    room = 77_000 + uuid.uuid4().int % 1000
+    pd = {"room": room, "read_path": "none", "aborted": True}
+    body = {"model": "demo", "prompt": [5, 6, 7, 8, 9], "max_tokens": 40, "temperature": 0}
+    whole = httpx.post(prefill + "/v1/completions", json=body | {"pd": pd}, timeout=30)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["finish_reason"] == "abort"
+    assert whole.json()["usage"]["prompt_tokens"] == 5 and whole.json()["usage"]["completion_tokens"] == 0
+    de_pd = pd | {"bootstrap_url": info[prefill]["bootstrap_url"]}
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40,
+        "stream": True,
+    }
+    with httpx.stream("POST", decode + "/v1/chat/completions", json=chat | {"pd": de_pd}, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    bad = httpx.post(prefill + "/v1/completions", json=body | {"pd": pd | {"aborted": 1}}, timeout=30)
+    assert bad.status_code == 400 and "pd.aborted" in bad.json()["error"]["message"]
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_greedy_equals_colocated(cluster, colocated):
     ps = prompts()
     max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]

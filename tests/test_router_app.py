@@ -465,6 +465,60 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     assert "unreachable" in reset.json()["engines"]["http://pe2"]["error"]
 
 
+def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines():
+    """DualPath: a request waits in placement (no decode has a free page) when an /abort_request of
+    everything comes. It stops waiting and goes to the engines marked `pd.aborted` (both answer
+    "abort" with nothing computed, in the client's format); a request that comes after the abort is
+    placed and sent as usual. Before, a waiting request ran once pages freed, as if never aborted."""
+    legs: list[tuple[str, dict]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/abort_request":
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
+            if request.url.path == "/v1/completions":
+                pd = json.loads(await request.aread())["pd"]
+                legs.append((request.url.host, pd))
+                if request.url.host == "de":  # (as an engine answers: server/api.py, async_engine.py)
+                    finish = "abort" if pd.get("aborted") else "length"
+                    answer = {"choices": [{"index": 0, "text": "", "finish_reason": finish}]}
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "dualpath")
+        router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4}
+            waiting = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            for _ in range(100):
+                if router.placement.queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(router.placement.queue) == 1 and legs == []
+            aborted = await c.post("/abort_request", json={"abort_all": True})
+            answer = await asyncio.wait_for(waiting, 5)
+            router.placement.on_load(router.decodes[0], report("de", "decode"))
+            later = await c.post("/v1/completions", json=body)
+        return aborted, answer, later, router
+
+    aborted, answer, later, router = asyncio.run(go())
+    assert aborted.status_code == 200 and answer.status_code == 200 and later.status_code == 200
+    assert answer.json()["choices"][0]["finish_reason"] == "abort"
+    assert later.json()["choices"][0]["finish_reason"] == "length"
+    assert [(host, pd.get("aborted")) for host, pd in legs] == [
+        ("de", True), ("pe", True), ("de", None), ("pe", None)
+    ]  # fmt: skip
+    assert router.placement.num_placed == 1 and not router.placement.queue  # (only the later one)
+    assert router.decodes[0].in_flight == 0
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

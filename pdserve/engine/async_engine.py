@@ -24,6 +24,9 @@ from pdserve.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 
+# `Request.abort_epoch` of a PD half the router aborted before it sent it (`pd.aborted`, after an
+# `abort_all` reached the router while the request waited there): its peer's half is aborted alike.
+ROUTER_ABORTED_EPOCH = -1
 IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
 MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
 
@@ -99,8 +102,9 @@ class AsyncEngine:
 
     def validate(self, prompt, params, request_id: str | None = None) -> tuple[Request, str | None]:
         """Any thread: the request, checked (read-only). It remembers the abort epoch it arrived in,
-        so an `abort_now()` of everything while it was still being checked (tokenized, or held at a
-        split request's start gate) ends it as soon as it is streamed."""
+        so an `abort_now()` of everything while it was still being checked (tokenized, held at a
+        split request's start gate, or a PD half looking up its prefill) ends it as soon as it is
+        streamed."""
         epoch = self.abort_epoch
         tokenized = self.engine.tokenize_prompt(prompt)
         req = self.engine.make_request(prompt, params, request_id, tokenized)
@@ -115,15 +119,20 @@ class AsyncEngine:
             # Refused before touching the other stream: replacing its queue (and aborting the id on the
             # way out) would cut off the caller that owns it.
             raise InvalidRequest(f"request id {req.request_id!r} is already active")
-        if req.abort_epoch < self.abort_epoch and self.role is None:
-            # Everything was aborted while it was being checked. (Not on a PD role: its peer's half of
-            # the request may have come in after the abort, and would wait for this one until its
-            # deadline; there such a request runs, as before.)
+        aborted = req.abort_epoch < self.abort_epoch  # everything was aborted while it was being checked
+        if aborted and (self.role is None or req.abort_epoch == ROUTER_ABORTED_EPOCH):
+            # Nothing to tell anyone: no token computed, no page taken (and a router-aborted PD half's
+            # peer half is aborted alike).
             yield _aborted_output(req, None)
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue, req)
         self._send(("add", req, prompt_text))
+        if aborted:
+            # A PD half: its peer's half may have been registered before the abort, or come after it.
+            # The role ends the room on purpose, which tells the peer (whose half then answers "abort"
+            # at once, not after a deadline); this half answers "abort" when the role says so.
+            self._send(("abort", req.request_id, True))
         finished, last = False, None
         try:
             while True:
@@ -143,14 +152,14 @@ class AsyncEngine:
             self._streams.pop(req.request_id, None)
             self._aborting.discard(req.request_id)
             if not finished:
-                self._send(("abort", req.request_id))
+                self._send(("abort", req.request_id, False))
 
     def is_active(self, request_id: str) -> bool:
         """Event-loop thread: whether a caller is iterating `generate()` for this id."""
         return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(("abort", request_id, False))
 
     async def abort_now(self, request_id: str | None = None) -> int:
         """Event-loop thread: end the requests whose id or client id is `request_id` or starts with
@@ -267,8 +276,12 @@ class AsyncEngine:
                                 engine.add(req, text)
                         except Exception as e:  # duplicate id / room: report to that caller only
                             self._deliver(e, req.request_id)
-                    elif cmd[0] == "abort":
-                        aborted = role.abort(cmd[1]) if role is not None else engine.abort(cmd[1])
+                    elif cmd[0] == "abort":  # ("abort", request id, whether /abort_request named it)
+                        _, rid, client_abort = cmd
+                        if role is not None:
+                            aborted = role.abort(rid, client_abort=client_abort)
+                        else:
+                            aborted = engine.abort(rid)
                         if aborted is not None and self._on_abort:
                             self._on_abort(aborted)
                     elif cmd[0] == "call":  # run a function on the engine thread (role plumbing)

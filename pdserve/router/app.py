@@ -7,7 +7,9 @@ decode's response. The decode's bytes are held back until the prefill answered, 
 fails before any KV could have been sent is retried on another prefill (fresh room) without the
 client noticing. A client that disconnects aborts both sides: while it streams, the engines' handlers
 see their connections close; while the router waits for it (placement, the prefill's answer, a
-non-streamed decode), the router polls the client's connection and closes both legs itself.
+non-streamed decode), the router polls the client's connection and closes both legs itself. An
+`/abort_request` of everything also ends what the router still holds: a request that came before it
+(waiting in placement, or not yet sent) is sent with `pd.aborted`, and both engines answer "abort".
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them.
@@ -36,6 +38,7 @@ from pdserve.engine.pd_common import new_room
 from pdserve.router.placement import (
     DEFAULT_PLACEMENT_TOKENS,
     Placement,
+    PlacementAborted,
     PlacementError,
     prompt_pieces,
     prompt_shape,
@@ -157,6 +160,15 @@ class Router:
         self.num_retries = 0
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
+        self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
+
+    def abort_all(self) -> None:
+        """An `/abort_request` of everything: the requests this router holds end too. Each one that
+        came in before it is sent to its engines marked `pd.aborted` (they answer "abort", in the
+        client's format, with nothing computed), those waiting in placement at once."""
+        self.abort_epoch += 1
+        if self.placement is not None:
+            self.placement.abort_waiting()
 
     async def check_health(self) -> None:
         async def one(e: Engine) -> None:
@@ -232,19 +244,20 @@ class Router:
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
         sharing). Decodes are still picked per request, to spread the n generations."""
+        epoch = self.abort_epoch
         if self.placement is not None:
-            return await self._dispatch_placed(path, body, http)
+            return await self._dispatch_placed(path, body, http, epoch)
         read_path = self.choose_read_path(body.pop("read_path", None))
         if read_path in self.reads_in_flight:
             self.reads_in_flight[read_path] += 1
         try:
             first = (prefill, None) if prefill is not None else None
-            return await self._dispatch(path, body, http, read_path, first=first)
+            return await self._dispatch(path, body, http, read_path, epoch, first=first)
         finally:
             if read_path in self.reads_in_flight:
                 self.reads_in_flight[read_path] -= 1
 
-    async def _dispatch_placed(self, path: str, body: dict, http: Request):
+    async def _dispatch_placed(self, path: str, body: dict, http: Request, epoch: int):
         """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch."""
         if body.pop("read_path", None) not in (None, "auto"):
             return JSONResponse(
@@ -265,6 +278,8 @@ class Router:
             a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens, pieces))
         except ClientGone:
             return client_gone()
+        except PlacementAborted:  # abort_all while it waited: any engines answer its "abort"
+            return await self._dispatch(path, body, http, "none", epoch)
         except PlacementError as e:
             code = 503 if "retry" in str(e) else 400
             return JSONResponse(error_body(str(e), code), code)
@@ -276,11 +291,12 @@ class Router:
                 de = self.pick_decode()
             except NoEngine as e:
                 return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
-        return await self._dispatch(path, body, http, a.read_path, first=(pe, de))
+        return await self._dispatch(path, body, http, a.read_path, epoch, first=(pe, de))
 
     async def _dispatch(
-        self, path: str, body: dict, http: Request, read_path: str, first: tuple | None = None
+        self, path: str, body: dict, http: Request, read_path: str, epoch: int, first: tuple | None = None
     ):
+        """`epoch`: the router's abort epoch when the request came in (see `abort_all`)."""
         tried: set[str] = set()
         last_error = "no attempt"
         for attempt in range(self.max_prefill_attempts):
@@ -294,12 +310,12 @@ class Router:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
             room = new_room()
-            pe_body = {**body, "stream": False, "pd": {"room": room, "read_path": read_path}}
+            pd = {"room": room, "read_path": read_path}
+            if epoch < self.abort_epoch:
+                pd["aborted"] = True
+            pe_body = {**body, "stream": False, "pd": pd}
             pe_body.pop("stream_options", None)
-            de_body = {
-                **body,
-                "pd": {"room": room, "bootstrap_url": pe.bootstrap_url, "read_path": read_path},
-            }
+            de_body = {**body, "pd": {**pd, "bootstrap_url": pe.bootstrap_url}}
             de.in_flight += 1
             de_req = self.client.build_request(
                 "POST", de.url + path, content=_json(de_body, http), headers=JSON
@@ -551,7 +567,14 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(http: Request):
-        """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine."""
+        """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine
+        (and, for every request, those the router still holds)."""
+        try:
+            body = json.loads(await http.body())
+        except ValueError:
+            body = None  # (the engines say why)
+        if isinstance(body, dict) and body.get("abort_all") is True and not body.get("rid"):
+            router.abort_all()
         return await to_every_engine("/abort_request", http)
 
     @app.post("/reset_prefix_cache")

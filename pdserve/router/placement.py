@@ -66,6 +66,10 @@ class PlacementError(Exception):
     """A request that can never be placed (bigger than every decode engine's pool)."""
 
 
+class PlacementAborted(Exception):
+    """`abort_waiting` ended the wait: an `/abort_request` of everything reached the router."""
+
+
 @dataclass
 class _Waiting:
     pending: PendingRequest
@@ -319,6 +323,13 @@ class Placement:
             if waiting in self.queue:
                 self.queue.remove(waiting)
             raise
+
+    def abort_waiting(self) -> None:
+        """Every request waiting for a placement stops waiting (PlacementAborted), unplaced."""
+        for waiting in self.queue:
+            if not waiting.future.done():
+                waiting.future.set_exception(PlacementAborted())
+        self.queue.clear()
 
     def _pump(self) -> None:
         if self.scheduler is None or not self.queue:

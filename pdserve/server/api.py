@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import ROUTER_ABORTED_EPOCH, AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine, WeightsLost
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
@@ -173,6 +173,10 @@ def build_app(
         if read_path not in ("none", "pe", "de"):
             raise APIError("pd.read_path must be none, pe or de", param="pd")
         req.read_path = read_path
+        if not isinstance(pd_field.get("aborted", False), bool):
+            raise APIError("pd.aborted must be a boolean", param="pd")
+        if pd_field.get("aborted"):  # an abort_all reached the router while it held the request
+            req.abort_epoch = ROUTER_ABORTED_EPOCH
         if role_name == "prefill":
             # (min_tokens >= 1 still keeps token 1 from being a stop token)
             req.sampling_params = dataclasses.replace(
