@@ -846,6 +846,23 @@ def test_prefill_abort_before_the_decode_asked_answers_its_late_kv_request_at_on
     p.assert_clean()
 
 
+def test_kv_request_polled_after_the_room_failed_but_before_it_was_reaped_is_answered(make_pair):
+    """The decode's KVRequest reaches the prefill's next tick after the room failed (an abort between
+    ticks; a busy prefill's step can last long) but before `_reap` released it. It is answered Failed
+    with the rest (before: ignored as a duplicate KVRequest, and the decode waited out its deadline)."""
+    p = make_pair(fake_clocks=True)  # no deadline passes: only the answer can end the decode's room
+    room = p.submit_both(prompt(9), 4, "between")
+    p.drive(lambda: (KVRequest, room) in p.de_sent)  # (the prefill ticked before the decode sent it)
+    time.sleep(0.05)  # delivered to the prefill's socket, not yet polled
+    assert p.pe_role.abort("between", client_abort=True) is None
+    p.drive(lambda: p.idle())
+    assert p.pe_role.failures == {"aborted by client": 1}  # (no "duplicate KVRequest ignored")
+    assert (Status, room) in p.pe_sent
+    assert [type(x) for x in p.de_sink.items["between"]] == [RequestAborted]
+    assert room not in p.pe_role.tombstones  # (told directly: nothing left to answer later)
+    p.assert_clean()
+
+
 def test_decode_abort_request_ends_the_prefills_half_as_an_abort_and_a_late_one_too(make_pair):
     """/abort_request on the decode (its id is the one a client sees) while the prefill computes: the
     prefill's caller (the router) gets RequestAborted, so it answers "abort" and is not retried on
@@ -868,7 +885,7 @@ def test_decode_abort_request_ends_the_prefills_half_as_an_abort_and_a_late_one_
     p.drive(lambda: late in p.pe_role.early)
     p.de_role.abort("late2", client_abort=True)
     p.drive(lambda: not p.de_role.releasing)
-    with pytest.raises(RequestAborted, match="aborted on its decode engine: aborted by client"):
+    with pytest.raises(RequestAborted, match="aborted by its decode engine: aborted by client"):
         p.pe_role.add(preq, None)
     p.assert_clean()
 

@@ -502,6 +502,9 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
                     break
                 await asyncio.sleep(0.01)
             assert len(router.placement.queue) == 1 and legs == []
+            for refused in ({"abort_all": True, "rid": None}, {"abort_all": "yes"}):  # (engines: 400)
+                await c.post("/abort_request", json=refused)
+            assert len(router.placement.queue) == 1 and router.abort_epoch == 0  # (aborted nothing)
             aborted = await c.post("/abort_request", json={"abort_all": True})
             answer = await asyncio.wait_for(waiting, 5)
             router.placement.on_load(router.decodes[0], report("de", "decode"))

@@ -28,7 +28,9 @@ three cases:
    cannot know the destination, and the control channel is FIFO per peer (one PUSH socket, one TCP
    stream), so a KVRequest sent before the Abort cannot arrive after it; the prefill keeps a tombstone
    of aborted rooms so a late router request for the same room is refused. A prefill-side failure is
-   reported with Status(Failed), sent under the same condition, so the decode frees on it directly.
+   reported with Status(Failed), sent under the same condition, so the decode frees on it directly;
+   a room the prefill failed before its KVRequest came leaves a tombstone too, and the late KVRequest
+   is answered Status(Failed) at once (nothing of the room was ever written).
 3. **Lease expiry** (the prefill died, is partitioned, or the ack was lost): the decode frees after
    `lease_s` without an ack. This is safe when `lease_s` exceeds the longest time the prefill may
    still write for the room after the decode sent Abort. A prefill room lives at most the sum of its

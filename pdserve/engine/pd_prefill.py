@@ -20,7 +20,7 @@ Queues of a room (DESIGN.md §4):   bootstrap ──KVRequest──> waiting ─
 * DualPath: a request with stored KV (read here, PE path; or held by the decode, DE path) skips the
   scheduler and runs the layerwise lane (`pd_layerwise.py`).
 
-Why one ~620-line file: it is one state machine (a room's queues, its writes, its failure and release
+Why one ~680-line file: it is one state machine (a room's queues, its writes, its failure and release
 rules). The pieces that stand alone — page runs, staging, the layerwise compute, the wire — live in
 their own modules; what remains here is the protocol, which reads best in one place.
 """
@@ -99,6 +99,7 @@ class Tombstone(NamedTuple):
     t_s: float
     reason: str
     client_abort: bool
+    by_decode: bool  # the decode's Abort made it (else our own failure, reaped before the decode asked)
 
 
 class PrefillRole(PDRoleBase, EngineRole):
@@ -133,11 +134,12 @@ class PrefillRole(PDRoleBase, EngineRole):
     def add(self, req: Request, prompt_text: str | None) -> None:
         room = req.pd
         tomb = self.tombstones.get(room)
-        if tomb is not None:  # the decode already aborted this room (its Abort beat the router's request)
+        if tomb is not None:  # (usually the decode's Abort beat the router's request here)
+            where = "by its decode engine" if tomb.by_decode else "here before"
             if tomb.client_abort:  # (the router then relays the decode's answer: "abort" too)
-                raise RequestAborted(f"room {room} was aborted on its decode engine: {tomb.reason}")
+                raise RequestAborted(f"room {room} was aborted {where}: {tomb.reason}")
             # Not the client's doing (e.g. the decode's deadline): a failure the router may retry.
-            raise RuntimeError(f"room {room} was aborted by its decode engine: {tomb.reason}")
+            raise RuntimeError(f"room {room} was aborted {where}: {tomb.reason}")
         try:
             self.rooms.create(room, KVState.Bootstrapping)
         except DuplicateRoom:
@@ -281,7 +283,12 @@ class PrefillRole(PDRoleBase, EngineRole):
         if isinstance(body, Register):
             self._on_register(body, room, env.sender)
         elif isinstance(body, KVRequest):
-            if room in self.by_room:
+            pr = self.by_room.get(room)
+            if pr is not None and pr.peer is None and self.rooms.state(room) == KVState.Failed:
+                # Failed since the last tick (an abort, a deadline) but not yet reaped: nothing was
+                # written, so `_reap` tells this decode Failed (else it waited out its deadline).
+                pr.peer = self.peers.get(env.sender)
+            elif pr is not None:
                 self._on_kv_request(room, env.sender, body)
             elif room in self.tombstones:  # it ended here before the decode asked: say so now
                 self._tell_ended(room, env.sender)
@@ -307,7 +314,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 # Not (yet) ours: remember the abort so a late router request or a parked KVRequest
                 # can never write into pages the decode is about to free, then ack at once.
                 self.early.pop(room, None)
-                self.tombstones[room] = Tombstone(time.monotonic(), body.reason, body.client_abort)
+                self.tombstones[room] = Tombstone(time.monotonic(), body.reason, body.client_abort, True)
                 if sender is not None:
                     self.control.send(sender.reply_addr, AbortAck(), room)
                 return
@@ -649,7 +656,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 failed = Status(state=KVState.Failed, error=pr.fail_reason, client_abort=pr.client_abort)
                 self.control.send(pr.peer.reply_addr, failed, room)
             elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
-                self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort)
+                self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort, False)
             del self.by_room[room]
             self.by_request.pop(pr.req.request_id, None)
             self.rooms.remove(room)

@@ -10,6 +10,7 @@ see their connections close; while the router waits for it (placement, the prefi
 non-streamed decode), the router polls the client's connection and closes both legs itself. An
 `/abort_request` of everything also ends what the router still holds: a request that came before it
 (waiting in placement, or not yet sent) is sent with `pd.aborted`, and both engines answer "abort".
+(One already sent but not yet taken in by its engines when they get the abort still runs.)
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them.
@@ -47,7 +48,7 @@ from pdserve.router.placement import (
 from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import error_body
+from pdserve.server.protocol import AbortRequest, error_body
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,8 @@ class Router:
             a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens, pieces))
         except ClientGone:
             return client_gone()
-        except PlacementAborted:  # abort_all while it waited: any engines answer its "abort"
+        except PlacementAborted:  # abort_all while it waited: any live engines answer its "abort"
+            # (with none live, the 503 any request gets then)
             return await self._dispatch(path, body, http, "none", epoch)
         except PlacementError as e:
             code = 503 if "retry" in str(e) else 400
@@ -569,11 +571,11 @@ def build_router_app(router: Router) -> FastAPI:
     async def abort_request(http: Request):
         """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine
         (and, for every request, those the router still holds)."""
-        try:
-            body = json.loads(await http.body())
+        try:  # (the engines' own check: a body they refuse aborts nothing here either)
+            everything = AbortRequest.model_validate_json(await http.body()).abort_all
         except ValueError:
-            body = None  # (the engines say why)
-        if isinstance(body, dict) and body.get("abort_all") is True and not body.get("rid"):
+            everything = False  # (the engines say why)
+        if everything:
             router.abort_all()
         return await to_every_engine("/abort_request", http)
 

@@ -192,8 +192,9 @@ def build_app(
 
     async def resolve_pd(req) -> None:
         """Decode: turn the prefill's bootstrap URL into its control address (cached; off the engine
-        thread, so a slow or dead prefill never stalls the scheduler)."""
-        if role_name == "decode":
+        thread, so a slow or dead prefill never stalls the scheduler). Not for a half the router
+        aborted: it answers "abort" without its prefill."""
+        if role_name == "decode" and req.abort_epoch != ROUTER_ABORTED_EPOCH:
             room, bootstrap_url = req.pd
             try:
                 addr = await pd.control_address_of(bootstrap_url)
