@@ -697,8 +697,63 @@ def build_app(
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: Request):
+        """SGLang's native endpoint. A batch of prompts or `sampling_params.n` > 1: one child request
+        per prompt p and sample j (child p·n + j; seeded: seed + j), all validated before any
+        starts, answered as a list in that order (streamed: each chunk with its `index`)."""
         if (body.input_ids is None) == (body.text is None):
             raise APIError("give exactly one of input_ids or text")
+        if body.text == []:
+            raise APIError("text is an empty list", param="text")
+        given = body.text if body.text is not None else body.input_ids
+        batch = given if isinstance(given, list) and given and isinstance(given[0], str | list) else None
+        params = body.sampling_params
+        if isinstance(params, list) and (batch is None or len(params) != len(batch)):
+            raise APIError(
+                "a list of sampling_params needs one per prompt of a batch", param="sampling_params"
+            )
+        per_prompt = params if isinstance(params, list) else [params] * len(batch or [None])
+        ns = [p.get("n") for p in per_prompt]
+        if any(x != ns[0] for x in ns):
+            raise APIError("every prompt's n must be the same", param="n")
+        try:
+            n = fanout.num_choices(ns[0])
+            num_children = fanout.num_children(len(per_prompt), n)
+        except ValueError as e:
+            raise APIError(str(e), param="n") from None
+
+        def child_body(p: int, j: int, rid) -> GenerateRequest:  # (prompt p's sample j)
+            sp = {k: v for k, v in per_prompt[p].items() if k != "n"}
+            if "seed" in sp:
+                sp["seed"] = fanout.child_seed(sp["seed"], j)
+            prompt = {"text" if body.text is not None else "input_ids": batch[p] if batch else given}
+            return body.model_copy(update=prompt | {"sampling_params": sp, "rid": rid})
+
+        if batch is None and n == 1 and not isinstance(body.rid, list):
+            return await generate_one(child_body(0, 0, body.rid), http)
+        if isinstance(body.rid, list):
+            rids = body.rid
+            if len(rids) != num_children or len(set(rids)) != len(rids):
+                raise APIError(f"a rid list needs {num_children} distinct ids (prompts x n)", param="rid")
+        else:  # (one id names them all: /abort_request takes it)
+            try:
+                base = fanout.base_request_id(body.rid, f"gen-{uuid.uuid4().hex}")
+            except ValueError as e:
+                raise APIError(str(e), param="rid") from None
+            rids = [f"{base}_{i}" for i in range(num_children)]
+        gate = fanout.StartGate(num_children)
+
+        async def child(i: int) -> Response:
+            ticket = gate.ticket()
+            fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
+            out = await generate_one(child_body(i // n, i % n, rids[i]), http)
+            ticket.leave()  # (answered without validating: must not hold its siblings)
+            return out if isinstance(out, Response) else JSONResponse(out)
+
+        children = [child(i) for i in range(num_children)]
+        return await fanout.merged(children, body.stream, False, n, native=True)
+
+    async def generate_one(body: GenerateRequest, http: Request):
+        """One prompt, one sample (`sampling_params` a dict)."""
         prompt = body.text if body.text is not None else {"prompt_token_ids": body.input_ids}
         sp = dict(body.sampling_params)
         for sglang_name, ours in SGLANG_SAMPLING_NAMES.items():  # (SGLang's names for ours)
@@ -727,7 +782,7 @@ def build_app(
                 sp["prompt_logprobs"] = body.top_logprobs_num
         if role_name != "colocated":
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
-        req, text = await validate(lambda: prompt, lambda: SamplingParams(**sp))
+        req, text = await validate_one(lambda: prompt, lambda: SamplingParams(**sp), None, None)
         # The meta_info's input logprobs: from this position; None when no logprob was asked for.
         input_start = max(0, body.logprob_start_len)
         if req.prompt_logprobs is not None and input_start >= req.num_prompt_tokens:
@@ -739,6 +794,7 @@ def build_app(
             if aengine.is_active(body.rid):
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
+        await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
         token_text = token_str if body.return_text_in_logprobs else None
         if req.prompt_logprobs is None and not body.return_logprob:
             input_start = None

@@ -22,6 +22,8 @@ child requests).
   all have (`StartGate`), so a bad prompt in a list refuses the request before any child reaches the
   engine. (The router's children are validated by their engines, each on its own: one refused there
   cancels the others, which aborts those already started.)
+* Native (`/generate`, SGLang's shape): not streamed, the children's answers as a list, in order;
+  streamed, each child's chunks with `"index": i` added, interleaved as they come.
 * Failure: a child refused before its response started (its status is not 200, or its handler raised)
   fails the request with that answer, and the other children are cancelled. A child that fails
   mid-stream has its error event passed on; the stream then ends and the other children are closed,
@@ -179,10 +181,15 @@ def parent_id(child_id, i: int = 0):
 
 
 async def merged(
-    children: list[Awaitable[Response]], stream: bool, include_usage: bool, n: int | None = None
+    children: list[Awaitable[Response]],
+    stream: bool,
+    include_usage: bool,
+    n: int | None = None,
+    native: bool = False,
 ) -> Response:
     """Run the children's handlers (each returns a Response or raises) and merge their answers;
-    children p·n .. p·n + n - 1 are one prompt's choices (`n` None: all are one prompt's)."""
+    children p·n .. p·n + n - 1 are one prompt's choices (`n` None: all are one prompt's).
+    `native`: `/generate` answers (a list; chunks with their index), not OpenAI's."""
     n = n or len(children)
     tasks = [asyncio.ensure_future(c) for c in children]
     try:
@@ -204,11 +211,12 @@ async def merged(
         await _stop([], [r for r in responses if r is not bad])
         return bad
     if stream:
-        return StreamingResponse(_merged_events(responses, include_usage, n), media_type="text/event-stream")
+        events = _merged_events(responses, include_usage, n, native)
+        return StreamingResponse(events, media_type="text/event-stream")
     bodies = await asyncio.gather(*(_read(r) for r in responses))
     try:
         parts = [json.loads(b) for b in bodies]
-        return JSONResponse(merge_bodies(parts, n))
+        return JSONResponse(parts if native else merge_bodies(parts, n))
     except (ValueError, KeyError, IndexError, TypeError):
         # A child's body is not a completion (e.g. the router relayed a decode's in-band error): pass
         # on the first such body as it was.
@@ -251,7 +259,9 @@ def merge_bodies(parts: list[dict], n: int | None = None) -> dict:
     return out
 
 
-async def _merged_events(responses: list[Response], include_usage: bool, n: int) -> AsyncIterator[str]:
+async def _merged_events(
+    responses: list[Response], include_usage: bool, n: int, native: bool = False
+) -> AsyncIterator[str]:
     q: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -283,6 +293,10 @@ async def _merged_events(responses: list[Response], include_usage: bool, n: int)
                 yield _sse(error_body(f"choice {i} failed: {item!r}", 502, "BadGateway"))
                 break
             if not item.startswith("data: ") or item == "data: [DONE]":
+                continue
+            if native and item.startswith('data: {"output_ids"'):  # (a native chunk: its index spliced
+                # in, not re-encoded: each chunk repeats the whole output so far; native_stream.py)
+                yield f'data: {{"index": {i}, {item[7:]}\n\n'
                 continue
             obj = json.loads(item[6:])
             if "error" in obj:  # in-band failure of one child: the request fails

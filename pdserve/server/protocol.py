@@ -218,15 +218,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class GenerateRequest(BaseModel):
-    """Native endpoint (SGLang-like): token ids in, token ids out."""
+    """Native endpoint (SGLang-like): token ids in, token ids out. A batch (a list of texts or of
+    token-id lists) or `sampling_params.n` > 1 is one child request per prompt and sample, answered
+    as a list (server/api.py): `sampling_params` then is one dict for all or one per prompt, and `rid`
+    one id (child i gets `<rid>_<i>`) or one per child."""
 
     model_config = ConfigDict(strict=True)
 
-    input_ids: list[int] | None = None
-    text: str | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     # SGLang's logprob fields: each output token's logprob (and its top `top_logprobs_num`); with
     # `logprob_start_len` >= 0, the prompt's from that position too; entries [logprob, id, text or null].
     return_logprob: bool = False
