@@ -158,6 +158,8 @@ def engine_flags(a) -> list[str]:
         out.append("--no-prefix-caching")
     if getattr(a, "no_in_flight_prefix_sharing", False):
         out.append("--no-in-flight-prefix-sharing")
+    if getattr(a, "enable_weight_updates", False):
+        out.append("--enable-weight-updates")
     return out
 
 

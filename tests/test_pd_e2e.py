@@ -330,12 +330,14 @@ def test_pd_structured_outputs_equal_colocated(cluster, colocated):
         wait_engine_idle(url)
 
 
-def test_pd_engines_refuse_a_weights_update_and_reset_their_prefix_cache(cluster, demo_model_dir):
-    """A PD engine's KV layout fingerprint (checked by its peers and the store) names its weights: an
-    update in place is refused. Dropping the unreferenced cached pages is fine on either role."""
+def test_pd_engines_refuse_a_weights_update_unless_enabled_and_reset_their_prefix_cache(
+    cluster, demo_model_dir
+):
+    """Weight updates are off unless the engines were started with them. Dropping the unreferenced
+    cached pages is fine on either role."""
     for url in cluster.engine_urls:
         r = httpx.post(url + "/update_weights_from_disk", json={"model_path": demo_model_dir}, timeout=30)
-        assert r.status_code == 400 and "PD engine" in r.json()["error"]["message"]
+        assert r.status_code == 403 and "--enable-weight-updates" in r.json()["error"]["message"]
         r = httpx.post(url + "/reset_prefix_cache", timeout=30)
         assert r.status_code == 200 and r.json()["num_cached_pages_dropped"] >= 0
         wait_engine_idle(url)

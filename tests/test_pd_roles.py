@@ -890,6 +890,32 @@ def test_decode_abort_request_ends_the_prefills_half_as_an_abort_and_a_late_one_
     p.assert_clean()
 
 
+def test_after_new_weights_a_decode_registered_under_the_old_ones_is_refused_at_once(make_pair):
+    """A weight update on the prefill only (`new_weights`): the decode registered under the old
+    fingerprint, so its KVRequest is refused with Status(Failed) to its registered address (it frees
+    at once: no deadline or lease passes here), never written to. Once the decode has the new weights
+    too, it registers again (a fresh registration id) and the pair serves."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
+    p.submit_both(prompt(9), 2, "old")
+    p.drive(lambda: p.idle())
+    p.pe_role.new_weights("new-weights|layout")
+    assert not p.pe_role.peers and len(p.pe_role.stale_peers) == 1
+    room = p.submit_both(prompt(9, start=2), 2, "mixed")
+    p.drive(lambda: p.idle())
+    assert p.submits == [(room - 1, 1, 1, 3)]  # (only the first request's write: none for "mixed")
+    assert p.de_sink.errors("mixed") == [
+        "PD transfer failed: prefill failed: decode registered under weights this prefill no longer serves"
+    ]
+    assert p.de_role.rooms.num_expired == 0 and not p.de_role.releasing
+    p.de_role.new_weights("new-weights|layout")
+    p.submit_both(prompt(9, start=3), 2, "new")
+    p.drive(lambda: p.idle())
+    assert len(p.de_sink.final("new").outputs[0].token_ids) == 2
+    assert [m for m in p.de_sent if m[0] is Register] == [(Register, 1), (Register, 2)]
+    assert len(p.pe_role.peers) == 1 and not p.pe_role.stale_peers
+    p.assert_clean()
+
+
 def test_abort_after_decode_failure_keeps_pages_until_ack(make_pair):
     p = make_pair(fake_clocks=True)
     room = new_room()

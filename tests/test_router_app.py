@@ -522,6 +522,69 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
     assert router.decodes[0].in_flight == 0
 
 
+def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_until_it_is_done():
+    """Request 1 is in flight when /update_weights_from_disk comes: the engines are asked only once
+    it has ended; request 2, sent meanwhile, is held and sent only after every engine loaded the new
+    weights (so no request runs across engines of different weights). An engine that answers 409
+    (still finishing a room) is asked again."""
+    calls: list[tuple[str, str]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+        busy_once = {"pe"}
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            host, path = request.url.host, request.url.path
+            if path == "/update_weights_from_disk":
+                calls.append((host, path))
+                if host in busy_once:
+                    busy_once.discard(host)
+                    return httpx.Response(409, json={"error": {"message": "busy"}})
+                return httpx.Response(200, json={"success": True, "num_weight_updates": 1})
+            if path == "/v1/completions":
+                calls.append((host, path))
+                if host == "de":  # (its answer comes when the test releases it, relayable)
+                    await engines.release.wait()
+                    answer = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4}
+            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while len(calls) < 2:
+                await asyncio.sleep(0.01)
+            updating = asyncio.ensure_future(
+                c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            )
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.1)
+            held = list(calls)  # (the update waits for request 1; request 2 waits for the update)
+            engines.release.set()
+            answers = await asyncio.gather(first, updating, second)
+        return held, answers, router
+
+    held, (first, updating, second), router = asyncio.run(go())
+    assert sorted(held) == [("de", "/v1/completions"), ("pe", "/v1/completions")]
+    assert first.status_code == 200 and second.status_code == 200
+    assert updating.status_code == 200 and updating.json()["success"], updating.text
+    assert updating.json()["engines"] == {
+        u: {"success": True, "num_weight_updates": 1} for u in ("http://pe", "http://de")
+    }
+    after = calls[2:]
+    updates = [c for c in after if c[1] == "/update_weights_from_disk"]
+    assert sorted(updates) == [("de", "/update_weights_from_disk"), ("pe", "/update_weights_from_disk"), ("pe", "/update_weights_from_disk")]  # fmt: skip
+    assert after.index(("pe", "/v1/completions")) > max(i for i, c in enumerate(after) if c in updates)
+    assert router.num_in_flight() == 0 and router.open.is_set()
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

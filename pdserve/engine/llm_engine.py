@@ -247,7 +247,7 @@ class LLMEngine:
         self.kv.free(req)
         self.release(req)
 
-    def update_weights(self, model_dir: str, abort_running: bool = False, on_abort=None) -> int:
+    def update_weights(self, model_dir: str, abort_running: bool = False, on_abort=None, abort=None) -> int:
         """Engine thread: serve the weights of `model_dir` from now on (an RL trainer's new
         checkpoint; same architecture and shapes). Cached prefix pages were computed with the old
         weights, so the prefix cache is dropped. With requests in flight: EngineBusy, or with
@@ -255,7 +255,8 @@ class LLMEngine:
         checkpoint that does not match is refused (InvalidRequest, CheckpointError) before any weight
         changes or any request is aborted. If copying fails midway (the files changed meanwhile), the
         previous weights are loaded back (CheckpointError); if that fails too, WeightsLost and the
-        engine refuses requests (`weights_lost`). Returns the cached pages dropped."""
+        engine refuses requests (`weights_lost`). Returns the cached pages dropped. `abort` (request id ->
+        its final output or None) replaces `self.abort` for that (a PD role ends its rooms with it)."""
         current = self.config.model_config
         try:
             new = ModelConfig.from_dir(model_dir)
@@ -268,7 +269,7 @@ class LLMEngine:
         if self.requests and not abort_running:
             raise EngineBusy(f"{len(self.requests)} requests are in flight (abort_running: true aborts them)")
         for rid in list(self.requests):
-            out = self.abort(rid)
+            out = (abort or self.abort)(rid)
             if out is not None and on_abort is not None:
                 on_abort(out)
         dropped = self.kv.pool.reset_prefix_cache()  # (before any copy: no page may outlive its weights)

@@ -22,6 +22,7 @@ release rules) that reads best in one place; page runs, staging and the store li
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         engine.finish_hooks.append(self._write_back_last)
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
+        self._reg_ids = itertools.count(1)  # a registration's id, echoed by its RegisterAck
         self.prealloc: list[DecodeRoom] = []
         self.transfer: dict[int, DecodeRoom] = {}
         self.releasing: dict[int, DecodeRoom] = {}  # aborted after a KVRequest: wait for ack / lease
@@ -134,9 +136,23 @@ class DecodeRole(PDRoleBase, EngineRole):
         dr = DecodeRoom(room, req, prompt_text, peer_addr)
         self.prealloc.append(dr)
         self.by_request[req.request_id] = room
-        peer = self.peers.setdefault(peer_addr, PrefillPeer(peer_addr, reg_id=len(self.peers) + 1))
+        peer = self.peers.get(peer_addr)
+        if peer is None:
+            peer = self.peers[peer_addr] = PrefillPeer(peer_addr, reg_id=next(self._reg_ids))
         if peer.state == "new":
             self._register(peer)
+
+    def new_weights(self, fingerprint: str) -> None:
+        """The engine serves other weights (PDContext.on_new_weights): register again with every
+        prefill, under the new fingerprint, before asking it for KV (one on the old weights refuses).
+        A fresh registration id per peer, so an ack of the old registration still on its way is
+        not taken for the new one's."""
+        self.fingerprint = fingerprint
+        waiting = {d.peer_addr for d in self.prealloc}
+        for peer in self.peers.values():
+            peer.state, peer.reg_id = "new", next(self._reg_ids)
+            if peer.control_addr in waiting:
+                self._register(peer)
 
     def register_message(self) -> Register:
         """What this decode tells a prefill about itself: where and how much the prefill may write."""

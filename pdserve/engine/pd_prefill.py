@@ -122,6 +122,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
+        self.stale_peers: dict[str, DecodePeer] = {}  # registered under weights we no longer serve
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
@@ -159,6 +160,15 @@ class PrefillRole(PDRoleBase, EngineRole):
         early = self.early.pop(room, None)
         if early is not None:
             self._on_kv_request(room, early[1], early[2])
+
+    def new_weights(self, fingerprint: str) -> None:
+        """The engine serves other weights (PDContext.on_new_weights): every decode registered under
+        the old fingerprint is no longer written to. One on the new weights registers again; one on
+        the old cannot, and its KVRequests are refused meanwhile (Status(Failed) to the address it
+        registered, so it frees at once), never given KV of other weights. Its Aborts are still acked."""
+        self.fingerprint = fingerprint
+        self.stale_peers |= self.peers
+        self.peers = {}
 
     def abort(self, request_id: str, client_abort: bool = False) -> RequestOutput | None:
         room = self.by_request.get(request_id)
@@ -325,14 +335,15 @@ class PrefillRole(PDRoleBase, EngineRole):
             self._fail(room, f"aborted by decode: {body.reason}", client_abort=body.client_abort)
 
     def _peer_by_sender(self, sender: str) -> DecodePeer | None:
-        return self.peers.get(sender)
+        """Where to answer `sender` (acks, failures): registered now, or before a weight update."""
+        return self.peers.get(sender) or self.stale_peers.get(sender)
 
     def _tell_ended(self, room: int, sender: str) -> None:
         """A KVRequest for a room that failed here before it came (e.g. aborted while its decode was
         still tokenizing): Failed at once, as `_reap` would have told a decode it knew. Before, the
         request was parked and the decode waited out its deadline, then answered a 503. Nothing of
         the room was ever written, so the promise of Status(Failed) holds."""
-        peer = self.peers.get(sender)
+        peer = self._peer_by_sender(sender)
         if peer is not None:
             tomb = self.tombstones[room]
             failed = Status(state=KVState.Failed, error=tomb.reason, client_abort=tomb.client_abort)
@@ -353,6 +364,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         # to this peer then fail as transfers, which fails their rooms (never the engine).
         self.agent.add_peer(msg.agent_name, msg.agent_metadata)
         slot_page_bytes = self.local_kv.num_regions * self.local_kv.bytes_per_page[0]
+        self.stale_peers.pop(sender, None)
         self.peers[sender] = DecodePeer(
             msg.agent_name,
             msg.reply_addr,
@@ -398,11 +410,16 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.count_failure("duplicate KVRequest ignored")
             return
         peer = self.peers.get(sender)
-        error = "decode is not registered" if peer is None else self._kv_request_error(pr, peer, msg)
+        if peer is not None:
+            error = self._kv_request_error(pr, peer, msg)
+        elif sender in self.stale_peers:
+            error = "decode registered under weights this prefill no longer serves"
+        else:
+            error = "decode is not registered"
         if error is not None:
             # Still Bootstrapping: nothing of this room was ever written, so the decode may free at once.
-            if peer is not None:
-                self.control.send(peer.reply_addr, Status(state=KVState.Failed, error=error), room)
+            if (reply := self._peer_by_sender(sender)) is not None:
+                self.control.send(reply.reply_addr, Status(state=KVState.Failed, error=error), room)
             self._fail(room, error)
             return
         first = msg.decode_prefix_len // self.page_size

@@ -157,6 +157,20 @@ class StoreConnector:
     def forget(self, request_id: str) -> None:
         self.persisted.pop(request_id, None)
 
+    def retarget(self, store: KVBlockStore) -> None:
+        """Engine thread, after a weight update: read and write `store` (the new weights' identity:
+        another directory and key chain) from now on. Write-backs queued for the old one land there
+        first; keys cached on requests were of the old chain, and those requests are gone."""
+        if (
+            store.layout.block_size != self.layout.block_size
+            or store.layout.block_nbytes != self.layout.block_nbytes
+        ):
+            raise ValueError("a store of another block layout")  # (only the model identity may change)
+        self.flush()
+        self.store, self.layout = store, store.layout
+        self.root = store_root_key(self.layout.fingerprint)
+        self.persisted.clear()
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write is on disk (tests, shutdown)."""
         done = threading.Event()

@@ -13,7 +13,10 @@ non-streamed decode), the router polls the client's connection and closes both l
 (One already sent but not yet taken in by its engines when they get the abort still runs.)
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
-must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them.
+must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them. A weight update
+(`/update_weights_from_disk`, an RL step) holds new requests, lets those in flight finish (or aborts
+them), has every engine load the checkpoint, then lets the held ones go: no request ever runs across
+a prefill and a decode of different weights.
 
 Length (~590 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
 abort both on disconnect) and the HTTP routes that call it; DualPath placement lives in
@@ -27,6 +30,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -48,7 +52,7 @@ from pdserve.router.placement import (
 from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import AbortRequest, error_body
+from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, error_body
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +166,19 @@ class Router:
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
+        self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
+        self.open = asyncio.Event()  # cleared while a weight update holds new requests
+        self.open.set()
+        self.update_lock = asyncio.Lock()  # one weight update at a time
+
+    def num_in_flight(self) -> int:
+        """Requests this router has taken in and not yet answered to the end."""
+        return self.num_dispatching + sum(e.in_flight for e in self.decodes)
+
+    async def drained(self) -> None:
+        """Until every request in flight has ended (new ones are held: `open` is clear)."""
+        while self.num_in_flight():
+            await asyncio.sleep(0.01)
 
     def abort_all(self) -> None:
         """An `/abort_request` of everything: the requests this router holds end too. Each one that
@@ -245,18 +262,27 @@ class Router:
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
         sharing). Decodes are still picked per request, to spread the n generations."""
+        if not self.open.is_set():  # a weight update is on: wait for the new weights
+            try:
+                await unless_gone(http, self.open.wait())
+            except ClientGone:
+                return client_gone()
         epoch = self.abort_epoch
-        if self.placement is not None:
-            return await self._dispatch_placed(path, body, http, epoch)
-        read_path = self.choose_read_path(body.pop("read_path", None))
-        if read_path in self.reads_in_flight:
-            self.reads_in_flight[read_path] += 1
+        self.num_dispatching += 1
         try:
-            first = (prefill, None) if prefill is not None else None
-            return await self._dispatch(path, body, http, read_path, epoch, first=first)
-        finally:
+            if self.placement is not None:
+                return await self._dispatch_placed(path, body, http, epoch)
+            read_path = self.choose_read_path(body.pop("read_path", None))
             if read_path in self.reads_in_flight:
-                self.reads_in_flight[read_path] -= 1
+                self.reads_in_flight[read_path] += 1
+            try:
+                first = (prefill, None) if prefill is not None else None
+                return await self._dispatch(path, body, http, read_path, epoch, first=first)
+            finally:
+                if read_path in self.reads_in_flight:
+                    self.reads_in_flight[read_path] -= 1
+        finally:
+            self.num_dispatching -= 1
 
     async def _dispatch_placed(self, path: str, body: dict, http: Request, epoch: int):
         """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch."""
@@ -423,6 +449,8 @@ def _json(body: dict, http: Request) -> bytes:
 
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
 CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
+WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
+BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -534,21 +562,28 @@ def build_router_app(router: Router) -> FastAPI:
             )
         return Response(r.content, r.status_code, media_type="application/json")
 
-    async def to_every_engine(path: str, http: Request) -> Response:
-        """What every engine must do (abort requests, drop cached pages): the client's body sent to
-        each live engine at once; 200 with each one's answer by URL, or 502 (the same map) when any
-        engine failed or refused (a bad body is refused by all alike: that engine's answer, as is).
-        Engines out of service are listed as `unhealthy` (not asked: they may not answer)."""
+    async def to_every_engine(
+        path: str,
+        http: Request,
+        body: dict | None = None,
+        timeout_s: float = CONTROL_TIMEOUT_S,
+        busy_wait_s: float = 0.0,
+    ) -> Response:
+        """What every engine must do (abort requests, drop cached pages, load weights): the client's
+        body (or `body`) sent to each live engine at once; 200 with each one's answer by URL, or 502
+        (the same map) when any engine failed or refused (a bad body is refused by all alike: that
+        engine's answer, as is). Engines out of service are listed as `unhealthy` (not asked: they may
+        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`."""
         live = [e for e in router.prefills + router.decodes if e.healthy]
         down = [e.url for e in router.prefills + router.decodes if not e.healthy]
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
-        body = await http.body()
+        content = await http.body() if body is None else json.dumps(body).encode()
 
         async def one(engine: Engine) -> tuple[int, object]:
             try:
                 r = await router.client.post(
-                    engine.url + path, content=body, headers=JSON, timeout=CONTROL_TIMEOUT_S
+                    engine.url + path, content=content, headers=JSON, timeout=timeout_s
                 )
             except httpx.HTTPError as e:
                 return 502, {"error": f"{engine.url} unreachable: {e!r}"}
@@ -557,12 +592,20 @@ def build_router_app(router: Router) -> FastAPI:
             except ValueError:
                 return 502, {"error": f"{engine.url} answered {r.status_code}: {r.text[:200]}"}
 
-        answers = await asyncio.gather(*(one(e) for e in live))
-        statuses = {status for status, _ in answers}
+        answers: dict[str, tuple[int, object]] = {}
+        asking, until_s = live, time.monotonic() + busy_wait_s
+        while True:
+            for e, answer in zip(asking, await asyncio.gather(*(one(e) for e in asking)), strict=True):
+                answers[e.url] = answer
+            asking = [e for e in asking if answers[e.url][0] == 409]
+            if not asking or time.monotonic() >= until_s:
+                break
+            await asyncio.sleep(BUSY_RETRY_S)  # (e.g. a prefill's room awaiting the decode's last ack)
+        statuses = {status for status, _ in answers.values()}
         if statuses == {400}:  # (the body itself is bad: every engine says why)
-            return JSONResponse(answers[0][1], 400)
+            return JSONResponse(answers[live[0].url][1], 400)
         ok = statuses == {200}
-        out = {"success": ok, "engines": {e.url: a for e, (_, a) in zip(live, answers, strict=True)}}
+        out = {"success": ok, "engines": {url: a for url, (_, a) in answers.items()}}
         if down:
             out["unhealthy"] = down
         return JSONResponse(out, 200 if ok else 502)
@@ -578,6 +621,39 @@ def build_router_app(router: Router) -> FastAPI:
         if everything:
             router.abort_all()
         return await to_every_engine("/abort_request", http)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(http: Request):
+        """SGLang's, for the whole cluster (an RL trainer's next checkpoint): new requests are held;
+        those in flight finish first, or with `abort_running` end now with finish_reason "abort";
+        then every live engine loads the checkpoint (each checks it; the engines need
+        `--enable-weight-updates`), and the held requests go on under the new weights. The answer
+        maps each engine's (502 when any failed: pairs whose weights differ then refuse each other's
+        requests, 503s, until an update succeeds everywhere)."""
+        try:
+            body = UpdateWeightsRequest.model_validate_json(await http.body())
+        except ValueError as e:  # (as an engine refuses it)
+            return JSONResponse(error_body(f"invalid body: {e}", 400), 400)
+        async with router.update_lock:
+            router.open.clear()
+            try:
+                if body.abort_running:
+                    router.abort_all()
+                    aborted = await to_every_engine("/abort_request", http, {"abort_all": True})
+                    if aborted.status_code != 200:
+                        return aborted
+                try:
+                    await unless_gone(http, router.drained())
+                except ClientGone:
+                    return client_gone()
+                return await to_every_engine(
+                    "/update_weights_from_disk",
+                    http,
+                    timeout_s=WEIGHTS_TIMEOUT_S,
+                    busy_wait_s=CONTROL_TIMEOUT_S,
+                )
+            finally:
+                router.open.set()
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(http: Request):

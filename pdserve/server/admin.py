@@ -16,8 +16,10 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   Through the router, `abort_all` also ends the requests the router still holds (placement queue).
 * `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
   no request holds.
-* `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`; colocated only): load a
-  new checkpoint of the same model in place, between rollouts.
+* `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`): load a new checkpoint
+  of the same model in place, between rollouts. On a PD engine the role's layout fingerprint and KV
+  store follow the new weights (`PDContext.on_new_weights`), and `abort_running` ends its rooms as
+  aborts on both halves; the router updates every engine of a cluster at once.
 * `GET /get_model_info` (SGLang's): the served checkpoint (after weight updates: the latest one).
 """
 
@@ -31,9 +33,8 @@ from pdserve.model.loader import CheckpointError
 from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest, request_id_of
 
 
-def admin_routes(
-    aengine: AsyncEngine, engine: LLMEngine, role_name: str, enable_weight_updates: bool
-) -> APIRouter:
+def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates: bool, pd=None) -> APIRouter:
+    """`pd`: the PDContext of a prefill or decode engine (None: colocated)."""
     router = APIRouter()
 
     @router.post("/abort_request")
@@ -67,11 +68,6 @@ def admin_routes(
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest):
         """409 while requests are in flight, unless `abort_running` (each then ends with "abort")."""
-        if role_name != "colocated":
-            raise APIError(
-                "weights cannot change under a PD engine: its KV layout fingerprint (checked by its "
-                "peers and the KV store) names the checkpoint; restart the cluster with the new one"
-            )
         if not enable_weight_updates:
             raise APIError(
                 "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
@@ -83,7 +79,18 @@ def admin_routes(
                 aborted.append(out)
                 aengine.finish_aborted(out)
 
-            return engine.update_weights(body.model_path, body.abort_running, ended)
+            if pd is None:
+                return engine.update_weights(body.model_path, body.abort_running, ended)
+
+            def end(rid: str):  # a PD request ends through its role: its room fails on purpose, and
+                out = pd.role.abort(rid, True)  # its peer's half answers "abort" too
+                if out is None:
+                    aborted.append(rid)  # (its stream ends as the role says)
+                return out
+
+            dropped = engine.update_weights(body.model_path, body.abort_running, ended, abort=end)
+            pd.on_new_weights()
+            return dropped
 
         try:
             dropped = await aengine.run(update)

@@ -828,7 +828,7 @@ def build_app(
             return StreamingResponse(events(), media_type="text/event-stream")
         return native(await run_to_end(req, text, http))
 
-    app.include_router(admin_routes(aengine, engine, role_name, enable_weight_updates))
+    app.include_router(admin_routes(aengine, engine, enable_weight_updates, pd))
     app.include_router(
         tokenize_routes(tokenizer, engine.config.scheduler.max_model_len, vocab_size, check_model)
     )

@@ -8,6 +8,7 @@ on a prefill, the bootstrap server's thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -25,13 +26,15 @@ from pdserve.model.loader import checkpoint_digest
 from pdserve.transfer.agent import TransferAgent
 from pdserve.transfer.base import tensor_region
 
+log = logging.getLogger(__name__)
+
 
 def model_identity(engine: LLMEngine) -> str:
     """Which model's KV this is: architecture, vocabulary and the weights' digest. The KV store keys its
     blocks by it (so engines of one model share blocks whatever their page size, and a fine-tune with
     the same shape never reads another's), and it begins the PD fingerprint."""
     mc = engine.config.model_config
-    return f"{mc.architecture}|v{mc.vocab_size}|w{checkpoint_digest(engine.config.model)}"
+    return f"{mc.architecture}|v{mc.vocab_size}|w{checkpoint_digest(engine.weights_dir)}"
 
 
 def layout_fingerprint(engine: LLMEngine, identity: str) -> str:
@@ -46,6 +49,7 @@ class PDContext:
         self.role_name = role_name
         self.config = config
         name = f"{role_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.name = name
         self.control = ControlChannel(host, config.cluster_secret, name)
         identity = model_identity(engine)
         fingerprint = layout_fingerprint(engine, identity)
@@ -76,38 +80,74 @@ class PDContext:
             self.agent.traffic = self.traffic
         self.role.agent = self.agent
         self.bootstrap = None
+        self.engine = engine
         self._addr_cache: dict[str, tuple[str, float]] = {}  # bootstrap URL -> (control addr, looked up at)
         self._http: httpx.AsyncClient | None = None  # built in the event loop on the first lookup
         self.store = None
         if config.kv_store_dir:
             from pdserve.engine.store_connector import StoreConnector
-            from pdserve.store.block_store import KVBlockStore
-            from pdserve.store.layout import BlockLayout
 
-            block_layout = BlockLayout.from_kv_layout(
-                engine.runner.kv_cache.layout, config.kv_block_size, model=identity
-            )
-            self.store = KVBlockStore(config.kv_store_dir, block_layout, int(config.kv_store_gib * (1 << 30)))
-            self.store.traffic = self.traffic
+            self.store = self._open_store(identity)
             self.role.store = StoreConnector(engine, self.store)
         if role_name == "prefill":
             self.bootstrap = bootstrap.BootstrapServer(
                 host, config.bootstrap_port, secret=config.cluster_secret
             )
-            layout = engine.runner.kv_cache.layout
-            self.bootstrap.register_local(
-                bootstrap.RankRoute(
-                    rank=0,
-                    world_size=1,
-                    control_addr=self.control.address,
-                    layout_fingerprint=fingerprint,
-                    page_size=layout.page_size,
-                    kv_dtype=layout.dtype,
-                    epoch=time.time_ns(),
-                    engine_name=name,
-                )
-            )
+            self._register_route(fingerprint)
             self.bootstrap.start()
+
+    def _open_store(self, identity: str):
+        """The KV store of this model identity (its own directory and key chain under the store root)."""
+        from pdserve.store.block_store import KVBlockStore
+        from pdserve.store.layout import BlockLayout
+
+        layout = BlockLayout.from_kv_layout(
+            self.engine.runner.kv_cache.layout, self.config.kv_block_size, model=identity
+        )
+        store = KVBlockStore(self.config.kv_store_dir, layout, int(self.config.kv_store_gib * (1 << 30)))
+        store.traffic = self.traffic
+        return store
+
+    def _register_route(self, fingerprint: str) -> None:
+        layout = self.engine.runner.kv_cache.layout
+        self.bootstrap.register_local(
+            bootstrap.RankRoute(
+                rank=0,
+                world_size=1,
+                control_addr=self.control.address,
+                layout_fingerprint=fingerprint,
+                page_size=layout.page_size,
+                kv_dtype=layout.dtype,
+                epoch=time.time_ns(),
+                engine_name=self.name,
+            )
+        )
+
+    def on_new_weights(self) -> None:
+        """Engine thread, right after `LLMEngine.update_weights` loaded a new checkpoint (an RL step).
+        The model's identity names the weights, so the KV of the old ones must never meet the new:
+        * the role's layout fingerprint changes: a prefill forgets every registered decode (their
+          KVRequests fail until they register again, which a decode on the old weights cannot), a
+          decode registers again with each prefill (one on the old weights refuses it);
+        * the KV store moves to the new identity's directory and key chain (blocks of the old weights
+          are never read; queued write-backs finish into the old one first);
+        * a prefill's bootstrap route announces the new fingerprint.
+        Requests across a pair whose weights differ fail cleanly (503) until both are updated."""
+        identity = model_identity(self.engine)
+        fingerprint = layout_fingerprint(self.engine, identity)
+        self.role.new_weights(fingerprint)
+        if self.store is not None:
+            old = self.store
+            try:
+                self.store = self._open_store(identity)
+                self.role.store.retarget(self.store)  # (waits for the old store's queued writes)
+            except Exception:  # noqa: BLE001 - no store rather than the old weights' blocks
+                log.exception("kv store: cannot open the new weights' store; serving without one")
+                self.role.store.flush()
+                self.role.store = self.store = None
+            old.close()  # (waits for its reads in flight: those of rooms the update aborted)
+        if self.bootstrap is not None:
+            self._register_route(fingerprint)
 
     def load(self):
         """This engine's load report (`GET /pd/load`, polled by the router's placement)."""

@@ -1,0 +1,163 @@
+"""Weight updates on a PD cluster (an RL trainer's next checkpoint), real processes on loopback: the
+router holds new requests, has every engine load the checkpoint, and lets them go; answers are then
+exactly those of an engine loaded from the new weights, the KV store never serves blocks the old
+weights computed, and a prefill and a decode of different weights refuse each other's requests
+(clean 503s) instead of mixing KV."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.model.demo import make_demo_model
+from tests.test_dualpath_e2e import wait_written_back
+from tests.test_pd_e2e import wait_engine_idle
+
+MAX_MODEL_LEN = 1024
+GEN = 8
+KW = dict(max_model_len=MAX_MODEL_LEN, num_pages=400, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl-ckpts")
+    return str(make_demo_model(root / "a", seed=0)), str(make_demo_model(root / "b", seed=1))
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoints, tmp_path_factory):
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from pdserve.launch import cluster_args, start_cluster
+
+    a, _ = checkpoints
+    args = cluster_args(
+        a,
+        num_pages=400,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=256,
+        served_model_name="demo",
+        no_prefix_caching=True,  # (a repeated prompt is then read from the store, not kept in HBM)
+        pd_deadline_s=8.0,
+        pd_abort_lease_s=25.0,
+        kv_store=str(tmp_path_factory.mktemp("kvstore")),
+        kv_block_size=64,
+        enable_weight_updates=True,
+        dtype="float32",
+    )
+    c = start_cluster(args, 1, 1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def refs(checkpoints):
+    """Greedy answers of engines loaded from each checkpoint."""
+    out = {}
+    for name, path in zip("ab", checkpoints, strict=True):
+        llm = LLM(path, **KW)
+        out[name] = llm
+    return out
+
+
+def greedy(llm: LLM, ids: list[int]) -> str:
+    sp = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": ids}, sp)[0].outputs[0].text
+
+
+def complete(url: str, ids: list[int], **kw) -> httpx.Response:
+    body = {"model": "demo", "prompt": ids, "max_tokens": GEN, "temperature": 0, "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body | {"read_path": "pe"} | kw, timeout=120)
+
+
+def update(url: str, path: str, **kw) -> httpx.Response:
+    return httpx.post(url + "/update_weights_from_disk", json={"model_path": path} | kw, timeout=120)
+
+
+def prompt(refs, tag: str) -> list[int]:
+    return refs["a"].get_tokenizer().encode(f"# {tag}\n" + "total = total + item * weight\n" * 24)
+
+
+def test_the_cluster_serves_the_new_weights_exactly_and_never_their_old_kv(cluster, checkpoints, refs):
+    a, b = checkpoints
+    ids = prompt(refs, "store")
+    first = complete(cluster.router_url, ids)
+    assert first.status_code == 200 and first.json()["choices"][0]["text"] == greedy(refs["a"], ids)
+    wait_written_back(cluster)
+    again = complete(cluster.router_url, ids)  # (the store serves the prompt's blocks: it works)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 128
+    try:
+        r = update(cluster.router_url, b)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert len(r.json()["engines"]) == 2
+        assert all(e["num_weight_updates"] == 1 for e in r.json()["engines"].values())
+        after = complete(cluster.router_url, ids)
+        assert after.status_code == 200, after.text
+        assert after.json()["choices"][0]["text"] == greedy(refs["b"], ids) != greedy(refs["a"], ids)
+        details = after.json()["usage"]["prompt_tokens_details"]
+        assert details == {"cached_tokens": 0, "cached_tokens_storage": 0}  # (nothing of the old weights)
+        wait_written_back(cluster)
+        stored = complete(cluster.router_url, ids)  # (the new weights' own blocks, read back)
+        assert stored.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 128
+        assert stored.json()["choices"][0]["text"] == greedy(refs["b"], ids)
+        info = httpx.get(cluster.router_url + "/get_model_info", timeout=10).json()
+        assert info["model_path"] == b
+    finally:
+        assert update(cluster.router_url, a).status_code == 200
+    assert complete(cluster.router_url, ids).json()["choices"][0]["text"] == greedy(refs["a"], ids)
+
+
+def test_abort_running_ends_the_requests_in_flight_then_updates(cluster, checkpoints, refs):
+    a, b = checkpoints
+    ids = prompt(refs, "abort")
+    body = {"model": "demo", "prompt": ids, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+
+    def stream() -> list[dict]:
+        chunks = []
+        with httpx.stream("POST", cluster.router_url + "/v1/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        return chunks
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(stream)
+            while (
+                httpx.get(cluster.router_url + "/health", timeout=5).json()["engines"][
+                    cluster.urls["decode"][0]
+                ]["in_flight"]
+                < 1
+            ):
+                pass
+            r = update(cluster.router_url, b, abort_running=True)
+            chunks = streaming.result()
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert sum(len(c["choices"][0]["text"]) for c in chunks) < 500 * 8  # (cut short)
+        assert complete(cluster.router_url, ids).json()["choices"][0]["text"] == greedy(refs["b"], ids)
+    finally:
+        assert update(cluster.router_url, a).status_code == 200
+
+
+def test_a_prefill_and_a_decode_of_different_weights_refuse_each_others_requests(cluster, checkpoints, refs):
+    """Only the prefill updated (its own endpoint): the decode's KV requests are refused (it
+    registered under the old weights), a 503 for the client, never an answer computed from KV of
+    other weights. Once the decode is updated too, it registers again and the pair serves."""
+    a, b = checkpoints
+    ids = prompt(refs, "mixed")
+    try:  # (the decode is registered with the prefill, under the old weights)
+        assert complete(cluster.router_url, ids).json()["choices"][0]["text"] == greedy(refs["a"], ids)
+        assert update(cluster.urls["prefill"][0], b).status_code == 200
+        mixed = complete(cluster.router_url, ids)
+        assert mixed.status_code == 503 and "weights this prefill no longer serves" in mixed.text, mixed.text
+        wait_engine_idle(cluster.urls["decode"][0])  # (the failed room's end reaches its engine thread)
+        assert update(cluster.urls["decode"][0], b).status_code == 200
+        served = complete(cluster.router_url, ids)
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == greedy(refs["b"], ids)
+    finally:
+        assert update(cluster.router_url, a).status_code == 200
