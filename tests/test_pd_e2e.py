@@ -443,11 +443,11 @@ def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluste
         answers = [f.result() for f in futures]
     assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
     finishes = sorted(a.json()["choices"][0]["finish_reason"] for a in answers)
-    # Every request the engine still held answers "abort"; one whose prefill half had already
-    # finished when the abort came (on a slow machine) is no longer the prefill's, and runs on.
-    assert aborted.status_code == 200, aborted.text
-    num_aborted = aborted.json()["num_requests_aborted"]
-    assert num_aborted >= 1 and finishes == ["abort"] * num_aborted + ["length"] * (3 - num_aborted)
+    assert aborted.status_code == 200 and aborted.json()["num_requests_aborted"] >= 1, aborted.text
+    if side == "decode":  # (the client's half: every one ends now)
+        assert finishes == ["abort"] * 3
+    else:  # a request whose prefill half had already handed its KV over (on a slow machine) runs on
+        assert "abort" in finishes and set(finishes) <= {"abort", "length"}
     assert httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"] == retries
     for url in cluster.engine_urls:
         wait_engine_idle(url)

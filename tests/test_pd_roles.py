@@ -907,13 +907,49 @@ def test_after_new_weights_a_decode_registered_under_the_old_ones_is_refused_at_
         "PD transfer failed: prefill failed: decode registered under weights this prefill no longer serves"
     ]
     assert p.de_role.rooms.num_expired == 0 and not p.de_role.releasing
+    # It registers again (a fresh id) rather than be refused forever; with its old weights it is
+    # refused at registration, before any KV is asked for.
+    (peer,) = p.de_role.peers.values()
+    assert peer.state == "new" and peer.reg_id == 2
+    p.submit_both(prompt(9, start=4), 2, "refused")
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("refused")[0].startswith(
+        "PD transfer failed: registration refused by prefill: KV layout"
+    )
     p.de_role.new_weights("new-weights|layout")
     p.submit_both(prompt(9, start=3), 2, "new")
     p.drive(lambda: p.idle())
     assert len(p.de_sink.final("new").outputs[0].token_ids) == 2
-    assert [m for m in p.de_sent if m[0] is Register] == [(Register, 1), (Register, 2)]
+    assert [m for m in p.de_sent if m[0] is Register] == [(Register, 1), (Register, 2), (Register, 3)]
     assert len(p.pe_role.peers) == 1 and not p.pe_role.stale_peers
     p.assert_clean()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_pages_a_weight_update_could_not_drop_are_never_hit_under_the_new_weights(make_pair, ckpt, side):
+    """A weight update with abort_running while a room still holds pages the reset cannot drop (the
+    decode's prefix hits while its KV arrives; the prefill's source pages before the decode's ack):
+    once released they return to the prefix cache under the old weights' keys, which no request
+    computes any more. Before, the next request with that prompt hit them: KV of other weights."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
+    ids = prompt(18)
+    p.submit_both(ids, 2, "first")
+    p.drive(lambda: p.idle())
+    if side == "decode":  # the same prompt again: the decode holds its prefix hits, asks for the rest
+        room = p.submit_both(ids, 2, "second")
+        p.drive(lambda: p.de_role.rooms.state(room) == KVState.WaitingForInput, prefill=False)
+        assert p.de_role.transfer[room].num_hit_tokens > 0
+    else:  # sent and committed, the decode's ack not yet processed: the prefill still holds its pages
+        p.pe_engine.kv.pool.reset_prefix_cache()
+        room = p.submit_both(prompt(18, start=2), 2, "second")
+        p.drive(lambda: bool(p.de_sink.outputs("second")))
+        assert room in p.pe_role.by_room
+    engine, role = (p.de_engine, p.de_role) if side == "decode" else (p.pe_engine, p.pe_role)
+    engine.update_weights(ckpt, abort_running=True, abort=lambda rid: role.abort(rid, True))
+    p.drive(lambda: p.idle())
+    again = ids if side == "decode" else prompt(18, start=2)
+    hits, _ = engine.kv.match_prefix(engine.make_request(list(again), SamplingParams(max_tokens=2), "third"))
+    assert hits == []
 
 
 def test_abort_after_decode_failure_keeps_pages_until_ack(make_pair):

@@ -585,6 +585,31 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
     assert router.num_in_flight() == 0 and router.open.is_set()
 
 
+def test_a_weight_update_that_misses_an_engine_out_of_service_fails():
+    """An engine out of service is not asked (it may not answer), so it keeps the old weights when it
+    comes back: the update is a 502 that names it, not a success."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def answering(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/update_weights_from_disk":
+                return httpx.Response(200, json={"success": True})
+            return await handle(request)
+
+        engines.handle = answering
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        router.prefills[1].healthy = False
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            return await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+
+    r = asyncio.run(go())
+    assert r.status_code == 502 and not r.json()["success"] and r.json()["unhealthy"] == ["http://pe2"]
+    assert sorted(r.json()["engines"]) == ["http://de", "http://pe"]
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

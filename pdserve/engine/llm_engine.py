@@ -15,6 +15,7 @@ from pdserve.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.hashing import root_key
 from pdserve.kvcache.kv_manager import KVManager
 from pdserve.model import loader
 from pdserve.model.grammar import GrammarBackend, InvalidGrammar
@@ -60,12 +61,12 @@ class LLMEngine:
             if self.tokenizer is not None
             else None
         )
-        layout = self.runner.kv_cache.layout
+        self.cache_generation = 0  # bumped by every weight update: part of the prefix cache's key root
         self.kv = KVManager(
             self.runner.num_pages,
             config.cache.page_size,
             config.cache.enable_prefix_caching,
-            namespace=f"{mc.architecture}:{layout.fingerprint()}",
+            namespace=self._cache_namespace(),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Request] = {}
@@ -273,6 +274,12 @@ class LLMEngine:
             if out is not None and on_abort is not None:
                 on_abort(out)
         dropped = self.kv.pool.reset_prefix_cache()  # (before any copy: no page may outlive its weights)
+        # Pages still referenced (a PD room aborted but not yet released: its writes in flight, its
+        # decode's ack awaited) keep their keys and return to the cache when freed: keys computed from
+        # now on start from another root, so no request hits them. (Bumped whatever the outcome: a
+        # failed load restores the old weights, and pages cached then must not meet the next ones.)
+        self.cache_generation += 1
+        self.kv.root = root_key(self._cache_namespace())
         try:
             loader.load_weights_into(self.runner.model, model_dir, current)
         except Exception as e:
@@ -287,6 +294,11 @@ class LLMEngine:
         self.weights_dir = model_dir
         self.num_weight_updates += 1
         return dropped
+
+    def _cache_namespace(self) -> str:
+        """The prefix cache's key root: the model, the pool layout and the weights' generation."""
+        mc = self.config.model_config
+        return f"{mc.architecture}:{self.runner.kv_cache.layout.fingerprint()}:g{self.cache_generation}"
 
     def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
         """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""

@@ -26,6 +26,11 @@ MIN_LEASE_MARGIN_S = 1.0
 MAX_DEADLINE_S = 1e5
 
 
+# A prefill's refusal of a KVRequest from a decode that registered before the prefill's weights
+# changed (Status(Failed).error): the decode registers again (refused unless its weights match too).
+STALE_REGISTRATION = "decode registered under weights this prefill no longer serves"
+
+
 @dataclass(frozen=True)
 class PDConfig:
     """Knobs of one PD engine (either role). Deadlines bound every non-terminal state."""

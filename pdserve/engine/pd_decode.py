@@ -35,7 +35,13 @@ from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, Regist
 from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole, RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import MIN_LEASE_MARGIN_S, PDConfig, PDRoleBase, decode_notif
+from pdserve.engine.pd_common import (
+    MIN_LEASE_MARGIN_S,
+    STALE_REGISTRATION,
+    PDConfig,
+    PDRoleBase,
+    decode_notif,
+)
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.outputs import RequestOutput
 from pdserve.transfer.pages import worth_staging
@@ -262,7 +268,13 @@ class DecodeRole(PDRoleBase, EngineRole):
                     self._fail(dr.room, f"registration refused by prefill: {body.error}")
                 peer.state = "new"  # let a later request retry (e.g. after the prefill restarts)
         elif isinstance(body, Status) and body.state == KVState.Failed:
-            if room in self.transfer or any(d.room == room for d in self.prealloc):
+            dr = self.transfer.get(room) or next((d for d in self.prealloc if d.room == room), None)
+            peer = self.peers.get(dr.peer_addr) if dr is not None else None
+            if body.error == STALE_REGISTRATION and peer is not None and peer.state == "ready":
+                # The prefill's weights changed since we registered: register again (it refuses us
+                # unless ours changed alike), instead of every later request being refused.
+                peer.state, peer.reg_id = "new", next(self._reg_ids)
+            if dr is not None:
                 self._fail(
                     room,
                     f"prefill failed: {body.error}",

@@ -37,7 +37,7 @@ from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, Regist
 from pdserve.disagg.state import DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole, RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
-from pdserve.engine.pd_common import PDConfig, PDRoleBase, encode_notif
+from pdserve.engine.pd_common import STALE_REGISTRATION, PDConfig, PDRoleBase, encode_notif
 from pdserve.engine.pd_layerwise import LayerwisePrefill, RoomEnded
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.outputs import RequestOutput
@@ -297,7 +297,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             if pr is not None and pr.peer is None and self.rooms.state(room) == KVState.Failed:
                 # Failed since the last tick (an abort, a deadline) but not yet reaped: nothing was
                 # written, so `_reap` tells this decode Failed (else it waited out its deadline).
-                pr.peer = self.peers.get(env.sender)
+                pr.peer = self._peer_by_sender(env.sender)
             elif pr is not None:
                 self._on_kv_request(room, env.sender, body)
             elif room in self.tombstones:  # it ended here before the decode asked: say so now
@@ -413,7 +413,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         if peer is not None:
             error = self._kv_request_error(pr, peer, msg)
         elif sender in self.stale_peers:
-            error = "decode registered under weights this prefill no longer serves"
+            error = STALE_REGISTRATION
         else:
             error = "decode is not registered"
         if error is not None:

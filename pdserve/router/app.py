@@ -262,13 +262,13 @@ class Router:
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
         sharing). Decodes are still picked per request, to spread the n generations."""
-        if not self.open.is_set():  # a weight update is on: wait for the new weights
-            try:
+        while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
+            try:  # another update closed the door before this request woke up)
                 await unless_gone(http, self.open.wait())
             except ClientGone:
                 return client_gone()
         epoch = self.abort_epoch
-        self.num_dispatching += 1
+        self.num_dispatching += 1  # (in the same step as the check: a drain that starts now counts it)
         try:
             if self.placement is not None:
                 return await self._dispatch_placed(path, body, http, epoch)
@@ -568,12 +568,15 @@ def build_router_app(router: Router) -> FastAPI:
         body: dict | None = None,
         timeout_s: float = CONTROL_TIMEOUT_S,
         busy_wait_s: float = 0.0,
+        every_engine: bool = False,
     ) -> Response:
         """What every engine must do (abort requests, drop cached pages, load weights): the client's
         body (or `body`) sent to each live engine at once; 200 with each one's answer by URL, or 502
         (the same map) when any engine failed or refused (a bad body is refused by all alike: that
         engine's answer, as is). Engines out of service are listed as `unhealthy` (not asked: they may
-        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`."""
+        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
+        `every_engine`: an engine out of service fails it too (a weight update it missed would leave
+        it serving the old weights when it comes back)."""
         live = [e for e in router.prefills + router.decodes if e.healthy]
         down = [e.url for e in router.prefills + router.decodes if not e.healthy]
         if not live:
@@ -604,7 +607,7 @@ def build_router_app(router: Router) -> FastAPI:
         statuses = {status for status, _ in answers.values()}
         if statuses == {400}:  # (the body itself is bad: every engine says why)
             return JSONResponse(answers[live[0].url][1], 400)
-        ok = statuses == {200}
+        ok = statuses == {200} and not (every_engine and down)
         out = {"success": ok, "engines": {url: a for url, (_, a) in answers.items()}}
         if down:
             out["unhealthy"] = down
@@ -642,15 +645,25 @@ def build_router_app(router: Router) -> FastAPI:
                     aborted = await to_every_engine("/abort_request", http, {"abort_all": True})
                     if aborted.status_code != 200:
                         return aborted
+                drain_s = CONTROL_TIMEOUT_S if body.abort_running else WEIGHTS_TIMEOUT_S
                 try:
-                    await unless_gone(http, router.drained())
+                    await unless_gone(http, asyncio.wait_for(router.drained(), drain_s))
                 except ClientGone:
                     return client_gone()
+                except TimeoutError:
+                    if not body.abort_running:
+                        message = (
+                            f"{router.num_in_flight()} requests still in flight after {drain_s:.0f} s "
+                            "(abort_running: true ends them)"
+                        )
+                        return JSONResponse(error_body(message, 409, "Conflict"), 409)
+                    # (aborted, but a client has stopped reading its stream: its engines ended it)
                 return await to_every_engine(
                     "/update_weights_from_disk",
                     http,
                     timeout_s=WEIGHTS_TIMEOUT_S,
                     busy_wait_s=CONTROL_TIMEOUT_S,
+                    every_engine=True,
                 )
             finally:
                 router.open.set()

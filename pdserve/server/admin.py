@@ -30,6 +30,7 @@ from fastapi import APIRouter
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
+from pdserve.server.pd_context import model_identity
 from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest, request_id_of
 
 
@@ -88,8 +89,16 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                     aborted.append(rid)  # (its stream ends as the role says)
                 return out
 
+            try:  # (what the role and the store will name the new weights by, read before they load)
+                identity = model_identity(engine, body.model_path)
+            except (OSError, ValueError) as e:
+                raise InvalidRequest(f"cannot read {body.model_path}: {e}") from None
             dropped = engine.update_weights(body.model_path, body.abort_running, ended, abort=end)
-            pd.on_new_weights()
+            try:
+                pd.on_new_weights(identity)
+            except Exception as e:  # the weights changed but the role would still name the old ones
+                engine.weights_lost = f"weights loaded, but the PD role could not follow them: {e!r}"
+                raise WeightsLost(engine.weights_lost) from e
             return dropped
 
         try:

@@ -29,12 +29,13 @@ from pdserve.transfer.base import tensor_region
 log = logging.getLogger(__name__)
 
 
-def model_identity(engine: LLMEngine) -> str:
-    """Which model's KV this is: architecture, vocabulary and the weights' digest. The KV store keys its
-    blocks by it (so engines of one model share blocks whatever their page size, and a fine-tune with
-    the same shape never reads another's), and it begins the PD fingerprint."""
+def model_identity(engine: LLMEngine, weights_dir: str | None = None) -> str:
+    """Which model's KV this is: architecture, vocabulary and the weights' digest (of `weights_dir`,
+    default the served ones). The KV store keys its blocks by it (so engines of one model share blocks
+    whatever their page size, and a fine-tune with the same shape never reads another's), and it
+    begins the PD fingerprint."""
     mc = engine.config.model_config
-    return f"{mc.architecture}|v{mc.vocab_size}|w{checkpoint_digest(engine.weights_dir)}"
+    return f"{mc.architecture}|v{mc.vocab_size}|w{checkpoint_digest(weights_dir or engine.weights_dir)}"
 
 
 def layout_fingerprint(engine: LLMEngine, identity: str) -> str:
@@ -123,7 +124,7 @@ class PDContext:
             )
         )
 
-    def on_new_weights(self) -> None:
+    def on_new_weights(self, identity: str) -> None:
         """Engine thread, right after `LLMEngine.update_weights` loaded a new checkpoint (an RL step).
         The model's identity names the weights, so the KV of the old ones must never meet the new:
         * the role's layout fingerprint changes: a prefill forgets every registered decode (their
@@ -132,19 +133,22 @@ class PDContext:
         * the KV store moves to the new identity's directory and key chain (blocks of the old weights
           are never read; queued write-backs finish into the old one first);
         * a prefill's bootstrap route announces the new fingerprint.
-        Requests across a pair whose weights differ fail cleanly (503) until both are updated."""
-        identity = model_identity(self.engine)
+        Requests across a pair whose weights differ fail cleanly (503) until both are updated.
+        `identity`: the new weights' (`model_identity` of their directory, read before they loaded)."""
         fingerprint = layout_fingerprint(self.engine, identity)
         self.role.new_weights(fingerprint)
         if self.store is not None:
-            old = self.store
+            old, new = self.store, None
             try:
-                self.store = self._open_store(identity)
-                self.role.store.retarget(self.store)  # (waits for the old store's queued writes)
+                new = self._open_store(identity)
+                self.role.store.retarget(new)  # (waits for the old store's queued writes)
+                self.store = new
             except Exception:  # noqa: BLE001 - no store rather than the old weights' blocks
                 log.exception("kv store: cannot open the new weights' store; serving without one")
                 self.role.store.flush()
                 self.role.store = self.store = None
+                if new is not None:
+                    new.close()
             old.close()  # (waits for its reads in flight: those of rooms the update aborted)
         if self.bootstrap is not None:
             self._register_route(fingerprint)
