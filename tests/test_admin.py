@@ -219,6 +219,35 @@ def test_pd_abort_all_ends_the_halves_of_a_request_still_being_checked(demo_mode
         engines[r].check_integrity()
 
 
+def test_a_named_abort_also_ends_a_request_still_being_checked(demo_model_dir):
+    """/abort_request by id while the request is still being checked (a child of a batch at its
+    start gate, a long prompt tokenizing): it ends at once with finish_reason "abort" when streamed.
+    One with another id, or validated after the abort, runs."""
+    from pdserve.engine.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPT_IDS}
+
+    async def go():
+        named, t1 = aengine.validate(prompt, params, "job_0")
+        other, t2 = aengine.validate(prompt, params, "jobless")
+        assert await aengine.abort_now("job") == 0  # (nothing streamed yet)
+        again, t3 = aengine.validate(prompt, params, "job_1")
+        return [[o async for o in aengine.generate(r, t)] for r, t in ((named, t1), (other, t2), (again, t3))]
+
+    try:
+        named, other, again = asyncio.run(go())
+    finally:
+        aengine.shutdown()
+    assert [o.outputs[0].finish_reason for o in named] == ["abort"] and list(
+        named[0].outputs[0].token_ids
+    ) == []
+    assert other[-1].outputs[0].finish_reason == "length" and again[-1].outputs[0].finish_reason == "length"
+    assert engine.kv.pool.num_used_pages == 0 and not engine.requests
+
+
 def test_flush_cache_and_model_info(demo_model_dir):
     engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
 

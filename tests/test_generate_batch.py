@@ -78,6 +78,9 @@ def test_a_streamed_batch_tags_chunks_with_their_index_and_ends_as_the_whole_ans
         ({"text": TEXTS, "sampling_params": [{"max_new_tokens": 2}]}, "one per prompt"),
         ({"text": "x", "sampling_params": [{"max_new_tokens": 2}]}, "one per prompt"),
         ({"text": TEXTS, "sampling_params": [{"n": 2}, {"n": 3}]}, "n must be the same"),
+        ({"text": TEXTS, "sampling_params": [{"n": 1}, {"n": True}]}, "n must be an integer"),
+        ({"text": TEXTS, "sampling_params": [{"n": 2}, {"n": 2.0}]}, "n must be an integer"),
+        ({"text": TEXTS, "rid": ["", "b"]}, "each rid must have"),
         ({"text": "x", "sampling_params": {"n": 0}}, "n must be"),
         ({"text": TEXTS, "rid": ["a", "b", "c"]}, "2 distinct ids"),
         ({"text": TEXTS, "rid": ["a", "a"]}, "2 distinct ids"),
@@ -103,4 +106,31 @@ def test_bad_input_anywhere_in_a_batch_is_a_400_before_any_child_runs(demo_engin
     r, before, after = run_in_process(demo_engine, scenario)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert after == before
+    assert not demo_engine.requests and demo_engine.kv.pool.num_used_pages == 0
+
+
+def test_a_batch_that_names_n_once_or_not_at_all_alike_and_an_empty_rid_as_none(demo_engine):
+    body = {
+        "text": TEXTS,
+        "sampling_params": [{"n": 1, "max_new_tokens": 2}, {"max_new_tokens": 2}],
+        "rid": "",
+    }
+    (r,) = post_in_process(demo_engine, [("/generate", body)])
+    assert r.status_code == 200 and len(r.json()) == 2
+    assert r.json()[0]["meta_info"]["id"].startswith("gen-")
+
+
+def test_two_batches_with_one_rid_at_once_never_both_run_and_the_loser_gets_a_409(demo_engine):
+    """The children of a batch hold their ids while they wait for their siblings' checks: a batch
+    sent at the same time with the same rid is refused with a 409 (one or both), never a 400."""
+    body = {"text": TEXTS * 8, "sampling_params": {"max_new_tokens": 2}, "rid": "twin"}
+
+    async def scenario(c):
+        import asyncio
+
+        return await asyncio.gather(c.post("/generate", json=body), c.post("/generate", json=body))
+
+    answers = run_in_process(demo_engine, scenario)
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses in ([200, 409], [409, 409]), [a.text for a in answers]
     assert not demo_engine.requests and demo_engine.kv.pool.num_used_pages == 0

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
+from pdserve.engine.llm_engine import DuplicateRequestId, LLMEngine
 from pdserve.engine.request import Request
 from pdserve.outputs import CompletionOutput, RequestOutput
 
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 ROUTER_ABORTED_EPOCH = -1
 IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
 MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
+MAX_ABORT_LOG = 4096  # `abort_now()` calls remembered for requests still being checked
 
 
 class EngineDeadError(RuntimeError):
@@ -89,7 +90,12 @@ class AsyncEngine:
         # request id -> (its caller's loop, its output queue, the request): what is being streamed
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
-        self.abort_epoch = 0  # `abort_now()` of everything so far (a request remembers the one it came in)
+        # Every `abort_now()` so far, numbered: (number, the id it named or None for everything), the
+        # last MAX_ABORT_LOG. A request remembers how many there were when it arrived (`abort_epoch`):
+        # one that named it (or everything) since ends it as soon as it is streamed.
+        self.num_aborts = 0
+        self._abort_log: deque[tuple[int, str | None]] = deque(maxlen=MAX_ABORT_LOG)
+        self._reserved: dict[str, Request] = {}  # ids held by requests waiting to start (`reserve`)
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -105,7 +111,7 @@ class AsyncEngine:
         so an `abort_now()` of everything while it was still being checked (tokenized, held at a
         split request's start gate, or a PD half looking up its prefill) ends it as soon as it is
         streamed."""
-        epoch = self.abort_epoch
+        epoch = self.num_aborts
         tokenized = self.engine.tokenize_prompt(prompt)
         req = self.engine.make_request(prompt, params, request_id, tokenized)
         req.abort_epoch = epoch
@@ -115,11 +121,11 @@ class AsyncEngine:
         """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating."""
         if not self.alive:
             raise EngineDeadError("engine is not running")
-        if self.is_active(req.request_id):
+        if req.request_id in self._streams or self._reserved.get(req.request_id, req) is not req:
             # Refused before touching the other stream: replacing its queue (and aborting the id on the
             # way out) would cut off the caller that owns it.
-            raise InvalidRequest(f"request id {req.request_id!r} is already active")
-        aborted = req.abort_epoch < self.abort_epoch  # everything was aborted while it was being checked
+            raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
+        aborted = self._aborted_since(req)  # named (or everything was) while it was being checked
         if aborted and (self.role is None or req.abort_epoch == ROUTER_ABORTED_EPOCH):
             # Nothing to tell anyone: no token computed, no page taken (and a router-aborted PD half's
             # peer half is aborted alike).
@@ -127,6 +133,7 @@ class AsyncEngine:
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue, req)
+        self.unreserve(req)
         self._send(("add", req, prompt_text))
         if aborted:
             # A PD half: its peer's half may have been registered before the abort, or come after it.
@@ -155,8 +162,31 @@ class AsyncEngine:
                 self._send(("abort", req.request_id, False))
 
     def is_active(self, request_id: str) -> bool:
-        """Event-loop thread: whether a caller is iterating `generate()` for this id."""
-        return request_id in self._streams
+        """Event-loop thread: whether a caller is iterating `generate()` for this id, or holds it
+        while it waits to start (`reserve`)."""
+        return request_id in self._streams or request_id in self._reserved
+
+    def reserve(self, req: Request) -> None:
+        """Event-loop thread: hold `req.request_id` for `req` until it is streamed (or `unreserve`), so
+        that another request with that id is refused meanwhile (e.g. while the children of a batch wait
+        for their siblings' checks). The caller checked `is_active` first."""
+        self._reserved[req.request_id] = req
+
+    def unreserve(self, req: Request) -> None:
+        if self._reserved.get(req.request_id) is req:
+            del self._reserved[req.request_id]
+
+    def _aborted_since(self, req: Request) -> bool:
+        """Whether an `abort_now()` since `req` arrived named it or everything (or the router aborted
+        it: ROUTER_ABORTED_EPOCH)."""
+        if req.abort_epoch == ROUTER_ABORTED_EPOCH:
+            return True
+        for number, name in reversed(self._abort_log):
+            if number <= req.abort_epoch:
+                break
+            if name is None or _named(req, name):
+                return True
+        return False
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, False))
@@ -169,13 +199,11 @@ class AsyncEngine:
         finish_reason "abort" (a PD request still in transfer too: the role's failure reads as the
         abort), and its pages are freed. Returns how many there were."""
 
-        def named(req: Request) -> bool:
-            names = (req.request_id, req.client_id or req.request_id)
-            return any(x == request_id or x.startswith(f"{request_id}_") for x in names)
-
-        if request_id is None:
-            self.abort_epoch += 1
-        ids = [rid for rid, (_, _, req) in self._streams.items() if request_id is None or named(req)]
+        self.num_aborts += 1  # (a request still being checked that it names ends when it is streamed)
+        self._abort_log.append((self.num_aborts, request_id))
+        ids = [
+            rid for rid, (_, _, req) in self._streams.items() if request_id is None or _named(req, request_id)
+        ]
         self._aborting.update(ids)
 
         def abort() -> None:  # (engine thread)
@@ -334,6 +362,15 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver(EngineDeadError(f"engine failed: {e!r}"), rid)
             self._fail_calls(EngineDeadError(f"engine failed: {e!r}"))
+
+
+def _named(req: Request, name: str) -> bool:
+    """Whether `/abort_request` of `name` means `req`: its id or its client's id is `name` or starts
+    with `<name>_` (the choices and prompts of one request, server/fanout.py; SGLang matches by
+    prefix too)."""
+    return any(
+        x == name or x.startswith(f"{name}_") for x in (req.request_id, req.client_id or req.request_id)
+    )
 
 
 def _settle(done: asyncio.Future, result, error) -> None:

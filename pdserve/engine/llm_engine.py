@@ -29,6 +29,10 @@ class InvalidRequest(ValueError):
     """The request cannot be served as given (too long, empty, bad values). No state was changed."""
 
 
+class DuplicateRequestId(InvalidRequest):
+    """Another request with this id is active (a conflict: HTTP 409, not a bad request)."""
+
+
 class EngineBusy(InvalidRequest):
     """The operation needs an idle engine and requests are in flight."""
 
@@ -162,7 +166,7 @@ class LLMEngine:
     def add(self, req: Request, prompt_text: str | None = None) -> None:
         """Queue a request built by `make_request` (engine thread only)."""
         if req.request_id in self.requests:
-            raise InvalidRequest(f"request id {req.request_id!r} is already active")
+            raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
         self.requests[req.request_id] = req
         self._prompts[req.request_id] = prompt_text
         self.runner.add_request(req)
@@ -303,7 +307,7 @@ class LLMEngine:
     def add_prefilled(self, req: Request, prompt_text: str | None = None) -> None:
         """Register a request whose pages and prompt KV were set up outside the scheduler (PD decode)."""
         if req.request_id in self.requests:
-            raise InvalidRequest(f"request id {req.request_id!r} is already active")
+            raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
         self.requests[req.request_id] = req
         self._prompts[req.request_id] = prompt_text
         self.runner.add_request(req)

@@ -80,7 +80,7 @@ class Request:
     # is not `request_id`: it names the answer and /abort_request takes it. Two requests may share it
     # (a PD leg and its retry on one decode, a client reusing an id); `request_id` stays unique.
     client_id: str | None = None
-    abort_epoch: int = 0  # AsyncEngine.abort_epoch when it arrived (set by AsyncEngine.validate)
+    abort_epoch: int = 0  # AsyncEngine.num_aborts when it arrived (set by AsyncEngine.validate)
     num_storage_tokens: int = 0  # prompt tokens whose KV came from the persistent store
     # Chained keys of the full pages / store blocks of all_token_ids, computed once: the token list
     # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
 from pdserve.engine.async_engine import ROUTER_ABORTED_EPOCH, AsyncEngine, EngineDeadError
-from pdserve.engine.llm_engine import InvalidRequest, LLMEngine, WeightsLost
+from pdserve.engine.llm_engine import DuplicateRequestId, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
@@ -46,6 +46,7 @@ from pdserve.server.native_stream import (
 )
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
+    MAX_REQUEST_ID_CHARS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,12 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
+
+
+def in_band_status(e: InvalidRequest) -> tuple[int, str]:
+    """The code and type of a refusal reported inside a stream that already started."""
+    return (409, "Conflict") if isinstance(e, DuplicateRequestId) else (400, "BadRequestError")
+
 
 # /generate's sampling_params under SGLang's names -> ours (the meaning is the same).
 SGLANG_SAMPLING_NAMES = {
@@ -312,6 +319,8 @@ def build_app(
             return await unless_gone(http, consume())  # cancelled: the generator's `finally` aborts
         except ClientGone:
             raise APIError("client disconnected", 499, "ClientClosedRequest") from None
+        except DuplicateRequestId as e:  # (its id taken meanwhile by a request started first)
+            raise APIError(str(e), 409, "Conflict") from None
         except InvalidRequest as e:  # refused on the engine thread (e.g. a duplicate PD room)
             raise APIError(str(e)) from None
         except (RuntimeError, EngineDeadError) as e:  # PD transfer failure, dead engine
@@ -357,7 +366,7 @@ def build_app(
                         yield sse(c | {"usage": so_far(len(o.token_ids))} if continuous else c)
                     sent_text, sent_tokens = upto, len(o.token_ids)
         except InvalidRequest as e:  # the stream already started: report in-band
-            yield sse(error_body(str(e), 400))
+            yield sse(error_body(str(e), *in_band_status(e)))
             yield "data: [DONE]\n\n"
             return
         except (RuntimeError, EngineDeadError) as e:
@@ -712,14 +721,19 @@ def build_app(
                 "a list of sampling_params needs one per prompt of a batch", param="sampling_params"
             )
         per_prompt = params if isinstance(params, list) else [params] * len(batch or [None])
-        ns = [p.get("n") for p in per_prompt]
-        if any(x != ns[0] for x in ns):
-            raise APIError("every prompt's n must be the same", param="n")
         try:
-            n = fanout.num_choices(ns[0])
-            num_children = fanout.num_children(len(per_prompt), n)
+            ns = [fanout.num_choices(p.get("n")) for p in per_prompt]
         except ValueError as e:
             raise APIError(str(e), param="n") from None
+        if any(x != ns[0] for x in ns):
+            raise APIError("every prompt's n must be the same", param="n")
+        n = ns[0]
+        try:
+            num_children = fanout.num_children(len(per_prompt), n)
+        except ValueError as e:
+            raise APIError(
+                str(e), param="n" if n > 1 else "text" if body.text is not None else "input_ids"
+            ) from None
 
         def child_body(p: int, j: int, rid) -> GenerateRequest:  # (prompt p's sample j)
             sp = {k: v for k, v in per_prompt[p].items() if k != "n"}
@@ -734,9 +748,11 @@ def build_app(
             rids = body.rid
             if len(rids) != num_children or len(set(rids)) != len(rids):
                 raise APIError(f"a rid list needs {num_children} distinct ids (prompts x n)", param="rid")
+            if not all(1 <= len(r) <= MAX_REQUEST_ID_CHARS for r in rids):
+                raise APIError(f"each rid must have 1 to {MAX_REQUEST_ID_CHARS} characters", param="rid")
         else:  # (one id names them all: /abort_request takes it)
             try:
-                base = fanout.base_request_id(body.rid, f"gen-{uuid.uuid4().hex}")
+                base = fanout.base_request_id(body.rid or None, f"gen-{uuid.uuid4().hex}")
             except ValueError as e:
                 raise APIError(str(e), param="rid") from None
             rids = [f"{base}_{i}" for i in range(num_children)]
@@ -794,7 +810,11 @@ def build_app(
             if aengine.is_active(body.rid):
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
-        await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
+            aengine.reserve(req)  # (held while its siblings are checked: a concurrent twin gets a 409)
+        try:
+            await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
+        finally:
+            aengine.unreserve(req)
         token_text = token_str if body.return_text_in_logprobs else None
         if req.prompt_logprobs is None and not body.return_logprob:
             input_start = None
@@ -820,7 +840,7 @@ def build_app(
                     async for out in aengine.generate(req, text):
                         yield f"data: {chunks.encode(out)}\n\n"
                 except InvalidRequest as e:  # the stream already started: report in-band
-                    yield sse(error_body(str(e), 400))
+                    yield sse(error_body(str(e), *in_band_status(e)))
                 except (RuntimeError, EngineDeadError) as e:
                     yield sse(error_body(str(e), 503, "ServiceUnavailable"))
                 yield "data: [DONE]\n\n"
