@@ -107,10 +107,10 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def validate(self, prompt, params, request_id: str | None = None) -> tuple[Request, str | None]:
-        """Any thread: the request, checked (read-only). It remembers the abort epoch it arrived in,
-        so an `abort_now()` of everything while it was still being checked (tokenized, held at a
-        split request's start gate, or a PD half looking up its prefill) ends it as soon as it is
-        streamed."""
+        """Any thread: the request, checked (read-only). It remembers how many `abort_now()`s there
+        were when it arrived, so one that names it (or everything) while it is still being checked
+        (tokenized, held at a split request's start gate, or a PD half looking up its prefill) ends
+        it as soon as it is streamed."""
         epoch = self.num_aborts
         tokenized = self.engine.tokenize_prompt(prompt)
         req = self.engine.make_request(prompt, params, request_id, tokenized)
