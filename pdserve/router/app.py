@@ -13,14 +13,12 @@ non-streamed decode), the router polls the client's connection and closes both l
 (One already sent but not yet taken in by its engines when they get the abort still runs.)
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
-must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`) goes to all of them. A weight update
-(`/update_weights_from_disk`, an RL step) holds new requests, lets those in flight finish (or aborts
-them), has every engine load the checkpoint, then lets the held ones go: no request ever runs across
-a prefill and a decode of different weights.
+must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
+all of them (``router/control.py``; a weight update holds new requests at `Router.open` meanwhile).
 
-Length (~590 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
-abort both on disconnect) and the HTTP routes that call it; DualPath placement lives in
-``router/placement.py``.
+Length (~610 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+abort both on disconnect, hold during a weight update) and the HTTP routes that call it; DualPath
+placement lives in ``router/placement.py``, the control routes in ``router/control.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import contextlib
 import itertools
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -52,7 +49,7 @@ from pdserve.router.placement import (
 from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, error_body
+from pdserve.server.protocol import error_body
 
 log = logging.getLogger(__name__)
 
@@ -448,9 +445,6 @@ def _json(body: dict, http: Request) -> bytes:
 
 
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
-CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
-WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
-BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -466,6 +460,8 @@ async def _cancel(task: asyncio.Future) -> None:
 
 
 def build_router_app(router: Router) -> FastAPI:
+    from pdserve.router.control import control_routes  # (it imports this module)
+
     app = FastAPI(title="pdserve router")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     state: dict = {}
@@ -562,120 +558,6 @@ def build_router_app(router: Router) -> FastAPI:
             )
         return Response(r.content, r.status_code, media_type="application/json")
 
-    async def to_every_engine(
-        path: str,
-        http: Request,
-        body: dict | None = None,
-        timeout_s: float = CONTROL_TIMEOUT_S,
-        busy_wait_s: float = 0.0,
-        every_engine: bool = False,
-    ) -> Response:
-        """What every engine must do (abort requests, drop cached pages, load weights): the client's
-        body (or `body`) sent to each live engine at once; 200 with each one's answer by URL, or 502
-        (the same map) when any engine failed or refused (a bad body is refused by all alike: that
-        engine's answer, as is). Engines out of service are listed as `unhealthy` (not asked: they may
-        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
-        `every_engine`: an engine out of service fails it too (a weight update it missed would leave
-        it serving the old weights when it comes back)."""
-        live = [e for e in router.prefills + router.decodes if e.healthy]
-        down = [e.url for e in router.prefills + router.decodes if not e.healthy]
-        if not live:
-            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
-        content = await http.body() if body is None else json.dumps(body).encode()
-
-        async def one(engine: Engine) -> tuple[int, object]:
-            try:
-                r = await router.client.post(
-                    engine.url + path, content=content, headers=JSON, timeout=timeout_s
-                )
-            except httpx.HTTPError as e:
-                return 502, {"error": f"{engine.url} unreachable: {e!r}"}
-            try:
-                return r.status_code, r.json()
-            except ValueError:
-                return 502, {"error": f"{engine.url} answered {r.status_code}: {r.text[:200]}"}
-
-        answers: dict[str, tuple[int, object]] = {}
-        asking, until_s = live, time.monotonic() + busy_wait_s
-        while True:
-            for e, answer in zip(asking, await asyncio.gather(*(one(e) for e in asking)), strict=True):
-                answers[e.url] = answer
-            asking = [e for e in asking if answers[e.url][0] == 409]
-            if not asking or time.monotonic() >= until_s:
-                break
-            await asyncio.sleep(BUSY_RETRY_S)  # (e.g. a prefill's room awaiting the decode's last ack)
-        statuses = {status for status, _ in answers.values()}
-        if statuses == {400}:  # (the body itself is bad: every engine says why)
-            return JSONResponse(answers[live[0].url][1], 400)
-        ok = statuses == {200} and not (every_engine and down)
-        out = {"success": ok, "engines": {url: a for url, (_, a) in answers.items()}}
-        if down:
-            out["unhealthy"] = down
-        return JSONResponse(out, 200 if ok else 502)
-
-    @app.post("/abort_request")
-    async def abort_request(http: Request):
-        """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine
-        (and, for every request, those the router still holds)."""
-        try:  # (the engines' own check: a body they refuse aborts nothing here either)
-            everything = AbortRequest.model_validate_json(await http.body()).abort_all
-        except ValueError:
-            everything = False  # (the engines say why)
-        if everything:
-            router.abort_all()
-        return await to_every_engine("/abort_request", http)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(http: Request):
-        """SGLang's, for the whole cluster (an RL trainer's next checkpoint): new requests are held;
-        those in flight finish first, or with `abort_running` end now with finish_reason "abort";
-        then every live engine loads the checkpoint (each checks it; the engines need
-        `--enable-weight-updates`), and the held requests go on under the new weights. The answer
-        maps each engine's (502 when any failed: pairs whose weights differ then refuse each other's
-        requests, 503s, until an update succeeds everywhere)."""
-        try:
-            body = UpdateWeightsRequest.model_validate_json(await http.body())
-        except ValueError as e:  # (as an engine refuses it)
-            return JSONResponse(error_body(f"invalid body: {e}", 400), 400)
-        async with router.update_lock:
-            router.open.clear()
-            try:
-                if body.abort_running:
-                    router.abort_all()
-                    aborted = await to_every_engine("/abort_request", http, {"abort_all": True})
-                    if aborted.status_code != 200:
-                        return aborted
-                drain_s = CONTROL_TIMEOUT_S if body.abort_running else WEIGHTS_TIMEOUT_S
-                try:
-                    await unless_gone(http, asyncio.wait_for(router.drained(), drain_s))
-                except ClientGone:
-                    return client_gone()
-                except TimeoutError:
-                    if not body.abort_running:
-                        message = (
-                            f"{router.num_in_flight()} requests still in flight after {drain_s:.0f} s "
-                            "(abort_running: true ends them)"
-                        )
-                        return JSONResponse(error_body(message, 409, "Conflict"), 409)
-                    # (aborted, but a client has stopped reading its stream: its engines ended it)
-                return await to_every_engine(
-                    "/update_weights_from_disk",
-                    http,
-                    timeout_s=WEIGHTS_TIMEOUT_S,
-                    busy_wait_s=CONTROL_TIMEOUT_S,
-                    every_engine=True,
-                )
-            finally:
-                router.open.set()
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(http: Request):
-        return await to_every_engine("/reset_prefix_cache", http)
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(http: Request):
-        return await to_every_engine("/flush_cache", http)
-
     @app.get("/v1/models")
     async def models():
         return await to_an_engine("GET", "/v1/models")
@@ -720,4 +602,5 @@ def build_router_app(router: Router) -> FastAPI:
             n["snic_bytes_per_s"] = r["snic_bytes_per_s"]
         return {"placement": router.placement.snapshot(), "nodes": nodes, "engines": reports}
 
+    app.include_router(control_routes(router))
     return app

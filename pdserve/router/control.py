@@ -1,0 +1,152 @@
+"""The router's control routes: what every engine of the cluster must do (server/admin.py's
+endpoints, for a whole cluster).
+
+Who calls them: an RL trainer's rollout manager and operators, as they would call one engine. Mounted by
+`router/app.build_router_app`.
+
+* `POST /abort_request` (SGLang's): to every engine; with `abort_all`, also what the router still holds
+  (`Router.abort_all`: its placement queue, requests not yet sent).
+* `POST /update_weights_from_disk` (SGLang's): the cluster's next checkpoint. New requests are held
+  (`Router.open`), those in flight finish (or end now with `abort_running`), every engine loads the
+  checkpoint, then the held ones go: no request runs across a prefill and a decode of different
+  weights (the engines' fingerprints would refuse it anyway: a 503).
+* `POST /reset_prefix_cache`, `GET|POST /flush_cache`: to every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.app import JSON, Engine, Router, client_gone
+from pdserve.server.disconnect import ClientGone, unless_gone
+from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, error_body
+
+CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
+WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
+BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
+
+
+def control_routes(router: Router) -> APIRouter:
+    routes = APIRouter()
+
+    async def to_every_engine(
+        path: str,
+        http: Request,
+        body: dict | None = None,
+        timeout_s: float = CONTROL_TIMEOUT_S,
+        busy_wait_s: float = 0.0,
+        every_engine: bool = False,
+    ) -> Response:
+        """What every engine must do (abort requests, drop cached pages, load weights): the client's
+        body (or `body`) sent to each live engine at once; 200 with each one's answer by URL, or 502
+        (the same map) when any engine failed or refused (a bad body is refused by all alike: that
+        engine's answer, as is). Engines out of service are listed as `unhealthy` (not asked: they may
+        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
+        `every_engine`: an engine out of service fails it too (a weight update it missed would leave
+        it serving the old weights when it comes back)."""
+        live = [e for e in router.prefills + router.decodes if e.healthy]
+        down = [e.url for e in router.prefills + router.decodes if not e.healthy]
+        if not live:
+            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+        content = await http.body() if body is None else json.dumps(body).encode()
+
+        async def one(engine: Engine) -> tuple[int, object]:
+            try:
+                r = await router.client.post(
+                    engine.url + path, content=content, headers=JSON, timeout=timeout_s
+                )
+            except httpx.HTTPError as e:
+                return 502, {"error": f"{engine.url} unreachable: {e!r}"}
+            try:
+                return r.status_code, r.json()
+            except ValueError:
+                return 502, {"error": f"{engine.url} answered {r.status_code}: {r.text[:200]}"}
+
+        answers: dict[str, tuple[int, object]] = {}
+        asking, until_s = live, time.monotonic() + busy_wait_s
+        while True:
+            for e, answer in zip(asking, await asyncio.gather(*(one(e) for e in asking)), strict=True):
+                answers[e.url] = answer
+            asking = [e for e in asking if answers[e.url][0] == 409]
+            if not asking or time.monotonic() >= until_s:
+                break
+            await asyncio.sleep(BUSY_RETRY_S)  # (e.g. a prefill's room awaiting the decode's last ack)
+        statuses = {status for status, _ in answers.values()}
+        if statuses == {400}:  # (the body itself is bad: every engine says why)
+            return JSONResponse(answers[live[0].url][1], 400)
+        ok = statuses == {200} and not (every_engine and down)
+        out = {"success": ok, "engines": {url: a for url, (_, a) in answers.items()}}
+        if down:
+            out["unhealthy"] = down
+        return JSONResponse(out, 200 if ok else 502)
+
+    @routes.post("/abort_request")
+    async def abort_request(http: Request):
+        """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine
+        (and, for every request, those the router still holds)."""
+        try:  # (the engines' own check: a body they refuse aborts nothing here either)
+            everything = AbortRequest.model_validate_json(await http.body()).abort_all
+        except ValueError:
+            everything = False  # (the engines say why)
+        if everything:
+            router.abort_all()
+        return await to_every_engine("/abort_request", http)
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights_from_disk(http: Request):
+        """SGLang's, for the whole cluster (an RL trainer's next checkpoint): new requests are held;
+        those in flight finish first, or with `abort_running` end now with finish_reason "abort";
+        then every live engine loads the checkpoint (each checks it; the engines need
+        `--enable-weight-updates`), and the held requests go on under the new weights. The answer
+        maps each engine's (502 when any failed: pairs whose weights differ then refuse each other's
+        requests, 503s, until an update succeeds everywhere)."""
+        try:
+            body = UpdateWeightsRequest.model_validate_json(await http.body())
+        except ValueError as e:  # (as an engine refuses it)
+            return JSONResponse(error_body(f"invalid body: {e}", 400), 400)
+        async with router.update_lock:
+            router.open.clear()
+            try:
+                if body.abort_running:
+                    router.abort_all()
+                    aborted = await to_every_engine("/abort_request", http, {"abort_all": True})
+                    if aborted.status_code != 200:
+                        return aborted
+                drain_s = CONTROL_TIMEOUT_S if body.abort_running else WEIGHTS_TIMEOUT_S
+                try:
+                    await unless_gone(http, asyncio.wait_for(router.drained(), drain_s))
+                except ClientGone:
+                    return client_gone()
+                except TimeoutError:
+                    if not body.abort_running:
+                        message = (
+                            f"{router.num_in_flight()} requests still in flight after {drain_s:.0f} s "
+                            "(abort_running: true ends them)"
+                        )
+                        return JSONResponse(error_body(message, 409, "Conflict"), 409)
+                    # (aborted, but a client has stopped reading its stream: its engines ended it)
+                return await to_every_engine(
+                    "/update_weights_from_disk",
+                    http,
+                    timeout_s=WEIGHTS_TIMEOUT_S,
+                    busy_wait_s=CONTROL_TIMEOUT_S,
+                    every_engine=True,
+                )
+            finally:
+                router.open.set()
+
+    @routes.post("/reset_prefix_cache")
+    async def reset_prefix_cache(http: Request):
+        return await to_every_engine("/reset_prefix_cache", http)
+
+    @routes.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(http: Request):
+        return await to_every_engine("/flush_cache", http)
+
+    return routes
