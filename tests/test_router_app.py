@@ -26,12 +26,14 @@ class Engines:
         self.closed: list[str] = []
         self.blocking = set(blocking)
         self.release = asyncio.Event()
+        self.model_paths: dict[str, str] = {}  # host -> the weights it serves (default "/ckpt/a")
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
         role = "prefill" if host.startswith("pe") else "decode"
         if path == "/pd/info":
-            return httpx.Response(200, json={"role": role, "model": "m", "bootstrap_url": "http://pe:1"})
+            info = {"role": role, "model": "m", "bootstrap_url": "http://pe:1"}
+            return httpx.Response(200, json=info | {"model_path": self.model_paths.get(host, "/ckpt/a")})
         if path == "/pd/load":
             return httpx.Response(200, json=report(host, role))
         self.posts.append((host, path))
@@ -541,6 +543,7 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
                 if host in busy_once:
                     busy_once.discard(host)
                     return httpx.Response(409, json={"error": {"message": "busy"}})
+                engines.model_paths[host] = json.loads(await request.aread())["model_path"]
                 return httpx.Response(200, json={"success": True, "num_weight_updates": 1})
             if path == "/v1/completions":
                 calls.append((host, path))
@@ -585,9 +588,10 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
     assert router.num_in_flight() == 0 and router.open.is_set()
 
 
-def test_a_weight_update_that_misses_an_engine_out_of_service_fails():
+def test_a_weight_update_that_misses_an_engine_out_of_service_fails_and_it_serves_nothing_until_updated():
     """An engine out of service is not asked (it may not answer), so it keeps the old weights when it
-    comes back: the update is a 502 that names it, not a success."""
+    comes back: the update is a 502 that names it, and once back the engine is out of service
+    (stale) until the next update, which includes it."""
 
     async def go():
         engines = Engines(blocking=())
@@ -595,6 +599,7 @@ def test_a_weight_update_that_misses_an_engine_out_of_service_fails():
 
         async def answering(request: httpx.Request) -> httpx.Response:
             if request.url.path == "/update_weights_from_disk":
+                engines.model_paths[request.url.host] = json.loads(await request.aread())["model_path"]
                 return httpx.Response(200, json={"success": True})
             return await handle(request)
 
@@ -603,11 +608,25 @@ def test_a_weight_update_that_misses_an_engine_out_of_service_fails():
         router.prefills[1].healthy = False
         transport = httpx.ASGITransport(app=build_router_app(router))
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
-            return await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            missed = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            stale = (router.prefills[1].healthy, router.prefills[1].stale)  # (back, with the old weights)
+            picks = {router.pick_prefill(set()).url for _ in range(4)}
+            again = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            return missed, stale, picks, again, router.prefills[1].healthy
 
-    r = asyncio.run(go())
-    assert r.status_code == 502 and not r.json()["success"] and r.json()["unhealthy"] == ["http://pe2"]
-    assert sorted(r.json()["engines"]) == ["http://de", "http://pe"]
+    missed, stale, picks, again, healthy_after = asyncio.run(go())
+    assert missed.status_code == 502 and not missed.json()["success"]
+    assert missed.json()["unhealthy"] == ["http://pe2"] and sorted(missed.json()["engines"]) == [
+        "http://de",
+        "http://pe",
+    ]
+    assert stale == (False, True) and picks == {"http://pe"}  # (no request goes to the old weights)
+    assert again.status_code == 200 and sorted(again.json()["engines"]) == [
+        "http://de",
+        "http://pe",
+        "http://pe2",
+    ]
+    assert healthy_after
 
 
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():

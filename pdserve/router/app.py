@@ -64,6 +64,11 @@ class Engine:
     in_flight: int = 0
     misses: int = 0
     deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
+    model_path: str = ""  # the weights it serves (from /pd/info)
+    # Answers health checks but serves other weights than the cluster's last update (it was out of
+    # service then, or restarted from the launch checkpoint): taken out of service like a dead engine,
+    # so no pair of stale engines serves the old weights unnoticed; the next update includes it.
+    stale: bool = False
     # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
     # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
@@ -167,6 +172,7 @@ class Router:
         self.open = asyncio.Event()  # cleared while a weight update holds new requests
         self.open.set()
         self.update_lock = asyncio.Lock()  # one weight update at a time
+        self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
 
     def num_in_flight(self) -> int:
         """Requests this router has taken in and not yet answered to the end."""
@@ -194,6 +200,9 @@ class Router:
                 if ok:
                     e.bootstrap_url, e.model = info.get("bootstrap_url", ""), info.get("model", "")
                     e.deadline_s = float(info.get("deadline_s") or 0.0)
+                    e.model_path = str(info.get("model_path", ""))
+                    e.stale = self.weights_path is not None and e.model_path != self.weights_path
+                    ok = not e.stale
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1

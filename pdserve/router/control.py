@@ -9,7 +9,8 @@ Who calls them: an RL trainer's rollout manager and operators, as they would cal
 * `POST /update_weights_from_disk` (SGLang's): the cluster's next checkpoint. New requests are held
   (`Router.open`), those in flight finish (or end now with `abort_running`), every engine loads the
   checkpoint, then the held ones go: no request runs across a prefill and a decode of different
-  weights (the engines' fingerprints would refuse it anyway: a 503).
+  weights (the engines' fingerprints would refuse it anyway: a 503). An engine that serves other
+  weights than the last update's (it missed it) is out of service (`Engine.stale`) until one reaches it.
 * `POST /reset_prefix_cache`, `GET|POST /flush_cache`: to every engine.
 """
 
@@ -50,8 +51,9 @@ def control_routes(router: Router) -> APIRouter:
         not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
         `every_engine`: an engine out of service fails it too (a weight update it missed would leave
         it serving the old weights when it comes back)."""
-        live = [e for e in router.prefills + router.decodes if e.healthy]
-        down = [e.url for e in router.prefills + router.decodes if not e.healthy]
+        engines = router.prefills + router.decodes
+        live = [e for e in engines if e.healthy or (every_engine and e.stale)]  # (an update fixes those)
+        down = [e.url for e in engines if e not in live]
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
         content = await http.body() if body is None else json.dumps(body).encode()
@@ -131,13 +133,20 @@ def control_routes(router: Router) -> APIRouter:
                         )
                         return JSONResponse(error_body(message, 409, "Conflict"), 409)
                     # (aborted, but a client has stopped reading its stream: its engines ended it)
-                return await to_every_engine(
+                answer = await to_every_engine(
                     "/update_weights_from_disk",
                     http,
                     timeout_s=WEIGHTS_TIMEOUT_S,
                     busy_wait_s=CONTROL_TIMEOUT_S,
                     every_engine=True,
                 )
+                loaded = json.loads(answer.body).get("engines", {}).values()
+                if any(isinstance(a, dict) and a.get("success") for a in loaded):
+                    # The cluster's weights now: an engine that did not load them is out of service
+                    # (stale) until an update reaches it too.
+                    router.weights_path = body.model_path
+                    await router.check_health()
+                return answer
             finally:
                 router.open.set()
 

@@ -387,7 +387,7 @@ def build_app(
 
     @app.get("/pd/info")
     async def pd_info():
-        info = {"role": role_name, "model": model_name}
+        info = {"role": role_name, "model": model_name, "model_path": engine.weights_dir}
         if pd is not None:
             info |= pd.info()
         return info
