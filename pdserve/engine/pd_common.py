@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 
 from pdserve.disagg.state import KVState, min_lease_s
+from pdserve.engine.async_engine import RequestAborted
 from pdserve.transfer.pages import RegionTable
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
@@ -183,6 +184,12 @@ class PDRoleBase:
             import torch
 
             torch.cuda.synchronize(device)
+
+    def deliver_failure(self, request_id: str, message: str, client_abort: bool) -> None:
+        """Engine thread: the request's room failed. Aborted on purpose (`client_abort`: here, or on
+        the peer that told us), its caller answers "abort" (RequestAborted); else it gets a failure
+        (a 503, which the router may retry)."""
+        self.aengine.deliver((RequestAborted if client_abort else RuntimeError)(message), request_id)
 
     def count_failure(self, reason: str) -> None:
         key = reason.split(":")[0]

@@ -33,7 +33,7 @@ import torch
 from pdserve.disagg.handoff import gate
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import AbortTracker, DuplicateRoom, KVState
-from pdserve.engine.async_engine import EngineRole, RequestAborted
+from pdserve.engine.async_engine import EngineRole
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import (
     MIN_LEASE_MARGIN_S,
@@ -150,15 +150,18 @@ class DecodeRole(PDRoleBase, EngineRole):
 
     def new_weights(self, fingerprint: str) -> None:
         """The engine serves other weights (PDContext.on_new_weights): register again with every
-        prefill, under the new fingerprint, before asking it for KV (one on the old weights refuses).
-        A fresh registration id per peer, so an ack of the old registration still on its way is
-        not taken for the new one's."""
+        prefill, under the new fingerprint, before asking it for KV (one on the old weights refuses)."""
         self.fingerprint = fingerprint
         waiting = {d.peer_addr for d in self.prealloc}
         for peer in self.peers.values():
-            peer.state, peer.reg_id = "new", next(self._reg_ids)
+            self._forget_registration(peer)
             if peer.control_addr in waiting:
                 self._register(peer)
+
+    def _forget_registration(self, peer: PrefillPeer) -> None:
+        """Register with `peer` again before asking it for KV, under a fresh id (an ack of the old
+        registration still on its way is then not taken for the new one's)."""
+        peer.state, peer.reg_id = "new", next(self._reg_ids)
 
     def register_message(self) -> Register:
         """What this decode tells a prefill about itself: where and how much the prefill may write."""
@@ -273,7 +276,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             if body.error == STALE_REGISTRATION and peer is not None and peer.state == "ready":
                 # The prefill's weights changed since we registered: register again (it refuses us
                 # unless ours changed alike), instead of every later request being refused.
-                peer.state, peer.reg_id = "new", next(self._reg_ids)
+                self._forget_registration(peer)
             if dr is not None:
                 self._fail(
                     room,
@@ -508,8 +511,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         if not already_failed:
             self.rooms.fail(room, reason)
         self.count_failure(reason)
-        error = RequestAborted if client_abort else RuntimeError
-        self.aengine.deliver(error(f"PD transfer failed: {reason}"), dr.req.request_id)
+        self.deliver_failure(dr.req.request_id, f"PD transfer failed: {reason}", client_abort)
         abort = Abort(reason=reason, client_abort=client_abort)
         if dr.requested and not peer_already_knows:
             # The prefill may still write our pages: stop it, free only after its ack or the lease.

@@ -343,10 +343,13 @@ class PrefillRole(PDRoleBase, EngineRole):
         still tokenizing): Failed at once, as `_reap` would have told a decode it knew. Before, the
         request was parked and the decode waited out its deadline, then answered a 503. Nothing of
         the room was ever written, so the promise of Status(Failed) holds."""
-        peer = self._peer_by_sender(sender)
+        tomb = self.tombstones[room]
+        self._tell_failed(self._peer_by_sender(sender), room, tomb.reason, tomb.client_abort)
+
+    def _tell_failed(self, peer: DecodePeer | None, room: int, reason: str, client_abort: bool) -> None:
+        """Status(Failed) to a decode: the promise that none of our writes to the room is in flight."""
         if peer is not None:
-            tomb = self.tombstones[room]
-            failed = Status(state=KVState.Failed, error=tomb.reason, client_abort=tomb.client_abort)
+            failed = Status(state=KVState.Failed, error=reason, client_abort=client_abort)
             self.control.send(peer.reply_addr, failed, room)
 
     def _on_register(self, msg: Register, reg_id: int, sender: str) -> None:
@@ -418,8 +421,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             error = "decode is not registered"
         if error is not None:
             # Still Bootstrapping: nothing of this room was ever written, so the decode may free at once.
-            if (reply := self._peer_by_sender(sender)) is not None:
-                self.control.send(reply.reply_addr, Status(state=KVState.Failed, error=error), room)
+            self._tell_failed(self._peer_by_sender(sender), room, error, False)
             self._fail(room, error)
             return
         first = msg.decode_prefix_len // self.page_size
@@ -653,8 +655,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         # Tell the router's waiter, if the prompt never finished. An abort on purpose is an answer
         # ("abort"), not a failure the router would retry on another prefill.
         if not pr.req.status.finished:
-            error = RequestAborted if client_abort else RuntimeError
-            self.aengine.deliver(error(f"prefill failed: {reason}"), pr.req.request_id)
+            self.deliver_failure(pr.req.request_id, f"prefill failed: {reason}", client_abort)
 
     def _reap(self) -> None:
         """Free rooms that are terminal and have nothing in flight."""
@@ -670,8 +671,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             if pr.abort_reply_to is not None:
                 self.control.send(pr.abort_reply_to, AbortAck(), room)
             elif state == KVState.Failed and pr.peer is not None:
-                failed = Status(state=KVState.Failed, error=pr.fail_reason, client_abort=pr.client_abort)
-                self.control.send(pr.peer.reply_addr, failed, room)
+                self._tell_failed(pr.peer, room, pr.fail_reason, pr.client_abort)
             elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
                 self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort, False)
             del self.by_room[room]

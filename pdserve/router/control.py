@@ -36,27 +36,13 @@ BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
 def control_routes(router: Router) -> APIRouter:
     routes = APIRouter()
 
-    async def to_every_engine(
-        path: str,
-        http: Request,
-        body: dict | None = None,
-        timeout_s: float = CONTROL_TIMEOUT_S,
-        busy_wait_s: float = 0.0,
-        every_engine: bool = False,
-    ) -> Response:
-        """What every engine must do (abort requests, drop cached pages, load weights): the client's
-        body (or `body`) sent to each live engine at once; 200 with each one's answer by URL, or 502
-        (the same map) when any engine failed or refused (a bad body is refused by all alike: that
-        engine's answer, as is). Engines out of service are listed as `unhealthy` (not asked: they may
-        not answer). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
-        `every_engine`: an engine out of service fails it too (a weight update it missed would leave
-        it serving the old weights when it comes back)."""
-        engines = router.prefills + router.decodes
-        live = [e for e in engines if e.healthy or (every_engine and e.stale)]  # (an update fixes those)
-        down = [e.url for e in engines if e not in live]
-        if not live:
-            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
-        content = await http.body() if body is None else json.dumps(body).encode()
+    async def ask_every_engine(
+        path: str, content: bytes, timeout_s: float, busy_wait_s: float, include_stale: bool
+    ) -> tuple[list[Engine], dict[str, tuple[int, object]]]:
+        """POST `content` to each live engine at once: (those asked, each one's (status, JSON answer) by
+        URL). An engine that answers 409 (busy) is asked again for up to `busy_wait_s`.
+        `include_stale`: also those out of service only because they serve other weights."""
+        live = [e for e in router.prefills + router.decodes if e.healthy or (include_stale and e.stale)]
 
         async def one(engine: Engine) -> tuple[int, object]:
             try:
@@ -72,13 +58,23 @@ def control_routes(router: Router) -> APIRouter:
 
         answers: dict[str, tuple[int, object]] = {}
         asking, until_s = live, time.monotonic() + busy_wait_s
-        while True:
+        while asking:
             for e, answer in zip(asking, await asyncio.gather(*(one(e) for e in asking)), strict=True):
                 answers[e.url] = answer
             asking = [e for e in asking if answers[e.url][0] == 409]
             if not asking or time.monotonic() >= until_s:
                 break
             await asyncio.sleep(BUSY_RETRY_S)  # (e.g. a prefill's room awaiting the decode's last ack)
+        return live, answers
+
+    def summary(live: list[Engine], answers: dict[str, tuple[int, object]], every_engine: bool) -> Response:
+        """200 with each engine's answer by URL, or 502 (the same map) when any engine failed or
+        refused (a bad body is refused by all alike: that engine's answer, as is). Engines out of
+        service are listed as `unhealthy` (not asked: they may not answer); with `every_engine` they
+        fail it too (a weight update they missed would leave them serving the old weights)."""
+        if not live:
+            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+        down = [e.url for e in router.prefills + router.decodes if e not in live]
         statuses = {status for status, _ in answers.values()}
         if statuses == {400}:  # (the body itself is bad: every engine says why)
             return JSONResponse(answers[live[0].url][1], 400)
@@ -87,6 +83,13 @@ def control_routes(router: Router) -> APIRouter:
         if down:
             out["unhealthy"] = down
         return JSONResponse(out, 200 if ok else 502)
+
+    async def to_every_engine(path: str, http: Request, body: dict | None = None) -> Response:
+        """What every engine must do (abort requests, drop cached pages): the client's body (or
+        `body`) to each live engine, answered as `summary` says."""
+        content = await http.body() if body is None else json.dumps(body).encode()
+        live, answers = await ask_every_engine(path, content, CONTROL_TIMEOUT_S, 0.0, include_stale=False)
+        return summary(live, answers, every_engine=False)
 
     @routes.post("/abort_request")
     async def abort_request(http: Request):
@@ -133,20 +136,19 @@ def control_routes(router: Router) -> APIRouter:
                         )
                         return JSONResponse(error_body(message, 409, "Conflict"), 409)
                     # (aborted, but a client has stopped reading its stream: its engines ended it)
-                answer = await to_every_engine(
+                live, answers = await ask_every_engine(
                     "/update_weights_from_disk",
-                    http,
-                    timeout_s=WEIGHTS_TIMEOUT_S,
-                    busy_wait_s=CONTROL_TIMEOUT_S,
-                    every_engine=True,
+                    await http.body(),
+                    WEIGHTS_TIMEOUT_S,
+                    CONTROL_TIMEOUT_S,
+                    include_stale=True,  # (an update is what brings them back)
                 )
-                loaded = json.loads(answer.body).get("engines", {}).values()
-                if any(isinstance(a, dict) and a.get("success") for a in loaded):
+                if any(status == 200 for status, _ in answers.values()):
                     # The cluster's weights now: an engine that did not load them is out of service
                     # (stale) until an update reaches it too.
                     router.weights_path = body.model_path
                     await router.check_health()
-                return answer
+                return summary(live, answers, every_engine=True)
             finally:
                 router.open.set()
 

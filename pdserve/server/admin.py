@@ -74,7 +74,8 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             raise APIError(
                 "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
             )
-        aborted: list = []
+        aborted: list = []  # final outputs of the requests the update aborted
+        rooms_ended: list[str] = []  # ... and the PD requests it ended through their role
 
         def update() -> int:  # (engine thread)
             def ended(out) -> None:  # an aborted request's stream ends with finish_reason "abort"
@@ -87,7 +88,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             def end(rid: str):  # a PD request ends through its role: its room fails on purpose, and
                 out = pd.role.abort(rid, True)  # its peer's half answers "abort" too
                 if out is None:
-                    aborted.append(rid)  # (its stream ends as the role says)
+                    rooms_ended.append(rid)  # (its stream ends as the role says: no output here)
                 return out
 
             try:  # (what the role and the store will name the new weights by, read before they load)
@@ -114,7 +115,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             "success": True,
             "message": f"serving the weights of {body.model_path}",
             "num_cached_pages_dropped": dropped,
-            "num_requests_aborted": len(aborted),
+            "num_requests_aborted": len(aborted) + len(rooms_ended),
             "num_weight_updates": engine.num_weight_updates,
         }
 

@@ -445,7 +445,7 @@ def build_app(
             raise APIError(str(e), param="n") from None
         try:
             prompts = fanout.batch_of(body.prompt) if isinstance(body, CompletionRequest) else None
-            num_children = fanout.num_children(len(prompts or [None]), n)
+            fanout.num_children(len(prompts or [None]), n)  # (refuses too many)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         if n == 1 and prompts is None:
@@ -454,22 +454,13 @@ def build_app(
             what = "n > 1" if prompts is None else "a prompt list"
             raise APIError(f"{what} is split into requests by the router", param="prompt" if prompts else "n")
 
-        gate = fanout.StartGate(num_children)
         try:  # (child i: base_id_i; the merged answer's: base_id)
             base_id = fanout.base_request_id(body.request_id, uuid.uuid4().hex)
         except ValueError as e:
             raise APIError(str(e), param="request_id") from None
-
-        async def child(update: dict) -> Response:
-            ticket = gate.ticket()
-            fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
-            out = await one(body.model_copy(update=update), http)
-            ticket.leave()  # (answered without validating: must not hold its siblings; one that raised
-            # must not open the gate either: `merged` cancels the waiting siblings instead)
-            return out if isinstance(out, Response) else JSONResponse(out)
-
+        updates = fanout.child_updates(n, prompts, base_id, body.seed)
+        children = fanout.gated([functools.partial(one, body.model_copy(update=u), http) for u in updates])
         include = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-        children = [child(u) for u in fanout.child_updates(n, prompts, base_id, body.seed)]
         return await fanout.merged(children, bool(body.stream), include, n)
 
     @app.post("/v1/completions")
@@ -756,16 +747,8 @@ def build_app(
             except ValueError as e:
                 raise APIError(str(e), param="rid") from None
             rids = [f"{base}_{i}" for i in range(num_children)]
-        gate = fanout.StartGate(num_children)
-
-        async def child(i: int) -> Response:
-            ticket = gate.ticket()
-            fanout.CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
-            out = await generate_one(child_body(i // n, i % n, rids[i]), http)
-            ticket.leave()  # (answered without validating: must not hold its siblings)
-            return out if isinstance(out, Response) else JSONResponse(out)
-
-        children = [child(i) for i in range(num_children)]
+        bodies = [child_body(i // n, i % n, rids[i]) for i in range(num_children)]
+        children = fanout.gated([functools.partial(generate_one, b, http) for b in bodies])
         return await fanout.merged(children, body.stream, False, n, native=True)
 
     async def generate_one(body: GenerateRequest, http: Request):

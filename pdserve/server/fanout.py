@@ -37,7 +37,7 @@ import codecs
 import contextlib
 import contextvars
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -111,6 +111,22 @@ async def validated() -> None:
     ticket = CHILD_GATE.get()
     if ticket is not None:
         await ticket.passed()
+
+
+def gated(handlers: list[Callable[[], Awaitable[Response | dict]]]) -> list[Awaitable[Response]]:
+    """The colocated routes' children: each handler (one child's single-request route) run in its own
+    task behind one `StartGate`, its dict answer made a JSONResponse, ready for `merged`."""
+    gate = StartGate(len(handlers))
+
+    async def child(handler) -> Response:
+        ticket = gate.ticket()
+        CHILD_GATE.set(ticket)  # (in this child's own task: merged runs each as one)
+        out = await handler()
+        ticket.leave()  # (answered without validating: must not hold its siblings; one that raised
+        # must not open the gate either: `merged` cancels the waiting siblings instead)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    return [child(h) for h in handlers]
 
 
 def batch_of(prompt) -> list | None:
