@@ -483,6 +483,71 @@ def test_pd_halves_the_router_aborted_answer_abort_at_once_in_the_clients_format
         wait_engine_idle(url)
 
 
+@pytest.mark.parametrize("reached", ["both", "prefill", "decode"])
+def test_pd_halves_sent_before_a_routers_abort_all_that_arrive_after_it_answer_abort(cluster, reached):
+    """The router's two halves of a request race its abort of everything to the engines (separate
+    connections). A half that reaches an engine after the abort (on `reached` engines: the other's may
+    have failed), carrying an earlier abort count of that router (`pd.router_epoch`), is aborted on
+    arrival, and its role tells the peer: both answer "abort" with no token and no room left. A half
+    of the abort's own count, or of another router (a restarted one counts from 0 again), runs. Bad
+    router fields are a 400 that changes nothing. Before, such a half ran to the end."""
+    import concurrent.futures
+
+    from pdserve.engine.pd_common import new_room
+
+    info = {u: httpx.get(u + "/pd/info", timeout=5).json() for u in cluster.engine_urls}
+    prefill = next(u for u, i in info.items() if i["role"] == "prefill")
+    decode = next(u for u, i in info.items() if i["role"] == "decode")
+    router_id = uuid.uuid4().hex
+    everything = {"abort_all": True, "router_id": router_id, "router_epoch": 3}
+    for url in {"both": (prefill, decode), "prefill": (prefill,), "decode": (decode,)}[reached]:
+        assert httpx.post(url + "/abort_request", json=everything, timeout=30).status_code == 200
+    body = {
+        "model": "demo",
+        "prompt": [5, 6, 7, 8, 9, 10],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def pair(rid: str, epoch: int) -> list[dict]:
+        pd = {"room": new_room(), "read_path": "none", "router_id": rid, "router_epoch": epoch}
+        legs = [
+            (prefill, body | {"pd": pd}),
+            (decode, body | {"pd": pd | {"bootstrap_url": info[prefill]["bootstrap_url"]}}),
+        ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(
+                pool.map(lambda leg: httpx.post(leg[0] + "/v1/completions", json=leg[1], timeout=60), legs)
+            )
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        return [a.json() for a in answers]
+
+    late = pair(router_id, 2)
+    assert [a["choices"][0]["finish_reason"] for a in late] == ["abort", "abort"]
+    if reached == "both":  # (a stale abort of that router, delivered late, lowers nothing)
+        stale = everything | {"router_epoch": 1}
+        assert httpx.post(prefill + "/abort_request", json=stale, timeout=30).status_code == 200
+        assert pair(router_id, 2)[0]["choices"][0]["finish_reason"] == "abort"
+    assert late[1]["usage"]["completion_tokens"] == 0 and late[1]["choices"][0]["text"] == ""
+    if reached != "both":
+        for url in cluster.engine_urls:
+            wait_engine_idle(url)
+        return
+    for rid, epoch in ((router_id, 3), (uuid.uuid4().hex, 0)):
+        prefill_answer, decode_answer = pair(rid, epoch)
+        assert decode_answer["choices"][0]["finish_reason"] == "length", (rid, epoch)
+        assert decode_answer["usage"]["completion_tokens"] == 6
+    for bad in ({"router_epoch": "2"}, {"router_epoch": -1}, {"router_id": 7}, {"router_id": "x" * 65}):
+        pd = {"room": new_room(), "read_path": "none"} | bad
+        r = httpx.post(prefill + "/v1/completions", json=body | {"pd": pd}, timeout=30)
+        assert r.status_code == 400 and "pd.router_" in r.json()["error"]["message"], (bad, r.text)
+    refused = httpx.post(prefill + "/abort_request", json={"rid": "x", "router_id": router_id}, timeout=30)
+    assert refused.status_code == 400 and "abort_all" in refused.text, refused.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_greedy_equals_colocated(cluster, colocated):
     ps = prompts()
     max_tokens = [8 + (i * 5) % 24 for i in range(len(ps))]

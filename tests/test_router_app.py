@@ -471,8 +471,11 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
     """DualPath: a request waits in placement (no decode has a free page) when an /abort_request of
     everything comes. It stops waiting and goes to the engines marked `pd.aborted` (both answer
     "abort" with nothing computed, in the client's format); a request that comes after the abort is
-    placed and sent as usual. Before, a waiting request ran once pages freed, as if never aborted."""
+    placed and sent as usual. Before, a waiting request ran once pages freed, as if never aborted.
+    Every half carries the router's id and its abort count when the request came in, and the abort
+    its new count (for halves sent before it that reach an engine after it)."""
     legs: list[tuple[str, dict]] = []
+    aborts: list[tuple[str, dict]] = []
 
     async def go():
         engines = Engines(blocking=())
@@ -480,6 +483,7 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.url.path == "/abort_request":
+                aborts.append((request.url.host, json.loads(await request.aread())))
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
             if request.url.path == "/v1/completions":
                 pd = json.loads(await request.aread())["pd"]
@@ -520,6 +524,13 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
     assert [(host, pd.get("aborted")) for host, pd in legs] == [
         ("de", True), ("pe", True), ("de", None), ("pe", None)
     ]  # fmt: skip
+    assert [(pd["router_id"], pd["router_epoch"]) for _, pd in legs] == [(router.router_id, 0)] * 2 + [
+        (router.router_id, 1)
+    ] * 2
+    assert len(router.router_id) == 32 and router.abort_epoch == 1
+    everything = {"abort_all": True, "router_id": router.router_id, "router_epoch": 1}
+    assert sorted(aborts[-2:], key=lambda a: a[0]) == [("de", everything), ("pe", everything)]
+    assert all("router_id" not in body for _, body in aborts[:-2])  # (the refused ones: as sent)
     assert router.placement.num_placed == 1 and not router.placement.queue  # (only the later one)
     assert router.decodes[0].in_flight == 0
 

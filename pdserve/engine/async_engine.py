@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 
 from pdserve.engine.llm_engine import DuplicateRequestId, LLMEngine
@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 # `Request.abort_epoch` of a PD half the router aborted before it sent it (`pd.aborted`, after an
 # `abort_all` reached the router while the request waited there): its peer's half is aborted alike.
 ROUTER_ABORTED_EPOCH = -1
+# ... of a PD half the router sent before an `abort_all` that reached this engine before the half did
+# (`note_router_abort`): it is aborted as a half validated before an `abort_now()` is (its role ends the
+# room on purpose and tells the peer, which may not have had the abort: it was sent to each engine).
+ABORTED_IN_TRANSIT_EPOCH = -2
+MAX_ROUTERS = 64  # routers whose last abort of everything an engine remembers (one per router start)
 IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
 MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
 MAX_ABORT_LOG = 4096  # `abort_now()` calls remembered for requests still being checked
@@ -96,6 +101,9 @@ class AsyncEngine:
         self.num_aborts = 0
         self._abort_log: deque[tuple[int, str | None]] = deque(maxlen=MAX_ABORT_LOG)
         self._reserved: dict[str, Request] = {}  # ids held by requests waiting to start (`reserve`)
+        # router id -> the abort count of its last abort of everything (`note_router_abort`), the last
+        # MAX_ROUTERS routers (a router's id is new each time it starts: its counts start at 0 again)
+        self._router_aborts: OrderedDict[str, int] = OrderedDict()
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -176,10 +184,23 @@ class AsyncEngine:
         if self._reserved.get(req.request_id) is req:
             del self._reserved[req.request_id]
 
+    def note_router_abort(self, router_id: str, router_epoch: int) -> None:
+        """Event-loop thread (`/abort_request`, before `abort_now()`): router `router_id` aborts
+        everything for the `router_epoch`-th time. Its requests sent before then reach the engine over
+        separate connections, maybe after the abort: `aborted_in_transit` tells them."""
+        self._router_aborts[router_id] = max(router_epoch, self._router_aborts.pop(router_id, 0))
+        while len(self._router_aborts) > MAX_ROUTERS:
+            self._router_aborts.popitem(last=False)
+
+    def aborted_in_transit(self, router_id: str, router_epoch: int) -> bool:
+        """Whether a PD half that router sent at its abort count `router_epoch` came after one of its
+        aborts of everything (the route then marks it ABORTED_IN_TRANSIT_EPOCH)."""
+        return router_epoch < self._router_aborts.get(router_id, 0)
+
     def _aborted_since(self, req: Request) -> bool:
         """Whether an `abort_now()` since `req` arrived named it or everything (or the router aborted
-        it: ROUTER_ABORTED_EPOCH)."""
-        if req.abort_epoch == ROUTER_ABORTED_EPOCH:
+        it: ROUTER_ABORTED_EPOCH, ABORTED_IN_TRANSIT_EPOCH)."""
+        if req.abort_epoch in (ROUTER_ABORTED_EPOCH, ABORTED_IN_TRANSIT_EPOCH):
             return True
         for number, name in reversed(self._abort_log):
             if number <= req.abort_epoch:

@@ -10,7 +10,9 @@ see their connections close; while the router waits for it (placement, the prefi
 non-streamed decode), the router polls the client's connection and closes both legs itself. An
 `/abort_request` of everything also ends what the router still holds: a request that came before it
 (waiting in placement, or not yet sent) is sent with `pd.aborted`, and both engines answer "abort".
-(One already sent but not yet taken in by its engines when they get the abort still runs.)
+One already sent but not yet taken in by an engine when it gets the abort ends too: each half carries
+the router's id and abort count (`pd.router_id`, `pd.router_epoch`), so does the abort, and an
+engine aborts a half of an earlier count on arrival (its role tells the peer, as for any abort).
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
@@ -168,6 +170,7 @@ class Router:
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
+        self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.open = asyncio.Event()  # cleared while a weight update holds new requests
         self.open.set()
@@ -183,13 +186,16 @@ class Router:
         while self.num_in_flight():
             await asyncio.sleep(0.01)
 
-    def abort_all(self) -> None:
+    def abort_all(self) -> dict:
         """An `/abort_request` of everything: the requests this router holds end too. Each one that
         came in before it is sent to its engines marked `pd.aborted` (they answer "abort", in the
-        client's format, with nothing computed), those waiting in placement at once."""
+        client's format, with nothing computed), those waiting in placement at once. Returns the
+        fields the abort takes to the engines (this router's id and new abort count), for the
+        halves it sent earlier that reach an engine after the abort."""
         self.abort_epoch += 1
         if self.placement is not None:
             self.placement.abort_waiting()
+        return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
 
     async def check_health(self) -> None:
         async def one(e: Engine) -> None:
@@ -344,7 +350,7 @@ class Router:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
             room = new_room()
-            pd = {"room": room, "read_path": read_path}
+            pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}
             if epoch < self.abort_epoch:
                 pd["aborted"] = True
             pe_body = {**body, "stream": False, "pd": pd}

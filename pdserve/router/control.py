@@ -5,7 +5,8 @@ Who calls them: an RL trainer's rollout manager and operators, as they would cal
 `router/app.build_router_app`.
 
 * `POST /abort_request` (SGLang's): to every engine; with `abort_all`, also what the router still holds
-  (`Router.abort_all`: its placement queue, requests not yet sent).
+  (`Router.abort_all`: its placement queue, requests not yet sent) and what it sent that has not yet
+  reached an engine (the abort carries the router's id and abort count to the engines).
 * `POST /update_weights_from_disk` (SGLang's): the cluster's next checkpoint. New requests are held
   (`Router.open`), those in flight finish (or end now with `abort_running`), every engine loads the
   checkpoint, then the held ones go: no request runs across a prefill and a decode of different
@@ -95,12 +96,13 @@ def control_routes(router: Router) -> APIRouter:
     async def abort_request(http: Request):
         """SGLang's: abort `rid` (the id the client saw: the decode's) or every request, on every engine
         (and, for every request, those the router still holds)."""
+        raw = await http.body()
         try:  # (the engines' own check: a body they refuse aborts nothing here either)
-            everything = AbortRequest.model_validate_json(await http.body()).abort_all
+            everything = AbortRequest.model_validate_json(raw).abort_all
         except ValueError:
             everything = False  # (the engines say why)
         if everything:
-            router.abort_all()
+            return await to_every_engine("/abort_request", http, json.loads(raw) | router.abort_all())
         return await to_every_engine("/abort_request", http)
 
     @routes.post("/update_weights_from_disk")
@@ -119,8 +121,8 @@ def control_routes(router: Router) -> APIRouter:
             router.open.clear()
             try:
                 if body.abort_running:
-                    router.abort_all()
-                    aborted = await to_every_engine("/abort_request", http, {"abort_all": True})
+                    everything = {"abort_all": True} | router.abort_all()
+                    aborted = await to_every_engine("/abort_request", http, everything)
                     if aborted.status_code != 200:
                         return aborted
                 drain_s = CONTROL_TIMEOUT_S if body.abort_running else WEIGHTS_TIMEOUT_S

@@ -14,7 +14,9 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   would start (those are not in the count).
   A PD engine tells the peer of each aborted request that it was aborted on purpose, so the peer's
   half answers "abort" too, also when it registers only after the abort (pd_prefill's tombstones).
-  Through the router, `abort_all` also ends the requests the router still holds (placement queue).
+  Through the router, `abort_all` also ends the requests the router still holds (placement queue),
+  and those it sent before but that reach an engine after the abort (it carries the router's id and
+  abort count, each half `pd.router_epoch`: a lower one is aborted on arrival).
 * `POST /reset_prefix_cache` (vLLM's) and `GET|POST /flush_cache` (SGLang's): forget every cached page
   no request holds.
 * `POST /update_weights_from_disk` (SGLang's; needs `--enable-weight-updates`): load a new checkpoint
@@ -41,6 +43,8 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
+        if body.router_id:  # (first: a router's half checked from now on is aborted on arrival)
+            aengine.note_router_abort(body.router_id, body.router_epoch)
         try:  # (the id the client saw: a chat's says "chatcmpl-" for "cmpl-")
             num_aborted = await aengine.abort_now(None if body.abort_all else request_id_of(body.rid))
         except EngineDeadError as e:

@@ -28,7 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import faults
-from pdserve.engine.async_engine import ROUTER_ABORTED_EPOCH, AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import (
+    ABORTED_IN_TRANSIT_EPOCH,
+    ROUTER_ABORTED_EPOCH,
+    AsyncEngine,
+    EngineDeadError,
+)
 from pdserve.engine.llm_engine import DuplicateRequestId, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
@@ -47,6 +52,7 @@ from pdserve.server.native_stream import (
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
     MAX_REQUEST_ID_CHARS,
+    MAX_ROUTER_ID_CHARS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -182,8 +188,17 @@ def build_app(
         req.read_path = read_path
         if not isinstance(pd_field.get("aborted", False), bool):
             raise APIError("pd.aborted must be a boolean", param="pd")
+        router_id, router_epoch = pd_field.get("router_id", ""), pd_field.get("router_epoch", 0)
+        if not isinstance(router_id, str) or len(router_id) > MAX_ROUTER_ID_CHARS:
+            raise APIError(
+                f"pd.router_id must be a string of at most {MAX_ROUTER_ID_CHARS} chars", param="pd"
+            )
+        if not isinstance(router_epoch, int) or isinstance(router_epoch, bool) or router_epoch < 0:
+            raise APIError("pd.router_epoch must be a non-negative integer", param="pd")
         if pd_field.get("aborted"):  # an abort_all reached the router while it held the request
             req.abort_epoch = ROUTER_ABORTED_EPOCH
+        elif aengine.aborted_in_transit(router_id, router_epoch):  # ... or here, before this half did
+            req.abort_epoch = ABORTED_IN_TRANSIT_EPOCH
         if role_name == "prefill":
             # (min_tokens >= 1 still keeps token 1 from being a stop token)
             req.sampling_params = dataclasses.replace(

@@ -21,6 +21,7 @@ def request_id_of(answer_id: str) -> str:
 
 
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id (a split request's children add "_<i>" to it)
+MAX_ROUTER_ID_CHARS = 64  # a router's id (`pd.router_id`, AbortRequest.router_id): 32 hex chars
 
 
 class StreamOptions(BaseModel):
@@ -257,16 +258,24 @@ Role = Literal["colocated", "prefill", "decode"]
 
 class AbortRequest(BaseModel):
     """POST /abort_request (SGLang's): the request `rid`, or every request with `abort_all`. (SGLang's
-    other fields, e.g. `abort_message`, are accepted and have no effect here.)"""
+    other fields, e.g. `abort_message`, are accepted and have no effect here.)
+
+    `router_id`, `router_epoch`: set by pdserve's router on an abort of everything (its id and abort
+    count, `Router.abort_all`); a PD half that router sent before it (`pd.router_epoch` lower) but
+    that reaches the engine only after it is aborted on arrival (`AsyncEngine.note_router_abort`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     rid: str = ""
     abort_all: bool = False
+    router_id: str = Field("", max_length=MAX_ROUTER_ID_CHARS)
+    router_epoch: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_target(self):
         if bool(self.rid) == self.abort_all:
             raise ValueError("give a rid or abort_all: true (one of them)")
+        if self.router_id and not self.abort_all:
+            raise ValueError("router_id and router_epoch come with abort_all")
         return self
 
 
