@@ -77,6 +77,11 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
     p.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
     p.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
+    p.add_argument(
+        "--kv-store-keep-old-weights",
+        action="store_true",
+        help="after a weight update keep the previous weights' store directory (default: removed)",
+    )
     p.add_argument("--snic-mbps", type=float, default=None, help="emulated storage NIC budget per node, MB/s")
     p.add_argument(
         "--cnic-mbps", type=float, default=None, help="emulated compute NIC budget per engine, MB/s"
@@ -143,6 +148,7 @@ def _pd_config(a: argparse.Namespace, secret: bytes):
         staging_threshold=a.pd_staging_threshold,
         kv_store_dir=a.kv_store,
         kv_store_gib=a.kv_store_gib,
+        kv_store_keep_old_weights=a.kv_store_keep_old_weights,
         kv_block_size=a.kv_block_size,
         node=a.node,
         node_dir=a.node_dir,

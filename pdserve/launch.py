@@ -184,6 +184,8 @@ def pd_flags(a) -> list[str]:
             "--kv-block-size",
             str(a.kv_block_size),
         ]
+        if getattr(a, "kv_store_keep_old_weights", False):
+            out.append("--kv-store-keep-old-weights")
     if getattr(a, "enable_fault_injection", False):
         out.append("--enable-fault-injection")
     if getattr(a, "snic_mbps", None):

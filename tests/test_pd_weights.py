@@ -45,12 +45,13 @@ def cluster(checkpoints, tmp_path_factory):
         no_prefix_caching=True,  # (a repeated prompt is then read from the store, not kept in HBM)
         pd_deadline_s=8.0,
         pd_abort_lease_s=25.0,
-        kv_store=str(tmp_path_factory.mktemp("kvstore")),
+        kv_store=str(store_root := tmp_path_factory.mktemp("kvstore")),
         kv_block_size=64,
         enable_weight_updates=True,
         dtype="float32",
     )
     c = start_cluster(args, 1, 1)
+    c.store_root = store_root
     yield c
     c.stop()
 
@@ -83,7 +84,14 @@ def prompt(refs, tag: str) -> list[int]:
     return refs["a"].get_tokenizer().encode(f"# {tag}\n" + "total = total + item * weight\n" * 24)
 
 
+def store_dirs(cluster) -> list[str]:
+    """The store's per-weights directories (one per layout fingerprint: `KVBlockStore.dir`)."""
+    return sorted(p.name for p in cluster.store_root.iterdir())
+
+
 def test_the_cluster_serves_the_new_weights_exactly_and_never_their_old_kv(cluster, checkpoints, refs):
+    """... and the old weights' store directory is removed (by both engines, which share it), while an
+    update to the weights already served keeps it and its blocks."""
     a, b = checkpoints
     ids = prompt(refs, "store")
     first = complete(cluster.router_url, ids)
@@ -91,9 +99,12 @@ def test_the_cluster_serves_the_new_weights_exactly_and_never_their_old_kv(clust
     wait_written_back(cluster)
     again = complete(cluster.router_url, ids)  # (the store serves the prompt's blocks: it works)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 128
+    (dir_a,) = store_dirs(cluster)
     try:
         r = update(cluster.router_url, b)
         assert r.status_code == 200 and r.json()["success"], r.text
+        (dir_b,) = store_dirs(cluster)
+        assert dir_b != dir_a
         assert len(r.json()["engines"]) == 2
         assert all(e["num_weight_updates"] == 1 for e in r.json()["engines"].values())
         after = complete(cluster.router_url, ids)
@@ -105,11 +116,16 @@ def test_the_cluster_serves_the_new_weights_exactly_and_never_their_old_kv(clust
         stored = complete(cluster.router_url, ids)  # (the new weights' own blocks, read back)
         assert stored.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 128
         assert stored.json()["choices"][0]["text"] == greedy(refs["b"], ids)
+        assert update(cluster.router_url, b).status_code == 200  # (the same weights again)
+        kept = complete(cluster.router_url, ids)
+        assert kept.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] >= 128
+        assert store_dirs(cluster) == [dir_b]
         info = httpx.get(cluster.router_url + "/get_model_info", timeout=10).json()
         assert info["model_path"] == b
     finally:
         assert update(cluster.router_url, a).status_code == 200
     assert complete(cluster.router_url, ids).json()["choices"][0]["text"] == greedy(refs["a"], ids)
+    assert store_dirs(cluster) == [dir_a]  # (a fresh one: the first went with the update to b)
 
 
 def test_abort_running_ends_the_requests_in_flight_then_updates(cluster, checkpoints, refs):

@@ -280,6 +280,31 @@ def test_blocks_written_by_another_process_are_adopted(tmp_path):
     writer.close()
 
 
+def test_remove_files_deletes_this_layouts_directory_only_and_after_close(tmp_path):
+    """The previous weights' store after an update: its directory goes, with blocks another process
+    wrote; a store of another layout (other weights) beside it keeps its blocks; a process still
+    sharing the removed directory reads its blocks as missing."""
+    import dataclasses
+
+    old, other_process = make_store(tmp_path), make_store(tmp_path)
+    new = KVBlockStore(tmp_path, dataclasses.replace(LAYOUT, fingerprint="test|fp2"), 100 * FILE_NBYTES)
+    put_all(old, KEYS[:2])
+    other_process.put(KEYS[2], payload(2))  # (not in `old`'s index)
+    new_keys = block_keys(TOKENS, 4, "test|fp2")
+    put_all(new, new_keys)
+    with pytest.raises(RuntimeError, match="closed store"):
+        old.remove_files()  # (still open: it may be reading)
+    assert old.dir.is_dir()
+    old.close()
+    assert old.remove_files() and not old.dir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [new.dir.name]
+    assert read(new, new_keys)[0].num_ok == 3
+    assert read(other_process, KEYS)[0].status == ["missing"] * 3
+    other_process.close()
+    new.check_integrity()
+    new.close()
+
+
 # ---- write failures never raise --------------------------------------------------------------------
 def test_disk_full_and_read_only_return_false(store, monkeypatch):
     put_all(store, KEYS[:1])

@@ -57,6 +57,10 @@ class PDConfig:
     # DualPath persistent KV store (a directory; local disk, NFS or a 3FS mount). None: no store.
     kv_store_dir: str | None = None
     kv_store_gib: float = 8.0
+    # After a weight update, keep the previous weights' store directory (default: removed once this
+    # engine no longer reads or writes it: its blocks are never read again, and an RL loop's updates
+    # would otherwise leave a full store's worth of disk behind each).
+    kv_store_keep_old_weights: bool = False
     kv_block_size: int = 64  # tokens per stored block (a multiple of the page size)
     # DualPath node emulation (pdserve.netem): the node this engine belongs to, the directory holding
     # the node's shared link files, and the NIC budgets (inf: unlimited, i.e. a real deployment that

@@ -131,7 +131,9 @@ class PDContext:
           KVRequests fail until they register again, which a decode on the old weights cannot), a
           decode registers again with each prefill (one on the old weights refuses it);
         * the KV store moves to the new identity's directory and key chain (blocks of the old weights
-          are never read; queued write-backs finish into the old one first);
+          are never read; queued write-backs finish into the old one first), and the old directory
+          is removed (unless `kv_store_keep_old_weights`; the last engine of a cluster to leave it
+          removes what the others still wrote there);
         * a prefill's bootstrap route announces the new fingerprint.
         Requests across a pair whose weights differ fail cleanly (503) until both are updated.
         `identity`: the new weights' (`model_identity` of their directory, read before they loaded)."""
@@ -150,6 +152,9 @@ class PDContext:
                 if new is not None:
                     new.close()
             old.close()  # (waits for its reads in flight: those of rooms the update aborted)
+            if new is not None and new.dir != old.dir and not self.config.kv_store_keep_old_weights:
+                old.remove_files()  # (the same weights again: the same directory, kept)
+                log.info("kv store: removed %s (the previous weights' blocks)", old.dir)
         if self.bootstrap is not None:
             self._register_route(fingerprint)
 

@@ -39,6 +39,7 @@ import errno
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -416,6 +417,20 @@ class KVBlockStore:
             assert self._index.used_bytes == len(indexed) * self.file_nbytes, "bytes accounting broken"
             assert self._reserved_bytes == 0, "reservation leaked"
             assert self._index.used_bytes <= self.capacity_bytes, "over capacity"
+
+    def remove_files(self) -> bool:
+        """After `close()`: delete this store's directory, with the blocks other processes wrote to it
+        (those of weights no longer served: a process still sharing it reads them as missing, and
+        recomputes). True if it is gone; I/O trouble is logged, never raised."""
+        if not self._closed:
+            raise RuntimeError("remove_files() needs a closed store")
+        with self._lock:
+            self._index = BlockIndex()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        gone = not self.dir.exists()
+        if not gone:
+            log.warning("kv store: could not remove all of %s", self.dir)
+        return gone
 
     def close(self) -> None:
         """Wait for in-flight reads, stop the threads, release NIXL. Files stay: that is the point."""
