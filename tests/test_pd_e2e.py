@@ -491,6 +491,8 @@ def test_pd_halves_sent_before_a_routers_abort_all_that_arrive_after_it_answer_a
     arrival, and its role tells the peer: both answer "abort" with no token and no room left. A half
     of the abort's own count, or of another router (a restarted one counts from 0 again), runs. Bad
     router fields are a 400 that changes nothing. Before, such a half ran to the end."""
+    if cluster.staged:
+        pytest.skip("aborted before any KV moves: the direct cluster covers it")
     import concurrent.futures
 
     from pdserve.engine.pd_common import new_room
