@@ -26,8 +26,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests scripts
 	$(BIN)/ruff format --check pdserve tests scripts
 
+# Two parts (tests/conftest.py says why): the suite on two workers, then the quiet modules alone.
 test: lint
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "not quiet" --durations=15
+	$(BIN)/python -m pytest -q -x -m quiet --durations=5
 
 # The simulator's event loop compiled with mypyc (~2 min once; same results, ~1.9x faster); used by
 # `pdserve simulate` while the sources match, ignored once they change.

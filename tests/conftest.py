@@ -22,14 +22,20 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-# ---- the compiled simulator's cold build, started early ------------------------------------------
-# tests/test_sim_accel.py compiles the simulator with mypyc (~2.5 min of one core on CI's 2-core
-# machine, the suite's longest item by far). When that test is collected, the build starts right after
-# collection in a process of its own, beside the other tests, and the test waits for it; the suite's
-# wall time loses most of the build's. Tests with deadlines or rate-limited links (QUIET_MODULES) wait
-# for the build to end first: on 2 cores, a compiler beside them made a chaos burst miss deadlines.
+# ---- the compiled simulator's cold build, and the quiet tests ------------------------------------
+# tests/test_sim_accel.py compiles the simulator with mypyc (~1.5-2.5 min of one core on a 2-core
+# machine, the suite's longest item by far). Tests with tight deadlines or rate-limited links
+# (QUIET_MODULES, marked `quiet`) need a quiet machine: on 2 cores, a compiler beside them made a chaos
+# burst miss deadlines. (The PD fault tests' deadlines are loose -- 8 s, 25 s leases -- and they passed
+# beside the compiler.) `make test` therefore runs the suite in two parts: everything else on two
+# xdist workers (in one process a core sat idle 36% of the run: most tests drive one engine thread),
+# the build's file first, so the build overlaps the rest; then the quiet modules alone. Run in one
+# process (plain `pytest`), the build starts right after collection beside the tests, and the quiet
+# modules go last and wait for it to end.
 ACCEL_TEST = "test_compiled_simulator_gives_identical_figures"
-QUIET_MODULES = {"test_chaos.py", "test_pd_faults.py", "test_dualpath_cluster.py", "test_launch.py"}
+ACCEL_FILE = "test_sim_accel.py"
+QUIET_MODULES = {"test_chaos.py", "test_dualpath_cluster.py"}
+IN_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 _early_build: dict = {}
 
 
@@ -69,16 +75,32 @@ def start_simulator_build() -> tuple[Path, subprocess.Popen]:
     return cache, proc
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "quiet: needs a quiet machine (deadlines, rate-limited links)")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before `-m` deselects by the marker added here)
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """With the build collected, the quiet modules run last (each in its own order): they would
-    otherwise wait for the build with a core idle (chaos, 5th in name order, waited 74 s of a 7.5 min
-    run); by the time the others are done, so is the build."""
+    """Mark the quiet modules. With the build collected: on xdist workers its file first (the order
+    is the same on every worker, as xdist requires); in one process the quiet modules last, each in
+    its own order (in name order chaos, 5th, waited 74 s of a 7.5 min run for the build)."""
+    for item in items:
+        if item.path.name in QUIET_MODULES:
+            item.add_marker(pytest.mark.quiet)
     if any(item.name == ACCEL_TEST for item in items):
-        items.sort(key=lambda item: item.path.name in QUIET_MODULES)  # (stable: same order otherwise)
+        if IN_XDIST_WORKER:
+            items.sort(key=lambda item: item.path.name != ACCEL_FILE)  # (stable: same order otherwise)
+        else:
+            items.sort(key=lambda item: item.path.name in QUIET_MODULES)
 
 
 def pytest_collection_finish(session) -> None:
-    if any(item.name == ACCEL_TEST for item in session.items) and can_compile_simulator():
+    # (on xdist workers, each of which collects every test, the test starts the build when it runs)
+    if (
+        not IN_XDIST_WORKER
+        and any(item.name == ACCEL_TEST for item in session.items)
+        and can_compile_simulator()
+    ):
         try:
             _early_build["cache"], _early_build["proc"] = start_simulator_build()
         except (OSError, subprocess.SubprocessError):  # (the test then builds when it runs, and says why)
