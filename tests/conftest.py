@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -204,6 +205,16 @@ def post_in_process(engine, requests: list[tuple[str, dict]], sampler=None, **ap
         return run_in_process(engine, scenario, **app_kw)
     finally:
         engine.runner.sampler = real
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    """Until `predicate()` holds (checked every 10 ms on the event loop); AssertionError past the
+    timeout. (For what an engine thread does after an answer: e.g. take the aborts it was sent.)"""
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
 
 
 def run_in_process(engine, scenario, **app_kw):

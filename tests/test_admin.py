@@ -14,7 +14,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from tests.conftest import run_in_process
+from tests.conftest import run_in_process, until
 
 PROMPT_IDS = list(range(5, 45))
 KW = dict(num_pages=128, max_model_len=1024, page_size=16)
@@ -23,14 +23,6 @@ LONG = 900  # tokens: far more than the test takes to abort (an unaborted answer
 
 def run(engine: LLMEngine, scenario):
     return run_in_process(engine, scenario)
-
-
-async def until(predicate, timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def generate(c: httpx.AsyncClient, rid: str):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import post_in_process, run_in_process
+from tests.conftest import post_in_process, run_in_process, until
 
 TEXTS = ["def add(a, b):", "The capital of France is"]
 SAMPLED = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11}
@@ -131,10 +131,7 @@ def test_two_batches_with_one_rid_at_once_never_both_run_and_the_loser_gets_a_40
         answers = await asyncio.gather(c.post("/generate", json=body), c.post("/generate", json=body))
         # A batch refused after some children started cancels them; their aborts reach the engine
         # thread a moment after the answer (before run_in_process stops it, or they would be lost).
-        for _ in range(500):
-            if not demo_engine.requests and demo_engine.kv.pool.num_used_pages == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not demo_engine.requests and demo_engine.kv.pool.num_used_pages == 0, 5.0)
         return answers
 
     answers = run_in_process(demo_engine, scenario)

@@ -104,6 +104,8 @@ def cluster(request, demo_model_dir):
     c = start_cluster(args, 1, 1)
     c.staged, c.device = staged, device
     c.engine_urls = [u for u in _engine_urls(c)]
+    c.pd_info = {u: httpx.get(u + "/pd/info", timeout=5).json() for u in c.engine_urls}
+    c.by_role = {info["role"]: u for u, info in c.pd_info.items()}  # (1P+1D: one engine per role)
     yield c
     c.stop()
 
@@ -383,9 +385,7 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
     router does not retry it on a prefill elsewhere, nor answer 503), and every engine is idle after."""
     import concurrent.futures
 
-    prefill = next(
-        u for u in cluster.engine_urls if httpx.get(u + "/pd/info", timeout=5).json()["role"] == "prefill"
-    )
+    prefill = cluster.by_role["prefill"]
     retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
     prompts = [f"# job {i}\n" + BASE * 14 for i in range(3)]  # ~380 tokens each: 3 prefill steps of 128
 
@@ -419,7 +419,7 @@ def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluste
     answered 503, and the router retried it on a prefill to a full answer."""
     import concurrent.futures
 
-    urls = {httpx.get(u + "/pd/info", timeout=5).json()["role"]: u for u in cluster.engine_urls}
+    urls = cluster.by_role
     retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
     base = f"one-side-{side}-{uuid.uuid4().hex[:6]}"
 
@@ -456,9 +456,7 @@ def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluste
 def test_pd_halves_the_router_aborted_answer_abort_at_once_in_the_clients_format(cluster):
     """`pd.aborted` (the router got an abort of everything while it held the request): each engine
     answers "abort" with no token and no room, streamed or whole; a non-boolean is a 400."""
-    info = {u: httpx.get(u + "/pd/info", timeout=5).json() for u in cluster.engine_urls}
-    prefill = next(u for u, i in info.items() if i["role"] == "prefill")
-    decode = next(u for u, i in info.items() if i["role"] == "decode")
+    prefill, decode = cluster.by_role["prefill"], cluster.by_role["decode"]
     room = 77_000 + uuid.uuid4().int % 1000
     pd = {"room": room, "read_path": "none", "aborted": True}
     body = {"model": "demo", "prompt": [5, 6, 7, 8, 9], "max_tokens": 40, "temperature": 0}
@@ -466,7 +464,7 @@ def test_pd_halves_the_router_aborted_answer_abort_at_once_in_the_clients_format
     assert whole.status_code == 200, whole.text
     assert whole.json()["choices"][0]["finish_reason"] == "abort"
     assert whole.json()["usage"]["prompt_tokens"] == 5 and whole.json()["usage"]["completion_tokens"] == 0
-    de_pd = pd | {"bootstrap_url": info[prefill]["bootstrap_url"]}
+    de_pd = pd | {"bootstrap_url": cluster.pd_info[prefill]["bootstrap_url"]}
     chat = {
         "model": "demo",
         "messages": [{"role": "user", "content": "hi"}],
@@ -497,9 +495,7 @@ def test_pd_halves_sent_before_a_routers_abort_all_that_arrive_after_it_answer_a
 
     from pdserve.engine.pd_common import new_room
 
-    info = {u: httpx.get(u + "/pd/info", timeout=5).json() for u in cluster.engine_urls}
-    prefill = next(u for u, i in info.items() if i["role"] == "prefill")
-    decode = next(u for u, i in info.items() if i["role"] == "decode")
+    prefill, decode = cluster.by_role["prefill"], cluster.by_role["decode"]
     router_id = uuid.uuid4().hex
     everything = {"abort_all": True, "router_id": router_id, "router_epoch": 3}
     for url in {"both": (prefill, decode), "prefill": (prefill,), "decode": (decode,)}[reached]:
@@ -516,7 +512,7 @@ def test_pd_halves_sent_before_a_routers_abort_all_that_arrive_after_it_answer_a
         pd = {"room": new_room(), "read_path": "none", "router_id": rid, "router_epoch": epoch}
         legs = [
             (prefill, body | {"pd": pd}),
-            (decode, body | {"pd": pd | {"bootstrap_url": info[prefill]["bootstrap_url"]}}),
+            (decode, body | {"pd": pd | {"bootstrap_url": cluster.pd_info[prefill]["bootstrap_url"]}}),
         ]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             answers = list(
@@ -578,7 +574,7 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
         if i % 4 == 0:  # non-streamed extensions of warm prompts: the prefill had the prefix cached
             assert usage["prompt_tokens_details"]["cached_tokens"] > 0
     idle = {url: wait_engine_idle(url) for url in cluster.engine_urls}
-    decode_url = [u for u in cluster.engine_urls if httpx.get(u + "/pd/info").json()["role"] == "decode"][0]
+    decode_url = cluster.by_role["decode"]
     # The decode matched its own prefix cache for the extended prompts and asked only for the rest.
     assert idle[decode_url]["pdserve_prefix_cache_hit_tokens"] > 0
     prefill_url = [u for u in cluster.engine_urls if u != decode_url][0]

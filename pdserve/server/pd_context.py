@@ -154,7 +154,6 @@ class PDContext:
             old.close()  # (waits for its reads in flight: those of rooms the update aborted)
             if new is not None and new.dir != old.dir and not self.config.kv_store_keep_old_weights:
                 old.remove_files()  # (the same weights again: the same directory, kept)
-                log.info("kv store: removed %s (the previous weights' blocks)", old.dir)
         if self.bootstrap is not None:
             self._register_route(fingerprint)
 

@@ -428,7 +428,9 @@ class KVBlockStore:
             self._index = BlockIndex()
         shutil.rmtree(self.dir, ignore_errors=True)
         gone = not self.dir.exists()
-        if not gone:
+        if gone:
+            log.info("kv store: removed %s", self.dir)
+        else:
             log.warning("kv store: could not remove all of %s", self.dir)
         return gone
 
