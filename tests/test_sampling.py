@@ -224,6 +224,30 @@ def test_bad_requests_change_no_state(llm):
     engine.check_integrity()
 
 
+def test_an_unset_max_tokens_is_the_context_left_or_the_apis_default_within_it(demo_model_dir):
+    """max_tokens None: up to max_model_len; with `default_max_tokens` (an API's default, /generate's
+    128): that, lowered to the room the prompt leaves, and the pool check uses the lowered value."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    unset = SamplingParams(max_tokens=None)
+    roomy = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, page_size=16, max_model_len=512))
+    assert roomy.make_request({"prompt_token_ids": [1] * 500}, unset).max_tokens == 12
+    assert roomy.make_request({"prompt_token_ids": [1] * 10}, unset).max_tokens == 502
+    assert roomy.make_request({"prompt_token_ids": [1] * 500}, unset, default_max_tokens=100).max_tokens == 12
+    # 8 pages of 16 tokens: 128 tokens of KV, a quarter of the 512-token context.
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=8, page_size=16, max_model_len=512))
+    with pytest.raises(InvalidRequest, match="more KV pages"):
+        engine.make_request({"prompt_token_ids": [1] * 10}, unset)  # (502 tokens would not fit)
+    assert (
+        engine.make_request({"prompt_token_ids": [1] * 10}, unset, default_max_tokens=100).max_tokens == 100
+    )
+    with pytest.raises(InvalidRequest, match="more KV pages"):
+        engine.make_request({"prompt_token_ids": [1] * 10}, unset, default_max_tokens=200)
+    given = SamplingParams(max_tokens=5)  # (a value the client set wins over the default)
+    assert engine.make_request({"prompt_token_ids": [1] * 10}, given, default_max_tokens=100).max_tokens == 5
+
+
 def test_outputs_in_input_order_with_per_prompt_params(llm):
     prompts = ["a" * n for n in (50, 3, 20)]
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in (3, 9, 5)])

@@ -892,6 +892,30 @@ def test_generate_custom_rid(url):
     assert r.json()["meta_info"]["id"] == "my-rid-1"
 
 
+def test_generate_default_max_new_tokens_is_sglangs_within_the_context(url):
+    """Left out: SGLang's 128, or what the context leaves after a long prompt (no 400 for a default the
+    client never set); null: up to the context; set too large: a 400 naming the limit."""
+
+    def gen(ids, **sp):
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "ignore_eos": True, **sp}}
+        return httpx.post(url + "/generate", json=body, timeout=60)
+
+    r = gen([5, 6, 7])
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 128
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+    long_ids = [5 + i % 50 for i in range(MAX_MODEL_LEN - 40)]
+    r = gen(long_ids)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 40
+    r = gen([5, 6, 7] * 100, max_new_tokens=None)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == MAX_MODEL_LEN - 300
+    r = gen(long_ids, max_new_tokens=41)
+    assert_openai_error(r, 400)
+    assert "exceeds the maximum context length" in r.json()["error"]["message"]
+
+
 def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url):
     """A second request with a live request's rid gets a 409; the first streams on to its end."""
     body = {"input_ids": [1, 2, 3], "rid": "dup-rid", "stream": True}

@@ -114,14 +114,16 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def validate(self, prompt, params, request_id: str | None = None) -> tuple[Request, str | None]:
-        """Any thread: the request, checked (read-only). It remembers how many `abort_now()`s there
-        were when it arrived, so one that names it (or everything) while it is still being checked
-        (tokenized, held at a split request's start gate, or a PD half looking up its prefill) ends
-        it as soon as it is streamed."""
+    def validate(
+        self, prompt, params, request_id: str | None = None, default_max_tokens: int | None = None
+    ) -> tuple[Request, str | None]:
+        """Any thread: the request, checked (read-only; `LLMEngine.make_request`). It remembers how
+        many `abort_now()`s there were when it arrived, so one that names it (or everything) while it
+        is still being checked (tokenized, held at a split request's start gate, or a PD half looking
+        up its prefill) ends it as soon as it is streamed."""
         epoch = self.num_aborts
         tokenized = self.engine.tokenize_prompt(prompt)
-        req = self.engine.make_request(prompt, params, request_id, tokenized)
+        req = self.engine.make_request(prompt, params, request_id, tokenized, default_max_tokens)
         req.abort_epoch = epoch
         return req, tokenized[0]
 

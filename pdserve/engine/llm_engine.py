@@ -117,12 +117,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         tokenized: tuple[str | None, list[int]] | None = None,
+        default_max_tokens: int | None = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises InvalidRequest. Read-only, so the
         server calls it on its own thread and answers 400 before the engine thread sees anything.
 
         `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
-        `tokenized` (from `tokenize_prompt`) skips tokenizing it again.
+        `tokenized` (from `tokenize_prompt`) skips tokenizing it again. `params.max_tokens` None means
+        up to the context length, or `default_max_tokens` (an API's default the client did not set,
+        e.g. SGLang's 128) lowered to the room the prompt leaves: a default never refuses a prompt.
         """
         if self.weights_lost:
             raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
@@ -136,7 +139,11 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt has {num_prompt} tokens; this model's maximum context length is {max_len} tokens"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - num_prompt
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_len - num_prompt
+            if default_max_tokens is not None:
+                max_tokens = min(max_tokens, default_max_tokens)
         if num_prompt + max_tokens > max_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "

@@ -70,6 +70,11 @@ def in_band_status(e: InvalidRequest) -> tuple[int, str]:
     return (409, "Conflict") if isinstance(e, DuplicateRequestId) else (400, "BadRequestError")
 
 
+# /generate's max_new_tokens when the client leaves it out: SGLang's default, lowered to the room the
+# prompt leaves in the context (SGLang refuses such a prompt; a default the client never set should not).
+# An explicit null means up to the context length, as in SGLang.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+
 # /generate's sampling_params under SGLang's names -> ours (the meaning is the same).
 SGLANG_SAMPLING_NAMES = {
     "max_new_tokens": "max_tokens",
@@ -148,8 +153,8 @@ def build_app(
         await fanout.validated()
         return req, text
 
-    async def validate_one(make_prompt, make_params, pd_field, request_id):
-        """(validate's checks, for one request)
+    async def validate_one(make_prompt, make_params, pd_field, request_id, default_max_tokens=None):
+        """(validate's checks, for one request; `default_max_tokens`: `LLMEngine.make_request`'s)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
         stalled every stream this engine serves meanwhile.
@@ -160,7 +165,7 @@ def build_app(
         try:
             params: SamplingParams = make_params()
             prompt, rid = make_prompt(), f"cmpl-{uuid.uuid4().hex}"
-            req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid)
+            req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid, default_max_tokens)
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
         except WeightsLost as e:
@@ -796,7 +801,12 @@ def build_app(
                 sp["prompt_logprobs"] = body.top_logprobs_num
         if role_name != "colocated":
             raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
-        req, text = await validate_one(lambda: prompt, lambda: SamplingParams(**sp), None, None)
+        default_max_tokens = None
+        if "max_tokens" not in sp:  # (SGLang's default, within the context; null: up to the context)
+            sp["max_tokens"], default_max_tokens = None, GENERATE_DEFAULT_MAX_NEW_TOKENS
+        req, text = await validate_one(
+            lambda: prompt, lambda: SamplingParams(**sp), None, None, default_max_tokens
+        )
         # The meta_info's input logprobs: from this position; None when no logprob was asked for.
         input_start = max(0, body.logprob_start_len)
         if req.prompt_logprobs is not None and input_start >= req.num_prompt_tokens:
