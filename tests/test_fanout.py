@@ -99,6 +99,56 @@ def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
     }
 
 
+def test_generate_children_in_sglangs_order_with_seeds_and_rids():
+    """A /generate batch of two prompts with n = 2: child p·n + j is prompt p's sample j, n dropped,
+    seed + j (per prompt's own params), `<rid>_<i>` or the client's rid list in order."""
+    body = {"text": ["a", "b"], "sampling_params": [{"n": 2, "seed": 5}, {"n": 2, "top_k": 3}], "rid": "r"}
+    n, children = fanout.generate_children(body | {"stream": True}, "fresh")
+    assert n == 2
+    assert [(c["text"], c["sampling_params"], c["rid"], c["stream"]) for c in children] == [
+        ("a", {"seed": 5}, "r_0", True),
+        ("a", {"seed": 6}, "r_1", True),
+        ("b", {"top_k": 3}, "r_2", True),
+        ("b", {"top_k": 3}, "r_3", True),
+    ]
+    n, children = fanout.generate_children({"input_ids": [[1], [2, 3]], "rid": ["x", "y"]}, "fresh")
+    assert (n, [(c["input_ids"], c["rid"], c["sampling_params"]) for c in children]) == (
+        1,
+        [([1], "x", {}), ([2, 3], "y", {})],
+    )
+    n, children = fanout.generate_children({"input_ids": [7, 8], "sampling_params": {"n": 3}}, "fresh")
+    assert n == 3 and [c["rid"] for c in children] == ["fresh_0", "fresh_1", "fresh_2"]
+    assert all(c["input_ids"] == [7, 8] for c in children)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"text": "a"}, {"input_ids": [1, 2], "sampling_params": {"n": 1}}, {"text": "a", "input_ids": [1]},
+     {}, {"text": "a", "sampling_params": "x"}, {"text": []}],
+)  # fmt: skip
+def test_one_prompt_one_sample_or_a_malformed_single_is_left_to_the_route(body):
+    assert fanout.generate_children(body, "fresh") is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+     ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
+     ({"text": ["a", "b"], "sampling_params": [{}, 3]}, "sampling_params"),
+     ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "n"),
+     ({"text": "a", "sampling_params": {"n": 65}}, "n"),
+     ({"text": ["a"] * 1025}, "text"),
+     ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+     ({"text": ["a", "b"], "rid": ["x", 3]}, "rid"),
+     ({"text": ["a", "b"], "rid": "x" * 252}, "rid")],
+)  # fmt: skip
+def test_a_split_that_cannot_be_made_names_its_field(body, param):
+    with pytest.raises(fanout.BadSplit) as e:
+        fanout.generate_children(body, "fresh")
+    assert e.value.param == param
+
+
 def test_the_start_gate_opens_when_every_child_passed_or_left():
     """Children wait at `validated()` until all have passed; one that ended without validating
     (left) does not hold them; outside a child `validated()` returns at once."""

@@ -259,6 +259,99 @@ def test_pd_prompt_list_equals_colocated_per_prompt(cluster, colocated):
         wait_engine_idle(url)
 
 
+def test_pd_generate_equals_colocated_token_ids_batches_samples_and_stream(cluster, colocated):
+    """SGLang's /generate through the router (RL rollouts send token ids): greedy output ids equal one
+    engine's; a batch with n = 2 is split by the router into seeded PD children answered as a list in
+    SGLang's order (prompt p's sample j at p·n + j, seed + j), streamed chunks tagged with their index;
+    a left-out max_new_tokens is SGLang's 128 lowered to the room the prompt leaves, on both halves."""
+    ref_llm = colocated(cluster.device)
+    url = cluster.router_url + "/generate"
+    ids = ref_llm.engine.tokenizer.encode(warm_prompts()[2] + "    for")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = ref_llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0]
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url, json={"input_ids": ids, "sampling_params": sp, "rid": "rollout-1"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == list(ref.token_ids) and r.json()["text"] == ref.text
+    meta = r.json()["meta_info"]
+    assert meta["id"] == "rollout-1" and meta["prompt_tokens"] == len(ids)
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+
+    texts = ["import sys\nprint(", warm_prompts()[0] + "  return"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "seed": 9, "n": 2}}
+    body["sampling_params"]["ignore_eos"] = True
+    r = httpx.post(url, json=body | {"rid": "batch"}, timeout=120)
+    assert r.status_code == 200, r.text
+    refs = [
+        ref_llm.generate(t, SamplingParams(temperature=1.0, seed=9 + j, max_tokens=5, ignore_eos=True))[0]
+        for t in texts
+        for j in range(2)
+    ]
+    answers = r.json()
+    assert [a["output_ids"] for a in answers] == [list(x.outputs[0].token_ids) for x in refs]
+    assert [a["meta_info"]["id"] for a in answers] == [f"batch_{i}" for i in range(4)]
+    streamed: dict[int, list[int]] = {}
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                streamed[chunk["index"]] = chunk["output_ids"]  # (cumulative: the last one is all)
+    assert [streamed[i] for i in range(4)] == [a["output_ids"] for a in answers]
+
+    room = 6  # (a prompt 6 tokens short of the context: the default lowers to 6, not a 400)
+    long_ids = (ids * (MAX_MODEL_LEN // len(ids) + 1))[: MAX_MODEL_LEN - room]
+    r = httpx.post(url, json={"input_ids": long_ids, "sampling_params": {"ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    for u in cluster.engine_urls:
+        wait_engine_idle(u)
+
+
+def test_pd_generate_refusals_and_abort_by_rid_leave_every_engine_idle(cluster):
+    """Bad /generate bodies are 400s with the field at fault (from the router's split, or from the
+    prefill's validation, relayed); the engines take no batch or half without the router's room; a
+    streamed request aborted by its rid ends with SGLang's abort reason long before its limit."""
+    url = cluster.router_url + "/generate"
+    bad = {
+        "sampling_params": {"text": ["a", "b"], "sampling_params": [{}]},
+        "n": {"text": "a", "sampling_params": {"n": 65}},
+        "rid": {"text": ["a", "b"], "rid": ["x", "x"]},
+        None: {"input_ids": [5, 10**9]},
+    }
+    for param, body in bad.items():
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url, json={"text": "a", "sampling_params": {"foo": 1}}, timeout=30)
+    assert r.status_code == 400 and "unknown sampling params" in r.text
+    r = httpx.post(url, json={"text": "a", "pd": {"room": 1}}, timeout=30)
+    assert r.status_code == 400 and "reserved for the router" in r.text
+    for u in cluster.engine_urls:
+        r = httpx.post(u + "/generate", json={"text": ["a", "b"]}, timeout=30)
+        assert r.status_code == 400 and "split into requests by the router" in r.text
+        r = httpx.post(u + "/generate", json={"text": "a"}, timeout=30)
+        assert r.status_code == 400 and "send requests through the router" in r.text
+
+    body = {"text": "def f(x):", "rid": "to-abort", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+    chunks, answer = [], None
+    with httpx.stream("POST", url, json=body, timeout=120) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 3:
+                    answer = httpx.post(
+                        cluster.router_url + "/abort_request", json={"rid": "to-abort"}, timeout=30
+                    )
+    assert answer.status_code == 200 and answer.json()["success"], answer.text
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= len(chunks[-1]["output_ids"]) < 900
+    for u in cluster.engine_urls:
+        wait_engine_idle(u)
+
+
 def test_pd_chat_with_tools_renders_them_on_both_engines(cluster, colocated):
     """`launch --tool-call-parser` reaches both engines: the prefill renders the tools into the
     prompt it computes, the decode parses the answer; the tokens equal a colocated engine's on that

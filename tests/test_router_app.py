@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.router.app import Router, build_router_app
-from pdserve.router.placement import prompt_shape, requested_max_tokens
+from pdserve.router.placement import completion_view, prompt_shape, requested_max_tokens
 from tests.test_router_placement import report
 
 
@@ -110,6 +110,52 @@ def test_requested_max_tokens_reads_what_the_engines_read():
         requested_max_tokens(chat, {"max_completion_tokens": 0, "max_tokens": 9})
     with pytest.raises(ValueError, match="token ids"):
         prompt_shape({"prompt": [-1]})
+
+
+def test_placement_reads_a_generate_body_under_a_completions_names():
+    body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 7, "max_tokens": 9}, "rid": "r"}
+    assert completion_view("/generate", body) == {"prompt": [4, 5]}
+    assert completion_view("/generate", {"text": "abc", "input_ids": None}) == {"prompt": "abc"}
+    assert completion_view("/v1/completions", body) is body
+    assert requested_max_tokens("/generate", body) == 7
+    assert requested_max_tokens("/generate", {"sampling_params": {"max_tokens": 3}}) == 3
+    assert requested_max_tokens("/generate", {"sampling_params": [{"max_tokens": 3}]}) is None
+    assert requested_max_tokens("/generate", {"max_tokens": 3}) is None  # (not where /generate reads it)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        requested_max_tokens("/generate", {"sampling_params": {"max_new_tokens": 0}})
+
+
+def test_a_generate_request_is_placed_by_dualpath_and_a_bad_limit_is_a_400_first():
+    """/generate under the DualPath policy: placed from its token ids and max_new_tokens, both legs
+    sent to /generate with the placement's read path; a bad max_new_tokens never reaches an engine."""
+    sent: list[tuple[str, dict]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def recording(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST":
+                sent.append((request.url.host + request.url.path, json.loads(await request.aread())))
+            return await handle(request)
+
+        engines.handle = recording
+        router = await started_router(engines, "dualpath")
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            bad = await c.post(
+                "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "4"}}
+            )
+            num_sent_after_bad = len(sent)
+            await c.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        return bad, num_sent_after_bad, router
+
+    bad, num_sent_after_bad, router = asyncio.run(go())
+    assert bad.status_code == 400 and "max_new_tokens must be a positive integer" in bad.text
+    assert num_sent_after_bad == 0 and router.placement.num_placed == 1
+    assert sorted(where for where, _ in sent) == ["de/generate", "pe/generate"]
+    for _, leg in sent:
+        assert leg["input_ids"] == [1, 2, 3] and leg["pd"]["read_path"] in ("pe", "de", "none")
 
 
 @pytest.mark.parametrize("policy", ["none", "dualpath"])

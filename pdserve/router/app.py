@@ -44,6 +44,7 @@ from pdserve.router.placement import (
     Placement,
     PlacementAborted,
     PlacementError,
+    completion_view,
     prompt_pieces,
     prompt_shape,
     requested_max_tokens,
@@ -305,15 +306,16 @@ class Router:
                 ),
                 400,
             )
+        view = completion_view(path, body)
         try:
-            prompt_ids, prompt_len = prompt_shape(body)
+            prompt_ids, prompt_len = prompt_shape(view)
             max_tokens = requested_max_tokens(path, body)
         except ValueError as e:  # what the engines would refuse too, but placement needs the numbers first
             return JSONResponse(error_body(str(e), 400), 400)
         if max_tokens is None:
             max_tokens = DEFAULT_PLACEMENT_TOKENS
         try:
-            pieces = prompt_pieces(body) if prompt_ids is None else None
+            pieces = prompt_pieces(view) if prompt_ids is None else None
             a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens, pieces))
         except ClientGone:
             return client_gone()
@@ -540,19 +542,43 @@ def build_router_app(router: Router) -> FastAPI:
             bodies = fanout.child_bodies(body, n, prompts, uuid.uuid4().hex)
         except ValueError as e:
             return JSONResponse(error_body(str(e), 400, param="request_id"), 400)
-        children = []
+        return await fanout.merged(children(path, bodies, n, http), bool(body.get("stream")), include, n)
+
+    def children(path: str, bodies: list[dict], n: int, http: Request) -> list:
+        """The dispatches of a split request's children, p·n .. p·n + n - 1 being prompt p's choices."""
+        out = []
         for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
             try:  # (DualPath placement places each on its own)
                 prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
             except NoEngine:
                 prefill = None  # (each child then answers 503 as a single request would)
-            for child in bodies[prompt_start : prompt_start + n]:
-                children.append(router.dispatch(path, child, http, prefill))
-        return await fanout.merged(children, bool(body.get("stream")), include, n)
+            out += [
+                router.dispatch(path, child, http, prefill)
+                for child in bodies[prompt_start : prompt_start + n]
+            ]
+        return out
 
     @app.post("/v1/completions")
     async def completions(http: Request):
         return await split("/v1/completions", http)
+
+    @app.post("/generate")
+    async def generate(http: Request):
+        """SGLang's native endpoint over PD: one prompt and sample as a completion is; a batch or
+        `sampling_params.n` > 1 split here (`fanout.generate_children`, as a colocated engine splits
+        it), each child dispatched on its own, the answers a list in child order."""
+        body = await body_of(http)
+        if isinstance(body, Response):
+            return body
+        try:
+            split = fanout.generate_children(body, f"gen-{uuid.uuid4().hex}")
+        except fanout.BadSplit as e:
+            return JSONResponse(error_body(str(e), 400, param=e.param), 400)
+        if split is None:
+            return await router.dispatch("/generate", body, http)
+        n, bodies = split
+        stream = body.get("stream") is True
+        return await fanout.merged(children("/generate", bodies, n, http), stream, False, n, native=True)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):

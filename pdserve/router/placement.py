@@ -363,10 +363,22 @@ DEFAULT_PLACEMENT_TOKENS = 256  # a request without max_tokens reserves this muc
 MAX_TOKEN_ID = 2**63 - 1  # placement hashes ids as signed 64-bit; no vocabulary comes near
 
 
+def completion_view(path: str, body: dict) -> dict:
+    """The prompt as placement reads it, under a completion's name: a `/generate` body's `input_ids`
+    or `text` as `prompt`; any other body as it is."""
+    if path != "/generate":
+        return body
+    return {"prompt": body.get("input_ids") if body.get("text") is None else body.get("text")}
+
+
 def requested_max_tokens(path: str, body: dict) -> int | None:
     """The client's output-token limit as the engines read it (chat: `max_completion_tokens` wins over
-    `max_tokens`); None when absent. ValueError unless it is a positive JSON integer."""
+    `max_tokens`; /generate: its sampling_params' `max_new_tokens`, or ours, `max_tokens`); None when
+    absent. ValueError unless it is a positive JSON integer."""
     keys = ("max_completion_tokens", "max_tokens") if path.endswith("/chat/completions") else ("max_tokens",)
+    if path == "/generate":
+        sp = body.get("sampling_params")
+        body, keys = (sp if isinstance(sp, dict) else {}), ("max_new_tokens", "max_tokens")
     for key in keys:
         value = body.get(key)
         if value is None:

@@ -51,7 +51,7 @@ from pdserve.server.native_stream import (
 )
 from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
-    MAX_REQUEST_ID_CHARS,
+    GENERATE_DEFAULT_MAX_NEW_TOKENS,
     MAX_ROUTER_ID_CHARS,
     APIError,
     ChatCompletionRequest,
@@ -69,11 +69,6 @@ def in_band_status(e: InvalidRequest) -> tuple[int, str]:
     """The code and type of a refusal reported inside a stream that already started."""
     return (409, "Conflict") if isinstance(e, DuplicateRequestId) else (400, "BadRequestError")
 
-
-# /generate's max_new_tokens when the client leaves it out: SGLang's default, lowered to the room the
-# prompt leaves in the context (SGLang refuses such a prompt; a default the client never set should not).
-# An explicit null means up to the context length, as in SGLang.
-GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 
 # /generate's sampling_params under SGLang's names -> ours (the meaning is the same).
 SGLANG_SAMPLING_NAMES = {
@@ -724,52 +719,22 @@ def build_app(
             raise APIError("give exactly one of input_ids or text")
         if body.text == []:
             raise APIError("text is an empty list", param="text")
-        given = body.text if body.text is not None else body.input_ids
-        batch = given if isinstance(given, list) and given and isinstance(given[0], str | list) else None
-        params = body.sampling_params
-        if isinstance(params, list) and (batch is None or len(params) != len(batch)):
-            raise APIError(
-                "a list of sampling_params needs one per prompt of a batch", param="sampling_params"
+        fields = {"text": body.text, "input_ids": body.input_ids, "rid": body.rid}
+        try:
+            split = fanout.generate_children(
+                fields | {"sampling_params": body.sampling_params}, f"gen-{uuid.uuid4().hex}"
             )
-        per_prompt = params if isinstance(params, list) else [params] * len(batch or [None])
-        try:
-            ns = [fanout.num_choices(p.get("n")) for p in per_prompt]
-        except ValueError as e:
-            raise APIError(str(e), param="n") from None
-        if any(x != ns[0] for x in ns):
-            raise APIError("every prompt's n must be the same", param="n")
-        n = ns[0]
-        try:
-            num_children = fanout.num_children(len(per_prompt), n)
-        except ValueError as e:
-            raise APIError(
-                str(e), param="n" if n > 1 else "text" if body.text is not None else "input_ids"
-            ) from None
-
-        def child_body(p: int, j: int, rid) -> GenerateRequest:  # (prompt p's sample j)
-            sp = {k: v for k, v in per_prompt[p].items() if k != "n"}
-            if "seed" in sp:
-                sp["seed"] = fanout.child_seed(sp["seed"], j)
-            prompt = {"text" if body.text is not None else "input_ids": batch[p] if batch else given}
-            return body.model_copy(update=prompt | {"sampling_params": sp, "rid": rid})
-
-        if batch is None and n == 1 and not isinstance(body.rid, list):
-            return await generate_one(child_body(0, 0, body.rid), http)
-        if isinstance(body.rid, list):
-            rids = body.rid
-            if len(rids) != num_children or len(set(rids)) != len(rids):
-                raise APIError(f"a rid list needs {num_children} distinct ids (prompts x n)", param="rid")
-            if not all(1 <= len(r) <= MAX_REQUEST_ID_CHARS for r in rids):
-                raise APIError(f"each rid must have 1 to {MAX_REQUEST_ID_CHARS} characters", param="rid")
-        else:  # (one id names them all: /abort_request takes it)
-            try:
-                base = fanout.base_request_id(body.rid or None, f"gen-{uuid.uuid4().hex}")
-            except ValueError as e:
-                raise APIError(str(e), param="rid") from None
-            rids = [f"{base}_{i}" for i in range(num_children)]
-        bodies = [child_body(i // n, i % n, rids[i]) for i in range(num_children)]
-        children = fanout.gated([functools.partial(generate_one, b, http) for b in bodies])
-        return await fanout.merged(children, body.stream, False, n, native=True)
+        except fanout.BadSplit as e:
+            raise APIError(str(e), param=e.param) from None
+        if split is None:  # (one prompt, one sample: `n` 1 or absent)
+            sp = {k: v for k, v in body.sampling_params.items() if k != "n"}
+            return await generate_one(body.model_copy(update={"sampling_params": sp}), http)
+        if role_name != "colocated":
+            raise APIError("a batch or n > 1 is split into requests by the router", param="n")
+        n, children = split
+        bodies = [body.model_copy(update=child) for child in children]
+        handlers = fanout.gated([functools.partial(generate_one, b, http) for b in bodies])
+        return await fanout.merged(handlers, body.stream, False, n, native=True)
 
     async def generate_one(body: GenerateRequest, http: Request):
         """One prompt, one sample (`sampling_params` a dict)."""
@@ -799,13 +764,12 @@ def build_app(
             sp["logprobs"] = body.top_logprobs_num
             if body.logprob_start_len >= 0:  # (-1, SGLang's default: no prompt logprobs, empty lists)
                 sp["prompt_logprobs"] = body.top_logprobs_num
-        if role_name != "colocated":
-            raise APIError(f"/generate is served by colocated engines; this is a {role_name} engine")
         default_max_tokens = None
         if "max_tokens" not in sp:  # (SGLang's default, within the context; null: up to the context)
             sp["max_tokens"], default_max_tokens = None, GENERATE_DEFAULT_MAX_NEW_TOKENS
+        # (PD roles: the router's half, as for a completion; the prefill runs it for one token)
         req, text = await validate_one(
-            lambda: prompt, lambda: SamplingParams(**sp), None, None, default_max_tokens
+            lambda: prompt, lambda: SamplingParams(**sp), body.pd, None, default_max_tokens
         )
         # The meta_info's input logprobs: from this position; None when no logprob was asked for.
         input_start = max(0, body.logprob_start_len)
@@ -839,7 +803,8 @@ def build_app(
                 meta |= input_logprobs(out, input_start, token_text)
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
-        if body.stream:
+        if body.stream and role_name != "prefill":
+            await resolve_pd(req)
 
             async def events():
                 # (the same bytes as sse(native(out)), O(new tokens))

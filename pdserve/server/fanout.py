@@ -189,6 +189,76 @@ def child_bodies(body: dict, n: int, prompts: list | None = None, base_id: str =
     return [{**body, **update} for update in child_updates(n, prompts, base, body.get("seed"))]
 
 
+class BadSplit(ValueError):
+    """A request that cannot be split as asked; `param` names the field at fault (a 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def generate_children(body: dict, fresh_id: str) -> tuple[int, list[dict]] | None:
+    """`/generate` (SGLang's) split: a batch of prompts (`text` a list of strings, `input_ids` a list
+    of id lists) and/or `sampling_params.n` > 1 -> (n, the children's bodies), child p·n + j being
+    prompt p's sample j: the body with that one prompt, its sampling params (one dict for all or one
+    per prompt) less `n`, seed + j when seeded, and `rid` the client's list's i-th, else `<rid>_<i>`
+    (`fresh_id` when none is given: one id names them all for /abort_request). None: one prompt, one
+    sample (the caller's single path, whose validation refuses a malformed body). BadSplit for a
+    split that cannot be made. (Both splits use it: the colocated route's over its parsed body, the
+    router's over the client's JSON, which it has not checked: shapes are checked here.)"""
+    from pdserve.server.protocol import MAX_REQUEST_ID_CHARS
+
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        return None
+    key, given = ("text", text) if text is not None else ("input_ids", input_ids)
+    batch = given if isinstance(given, list) and given and isinstance(given[0], str | list) else None
+    params, rid = body.get("sampling_params", {}), body.get("rid")
+    if isinstance(params, list):
+        if batch is None or len(params) != len(batch):
+            raise BadSplit("a list of sampling_params needs one per prompt of a batch", "sampling_params")
+        per_prompt = params
+    else:
+        per_prompt = [params] * len(batch or [None])
+    if not all(isinstance(p, dict) for p in per_prompt):
+        if batch is None and not isinstance(rid, list):
+            return None
+        raise BadSplit("sampling_params must be an object, or a list of one per prompt", "sampling_params")
+    try:
+        ns = [num_choices(p.get("n")) for p in per_prompt]
+    except ValueError as e:
+        raise BadSplit(str(e), "n") from None
+    if any(x != ns[0] for x in ns):
+        raise BadSplit("every prompt's n must be the same", "n")
+    n = ns[0]
+    if batch is None and n == 1 and not isinstance(rid, list):
+        return None
+    try:
+        count = num_children(len(per_prompt), n)
+    except ValueError as e:
+        raise BadSplit(str(e), "n" if n > 1 else key) from None
+    if isinstance(rid, list):
+        if len(rid) != count or len(set(map(str, rid))) != len(rid):
+            raise BadSplit(f"a rid list needs {count} distinct ids (prompts x n)", "rid")
+        if not all(isinstance(r, str) and 1 <= len(r) <= MAX_REQUEST_ID_CHARS for r in rid):
+            raise BadSplit(f"each rid must have 1 to {MAX_REQUEST_ID_CHARS} characters", "rid")
+        rids = rid
+    else:  # (one id names them all: /abort_request takes it)
+        try:
+            base = base_request_id(rid or None, fresh_id)
+        except ValueError as e:
+            raise BadSplit(str(e).replace("request_id", "rid"), "rid") from None
+        rids = [f"{base}_{i}" for i in range(count)]
+    children = []
+    for i in range(count):
+        p, j = divmod(i, n)
+        sp = {k: v for k, v in per_prompt[p].items() if k != "n"}
+        if "seed" in sp:
+            sp["seed"] = child_seed(sp["seed"], j)
+        children.append({**body, key: batch[p] if batch else given, "sampling_params": sp, "rid": rids[i]})
+    return n, children
+
+
 def parent_id(child_id, i: int = 0):
     """The merged answer's id from child i's: `cmpl-<base>_<i>` -> `cmpl-<base>` (the id
     /abort_request takes for all the children); anything else as it is."""

@@ -218,6 +218,12 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
+# /generate's max_new_tokens when the client leaves it out: SGLang's default, lowered to the room the
+# prompt leaves in the context (SGLang refuses such a prompt; a default the client never set should not).
+# An explicit null means up to the context length, as in SGLang.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+
+
 class GenerateRequest(BaseModel):
     """Native endpoint (SGLang-like): token ids in, token ids out. A batch (a list of texts or of
     token-id lists) or `sampling_params.n` > 1 is one child request per prompt and sample, answered
@@ -237,6 +243,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(default=0, ge=0)
     logprob_start_len: int = Field(default=-1, ge=-1)
     return_text_in_logprobs: bool = False
+    # pdserve's router: a PD half's room etc. (as a completion body's `pd`; refused on a colocated engine)
+    pd: dict[str, Any] | None = None
 
 
 def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
