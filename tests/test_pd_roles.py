@@ -1150,6 +1150,34 @@ def test_decode_admission_does_not_replan_a_room_that_cannot_fit(make_pair):
     assert planned == ["B"]  # planned again once A's pages were free, and admitted
 
 
+def test_decode_whose_running_request_outgrew_the_pool_releases_a_committed_one_instead_of_stalling(
+    make_pair, colocated
+):
+    """Found by review: a committed request waits in the decode's scheduler (max_num_seqs) holding its
+    prompt pages; the only running request outgrows the pool and preempts itself to the queue's head,
+    where it needs more pages than are free. Nothing ran, and admission stopped at the head: the engine
+    spun with work left and both clients waited until they timed out. Now the committed request's pages
+    are released (it recomputes), the head runs, and both answer what one engine does."""
+    p = make_pair(de_pages=8, copy_bytes=True)
+    sched = p.de_engine.scheduler
+    sched.config = dataclasses.replace(sched.config, max_num_seqs=1)
+    long_ids, b_ids = prompt(4, start=1), prompt(8, start=2)
+    p.submit_both(long_ids, 28, "long")  # 4 + 28 = 32 tokens: the whole 8-page pool
+    p.drive(lambda: len(sched.running) == 1 and len(p.de_sink.outputs("long")) >= 2)
+    room = p.submit_both(b_ids, 4, "b")
+    p.drive(lambda: room not in p.de_role.rooms)  # b's KV arrived: it waits in the scheduler with pages
+    assert any(r.request_id == "b" and r.page_ids for r in sched.waiting)
+    p.drive(lambda: all(any(o.finished for o in p.de_sink.outputs(rid)) for rid in ("long", "b")))
+    assert sched.num_preemptions >= 2  # long preempted itself; b's pages were released for it
+    for rid, ids, n in (("long", long_ids, 28), ("b", b_ids, 4)):
+        ref = colocated.generate(
+            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+        assert p.de_sink.final(rid).outputs[0].token_ids == ref[0].outputs[0].token_ids, rid
+    assert p.de_engine.kv.pool.num_used_pages == 0
+    p.de_engine.check_integrity()
+
+
 def test_decode_admission_aging_stops_overtaking_a_starved_request(make_pair):
     """As above, but B has already waited `admission_aging_s` (0 here): C may not overtake it any more,
     so a stream of small requests cannot starve B past the prefill's deadline. A's pages go to B."""

@@ -113,6 +113,50 @@ def test_running_request_that_cannot_grow_preempts_itself_last():
     assert sched == [] and out.preempted == [a] and s.kv.pool.num_used_pages == 0
 
 
+def test_a_head_that_cannot_fit_with_nothing_running_releases_a_waiting_holder_from_the_tail():
+    """A decode's committed PD request waits (max_num_seqs) holding its prompt's pages; the running
+    request outgrows the pool and preempts itself. Nothing runs, and FIFO admission stops at the
+    head, which needs the holder's pages: the scheduler releases the latest holder (a preemption, it
+    keeps its place and its tokens) and admits the head, instead of both waiting for good."""
+    s = make(num_pages=4, budget=100, max_seqs=1, prefix=False)
+    a = req("a", 7)
+    s.add(a)
+    assert run_step(s)[0] == [("a", 7)] and a.page_ids == [0, 1]
+    # b's 8-token prompt KV arrived from a prefill (as DecodeRole._commit queues it), with token 1.
+    b, c = req("b", 8, start=50), req("c", 4, start=80)
+    assert s.kv.allocate(b, 8)
+    b.num_computed_tokens = 8
+    b.append_output(2000)
+    s.add_prefilled(b)
+    s.add(c)
+    assert b.page_ids == [2, 3] and [r.request_id for r in s.waiting] == ["b", "c"]
+    assert run_step(s)[0] == [("a", 1)]  # a's 8th token fills its 2nd page
+    sched, out = run_step(s)  # its 9th needs a 3rd page: none is free, so a preempts itself
+    assert sched == [] and out.preempted == [a] and [r.request_id for r in s.waiting] == ["a", "b", "c"]
+    sched, out = run_step(s)  # a needs 3 pages, 2 are free, nothing runs: b's are released
+    assert sched == [("a", 9)] and a.page_ids == [0, 1, 2]
+    assert b.page_ids == [] and b.num_computed_tokens == 0 and b.status == RequestStatus.WAITING
+    assert b.num_preemptions == 1 and s.num_preemptions == 2 and b.output_token_ids == [2000]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]  # b keeps its place
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert run_step(s)[0] == [("b", 9)]  # prompt + its token 1, recomputed
+
+
+def test_a_head_that_cannot_fit_while_a_request_runs_waits_and_holders_keep_their_pages():
+    s = make(num_pages=4, budget=100, max_seqs=2, prefix=False)
+    a = req("a", 8)
+    s.add(a)
+    assert run_step(s)[0] == [("a", 8)]
+    b = req("b", 4, start=50)
+    assert s.kv.allocate(b, 4)
+    b.num_computed_tokens = 4
+    b.append_output(2000)
+    s.add(req("big", 5, start=90))  # 2 pages; 1 is free
+    s.add_prefilled(b)
+    assert run_step(s)[0] == [("a", 1)]  # (a runs: it will free pages; b waits behind the head)
+    assert b.page_ids == [2] and s.num_preemptions == 0
+
+
 def test_finish_releases_pages_from_any_queue():
     s = make(budget=4)
     a, b = req("a", 10), req("b", 3, start=40)

@@ -12,7 +12,9 @@ prefix caching has the same aim).
 
 When a running request cannot grow, the most recently admitted running request is preempted: its
 pages are released and it goes back to the head of the waiting queue with its generated tokens kept,
-to be recomputed (mostly from the prefix cache) when it is readmitted.
+to be recomputed (mostly from the prefix cache) when it is readmitted. A waiting request that holds
+pages (its KV came from elsewhere: `add_prefilled`) is released the same way when the head cannot be
+admitted and nothing runs, which would otherwise leave the two waiting on each other for good.
 """
 
 from __future__ import annotations
@@ -117,7 +119,9 @@ class Scheduler:
             num_hit_tokens = len(hit_pages) * self.kv.page_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
             if not self.kv.allocate(req, num_new, hit_pages, hit_keys, num_reserved_pages):
-                break
+                if self.running or not self._release_a_waiting_holder():
+                    break
+                continue  # (nothing runs that could free pages: the head tries again with these)
             self.kv.record_admission(req, num_hit_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -202,6 +206,23 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _release_a_waiting_holder(self) -> bool:
+        """Preempt the last waiting request, after the head, that holds pages (its KV came from another
+        engine or the store: `add_prefilled`); False if there is none. Called when the head cannot be
+        admitted and nothing runs: admission is FIFO, so those pages would otherwise wait behind the
+        head forever, and the head for them (a decode whose only running request outgrew the pool and
+        was preempted, with committed requests queued behind it). The released request keeps its
+        place and recomputes, mostly from its pages, now in the prefix cache, as any preempted one."""
+        for req in reversed(self.waiting):
+            if req is self.waiting[0]:
+                return False
+            if req.page_ids:
+                self.kv.free(req)
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
 
     def add_prefilled(self, req: Request) -> None:
         """Queue a request whose prompt KV is already in its pages (decode side of PD, after the
