@@ -352,6 +352,30 @@ def test_pd_generate_refusals_and_abort_by_rid_leave_every_engine_idle(cluster):
         wait_engine_idle(u)
 
 
+def test_pd_a_body_only_the_decode_refuses_is_its_400_at_once(cluster):
+    """The prefill's copy of a request is never streamed, so `stream_options` without `stream` (or a
+    malformed one) is refused by the decode alone: the client gets that 400, not a 503 after the
+    prefill's Bootstrapping deadline (30 s per attempt before); nothing is retried or left held."""
+    retries_before = httpx.get(cluster.router_url + "/health", timeout=10).json().get("num_retries")
+    bodies = [
+        {"model": "demo", "prompt": "hi", "max_tokens": 4, "stream_options": {"include_usage": True}},
+        {
+            "model": "demo",
+            "prompt": "hi",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": 3},
+        },
+    ]
+    for body in bodies:
+        r = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=20)
+        assert r.status_code == 400, r.text
+        assert "stream_options" in r.json()["error"]["message"]
+    assert httpx.get(cluster.router_url + "/health", timeout=10).json().get("num_retries") == retries_before
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_chat_with_tools_renders_them_on_both_engines(cluster, colocated):
     """`launch --tool-call-parser` reaches both engines: the prefill renders the tools into the
     prompt it computes, the decode parses the answer; the tokens equal a colocated engine's on that

@@ -256,6 +256,42 @@ def test_the_router_forwards_the_clients_json(body, forwarded):
             assert forwarded in content.decode()
 
 
+@pytest.mark.parametrize("decode_status", [400, 503])
+def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill(decode_status):
+    """A body only the decode refuses (`stream_options` without `stream`: the prefill's copy is not
+    streamed): the prefill waits for a KVRequest that never comes. The router used to wait for the
+    prefill's answer, a 503 at its Bootstrapping deadline 30 s later per attempt; now the decode's 400
+    is the answer at once and the prefill's leg is closed. A decode's 5xx is a failed attempt: with
+    no other prefill to retry on, a 503 that says why."""
+
+    async def go():
+        engines = Engines(blocking=("pe",))
+        handle = engines.handle
+
+        async def decode_refuses(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == "de":
+                engines.posts.append(("de", request.url.path))
+                body = {"error": {"message": "decode says no", "code": decode_status}}
+                return httpx.Response(
+                    decode_status, headers={"content-type": "application/json"}, stream=Once(body)
+                )
+            return await handle(request)
+
+        engines.handle = decode_refuses
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [1, 2], "max_tokens": 4, "stream_options": {"include_usage": True}}
+            r = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
+        return r, router, engines
+
+    r, router, engines = asyncio.run(go())
+    assert r.status_code == {400: 400, 503: 503}[decode_status], r.text
+    assert "decode says no" in r.json()["error"]["message"]
+    assert engines.closed == ["pe"] and router.decodes[0].in_flight == 0
+    assert router.num_retries == (decode_status == 503)
+
+
 def test_n_choices_one_child_refused_closes_the_others_decode_leg():
     """n = 2 where the prefill refuses child 1 (seed + 1) after child 0 got its decode stream: the
     client gets the refusal, and child 0's decode leg, opened but never read, is closed with its

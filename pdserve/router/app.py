@@ -363,22 +363,32 @@ class Router:
                 "POST", de.url + path, content=_json(de_body, http), headers=JSON
             )
             de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
+            pe_call = self.client.post(
+                pe.url + path, content=_json(pe_body, http), headers=JSON, timeout=self.prefill_timeout(pe)
+            )
+            decode_failed = False
             try:
-                pe_resp = await unless_gone(
-                    http,
-                    self.client.post(
-                        pe.url + path,
-                        content=_json(pe_body, http),
-                        headers=JSON,
-                        timeout=self.prefill_timeout(pe),
-                    ),
-                )
+                pe_resp = await unless_gone(http, _prefill_unless_decode_fails(pe_call, de_task))
+                decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 await _cancel(de_task)
                 de.in_flight -= 1
                 return client_gone()
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
+            if decode_failed:
+                de_resp = de_task.result()  # the decode answered first, with an error (prefill cancelled)
+                content = await de_resp.aread()
+                await de_resp.aclose()
+                de.in_flight -= 1
+                if 400 <= de_resp.status_code < 500:  # a request only the decode refuses: no retry
+                    return Response(content, de_resp.status_code, media_type="application/json")
+                last_error = (
+                    f"decode {de.url}: HTTP {de_resp.status_code} {content[:200].decode(errors='replace')}"
+                )
+                self.num_retries += 1
+                log.warning("retrying: %s", last_error)
+                continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 break
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
@@ -462,6 +472,26 @@ def _json(body: dict, http: Request) -> bytes:
 
 
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
+
+
+async def _prefill_unless_decode_fails(pe_call, de_task: asyncio.Future) -> httpx.Response | None:
+    """The prefill's response; None when the decode answers first with an error status (the prefill's
+    leg is then closed, which aborts it there). A prefill waits for the decode's KVRequest, so with a
+    decode that refused the request (e.g. `stream_options` without `stream`: the prefill's copy is not
+    streamed, so only the decode sees the conflict) it would wait to its Bootstrapping deadline, and
+    the client would get a 503 after 30 s per attempt instead of the decode's 400."""
+    pe_task = asyncio.ensure_future(pe_call)
+    try:
+        await asyncio.wait({pe_task, de_task}, return_when=asyncio.FIRST_COMPLETED)
+        while not pe_task.done():
+            if not de_task.cancelled() and not de_task.exception() and de_task.result().status_code != 200:
+                await _cancel(pe_task)
+                return None
+            await asyncio.wait({pe_task})  # (the decode's stream started: the prefill's answer decides)
+        return pe_task.result()
+    finally:
+        if not pe_task.done():  # (cancelled: the client left)
+            pe_task.cancel()
 
 
 async def _cancel(task: asyncio.Future) -> None:
