@@ -66,7 +66,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works; `encode` holds it throughout (~0.1 s for a
         # 50k-token prompt, during which the engine thread could not step). Same ids.
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            # (the library's message, "TextEncodeInput must be Union[...]", names no cause)
+            if isinstance(text, str) and any("\ud800" <= c <= "\udfff" for c in text):
+                raise TokenizerError(
+                    "text holds a lone UTF-16 surrogate (e.g. a JSON \\ud800 escape without its pair): "
+                    "not valid Unicode"
+                ) from None
+            raise
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -327,6 +327,9 @@ def test_pd_generate_refusals_and_abort_by_rid_leave_every_engine_idle(cluster):
     assert r.status_code == 400 and "unknown sampling params" in r.text
     r = httpx.post(url, json={"text": "a", "pd": {"room": 1}}, timeout=30)
     assert r.status_code == 400 and "reserved for the router" in r.text
+    surrogate = json.dumps({"text": "a\ud800", "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(url, content=surrogate, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "surrogate" in r.text  # (a prefill's 500 was retried into a 503)
     for u in cluster.engine_urls:
         r = httpx.post(u + "/generate", json={"text": ["a", "b"]}, timeout=30)
         assert r.status_code == 400 and "split into requests by the router" in r.text

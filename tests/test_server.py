@@ -642,6 +642,40 @@ def test_a_prompt_list_with_echo_and_logprobs_is_lm_evals_batch(client, model_na
         assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.logprobs.token_logprobs[1:], abs=1e-4)
 
 
+def test_lone_surrogates_are_400s_or_echoed_escaped_never_500s(url, model_name):
+    """A JSON "\\ud800" without its pair is a str Python holds and UTF-8 cannot encode: the tokenizer
+    library refused it with a TypeError (500s on /tokenize and chat, a cryptic 400 on completions),
+    and a response echoing it (a rid, a model name in an error) failed to encode (a 500, after a
+    /generate had run to its end). Now: a 400 that names the cause, or the value echoed \\u-escaped."""
+    bad = "ab\ud800"
+
+    def post(path: str, body: dict) -> httpx.Response:  # (as json.dumps writes it: \\u escapes)
+        return httpx.post(
+            url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=30
+        )
+
+    cases = [
+        ("/tokenize", {"prompt": bad}),
+        ("/tokenize", {"messages": [{"role": "user", "content": bad}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": bad}], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": bad, "max_tokens": 2}),
+        ("/generate", {"text": bad, "sampling_params": {"max_new_tokens": 2}}),
+    ]
+    for path, body in cases:
+        err = assert_openai_error(post(path, body), 400)
+        assert "surrogate" in err["message"], (path, err)
+    err = assert_openai_error(
+        post("/v1/completions", {"model": bad, "prompt": "a", "max_tokens": 2}),
+        404,
+    )
+    assert bad in err["message"]  # (parsed back from its \\u escape)
+    r = post("/generate", {"text": "a", "rid": bad, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == bad and b"\\ud800" in r.content
+    r = post("/generate", {"text": ["a", "b"], "rid": [bad, "x"], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and [a["meta_info"]["id"] for a in r.json()] == [bad, "x"]
+    wait_idle(url)
+
+
 def test_bad_prompt_lists_are_400s_and_leave_the_engine_clean(url, model_name):
     before = wait_idle(url)
     cases = [

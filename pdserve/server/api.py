@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -57,6 +57,7 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    JSONResponse,
     StreamOptions,
     chat_id,
     error_body,
@@ -105,7 +106,7 @@ def build_app(
     model_name = engine.config.model_name
     tokenizer = engine.tokenizer
     vocab_size = engine.config.model_config.vocab_size
-    app = FastAPI(title="pdserve")
+    app = FastAPI(title="pdserve", default_response_class=JSONResponse)
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     app.state.engine = aengine
     app.state.metrics = metrics

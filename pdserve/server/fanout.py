@@ -40,9 +40,9 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from pdserve.server.protocol import error_body
+from pdserve.server.protocol import JSONResponse, error_body
 
 MAX_N = 64  # choices per prompt (each is a request of its own on the engines)
 MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches, with room to spare

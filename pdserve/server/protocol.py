@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.responses import JSONResponse as _StarletteJSONResponse
 
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -245,6 +247,18 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     # pdserve's router: a PD half's room etc. (as a completion body's `pd`; refused on a colocated engine)
     pd: dict[str, Any] | None = None
+
+
+class JSONResponse(_StarletteJSONResponse):
+    """Starlette's, except that a body holding a lone surrogate (a client's "\\ud800" echoed back: a
+    rid, a model name in an error) is written with \\u escapes, as json.dumps writes it by default,
+    where encoding it as UTF-8 raised (a 500, after a /generate had run to its end)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
