@@ -67,6 +67,8 @@ class StructuredOutputs:
                     schema = json.loads(schema)
                 except ValueError:
                     _check(False, "structured_outputs.json must be a JSON schema (an object)", self.json)
+                except RecursionError:
+                    raise ValueError("structured_outputs.json is nested too deeply") from None
             _check(
                 isinstance(schema, dict | bool), "structured_outputs.json must be a JSON schema", self.json
             )

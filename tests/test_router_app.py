@@ -100,6 +100,23 @@ def test_bad_numbers_are_400s_before_any_engine_is_asked(field):
     assert engines.posts == [] and list(router.placement.queue) == [] and router.placement.num_placed == 0
 
 
+def test_a_body_nested_too_deeply_to_parse_is_a_400_before_any_engine_is_asked():
+    """msgspec refuses it, and the standard library's parser, the fallback, raised RecursionError (a 500)."""
+
+    async def go():
+        engines = Engines()
+        router = await started_router(engines, "none")
+        raw = '{"prompt": "a", "foo": ' + "[" * 100_000 + "]" * 100_000 + "}"
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        return r, engines
+
+    r, engines = asyncio.run(go())
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert engines.posts == []
+
+
 def test_requested_max_tokens_reads_what_the_engines_read():
     chat, completion = "/v1/chat/completions", "/v1/completions"
     assert requested_max_tokens(chat, {"max_tokens": 9, "max_completion_tokens": 5}) == 5

@@ -676,6 +676,19 @@ def test_lone_surrogates_are_400s_or_echoed_escaped_never_500s(url, model_name):
     wait_idle(url)
 
 
+def test_a_schema_nested_thousands_deep_is_a_400(url):
+    """A schema given as a string is parsed by json.loads, which raised RecursionError (a 500; through
+    PD a prefill failure, retried into a 503)."""
+    deep = "[" * 5000 + "]" * 5000
+    for path, body in [
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "guided_json": deep}),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "structured_outputs": {"json": deep}}),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "json_schema": deep}}),
+    ]:
+        err = assert_openai_error(httpx.post(url + path, json=body, timeout=30), 400)
+        assert "nested too deeply" in err["message"], (path, err)
+
+
 def test_bad_prompt_lists_are_400s_and_leave_the_engine_clean(url, model_name):
     before = wait_idle(url)
     cases = [

@@ -538,7 +538,11 @@ def build_router_app(router: Router) -> FastAPI:
                 body = json.loads(raw)
             except ValueError:
                 return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+            except RecursionError:
+                return JSONResponse(error_body("request body is nested too deeply", 400), 400)
             http.state.stdlib_json = True  # forwarded as json.dumps writes it (msgspec: inf -> null)
+        except RecursionError:  # (thousands of nested arrays: a 500 before)
+            return JSONResponse(error_body("request body is nested too deeply", 400), 400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("request body must be a JSON object", 400), 400)
         if "pd" in body:

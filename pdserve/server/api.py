@@ -164,6 +164,8 @@ def build_app(
             req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid, default_max_tokens)
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
+        except RecursionError:  # (a value nested thousands deep, e.g. a schema given as a string)
+            raise APIError("request nested too deeply") from None
         except WeightsLost as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
         if request_id is not None:
