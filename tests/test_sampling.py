@@ -244,6 +244,13 @@ def test_an_unset_max_tokens_is_the_context_left_or_the_apis_default_within_it(d
     )
     with pytest.raises(InvalidRequest, match="more KV pages"):
         engine.make_request({"prompt_token_ids": [1] * 10}, unset, default_max_tokens=200)
+    # min_tokens past the room left is refused; past the default, it raises the default
+    with pytest.raises(InvalidRequest, match=r"min_tokens \(13\) exceeds the 12 tokens"):
+        roomy.make_request({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=None, min_tokens=13))
+    at_least = SamplingParams(max_tokens=None, min_tokens=150)
+    assert (
+        roomy.make_request({"prompt_token_ids": [1] * 10}, at_least, default_max_tokens=100).max_tokens == 150
+    )
     given = SamplingParams(max_tokens=5)  # (a value the client set wins over the default)
     assert engine.make_request({"prompt_token_ids": [1] * 10}, given, default_max_tokens=100).max_tokens == 5
 

@@ -961,6 +961,8 @@ def test_generate_default_max_new_tokens_is_sglangs_within_the_context(url):
     r = gen(long_ids, max_new_tokens=41)
     assert_openai_error(r, 400)
     assert "exceeds the maximum context length" in r.json()["error"]["message"]
+    r = gen(long_ids, min_new_tokens=41)  # (no limit given: min_tokens past the room was a 200 before)
+    assert "min_tokens (41) exceeds the 40 tokens" in assert_openai_error(r, 400)["message"]
 
 
 def test_generate_duplicate_rid_is_refused_and_leaves_the_first_stream_alone(url):

@@ -125,7 +125,8 @@ class LLMEngine:
         `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
         `tokenized` (from `tokenize_prompt`) skips tokenizing it again. `params.max_tokens` None means
         up to the context length, or `default_max_tokens` (an API's default the client did not set,
-        e.g. SGLang's 128) lowered to the room the prompt leaves: a default never refuses a prompt.
+        e.g. SGLang's 128; raised to `min_tokens`) lowered to the room the prompt leaves: a default
+        never refuses a prompt.
         """
         if self.weights_lost:
             raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
@@ -142,8 +143,13 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max_len - num_prompt
-            if default_max_tokens is not None:
-                max_tokens = min(max_tokens, default_max_tokens)
+            if default_max_tokens is not None:  # (raised to min_tokens: a default never refuses)
+                max_tokens = min(max_tokens, max(default_max_tokens, params.min_tokens))
+            if params.min_tokens > max_tokens:  # (SamplingParams checks it against a max_tokens given)
+                raise InvalidRequest(
+                    f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the maximum context "
+                    f"length of {max_len} leaves after the prompt ({num_prompt} tokens)"
+                )
         if num_prompt + max_tokens > max_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
