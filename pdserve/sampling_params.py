@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 1024  # (OpenAI takes 4; vLLM and SGLang set no bound, and RL recipes use a few)
+MAX_STOP_TOKEN_IDS = 1024
 MAX_SPEC_CHARS = 256 * 1024  # a structured-output spec's text (schema, regex, choices, grammar)
 # llguidance's JSON options for `disable_any_whitespace`: Python's json.dumps separators (the form most
 # models write), no other whitespace.
@@ -235,6 +237,14 @@ class SamplingParams:
                 f"{name} must be in [0, {MAX_TOP_LOGPROBS}]",
                 value,
             )
+        # Every stop string is searched for after every token, on the engine thread: 1.5M of them
+        # (13.5 MB, under the body limit) held every other request of the engine ~100x longer.
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", len(self.stop))
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+            len(self.stop_token_ids),
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", self.stop)
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -275,4 +285,7 @@ def _token_bias(bias) -> dict[int, float]:
 
 def _check(ok: bool, message: str, value) -> None:
     if not ok:
-        raise ValueError(f"{message}, got {value!r}")
+        shown = repr(value)
+        if len(shown) > 200:  # (a huge list's repr would make a huge error body)
+            shown = shown[:200] + f"... ({len(shown)} chars)"
+        raise ValueError(f"{message}, got {shown}")

@@ -198,11 +198,20 @@ def test_logprobs_chosen_and_top_n(llm):
         dict(logprobs=21),
         dict(stop=[""]),
         dict(stop_token_ids=[-1]),
+        dict(stop=["a"] * 1025),
+        dict(stop_token_ids=[1] * 1025),
     ],
 )
 def test_invalid_sampling_params_raise(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
+    assert len(str(e.value)) < 300  # (a huge value is not repeated in full in the message)
+
+
+def test_the_stop_lists_bounds_are_inclusive_and_a_long_bad_list_is_cut_in_the_message():
+    SamplingParams(stop=["a"] * 1024, stop_token_ids=list(range(1024)))
+    with pytest.raises(ValueError, match=r"bad stop_token_ids, got \[-1, -1, .*\.\.\. \(4000 chars\)"):
+        SamplingParams(stop_token_ids=[-1] * 1000)
 
 
 def test_bad_requests_change_no_state(llm):
