@@ -117,6 +117,30 @@ def test_a_body_nested_too_deeply_to_parse_is_a_400_before_any_engine_is_asked()
     assert engines.posts == []
 
 
+def test_the_routers_own_refusals_are_in_openais_error_shape():
+    """404, 405 (FastAPI's own: they were {"detail": ...}) and a weight update's bad body (pydantic's
+    text with its docs' links before), answered as an engine answers them."""
+
+    async def go():
+        router = await started_router(Engines(), "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            return [
+                await c.post("/no/such/path", json={}),
+                await c.get("/v1/completions"),
+                await c.post("/update_weights_from_disk", json={"model_path": "", "extra": 1}),
+            ]
+
+    missing, wrong_method, bad_update = asyncio.run(go())
+    for r, status, err_type in ((missing, 404, "NotFoundError"), (wrong_method, 405, "MethodNotAllowed")):
+        assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+        assert r.json()["error"]["type"] == err_type
+    assert bad_update.status_code == 400
+    message = bad_update.json()["error"]["message"]
+    assert "model_path: String should have at least 1 character" in message and "extra:" in message
+    assert "errors.pydantic.dev" not in message
+
+
 def test_requested_max_tokens_reads_what_the_engines_read():
     chat, completion = "/v1/chat/completions", "/v1/completions"
     assert requested_max_tokens(chat, {"max_tokens": 9, "max_completion_tokens": 5}) == 5

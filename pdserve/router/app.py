@@ -37,6 +37,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.pd_common import new_room
 from pdserve.router.placement import (
@@ -52,7 +53,7 @@ from pdserve.router.placement import (
 from pdserve.server import fanout
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import error_body
+from pdserve.server.protocol import error_body, http_error
 
 log = logging.getLogger(__name__)
 
@@ -511,6 +512,8 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve router")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)  # (404, 405: OpenAI's shape)
     state: dict = {}
 
     @app.on_event("startup")

@@ -24,10 +24,11 @@ import time
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from pdserve.router.app import JSON, Engine, Router, client_gone
 from pdserve.server.disconnect import ClientGone, unless_gone
-from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, error_body
+from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, describe_errors, error_body
 
 CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
 WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
@@ -115,8 +116,8 @@ def control_routes(router: Router) -> APIRouter:
         requests, 503s, until an update succeeds everywhere)."""
         try:
             body = UpdateWeightsRequest.model_validate_json(await http.body())
-        except ValueError as e:  # (as an engine refuses it)
-            return JSONResponse(error_body(f"invalid body: {e}", 400), 400)
+        except ValidationError as e:  # (as an engine refuses it)
+            return JSONResponse(error_body(f"invalid body: {describe_errors(e.errors())}", 400), 400)
         async with router.update_lock:
             router.open.clear()
             try:

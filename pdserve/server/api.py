@@ -60,7 +60,9 @@ from pdserve.server.protocol import (
     JSONResponse,
     StreamOptions,
     chat_id,
+    describe_errors,
     error_body,
+    http_error,
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
@@ -121,21 +123,11 @@ def build_app(
     async def _api_error(_: Request, e: APIError):
         return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        # FastAPI's own errors (a body that is not JSON, 404 unknown path, 405): OpenAI-style too.
-        err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "BadRequestError")
-        return JSONResponse(
-            error_body(str(e.detail), e.status_code, err_type), status_code=e.status_code, headers=e.headers
-        )
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        parts = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return JSONResponse(error_body("; ".join(parts) or "invalid request body", 400), status_code=400)
+        return JSONResponse(error_body(describe_errors(e.errors()), 400), status_code=400)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

@@ -261,6 +261,25 @@ class JSONResponse(_StarletteJSONResponse):
             return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
+async def http_error(_request, e) -> JSONResponse:
+    """The apps' handler of Starlette's HTTPException (a body that is not JSON, 404 for an unknown
+    path, 405): the OpenAI error shape, as every other refusal."""
+    err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(e.status_code, "BadRequestError")
+    return JSONResponse(
+        error_body(str(e.detail), e.status_code, err_type), status_code=e.status_code, headers=e.headers
+    )
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """pydantic's errors (`ValidationError.errors()`, FastAPI's too) as one line, "field: message; ..."
+    (its own str() adds its input and a link to its docs per error)."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request body"
+
+
 def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
