@@ -516,6 +516,9 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     assert_openai_error(
         httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": "hot"}, timeout=10), 400
     )
+    assert_openai_error(
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "return_token_ids": "yes"}, timeout=10), 400
+    )
     assert_openai_error(httpx.post(url + "/generate", json={"input_ids": []}, timeout=10), 400)
     assert_openai_error(httpx.post(url + "/generate", json={"input_ids": [5], "text": "x"}, timeout=10), 400)
     assert_openai_error(

@@ -487,8 +487,7 @@ def build_app(
             body.request_id,
         )
         created, rid = int(time.time()), req.client_id or req.request_id
-        # vLLM's extension: token ids beside the text (agentic clients build the next turn from them).
-        want_ids = bool((body.model_extra or {}).get("return_token_ids", False))
+        want_ids = bool(body.return_token_ids)
         echoed = ""  # `echo`: the prompt as given (a token prompt: decoded), before the completion
         token_starts = [0]  # (with echo the offsets run on from the prompt's tokens', as in vLLM)
         if body.echo:

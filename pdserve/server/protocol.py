@@ -167,6 +167,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     # The prompt before the completion; with `logprobs`, the prompt's tokens lead them (the first None)
     echo: bool | None = False  # (null: false, as vLLM reads it)
+    # vLLM's extension: token ids beside the text (agentic clients build the next turn from them)
+    return_token_ids: bool | None = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         sp = super().sampling_params(max_tokens, logprobs)
