@@ -151,6 +151,35 @@ def test_unreadable_or_misshapen_checkpoints_are_400s_that_change_nothing(checkp
     assert after == before and engine.num_weight_updates == 0
 
 
+def test_a_diverged_checkpoint_with_a_nan_weight_is_refused_and_the_old_weights_are_back(
+    checkpoints, tmp_path
+):
+    """An RL step that diverged writes NaN weights of the right shapes: the headers pass, the copy finds
+    the NaN (in the last layer: most weights are new by then), and the old weights are loaded back."""
+    a = checkpoints[0]
+    diverged = shutil.copytree(a, tmp_path / "diverged")
+    tensors = load_file(str(diverged / "model.safetensors"))
+    last = max(n for n in tensors if n.startswith("model.layers.") and n.endswith("mlp.down_proj.weight"))
+    tensors[last][0, 0] = float("nan")
+    save_file(tensors, str(diverged / "model.safetensors"), metadata={"format": "pt"})
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        before = (await completion(c)).json()["choices"][0]["text"]
+        refused = await c.post("/update_weights_from_disk", json={"model_path": str(diverged)})
+        after = (await completion(c)).json()["choices"][0]["text"]
+        health = await c.get("/health")
+        return before, refused, after, health
+
+    before, refused, after, health = run(engine, scenario)
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"{last}: holds NaN or infinite values" in message and "previous weights are back" in message
+    assert after == before and health.status_code == 200 and engine.weights_dir == a
+    with pytest.raises(loader.CheckpointError, match="NaN or infinite"):
+        LLM(str(diverged), dtype="float32", **KW)  # (nor does an engine start on it)
+
+
 def test_a_copy_that_fails_midway_restores_the_old_weights_or_takes_the_engine_out(checkpoints, monkeypatch):
     a, b, _ = checkpoints
     engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))

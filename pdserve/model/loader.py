@@ -221,7 +221,13 @@ def _check_headers(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> 
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy one tensor in; CheckpointError for another shape, or for a NaN or infinite value once in
+    the serving dtype (a diverged trainer's checkpoint, or a bf16 value past float16's range): such
+    weights answer garbage, or logprobs JSON cannot carry, while /health says ok. Checked on the
+    parameter, on its device (one pass over memory the copy just wrote)."""
     if tuple(param.shape) != tuple(tensor.shape):
         raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(tensor.to(param.dtype))
+        if not bool(torch.isfinite(param).all()):
+            raise CheckpointError(f"{name}: holds NaN or infinite values (in {param.dtype})")
