@@ -1883,7 +1883,7 @@ def test_layerwise_staging_packs_a_layer_or_falls_back(
     staging room'), where it needs 12 x 2 / 2L = 6 (found by a review: the default pool then capped
     the read paths at 8k tokens). Packed, it runs in 8 pages, and the metrics see its output like a
     step's. In 4 pages it cannot run even packed: it is prefilled the ordinary way instead. Both give
-    a colocated engine's tokens."""
+    a colocated engine's tokens, and report as cached what was not recomputed."""
     from pdserve.transfer.staging import StagingPool
 
     p = make_pair(copy_bytes=True)
@@ -1897,10 +1897,17 @@ def test_layerwise_staging_packs_a_layer_or_falls_back(
     _submit_read_path(p, ids, 2, "t2", read_path)
     p.drive(lambda: p.idle())
     assert p.pe_sink.errors("t2") == [] and p.de_sink.errors("t2") == []
+    out = p.de_sink.final("t2")
     if staging_pages == 8:
         assert p.pe_role.layerwise.num_runs == 1 and [o.request_id for o in observed] == ["t2"]
+        # the 40-token context's 5 stored blocks, whichever side read them
+        assert (out.num_cached_tokens, out.metrics["cached_tokens_storage"]) == (40, 40)
     else:
         assert p.pe_role.layerwise.num_runs == 0 and p.pe_role.num_layerwise_fallbacks == 1
+        # the fallback recomputed the prompt (both prefix caches were emptied): nothing was cached. On
+        # the DE path the decode's store read was counted anyway (40 here; with the prefill's own
+        # prefix hits added, a review saw 80 "cached" tokens of a 47-token prompt)
+        assert (out.num_cached_tokens, out.metrics["cached_tokens_storage"]) == (0, 0)
     ref = colocated.generate(
         {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     )

@@ -437,9 +437,12 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.handoff.free(dr.handoff_slot)
         self.rooms.remove(dr.room)
         req.num_computed_tokens = req.num_prompt_tokens
-        # Reported cached tokens = prompt tokens nobody recomputed: the prefill's own prefix hits. (Our
-        # hits only spared the prefill sending those pages; they count in our prefix-cache metrics.)
-        req.num_storage_tokens += row.cached_tokens_storage  # PE path: the prefill read them
+        # Reported cached tokens = prompt tokens nobody recomputed, as the prefill accounts them: its own
+        # prefix hits, or the stored blocks its layerwise run loaded (read by it, PE path, or by us, DE
+        # path). Not our store read itself: a prefill that fell back to a whole prefill recomputed
+        # those tokens (counting both gave more cached tokens than the prompt). (Our prefix hits only
+        # spared the prefill sending those pages; they count in our prefix-cache metrics.)
+        req.num_storage_tokens = row.cached_tokens_storage
         req.num_cached_tokens = row.cached_tokens_device + row.cached_tokens_host + req.num_storage_tokens
         req.append_output(row.first_token_id)
         now = time.monotonic()

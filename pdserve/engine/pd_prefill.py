@@ -491,7 +491,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         elif stored:
             hit_tokens = len(pr.de_hit_page_ids) * self.page_size
             load = self.layerwise.from_decode_pages(pr, pr.de_hit_page_ids)
-            self._run_layerwise(pr, hit_tokens, load, storage=0)
+            # (the decode read them from the store; reported here, as only we know they were used)
+            self._run_layerwise(pr, hit_tokens, load, storage=hit_tokens)
         elif pr.req not in self.engine.scheduler.waiting:
             self.engine.scheduler.add(pr.req)
 
