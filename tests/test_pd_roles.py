@@ -1748,7 +1748,9 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     block_nbytes = ppb * page_bytes * 2 * len(k)
     layout = SimpleNamespace(block_size=page * ppb, block_nbytes=block_nbytes, fingerprint="t")
     gate = threading.Event()
-    store = SimpleNamespace(layout=layout, put=lambda key, data: gate.wait() or True)  # a stuck disk
+    store = SimpleNamespace(
+        layout=layout, put=lambda key, data, ancestors=(): gate.wait() or True
+    )  # a stuck disk
     engine = SimpleNamespace(
         kv=SimpleNamespace(page_size=page), runner=SimpleNamespace(kv_cache=SimpleNamespace(k=k, v=v))
     )
@@ -1776,7 +1778,7 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     monkeypatch.setattr(conn, "gather_blocks", lambda ids, a, b: gathered.append(b - a) or gather(ids, a, b))
     assert conn.persist(req(9, 64)) == 64
     assert gathered == [1] and conn.num_write_failures == 63
-    payload = conn._writes.queue[-1][1]
+    payload = conn._writes.queue[-1][2]  # (keys, block index, payload)
     assert (payload.base.nbytes if payload.base is not None else payload.nbytes) == block_nbytes
     gate.set()
 

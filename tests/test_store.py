@@ -144,6 +144,45 @@ def test_lru_eviction_order_exact(tmp_path):
     tiny.close()
 
 
+def test_a_chain_written_back_or_read_is_evicted_tail_first(tmp_path):
+    """Blocks are chained: block i is a hit only with blocks 0..i-1. Written back (and read) head first,
+    plain LRU made a chain's head its oldest block and evicted it first: three blocks stayed on disk
+    and none was usable (found by review). Write-back passes the ancestors; a read marks its chain
+    used head last. Now the tail goes first and the chain keeps its prefix."""
+    keys = block_keys(list(range(100, 116)), 4, LAYOUT.fingerprint)  # one 4-block chain
+    s = make_store(tmp_path, capacity_blocks=3)
+    for i, k in enumerate(keys):
+        assert s.put(k, payload(i), ancestors=keys[:i])
+        s.check_integrity()
+    # at block 3, LRU first was [k2, k1, k0]: k2 went; k3 then has no usable parent, but k0, k1 stay
+    assert s.keys_lru_first() == [keys[3], keys[1], keys[0]] and s.lookup_keys(keys) == 2
+    other = block_keys(list(range(500, 504)), 4, LAYOUT.fingerprint)
+    assert read(s, keys[:2])[0].num_prefix_ok == 2
+    assert s.keys_lru_first() == [keys[3], keys[1], keys[0]]  # (read head first, marked head last)
+    assert s.put(other[0], payload(9))
+    assert s.keys_lru_first() == [keys[1], keys[0], other[0]] and s.lookup_keys(keys) == 2
+    assert s.put(block_keys(list(range(600, 604)), 4, LAYOUT.fingerprint)[0], payload(8))
+    assert s.lookup_keys(keys) == 1  # k1 (the tail) went before k0
+    s.check_integrity()
+    s.close()
+
+
+def test_a_lookup_never_evicts_the_prefix_it_counts(tmp_path):
+    """A lookup counts the indexed head of a chain, then adopts the next blocks another process wrote;
+    making room for them evicted LRU blocks, the counted head among them: 2 hits reported, 0 readable
+    (found by review). The counted blocks are protected; what does not fit beside them is left out."""
+    small, other_process = make_store(tmp_path, capacity_blocks=2), make_store(tmp_path)
+    unrelated = block_keys(list(range(500, 504)), 4, LAYOUT.fingerprint)[0]
+    assert small.put(KEYS[0], payload(0)) and small.put(unrelated, payload(9))  # k0 is the LRU one
+    assert other_process.put(KEYS[1], payload(1)) and other_process.put(KEYS[2], payload(2))
+    assert small.lookup_keys(KEYS) == 2  # k0, and k1 adopted (unrelated evicted); k2 does not fit
+    assert read(small, KEYS[:2])[0].num_prefix_ok == 2
+    assert small.keys_lru_first() == [KEYS[1], KEYS[0]] and small.stats().used_bytes == 2 * FILE_NBYTES
+    assert other_process.path_for(KEYS[2]).exists()  # (not ours to remove, nor to count)
+    small.close()
+    other_process.close()
+
+
 # ---- bad data --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("offset", [HEADER_NBYTES + 77, HEADER_NBYTES + LAYOUT.block_nbytes - 1, 40])
 def test_flipped_byte_is_detected_and_removed(store, offset):

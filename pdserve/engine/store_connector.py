@@ -140,8 +140,8 @@ class StoreConnector:
             # waits for the stream); chunks bound the device scratch for a whole long prompt.
             payloads = self.gather_blocks(req.page_ids, first, last).cpu().numpy()  # for the writer
             for b in range(first, last):
-                try:
-                    self._writes.put_nowait((keys[b], payloads[b - first]))
+                try:  # (the chain's keys and this block's index: its ancestors, sliced by the writer)
+                    self._writes.put_nowait((keys, b, payloads[b - first]))
                 except queue.Full:  # a flush() sentinel took the last slot
                     self.num_write_failures += 1
         self.persisted[req.request_id] = num_full
@@ -174,16 +174,16 @@ class StoreConnector:
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write is on disk (tests, shutdown)."""
         done = threading.Event()
-        self._writes.put((None, done))
+        self._writes.put((None, 0, done))
         done.wait(timeout_s)
 
     def _write_loop(self) -> None:
         while True:
-            key, payload = self._writes.get()
+            keys, b, payload = self._writes.get()
             try:
-                if key is None:
+                if keys is None:
                     payload.set()
-                elif self.store.put(key, np.ascontiguousarray(payload)):
+                elif self.store.put(keys[b], np.ascontiguousarray(payload), ancestors=keys[:b]):
                     self.num_blocks_written += 1
                 else:
                     self.num_write_failures += 1

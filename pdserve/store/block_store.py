@@ -42,6 +42,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -148,13 +149,32 @@ class KVBlockStore:
         return block_path(self.dir, key)
 
     # ---- writes ------------------------------------------------------------------------------------
-    def put(self, key: bytes, data, overwrite: bool = False) -> bool:
+    def put(self, key: bytes, data, overwrite: bool = False, ancestors: Sequence[bytes] = ()) -> bool:
         """Persist block `key` (payload `layout.block_nbytes` bytes: bytes/memoryview/ndarray/CPU tensor).
 
         True if the block is stored afterwards (written now, or already there). False if it could not be
         written (full or read-only disk, capacity smaller than one block): counted, never raised. Raises
         BlockSizeError for a wrong-size payload. Thread-safe; blocks the caller for the write.
+        `ancestors`: the keys before `key` in its chain, head first (write-back passes them): they are
+        marked used after it, the head last, so that eviction takes a chain's tail first (`_chain_used`).
         """
+        stored = self._put(key, data, overwrite)
+        if stored and ancestors:
+            with self._lock:
+                self._chain_used(ancestors)
+        return stored
+
+    def _chain_used(self, keys: Sequence[bytes]) -> None:
+        """Mark a chain's `keys` (head first) used, the head last: the head becomes the most recently
+        used. Blocks are chained, so a block is a hit only with every block before it: evicting a
+        chain's head first (plain LRU, as blocks are written and read head first) left the rest on
+        disk, taking room and never read again; taken tail first, a chain keeps a usable prefix (as
+        the page pool frees a request's tail first). Index only (no file times: O(len) syscalls per
+        block written would grow with the context). Caller holds the lock."""
+        for key in reversed(keys):
+            self._index.touch(key)
+
+    def _put(self, key: bytes, data, overwrite: bool) -> bool:
         arr = _as_u8(data)
         if arr.size != self.layout.block_nbytes:
             raise BlockSizeError(
@@ -247,14 +267,17 @@ class KVBlockStore:
         with self._lock:
             n = self._index.longest_prefix(keys)
         if n < len(keys):
-            n += self._adopt(keys[n:])
+            n += self._adopt(keys[n:], protect=keys[:n])  # (room made for them never evicts the first n)
         with self._lock:
             self._stats.lookup_hit_blocks += n
             self._stats.lookup_miss_blocks += len(keys) - n
         return n
 
-    def _adopt(self, keys) -> int:
-        """Index the leading `keys` whose files exist with the right size; returns how many."""
+    def _adopt(self, keys, protect: Sequence[bytes] = ()) -> int:
+        """Index the leading `keys` whose files exist with the right size, evicting others (never
+        `protect`, the chain's blocks before them) to make room; returns how many are indexed. Those
+        that do not fit beside `protect` are left out from the tail (their files stay: the process that
+        wrote them counts them)."""
         n = 0
         for key in keys:
             try:
@@ -265,9 +288,13 @@ class KVBlockStore:
             n += 1
         if n:
             with self._lock:
-                for key in keys[:n]:
-                    self._index.add(key, self.file_nbytes)
-                self._make_room_locked(0, protect=keys[:n])
+                added = [self._index.add(key, self.file_nbytes) for key in keys[:n]]
+                if not self._make_room_locked(0, protect=[*protect, *keys[:n]]):
+                    while n and self._index.used_bytes + self._reserved_bytes > self.capacity_bytes:
+                        n -= 1
+                        if added[n]:
+                            self._index.remove(keys[n])
+                self._chain_used([*protect, *keys[:n]])
         return n
 
     # ---- reads -------------------------------------------------------------------------------------
@@ -290,8 +317,7 @@ class KVBlockStore:
             status = list(self._io_pool.map(self._read_one_preadv, keys, views))
         good = [k for k, s in zip(keys, status, strict=True) if s == "ok"]
         with self._lock:
-            for key in good:
-                self._index.touch(key)
+            self._chain_used(good)  # (a read is of one chain's blocks, head first)
             self._stats.read_ok_blocks += len(good)
         result = ReadResult(keys, status, len(good) * self.layout.block_nbytes)
         result.elapsed_s = time.perf_counter() - t0
