@@ -256,6 +256,23 @@ def test_round_robin_stops_when_next_de_lacks_pages():
     assert [a.decode_engine for a in out] == [0]
 
 
+def test_round_robin_skips_dead_engines_and_stops_only_when_none_is_alive():
+    """A dead decode reports no free pages: round robin waited on it at its turn, and the router's
+    queue never moved again (found by a probe). Dead engines are skipped; the cursor goes on past them."""
+    c = policy_config("round_robin", alpha_tokens=1, beta_tokens=1)
+    s = make(c, pe_nodes=[0, 1], de_nodes=[2, 2, 3], free_pages=100)
+    s.report_decode(0, 0, 1 << 40, 0, alive=False)
+    s.report_prefill(1, 0, 2, alive=False)
+    out = s.assign([req(i, new=10, dec=16) for i in range(4)])
+    assert [a.decode_engine for a in out] == [1, 2, 1, 2]
+    assert [a.prefill_engine for a in out] == [0, 0, 0, 0]
+    s.report_decode(0, 0, 0, 100)  # back
+    assert [a.decode_engine for a in s.assign([req(i, new=10, dec=16) for i in range(3)])] == [0, 1, 2]
+    for i in range(3):
+        s.report_decode(i, 0, 1 << 40, 0, alive=False)
+    assert s.assign([req(9)]) == []
+
+
 def test_policy_names_and_validation():
     assert policy_config("dualpath", alpha_tokens=1, beta_tokens=2).read_path == "shorter_queue"
     assert policy_config("split", alpha_tokens=1, beta_tokens=2).read_path == "split"

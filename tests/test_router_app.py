@@ -64,8 +64,10 @@ def completion_scope(body: bytes) -> dict:
     }
 
 
-async def started_router(engines: Engines, policy: str, prefills=("http://pe",)) -> Router:
-    router = Router(list(prefills), ["http://de"], policy=policy)
+async def started_router(
+    engines: Engines, policy: str, prefills=("http://pe",), decodes=("http://de",)
+) -> Router:
+    router = Router(list(prefills), list(decodes), policy=policy)
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
     await router.check_health()
     if router.placement is not None:
@@ -331,6 +333,50 @@ def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill
     assert "decode says no" in r.json()["error"]["message"]
     assert engines.closed == ["pe"] and router.decodes[0].in_flight == 0
     assert router.num_retries == (decode_status == 503)
+
+
+@pytest.mark.parametrize("num_decodes", [1, 2])
+def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_once(num_decodes):
+    """A decode killed a moment ago still counts as healthy; its leg fails to connect. The router used
+    to wait for the prefill's answer (which waits for that decode's KVRequest) until its Bootstrapping
+    deadline, 30 s, then blamed the prefill ("no healthy prefill engine") and retried the same decode.
+    Now the attempt ends at once and goes to another decode with the same prefill; with none left, a
+    503 that names the decode."""
+
+    async def go():
+        engines = Engines(blocking=("pe",))
+        handle = engines.handle
+
+        async def de_is_dead(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.host == "de":
+                raise httpx.ConnectError("connection refused", request=request)
+            if request.method == "POST" and request.url.host == "de2":
+                engines.posts.append(("de2", request.url.path))
+                engines.release.set()  # (the prefill answers once its decode asked for the KV)
+                answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return await handle(request)
+
+        engines.handle = de_is_dead
+        decodes = ("http://de", "http://de2")[:num_decodes]
+        router = await started_router(engines, "none", decodes=decodes)
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await asyncio.wait_for(
+                c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
+            )
+        return r, router, engines
+
+    r, router, engines = asyncio.run(go())
+    assert router.num_retries == 1 and all(d.in_flight == 0 for d in router.decodes)
+    if num_decodes == 2:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
+        assert engines.closed == ["pe"]  # (the first attempt's prefill leg, closed at once)
+        assert sorted(engines.posts) == [("de2", "/v1/completions")] + [("pe", "/v1/completions")] * 2
+    else:
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "no healthy decode engine" in message and "decode http://de: ConnectError" in message
 
 
 def test_n_choices_one_child_refused_closes_the_others_decode_leg():

@@ -203,11 +203,12 @@ def test_waits_for_decode_pages_then_places_in_order():
     assert a.decode_engine == 1 and not pl.queue
 
 
-def test_dead_engines_are_not_chosen_and_bad_requests_are_refused():
-    pl, pe, de = cluster("dualpath")
+@pytest.mark.parametrize("policy", ["dualpath", "round_robin", "round_robin_dual"])
+def test_dead_engines_are_not_chosen_and_bad_requests_are_refused(policy):
+    pl, pe, de = cluster(policy)
     de[0].healthy = False
     pl.on_health(de[0])
-    out = place_all(pl, [list(range(50)) for _ in range(3)])
+    out = place_all(pl, [list(range(50)) for _ in range(3)])  # (round robin waited for d0 for good)
     assert [a.decode_engine for a in out] == [1, 1, 1]
     with pytest.raises(PlacementError, match="largest decode engine has 1000"):
         asyncio.run(pl.place(list(range(100)), 100, 16_000))

@@ -138,7 +138,9 @@ class PendingRequest(NamedTuple):
 
 @dataclass
 class EngineLoad:
-    """The scheduler's view of one engine (seq_e, tok_e, free pages); node and group are fixed."""
+    """The scheduler's view of one engine (seq_e, tok_e, free pages); node and group are fixed.
+    `alive` False: the router's health checks lost it (the simulator's engines never die); the
+    load-aware choice avoids it by its load, round robin skips it."""
 
     engine_id: int
     node_id: int
@@ -146,6 +148,7 @@ class EngineLoad:
     num_seqs: int = 0
     num_tokens: int = 0
     num_free_pages: int = 0
+    alive: bool = True
 
 
 class Assignment(NamedTuple):
@@ -157,6 +160,15 @@ class Assignment(NamedTuple):
     read_path: str
     num_pe_read_tokens: int
     num_de_read_tokens: int
+
+
+def _to_alive(engines: Sequence[EngineLoad], start: int) -> int | None:
+    """Round robin: how many positions from `start` to the next alive engine (0: it is); None if none is."""
+    n = len(engines)
+    for k in range(n):
+        if engines[(start + k) % n].alive:
+            return k
+    return None
 
 
 class DualPathScheduler:
@@ -215,13 +227,16 @@ class DualPathScheduler:
 
     # ---- load reports (absolute values; called by engines / the simulator) ----
 
-    def report_prefill(self, engine_id: int, num_seqs: int, num_tokens: int) -> None:
+    def report_prefill(self, engine_id: int, num_seqs: int, num_tokens: int, alive: bool = True) -> None:
         e = self.prefill[engine_id]
-        e.num_seqs = num_seqs
+        e.num_seqs, e.alive = num_seqs, alive
         self._set_prefill_tokens(e, num_tokens)
 
-    def report_decode(self, engine_id: int, num_seqs: int, num_tokens: int, num_free_pages: int) -> None:
+    def report_decode(
+        self, engine_id: int, num_seqs: int, num_tokens: int, num_free_pages: int, alive: bool = True
+    ) -> None:
         e = self.decode[engine_id]
+        e.alive = alive
         if num_tokens != e.num_tokens:
             self._group_tokens[e.group_id] += num_tokens - e.num_tokens
             self._group_dirty.add(e.group_id)  # its heap entry is pushed at the next fetch
@@ -261,15 +276,28 @@ class DualPathScheduler:
         return self._assign_load_aware(queue)
 
     def _assign_round_robin(self, queue: Sequence[PendingRequest]) -> list[Assignment]:
-        """Basic: PEs and DEs in turn; the DE must still have the pages (else the fetch stops)."""
+        """Basic: PEs and DEs in turn, skipping dead ones; the DE must still have the pages (else the
+        fetch stops). (A dead decode has no free pages: waiting for it blocked the queue for good.)"""
         out: list[Assignment] = []
         page_tokens = self.config.page_tokens
         for req in queue:
             de = self.decode[self._rr_decode % len(self.decode)]
+            if not de.alive:
+                skip = _to_alive(self.decode, self._rr_decode)
+                if skip is None:
+                    break
+                self._rr_decode += skip
+                de = self.decode[self._rr_decode % len(self.decode)]
             pages = req.num_decode_pages(page_tokens)
             if de.num_free_pages < pages:
                 break
             pe = self.prefill[self._rr_prefill % len(self.prefill)]
+            if not pe.alive:
+                skip = _to_alive(self.prefill, self._rr_prefill)
+                if skip is None:
+                    break
+                self._rr_prefill += skip
+                pe = self.prefill[self._rr_prefill % len(self.prefill)]
             self._rr_prefill += 1
             self._rr_decode += 1
             out.append(self._commit(req, pe, de, pages))

@@ -258,8 +258,8 @@ class Router:
             raise NoEngine("no healthy prefill engine")
         return live[next(self._rr) % len(live)]
 
-    def pick_decode(self) -> Engine:
-        live = [e for e in self.decodes if e.healthy]
+    def pick_decode(self, exclude: set[str] = frozenset()) -> Engine:
+        live = [e for e in self.decodes if e.healthy and e.url not in exclude]
         if not live:
             raise NoEngine("no healthy decode engine")
         return min(live, key=lambda e: e.in_flight)
@@ -340,7 +340,8 @@ class Router:
         self, path: str, body: dict, http: Request, read_path: str, epoch: int, first: tuple | None = None
     ):
         """`epoch`: the router's abort epoch when the request came in (see `abort_all`)."""
-        tried: set[str] = set()
+        tried: set[str] = set()  # prefills that failed an attempt
+        failed_decodes: set[str] = set()  # decodes that did (the prefill is then tried again)
         last_error = "no attempt"
         for attempt in range(self.max_prefill_attempts):
             try:
@@ -348,7 +349,9 @@ class Router:
                     pe, de = first[0], first[1] or self.pick_decode()
                 else:
                     pe = self.pick_prefill(tried)
-                    de = first[1] if first is not None and first[1] is not None else self.pick_decode()
+                    de = first[1] if first is not None and first[1] is not None else None
+                    if de is None or de.url in failed_decodes:
+                        de = self.pick_decode(failed_decodes)
             except NoEngine as e:
                 return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
@@ -377,18 +380,22 @@ class Router:
                 return client_gone()
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
-            if decode_failed:
-                de_resp = de_task.result()  # the decode answered first, with an error (prefill cancelled)
-                content = await de_resp.aread()
-                await de_resp.aclose()
+            if decode_failed:  # the decode failed first (the prefill's leg is closed): try another
                 de.in_flight -= 1
-                if 400 <= de_resp.status_code < 500:  # a request only the decode refuses: no retry
-                    return Response(content, de_resp.status_code, media_type="application/json")
-                last_error = (
-                    f"decode {de.url}: HTTP {de_resp.status_code} {content[:200].decode(errors='replace')}"
-                )
+                if de_task.exception() is not None:  # unreachable (e.g. it died since its last check)
+                    last_error = f"decode {de.url}: {de_task.exception()!r}"
+                else:
+                    de_resp = de_task.result()
+                    content = await de_resp.aread()
+                    await de_resp.aclose()
+                    if 400 <= de_resp.status_code < 500:  # a request only the decode refuses: no retry
+                        return Response(content, de_resp.status_code, media_type="application/json")
+                    error = content[:200].decode(errors="replace")
+                    last_error = f"decode {de.url}: HTTP {de_resp.status_code} {error}"
+                tried.discard(pe.url)  # (not the prefill's fault)
+                failed_decodes.add(de.url)
                 self.num_retries += 1
-                log.warning("retrying: %s", last_error)
+                log.warning("retrying on another decode: %s", last_error)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 break
@@ -476,8 +483,8 @@ PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (s
 
 
 async def _prefill_unless_decode_fails(pe_call, de_task: asyncio.Future) -> httpx.Response | None:
-    """The prefill's response; None when the decode answers first with an error status (the prefill's
-    leg is then closed, which aborts it there). A prefill waits for the decode's KVRequest, so with a
+    """The prefill's response; None when the decode fails first, answering an error status or not
+    reachable at all (the prefill's leg is then closed, which aborts it there). A prefill waits for the decode's KVRequest, so with a
     decode that refused the request (e.g. `stream_options` without `stream`: the prefill's copy is not
     streamed, so only the decode sees the conflict) it would wait to its Bootstrapping deadline, and
     the client would get a 503 after 30 s per attempt instead of the decode's 400."""
@@ -485,8 +492,8 @@ async def _prefill_unless_decode_fails(pe_call, de_task: asyncio.Future) -> http
     try:
         await asyncio.wait({pe_task, de_task}, return_when=asyncio.FIRST_COMPLETED)
         while not pe_task.done():
-            if not de_task.cancelled() and not de_task.exception() and de_task.result().status_code != 200:
-                await _cancel(pe_task)
+            if not de_task.cancelled() and (de_task.exception() or de_task.result().status_code != 200):
+                await _cancel(pe_task)  # (an error, or no connection at all: a decode that just died)
                 return None
             await asyncio.wait({pe_task})  # (the decode's stream started: the prefill's answer decides)
         return pe_task.result()

@@ -22,7 +22,8 @@ what the store really has, and their load reports overwrite the scheduler's opti
 
 Dead engines: a dead prefill reports β + 1 tokens forever (never chosen by `dualpath`); a dead decode
 reports no free pages and a huge token count (its group is never the least loaded). `round_robin`
-ignores loads, so `Router` re-picks a live engine when the scheduler named a dead one.
+ignores loads: it skips engines reported dead (`alive`), and `Router` re-picks a live engine when the
+scheduler named one that died since its last report.
 """
 
 from __future__ import annotations
@@ -263,13 +264,13 @@ class Placement:
             if engine.healthy:
                 s.report_prefill(i, r["num_seqs"], r["num_tokens"])
             else:
-                s.report_prefill(i, 0, s.config.beta_tokens + 1)
+                s.report_prefill(i, 0, s.config.beta_tokens + 1, alive=False)
         else:
             i = self.decodes.index(engine)
             if engine.healthy:
                 s.report_decode(i, r["num_seqs"], r["num_tokens"], r["num_free_pages"])
             else:
-                s.report_decode(i, 0, UNLIMITED_TOKENS, 0)
+                s.report_decode(i, 0, UNLIMITED_TOKENS, 0, alive=False)
         node = self.node_ids[r["node"]]
         # Node read queue = reads the node's storage link still has to serve (the shared link's view
         # when emulated, else the node's engines' reads in flight) + reads its engines accepted but
