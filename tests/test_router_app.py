@@ -828,3 +828,179 @@ def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     ok, posts, down = asyncio.run(go())
     assert ok.status_code == 200 and posts == [("de", "/tokenize")]
     assert down.status_code == 503 and "unreachable" in down.json()["error"]["message"]
+
+
+class Breaks(httpx.AsyncByteStream):
+    """A decode error body whose connection drops half way (the decode died while answering)."""
+
+    async def __aiter__(self):
+        yield b'{"error": {"message": "decode ov'
+        raise httpx.ReadError("connection reset by peer")
+
+
+def test_n_choices_one_child_refused_at_once_answers_without_waiting_for_the_others():
+    """A router child refused by its engine cancels the others (found by review: the refusal, a
+    Response, not an exception, was held until every sibling had generated its whole answer). n = 2:
+    the prefill refuses child 1 at once while child 0 is still computing: the 400 comes at once, and
+    child 0's legs are closed (its engines abort it)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def engine(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.path == "/v1/completions":
+                sent = json.loads(await request.aread())
+                if request.url.host == "pe" and sent.get("seed") == 1:
+                    return httpx.Response(400, json={"error": {"message": "refused", "code": 400}})
+                engines.posts.append((request.url.host, sent["seed"]))
+                try:
+                    await engines.release.wait()  # child 0: a long generation
+                except asyncio.CancelledError:
+                    engines.closed.append(f"{request.url.host}{sent['seed']}")
+                    raise
+                return httpx.Response(
+                    200,
+                    headers={"content-type": "application/json"},
+                    stream=Once({"choices": [{"index": 0, "text": "x"}]}),
+                )
+            return await handle(request)
+
+        engines.handle = engine
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [1, 2], "max_tokens": 4000, "n": 2, "seed": 0}
+            try:
+                r = await asyncio.wait_for(c.post("/v1/completions", json=body), 3)
+            except TimeoutError:
+                r = None
+            finally:
+                engines.release.set()
+        return r, router, engines
+
+    r, router, engines = asyncio.run(go())
+    assert r is not None, "the router held the 400 until the sibling child finished generating"
+    assert r.status_code == 400 and r.json()["error"]["message"] == "refused"
+    assert sorted(engines.closed) == ["de0", "de1", "pe0"] and router.decodes[0].in_flight == 0
+
+
+@pytest.mark.parametrize("sibling_waits_for", ["prefill", "decode"])
+def test_a_cancelled_child_closes_its_decode_leg_and_drops_its_in_flight_count(sibling_waits_for):
+    """n = 2, not streamed: child 1's decode fails first (a 503 whose body breaks), and merged()
+    cancels child 0 while it waits for its prefill (or for its non-streamed decode's headers). A
+    cancelled dispatch left child 0's decode leg open (the engine never aborted it) and its in-flight
+    count at 1 for good, so every later weight update waited 600 s to drain (found by review)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def engine(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.path == "/v1/completions":
+                sent = json.loads(await request.aread())
+                host, seed = request.url.host, sent.get("seed")
+                engines.posts.append((host, seed))
+                if seed == 1:
+                    if host == "de":
+                        await asyncio.sleep(0.3)  # after child 0 is where the test wants it
+                        return httpx.Response(
+                            503, headers={"content-type": "application/json"}, stream=Breaks()
+                        )
+                    await asyncio.sleep(30)  # child 1's prefill waits for a KVRequest that never comes
+                if host == "pe" and sibling_waits_for == "decode":  # child 0's prefill answers token 1
+                    return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+                try:
+                    await asyncio.sleep(3600)  # child 0's prefill or non-streamed decode: still working
+                except asyncio.CancelledError:
+                    engines.closed.append(f"{host}{seed}")
+                    raise
+            return await handle(request)
+
+        engines.handle = engine
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            body = {"prompt": [1, 2], "max_tokens": 4, "n": 2, "seed": 0}
+            r = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
+        await asyncio.sleep(0.5)
+        return r, router, list(engines.closed)  # (before asyncio.run cancels what is left)
+
+    r, router, closed = asyncio.run(go())
+    assert r.status_code in (502, 503) and r.json()["error"]["code"] == r.status_code, r.text
+    assert router.decodes[0].in_flight == 0 and router.num_in_flight() == 0
+    assert "de0" in closed, "child 0's decode leg was never closed (the engine never aborts it)"
+
+
+def test_a_decode_error_body_that_breaks_is_an_openai_error_not_a_plain_500():
+    """The decode answers 503 first and its connection drops while the router reads that body: the
+    read raised out of the dispatch, a plain-text 500 (found by review). Now a failed attempt: with
+    no other decode, a 503 in OpenAI's shape that says why."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+
+        async def engine(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.path == "/v1/completions":
+                if request.url.host == "de":
+                    return httpx.Response(503, headers={"content-type": "application/json"}, stream=Breaks())
+                await asyncio.sleep(30)
+            return await handle(request)
+
+        engines.handle = engine
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            r = await asyncio.wait_for(
+                c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
+            )
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.headers.get("content-type", "").startswith("application/json"), r.text
+    assert r.status_code == 503 and "its answer broke" in r.json()["error"]["message"]
+    assert router.decodes[0].in_flight == 0
+
+
+def test_a_decode_declared_down_while_its_prefill_worked_has_its_leg_closed():
+    """The decode is declared down (missed health checks) while the router waits for the prefill,
+    which then answers token 1: the client gets a 503, and the decode's leg is closed (found by
+    review: it stayed open, so a decode that was only frozen generated the answer for nobody)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        handle = engines.handle
+        prefill_may_answer = asyncio.Event()
+
+        async def engine(request: httpx.Request) -> httpx.Response:
+            if request.method == "POST" and request.url.path == "/v1/completions":
+                engines.posts.append((request.url.host, request.url.path))
+                if request.url.host == "pe":
+                    await prefill_may_answer.wait()
+                    return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+                try:
+                    await asyncio.sleep(3600)  # a decode frozen for a while (e.g. a long GC / swap)
+                except asyncio.CancelledError:
+                    engines.closed.append("de")
+                    raise
+            return await handle(request)
+
+        engines.handle = engine
+        router = await started_router(engines, "none")
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}))
+            while len(engines.posts) < 2:
+                await asyncio.sleep(0.01)
+            de = router.decodes[0]
+            de.healthy = False  # (what check_health does after two misses)
+            de.down.set()
+            prefill_may_answer.set()
+            r = await asyncio.wait_for(call, 5)
+        await asyncio.sleep(0.3)
+        return r, router, list(engines.closed)
+
+    r, router, closed = asyncio.run(go())
+    assert r.status_code == 503 and router.decodes[0].in_flight == 0
+    assert closed == ["de"], "the decode's leg was never closed: the engine never aborts the request"

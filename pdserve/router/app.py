@@ -33,6 +33,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
@@ -127,6 +128,8 @@ async def unless_down(e: Engine, awaitable):
     if e.down.is_set():
         if asyncio.iscoroutine(awaitable):
             awaitable.close()
+        elif isinstance(awaitable, asyncio.Future):
+            awaitable.cancel()
         raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
     task = asyncio.ensure_future(awaitable)
     down = asyncio.ensure_future(e.down.wait())
@@ -339,7 +342,21 @@ class Router:
     async def _dispatch(
         self, path: str, body: dict, http: Request, read_path: str, epoch: int, first: tuple | None = None
     ):
-        """`epoch`: the router's abort epoch when the request came in (see `abort_all`)."""
+        """`epoch`: the router's abort epoch when the request came in (see `abort_all`). Each attempt's
+        decode leg is a `_Leg`: closed (the decode aborts) and its in-flight count dropped exactly once,
+        on every way out that does not hand it to the relay, cancellation included (a merged request
+        cancels its other children when one fails)."""
+        legs: list[_Leg] = []
+        try:
+            return await self._attempts(path, body, http, read_path, epoch, first, legs)
+        finally:
+            for leg in legs:
+                if not leg.done:
+                    with anyio.CancelScope(shield=True):
+                        await leg.close()
+
+    async def _attempts(self, path, body, http, read_path, epoch, first, legs: list[_Leg]):
+        """(`_dispatch`'s attempts: up to `max_prefill_attempts`, each leg appended to `legs`)"""
         tried: set[str] = set()  # prefills that failed an attempt
         failed_decodes: set[str] = set()  # decodes that did (the prefill is then tried again)
         last_error = "no attempt"
@@ -362,36 +379,36 @@ class Router:
             pe_body = {**body, "stream": False, "pd": pd}
             pe_body.pop("stream_options", None)
             de_body = {**body, "pd": {**pd, "bootstrap_url": pe.bootstrap_url}}
-            de.in_flight += 1
             de_req = self.client.build_request(
                 "POST", de.url + path, content=_json(de_body, http), headers=JSON
             )
-            de_task = asyncio.ensure_future(self.client.send(de_req, stream=True))
+            leg = _Leg(de, asyncio.ensure_future(self.client.send(de_req, stream=True)))
+            legs.append(leg)
             pe_call = self.client.post(
                 pe.url + path, content=_json(pe_body, http), headers=JSON, timeout=self.prefill_timeout(pe)
             )
             decode_failed = False
             try:
-                pe_resp = await unless_gone(http, _prefill_unless_decode_fails(pe_call, de_task))
+                pe_resp = await unless_gone(http, _prefill_unless_decode_fails(pe_call, leg.task))
                 decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
-                await _cancel(de_task)
-                de.in_flight -= 1
                 return client_gone()
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             if decode_failed:  # the decode failed first (the prefill's leg is closed): try another
-                de.in_flight -= 1
-                if de_task.exception() is not None:  # unreachable (e.g. it died since its last check)
-                    last_error = f"decode {de.url}: {de_task.exception()!r}"
+                if leg.task.exception() is not None:  # unreachable (e.g. it died since its last check)
+                    last_error = f"decode {de.url}: {leg.task.exception()!r}"
                 else:
-                    de_resp = de_task.result()
-                    content = await de_resp.aread()
-                    await de_resp.aclose()
+                    de_resp = leg.task.result()
+                    try:
+                        content = await de_resp.aread()
+                    except httpx.HTTPError as e:  # (it died while answering)
+                        content = f"(its answer broke: {e!r})".encode()
                     if 400 <= de_resp.status_code < 500:  # a request only the decode refuses: no retry
                         return Response(content, de_resp.status_code, media_type="application/json")
                     error = content[:200].decode(errors="replace")
                     last_error = f"decode {de.url}: HTTP {de_resp.status_code} {error}"
+                await leg.close()
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
                 self.num_retries += 1
@@ -401,13 +418,10 @@ class Router:
                 break
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
-                await _cancel(de_task)
-                de.in_flight -= 1
                 return Response(pe_resp.content, pe_resp.status_code, media_type="application/json")
             if pe_resp is not None:
                 last_error = f"prefill {pe.url}: HTTP {pe_resp.status_code} {pe_resp.text[:200]}"
-            await _cancel(de_task)  # closing the decode's stream aborts its room
-            de.in_flight -= 1
+            await leg.close()  # closing the decode's stream aborts its room
             self.num_retries += 1
             log.warning("retrying on another prefill: %s", last_error)
         else:
@@ -416,20 +430,32 @@ class Router:
             )
 
         try:
-            de_resp = await unless_gone(http, unless_down(de, de_task))
+            de_resp = await unless_gone(http, unless_down(de, leg.task))
         except ClientGone:
-            await _cancel(de_task)  # closing the decode's connection aborts its request
-            de.in_flight -= 1
             return client_gone()
         except httpx.HTTPError as e:
-            de.in_flight -= 1
             return JSONResponse(error_body(f"decode {de.url}: {e!r}", 502, "BadGateway"), 502)
         except EngineDown as e:
-            de.in_flight -= 1
             return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
-
+        leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
         return StreamingResponse(_Relay(de, de_resp), status_code=de_resp.status_code, media_type=media)
+
+
+class _Leg:
+    """One attempt's decode leg: the task sending the decode's request (its response once headers
+    came) and the decode's in-flight count taken for it. `close()`: drop the count, then close the
+    connection (the decode aborts the request); idempotent, so every way out can call it."""
+
+    def __init__(self, de: Engine, task: asyncio.Future) -> None:
+        self.de, self.task, self.done = de, task, False
+        de.in_flight += 1
+
+    async def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
+            await _cancel(self.task)
 
 
 class _Relay:

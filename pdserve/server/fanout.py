@@ -278,24 +278,31 @@ async def merged(
     `native`: `/generate` answers (a list; chunks with their index), not OpenAI's."""
     n = n or len(children)
     tasks = [asyncio.ensure_future(c) for c in children]
+
+    def answered() -> list:
+        return [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        pending = set(tasks)
+        while pending:  # until all answered, or one failed (raised, or answered other than 200)
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(t.exception() is not None or t.result().status_code != 200 for t in done):
+                break
     except asyncio.CancelledError:
-        finished = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
         with anyio.CancelScope(shield=True):
-            await _stop(tasks, finished)
+            await _stop(tasks, answered())
         raise
     failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
     if failed is not None:
-        await _stop(
-            tasks, [t.result() for t in tasks if t.done() and not t.cancelled() and not t.exception()]
-        )
+        await _stop(tasks, answered())
         raise failed.exception()  # e.g. the engine's APIError: answered as for one request
-    responses = [t.result() for t in tasks]
-    bad = next((r for r in responses if r.status_code != 200), None)
+    # A refusal ends the request at once: the others are cancelled (their engines abort them), not
+    # left to generate answers nobody reads (a router's child answers its refusal, it does not raise).
+    bad = next((r for r in answered() if r.status_code != 200), None)
     if bad is not None:
-        await _stop([], [r for r in responses if r is not bad])
+        await _stop(tasks, [r for r in answered() if r is not bad])
         return bad
+    responses = [t.result() for t in tasks]
     if stream:
         events = _merged_events(responses, include_usage, n, native)
         return StreamingResponse(events, media_type="text/event-stream")
