@@ -50,10 +50,12 @@ class LLMEngine:
         except TokenizerError:
             self.tokenizer = None  # token-id prompts still work
         mc = config.model_config
-        self.eos_token_ids = mc.eos_token_ids or (
-            (self.tokenizer.eos_token_id,)
-            if self.tokenizer and self.tokenizer.eos_token_id is not None
-            else ()
+        # The config's (config.json, generation_config.json) and the tokenizer's: a fine-tune that
+        # changed its tokenizer's eos_token stops on it (as in vLLM, whose primary EOS is the
+        # tokenizer's), and one whose config names more stops on those too.
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        self.eos_token_ids = tuple(mc.eos_token_ids) + (
+            (tokenizer_eos,) if tokenizer_eos is not None and tokenizer_eos not in mc.eos_token_ids else ()
         )
         self.grammars = (  # structured outputs; llguidance's view of the vocabulary is built on first use
             GrammarBackend(

@@ -165,7 +165,7 @@ class ModelRunner:
             lp = torch.log_softmax(self.model.compute_logits(hidden[lo - start : hi - start]).float(), dim=-1)
             targets = self._tensor(prompt[lo + 1 : hi + 1])
             chosen = lp.gather(1, targets[:, None])
-            ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+            ranks = (lp >= chosen).sum(dim=1).tolist()  # (vLLM's: ties with the token rank with it)
             tops = lp.topk(k, dim=-1) if k else None
             top_ids, top_vals = (tops.indices.tolist(), tops.values.tolist()) if k else (None, None)
             for j, (t, v) in enumerate(zip(prompt[lo + 1 : hi + 1], chosen[:, 0].tolist(), strict=True)):

@@ -256,7 +256,10 @@ def build_app(
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{token_str(t): v for t, v in lp.top} for lp in items],
+            # (the sampled token's too, as OpenAI's legacy completions and vLLM give it: up to n + 1)
+            "top_logprobs": [
+                {token_str(t): v for t, v in lp.top} | {token_str(lp.token_id): lp.logprob} for lp in items
+            ],
             "text_offset": starts[start : len(lps)],
         }
 

@@ -96,11 +96,14 @@ class CumulativeChunks:
             more = ", ".join(map(str, new_ids))
             self._ids = f"{self._ids}, {more}" if self._ids else more
             self._num_ids = len(o.token_ids)
-        if o.text.startswith(self._text):
-            self._text_json += json.dumps(o.text[len(self._text) :])[1:-1]
+        text = o.text
+        if not out.finished:  # a character whose bytes are still arriving: held back, as the OpenAI
+            text = text.rstrip("\ufffd")  # streams hold it (a chunk never shows a U+FFFD it takes back)
+        if text.startswith(self._text):
+            self._text_json += json.dumps(text[len(self._text) :])[1:-1]
         else:  # (a finished output is the full decode; it may differ in a bad byte run)
-            self._text_json = json.dumps(o.text)[1:-1]
-        self._text = o.text
+            self._text_json = json.dumps(text)[1:-1]
+        self._text = text
         meta = json.dumps(meta_info(out))
         if o.logprobs is not None:
             new = o.logprobs[self._num_logprobs :]
