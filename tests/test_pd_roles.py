@@ -1178,6 +1178,48 @@ def test_decode_whose_running_request_outgrew_the_pool_releases_a_committed_one_
     p.de_engine.check_integrity()
 
 
+def test_a_stale_registration_registers_again_for_the_rooms_still_waiting(make_pair):
+    """The prefill's weights changed: the first KVRequest is refused as a stale registration and the
+    decode forgets it. A second room for that prefill, still waiting for pages, waited for a Register
+    nobody sent until its Bootstrapping deadline (found by review); now the decode registers again
+    at once, and the prefill, on other weights, refuses it: the room fails with that reason."""
+    p = make_pair(fake_clocks=True, de_pages=8, copy_bytes=True)
+    p.submit_both(prompt(9, start=5), 2, "warm")  # registers the decode under the old weights
+    p.drive(lambda: p.idle())
+    p.pe_role.new_weights("new-weights|layout")
+    p.submit_both(prompt(13), 2, "first")
+    second = p.submit_both(prompt(13, start=2), 2, "second")  # (does not fit beside first: waits)
+    p.drive(lambda: bool(p.de_sink.errors("first")))
+    assert "no longer serves" in p.de_sink.errors("first")[0]
+    assert second in [d.room for d in p.de_role.prealloc]
+    p.drive(lambda: bool(p.de_sink.errors("second")))  # (no clock moves: no deadline can pass)
+    assert "registration refused by prefill" in p.de_sink.errors("second")[0]
+    assert len([m for m in p.de_sent if m[0] is Register]) == 2
+
+
+def test_prefill_step_hook_never_writes_for_a_room_past_its_deadline(make_pair):
+    """Deadlines were swept before a step only: a room whose deadline passed during a long forward
+    still had its pages and handoff sent by the post-step hook, and the write restarted its clock in
+    Transferring, eating the margin of the decode's abort lease (the sum of the prefill's deadlines;
+    found by review). The sweep runs after the forward too: the room fails, nothing is sent."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
+    room = p.submit_both(prompt(9), 2, "late")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.WaitingForInput, step_prefill=False)
+    writes = []
+    p.on_submit = lambda r, seq, total, local, remote: writes.append(r)
+    execute = p.pe_engine.runner.execute
+
+    def slow_forward(sched):
+        p.pe_clock.advance(p.config.deadline_s + 1.0)  # the forward outlasts the room's deadline
+        return execute(sched)
+
+    p.pe_engine.runner.execute = slow_forward
+    p.turn(decode=False)  # tick (nothing expired yet), then the long step and its post-step hook
+    p.pe_engine.runner.execute = execute
+    assert writes == [] and p.pe_role.rooms.state(room) == KVState.Failed
+    assert p.pe_role.rooms.reason(room) == "deadline in WaitingForInput"
+
+
 def test_decode_admission_aging_stops_overtaking_a_starved_request(make_pair):
     """As above, but B has already waited `admission_aging_s` (0 here): C may not overtake it any more,
     so a stream of small requests cannot starve B past the prefill's deadline. A's pages go to B."""

@@ -273,7 +273,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         elif isinstance(body, Status) and body.state == KVState.Failed:
             dr = self.transfer.get(room) or next((d for d in self.prealloc if d.room == room), None)
             peer = self.peers.get(dr.peer_addr) if dr is not None else None
-            if body.error == STALE_REGISTRATION and peer is not None and peer.state == "ready":
+            stale = body.error == STALE_REGISTRATION and peer is not None and peer.state == "ready"
+            if stale:
                 # The prefill's weights changed since we registered: register again (it refuses us
                 # unless ours changed alike), instead of every later request being refused.
                 self._forget_registration(peer)
@@ -284,6 +285,10 @@ class DecodeRole(PDRoleBase, EngineRole):
                     peer_already_knows=True,
                     client_abort=body.client_abort,
                 )
+            if stale and any(d.peer_addr == peer.control_addr for d in self.prealloc):
+                # Rooms still waiting for that prefill are admitted only once it is `ready` again:
+                # without a Register now they waited out their Bootstrapping deadline (30 s).
+                self._register(peer)
             elif room in self.releasing:
                 # We aborted first, but the prefill failed the room on its own (e.g. its deadline) and
                 # reports it with the same promise as an AbortAck: none of its writes can still land.

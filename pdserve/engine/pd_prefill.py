@@ -534,6 +534,11 @@ class PrefillRole(PDRoleBase, EngineRole):
 
     # ---- sending pages (engine thread, from the engine's step hooks) -------------------------------
     def _after_step(self, sched) -> None:
+        # Deadlines are swept again after the forward: a room whose state outlived its deadline during
+        # the step must send nothing (the decode's abort lease is the sum of our deadlines: a write
+        # submitted late also restarted the room's clock in Transferring, eating that margin).
+        for room in self.rooms.expired():
+            self._fail(room, self.rooms.reason(room), already_failed=True)
         for req in sched.requests:
             room = self.by_request.get(req.request_id)
             pr = self.by_room.get(room) if room is not None else None
