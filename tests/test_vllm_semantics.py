@@ -1,6 +1,7 @@
 """Output semantics a review found apart from vLLM v1 / OpenAI / SGLang, now matched: completions'
 top_logprobs hold the sampled token, the tokenizer's EOS stops a model whose config names another,
-prompt-logprob ranks count ties as vLLM does, and /generate streams never show a partial character."""
+prompt-logprob ranks count ties as vLLM does, /generate streams never show a partial character, and
+min_tokens bans EOS also under ignore_eos."""
 
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def test_generate_stream_never_shows_a_partial_character(demo_engine):
     texts = [json.loads(line[6:])["text"] for line in r.text.splitlines() if line.startswith("data: {")]
     assert texts[-1] == "a\u00e9a"
     assert not any("\ufffd" in t for t in texts), texts
+
+
+def test_min_tokens_bans_eos_also_under_ignore_eos(demo_model_dir):
+    """vLLM bans the model's EOS below min_tokens whatever ignore_eos says (its
+    update_from_generation_config adds EOS to the stop ids "to support min_tokens processing");
+    ignore_eos only keeps EOS from stopping the request. Here EOS is biased to win every step: it is
+    banned for the first 3 tokens, then sampled and, under ignore_eos, generation goes on."""
+    engine = make_engine(demo_model_dir)
+    eos = engine.eos_token_ids[0]
+    params = SamplingParams(
+        temperature=0, max_tokens=5, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0}
+    )
+    (*_, final) = run(engine, "def f(x):", params)
+    ids = list(final.outputs[0].token_ids)
+    assert eos not in ids[:3] and ids[3:] == [eos, eos] and final.outputs[0].finish_reason == "length", ids

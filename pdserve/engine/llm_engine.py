@@ -168,7 +168,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        req = Request(request_id, ids, params, max_tokens, () if params.ignore_eos else self.eos_token_ids)
+        # (the model's EOS ids even under ignore_eos, which only keeps them from stopping it: min_tokens
+        # still bans them, as vLLM does)
+        req = Request(request_id, ids, params, max_tokens, self.eos_token_ids)
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs need a tokenizer; this model has none")
@@ -340,7 +342,7 @@ class LLMEngine:
                 req.num_min_text_chars = req.num_stop_checked_chars = len(self._text(req))
             if req.num_output_tokens < params.min_tokens:
                 return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
-        if token in req.eos_token_ids:
+        if token in req.eos_token_ids and not params.ignore_eos:
             req.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
