@@ -1,7 +1,7 @@
 """Output semantics a review found apart from vLLM v1 / OpenAI / SGLang, now matched: completions'
 top_logprobs hold the sampled token, the tokenizer's EOS stops a model whose config names another,
 prompt-logprob ranks count ties as vLLM does, /generate streams never show a partial character, and
-min_tokens bans EOS also under ignore_eos."""
+min_tokens bans EOS also under ignore_eos, and a stop string completed right after min_tokens counts."""
 
 from __future__ import annotations
 
@@ -118,3 +118,30 @@ def test_min_tokens_bans_eos_also_under_ignore_eos(demo_model_dir):
     (*_, final) = run(engine, "def f(x):", params)
     ids = list(final.outputs[0].token_ids)
     assert eos not in ids[:3] and ids[3:] == [eos, eos] and final.outputs[0].finish_reason == "length", ids
+
+
+def test_a_stop_string_completed_right_after_min_tokens_is_found(demo_model_dir):
+    """Tokens 'a', 0xC3, 0xA9 ('é' over two tokens), then 'b'...; min_tokens 2, stop ['é']. Token 3 is
+    past min_tokens and completes 'é': vLLM stops there (text 'a'). The partial character's U+FFFD was
+    counted as min_tokens text, so a match had to end after it and the request ran to max_tokens."""
+    engine = make_engine(demo_model_dir)
+    tok = engine.tokenizer
+    a, b = tok.encode("a", False)[0], tok.encode("b", False)[0]
+    c3, a9 = tok.token_id("\u00c3"), tok.token_id("\u00a9")  # byte-level BPE symbols of 0xC3, 0xA9
+    assert tok.decode([c3, a9]) == "\u00e9"
+    real = engine.runner.sampler
+    engine.runner.sampler = ScriptedIds([a, c3, a9, b, b, b, b, b])
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop=["\u00e9"], ignore_eos=True)
+        (*_, final) = run(engine, "def f(x):", params)
+    finally:
+        engine.runner.sampler = real
+    o = final.outputs[0]
+    assert (o.finish_reason, o.stop_reason, o.text) == ("stop", "\u00e9", "a"), (o.finish_reason, o.text)
+    engine.runner.sampler = ScriptedIds([a, b, c3, a9, b])  # (within min_tokens, 'é' still does not stop)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, min_tokens=4, stop=["\u00e9"], ignore_eos=True)
+        (*_, final) = run(engine, "def f(x):", params, rid="r2")
+    finally:
+        engine.runner.sampler = real
+    assert (final.outputs[0].finish_reason, final.outputs[0].text) == ("length", "ab\u00e9b")

@@ -339,7 +339,10 @@ class LLMEngine:
             # Stop strings count only in text after the first min_tokens tokens (vLLM's rule): a later
             # match must end after this text. Below min_tokens the sampler gave no stop token either.
             if params.stop and self.tokenizer is not None:
-                req.num_min_text_chars = req.num_stop_checked_chars = len(self._text(req))
+                # (a character whose bytes are still arriving is not min_tokens text: the token that
+                # completes it adds it, as vLLM's detokenizer never emits a partial character)
+                text = self._text(req).rstrip("\ufffd")
+                req.num_min_text_chars = req.num_stop_checked_chars = len(text)
             if req.num_output_tokens < params.min_tokens:
                 return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
         if token in req.eos_token_ids and not params.ignore_eos:
