@@ -103,20 +103,30 @@ class Tokenizer:
         return self._template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         """`tools`: OpenAI tool objects, shown to the model by the template as it sees fit (HF's
-        `tools` argument; a template that ignores them ignores them)."""
+        `tools` argument; a template that ignores them ignores them). `template_kwargs`: more variables
+        for the template (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); they
+        cannot replace the ones above (TokenizerError)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use /v1/completions")
+        fixed = {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        taken = sorted(set(template_kwargs or {}) & set(fixed))
+        if taken:
+            raise TokenizerError(f"chat_template_kwargs may not set {taken}: give them as request fields")
         try:
-            return self._compiled_template().render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            return self._compiled_template().render(**(template_kwargs or {}), **fixed)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from e
 

@@ -580,7 +580,12 @@ def build_app(
         tools, parse_calls, call_grammar = chat_tools(body)
         try:  # (on a worker thread, as `validate`'s tokenizing; /tokenize renders the same way)
             prompt, prompt_ids = await asyncio.to_thread(
-                render_chat, tokenizer, body.messages, body.add_generation_prompt, tools
+                render_chat,
+                tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                tools,
+                body.chat_template_kwargs,
             )
         except TokenizerError as e:  # (the template refused the chat)
             raise APIError(str(e)) from None

@@ -185,12 +185,26 @@ class CompletionRequest(_SamplingFields):
         return {"prompt_token_ids": p} if isinstance(p, list) else p
 
 
+# Content part types read as text (OpenAI's "text"; the Responses API's "input_text"); any other
+# (image_url, input_audio, ...) is a 400: this server serves text models, and answering without the
+# image would be a silent wrong answer.
+TEXT_PART_TYPES = ("text", "input_text")
+
+
 class ContentPart(BaseModel):
-    """One part of a chat message's content: {"type": "text", "text": ...}; other types are ignored."""
+    """One part of a chat message's content: {"type": "text", "text": ...}."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str | None = None
     text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type not in TEXT_PART_TYPES:
+            raise ValueError(
+                f"content part type {self.type!r} is not supported (text models: text parts only)"
+            )
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -199,8 +213,8 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part.text or "" for part in self.content if part.type == "text")
+        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...], one per line (vLLM's)
+            return "\n".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -210,6 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # More variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (server/tool_calls.py): needs an engine started with --tool-call-parser.
     tools: list | None = None
     tool_choice: str | dict | None = None  # "auto" (default with tools) | "none"

@@ -10,6 +10,7 @@ that each turn's prompt extends the last one's exactly, and hits the prefix cach
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -21,13 +22,17 @@ from pdserve.tokenizer import Tokenizer, TokenizerError
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    template_kwargs: dict | None = None,
 ) -> tuple[str, list[int]]:
-    """The chat template applied to `messages` (and `tools`), and its token ids. The template writes
-    the BOS itself, so the text is encoded without special tokens. ValueError for a malformed
-    message, TokenizerError for a template that refuses it."""
+    """The chat template applied to `messages` (and `tools`, and the request's chat_template_kwargs),
+    and its token ids. The template writes the BOS itself, so the text is encoded without special
+    tokens. ValueError for a malformed message, TokenizerError for a template that refuses it."""
     prompt = tokenizer.apply_chat_template(
-        tool_calls.template_messages(messages), add_generation_prompt, tools
+        tool_calls.template_messages(messages), add_generation_prompt, tools, template_kwargs
     )
     return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
@@ -42,6 +47,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # (as the chat route takes them)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -78,7 +84,12 @@ def tokenize_routes(
             if body.messages is not None:
                 tools = tool_calls.check_tools(body.tools) if body.tools else None
                 _, ids = await asyncio.to_thread(
-                    render_chat, tok, body.messages, body.add_generation_prompt, tools
+                    render_chat,
+                    tok,
+                    body.messages,
+                    body.add_generation_prompt,
+                    tools,
+                    body.chat_template_kwargs,
                 )
             else:
                 ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)

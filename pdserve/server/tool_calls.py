@@ -205,6 +205,11 @@ def template_messages(messages: list) -> list[dict]:
         for key in ("tool_call_id", "name"):
             if isinstance(extra.get(key), str):
                 msg[key] = extra[key]
+        # An assistant's past thinking, as this server returned it (`reasoning_content`; `reasoning`
+        # in newer clients): templates that replay it read `reasoning_content` (vLLM sets both).
+        thought = extra.get("reasoning_content", extra.get("reasoning"))
+        if m.role == "assistant" and isinstance(thought, str):
+            msg["reasoning_content"] = msg["reasoning"] = thought
         out.append(msg)
     return out
 
