@@ -1,6 +1,7 @@
 """Chat semantics a review found apart from vLLM, now matched: chat_template_kwargs reach the template
 (chat and /tokenize), text parts join with newlines, an assistant's past reasoning reaches the template,
-and content parts a text model cannot read are a 400, not silently dropped."""
+content parts a text model cannot read are a 400, not silently dropped, and blank text before a tool
+call is streamed as the whole answer gives it (none)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 from pdserve.server.protocol import ChatMessage
 from pdserve.server.tool_calls import template_messages
 from tests.conftest import post_in_process
-from tests.test_tool_calls import run_chat
+from tests.test_tool_calls import CALL_LS, chat_body, run_chat, sse_chunks
 
 # A Qwen3-like template tail: thinking off closes an empty think block in the prompt.
 THINK_TEMPLATE = (
@@ -100,3 +101,18 @@ def test_non_text_content_parts_are_not_silently_dropped(demo_engine):
         demo_engine, "ok", [{"messages": [{"role": "user", "content": parts}], "max_tokens": 2}], parser=None
     )
     assert r.status_code == 400, (r.status_code, r.text[:200])
+
+
+def test_streamed_content_equals_whole_content_when_only_blank_text_comes_before_a_call(demo_engine):
+    """Reasoning, then "\n\n", then a call (Qwen3's usual shape): the whole answer's content is null
+    (blank content before a call is none), and the stream sent "\n\n" as content (found by review).
+    Blank content is held until a non-blank character or the end: both now agree."""
+    for answer in ("<think>plan</think>\n\n" + CALL_LS, "<think>plan</think>\n\nSure.\n" + CALL_LS):
+        whole, stream = run_chat(
+            demo_engine, answer, [chat_body(), chat_body(stream=True)], reasoning_parser="qwen3"
+        )
+        msg = whole.json()["choices"][0]["message"]
+        deltas = [c["choices"][0]["delta"] for c in sse_chunks(stream)]
+        streamed = "".join(d.get("content") or "" for d in deltas[1:])
+        assert msg["tool_calls"] and any(d.get("tool_calls") for d in deltas)
+        assert (msg["content"] or "") == streamed, (msg["content"], streamed)

@@ -137,6 +137,7 @@ class ToolStream:
         self.pending = ""  # text received and not yet sent (or dropped)
         self.searched = 0  # in an open call: `pending` up to here holds no end marker
         self.in_calls = False  # a call has started: no more plain content, only calls
+        self.sent_content = False  # non-blank content went out (blank content is held: see feed)
         self.num_calls = 0
 
     def feed(self, delta: str, finished: bool) -> list[dict]:
@@ -147,13 +148,17 @@ class ToolStream:
             if not self.in_calls:
                 at = rest.find(p.start)
                 if at < 0:
-                    # Hold back a tail that may be the start of the marker (unless the answer ended).
+                    # Hold back a tail that may be the start of the marker (unless the answer ended),
+                    # and content that is blank so far: before a call, blank content is none (`parse`
+                    # answers null), so the stream must not have sent it.
                     keep = 0 if finished else partial_marker_len(rest, p.start)
+                    if not (finished or self.sent_content or rest[: len(rest) - keep].strip()):
+                        return out
                     if len(rest) > keep:
                         out.append({"content": rest[: len(rest) - keep]})
-                        self.pending = rest[len(rest) - keep :]
+                        self.pending, self.sent_content = rest[len(rest) - keep :], True
                     return out
-                if at:
+                if at and (self.sent_content or rest[:at].strip()):
                     out.append({"content": rest[:at]})
                 self.pending, self.in_calls, self.searched = rest[at:], True, 0
                 continue
