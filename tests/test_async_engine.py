@@ -4,6 +4,8 @@ they are not (they walk every page: ~11 ms at 50k pages)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -11,8 +13,9 @@ import pytest
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine import async_engine
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import LLMEngine
+from tests.conftest import run_in_process, until
 
 
 @pytest.mark.parametrize(("share", "expected"), [(1.0, 4), (0.001, 1)], ids=["cheap", "costly"])
@@ -50,3 +53,134 @@ def test_idle_checks_take_a_bounded_share_of_the_engine_thread(demo_model_dir, m
     finally:
         aengine.shutdown()
     assert len(checks) == expected
+
+
+# ---- found by review: aborts lost before validation, a stream left open by shutdown ---------------
+PROMPT_IDS = list(range(5, 45))
+KW = dict(num_pages=128, max_model_len=1024, page_size=16)
+LONG = 900  # tokens: far more than a test takes (an unaborted answer finishes "length")
+
+
+def test_shutdown_ends_a_stream_in_flight(demo_model_dir):
+    """`AsyncEngine.shutdown()` while a request streams: its caller must not wait forever (the engine
+    thread's error path fails every waiter; a stop should too: an error or an "abort" final output)."""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True)
+
+    async def go():
+        req, text = aengine.validate({"prompt_token_ids": PROMPT_IDS}, params, "r")
+        outs: list = []
+
+        async def consume():
+            async for o in aengine.generate(req, text):
+                outs.append(o)
+
+        task = asyncio.create_task(consume())
+        await until(lambda: len(outs) >= 1)
+        await asyncio.to_thread(aengine.shutdown)
+        assert not aengine._thread.is_alive()
+        try:
+            await asyncio.wait_for(task, 5)
+        except EngineDeadError:
+            return "ended with EngineDeadError"
+        except TimeoutError:
+            task.cancel()
+            return "still waiting 5 s after shutdown"
+        return f"ended: finished={outs[-1].finished}"
+
+    try:
+        result = asyncio.run(go())
+    finally:
+        aengine.shutdown()
+    assert result != "still waiting 5 s after shutdown", result
+
+
+def test_abort_all_during_chat_rendering_is_not_lost(demo_model_dir, monkeypatch):
+    """A chat request is tokenized by `render_chat` (a worker thread) before `validate` reads the abort
+    count. An `abort_all` that arrives meanwhile (the request is 'still being checked': tokenizing,
+    architecture.md step 8) must end it with finish_reason "abort"."""
+    from pdserve.server import api
+
+    rendering, release = threading.Event(), threading.Event()
+    real = api.render_chat
+
+    def slow_render(*a, **kw):  # (a long chat: its template and tokenization take a while)
+        out = real(*a, **kw)
+        rendering.set()
+        assert release.wait(30)
+        return out
+
+    monkeypatch.setattr(api, "render_chat", slow_render)
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+
+    async def scenario(c):
+        body = {
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        chat = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+        await until(rendering.is_set)
+        abort = await c.post("/abort_request", json={"abort_all": True})
+        release.set()
+        return abort.json(), (await chat).json()
+
+    abort, chat = run_in_process(engine, scenario)
+    assert abort["success"]
+    assert chat["choices"][0]["finish_reason"] == "abort", (
+        f"abort_all during chat rendering was lost: finish_reason={chat['choices'][0]['finish_reason']!r}, "
+        f"{chat['usage']['completion_tokens']} tokens"
+    )
+
+
+def test_abort_all_while_validation_waits_for_a_worker_is_not_lost(demo_model_dir):
+    """`validate` runs through `asyncio.to_thread`: while the default executor's workers are busy
+    (other requests tokenizing long prompts), the request's check waits in the executor's queue
+    and has not read the abort count yet. An `abort_all` then is lost: the request runs to the end."""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+    release = threading.Event()
+
+    async def scenario(c):
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        loop.set_default_executor(pool)
+        busy = loop.run_in_executor(None, release.wait, 30)  # (another request's long tokenization)
+        body = {"prompt": PROMPT_IDS, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        comp = asyncio.create_task(c.post("/v1/completions", json=body))
+        await asyncio.sleep(0.3)  # (the completion's handler has queued its check behind `busy`)
+        abort = await c.post("/abort_request", json={"abort_all": True})
+        release.set()
+        await busy
+        return abort.json(), (await comp).json()
+
+    abort, comp = run_in_process(engine, scenario)
+    assert abort["success"]
+    assert comp["choices"][0]["finish_reason"] == "abort", (
+        f"abort_all while the check was queued was lost: finish_reason={comp['choices'][0]['finish_reason']!r}"
+    )
+
+
+def test_a_reserved_id_is_released_when_its_request_was_aborted_while_checked(demo_model_dir):
+    """`reserve` holds an id "until it is streamed (or unreserve)". `generate()` of a request an
+    abort named while it was checked answers "abort" at once, but returns before `unreserve`: the id
+    stays active, and every later request with it is refused. (server/api.py's generate_one unreserves
+    itself before `generate`, so the HTTP routes are not affected; direct callers are.)"""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def go():
+        req, text = aengine.validate({"prompt_token_ids": PROMPT_IDS}, params, "rid-x")
+        aengine.reserve(req)
+        await aengine.abort_now("rid-x")
+        outs = [o async for o in aengine.generate(req, text)]
+        return outs, aengine.is_active("rid-x")
+
+    try:
+        outs, still_active = asyncio.run(go())
+    finally:
+        aengine.shutdown()
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    assert not still_active, "the aborted request's id is still reserved after its stream ended"

@@ -12,6 +12,7 @@ idle between an agent's turns rarely waits behind one (small pools still check a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -115,13 +116,20 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def validate(
-        self, prompt, params, request_id: str | None = None, default_max_tokens: int | None = None
+        self,
+        prompt,
+        params,
+        request_id: str | None = None,
+        default_max_tokens: int | None = None,
+        epoch: int | None = None,
     ) -> tuple[Request, str | None]:
         """Any thread: the request, checked (read-only; `LLMEngine.make_request`). It remembers how
-        many `abort_now()`s there were when it arrived, so one that names it (or everything) while it
-        is still being checked (tokenized, held at a split request's start gate, or a PD half looking
-        up its prefill) ends it as soon as it is streamed."""
-        epoch = self.num_aborts
+        many `abort_now()`s there were when it arrived (`epoch`: `num_aborts` as the caller read it on
+        the event loop when the request came in; else now), so one that names it (or everything) while
+        it is still being checked (a chat rendered, waiting for a worker thread, tokenized, held at a
+        split request's start gate, or a PD half looking up its prefill) ends it as soon as it is
+        streamed."""
+        epoch = self.num_aborts if epoch is None else epoch
         tokenized = self.engine.tokenize_prompt(prompt)
         req = self.engine.make_request(prompt, params, request_id, tokenized, default_max_tokens)
         req.abort_epoch = epoch
@@ -139,12 +147,15 @@ class AsyncEngine:
         if aborted and (self.role is None or req.abort_epoch == ROUTER_ABORTED_EPOCH):
             # Nothing to tell anyone: no token computed, no page taken (and a router-aborted PD half's
             # peer half is aborted alike).
+            self.unreserve(req)
             yield _aborted_output(req, None)
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue, req)
         self.unreserve(req)
         self._send(("add", req, prompt_text))
+        if not self.alive:  # stopped or died meanwhile (its handler may have run before we registered)
+            self._deliver(EngineDeadError("engine is not running"), req.request_id)
         if aborted:
             # A PD half: its peer's half may have been registered before the abort, or come after it.
             # The role ends the room on purpose, which tells the peer (whose half then answers "abort"
@@ -293,9 +304,13 @@ class AsyncEngine:
             self._on_step(self.engine, [out])
 
     def shutdown(self) -> None:
+        """Stop the engine thread; every stream still open and every pending `run()` ends with
+        EngineDeadError (they waited for good before)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for rid in list(self._streams):
+            self._deliver(EngineDeadError("engine stopped"), rid)
         self._fail_calls(EngineDeadError("engine stopped"))
 
     def _send(self, cmd: tuple) -> None:
@@ -306,7 +321,8 @@ class AsyncEngine:
         target = self._streams.get(request_id)
         if target is not None:
             loop, queue, _ = target
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            with contextlib.suppress(RuntimeError):  # (its loop closed: nobody is left to read it)
+                loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _loop(self) -> None:
         engine, role = self.engine, self.role

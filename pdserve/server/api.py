@@ -13,6 +13,7 @@ streaming closures (splitting it would pass a dozen closures around); the reques
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import json
@@ -66,6 +67,11 @@ from pdserve.server.protocol import (
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
+
+# The engine's abort count when the request came in, read by its route before anything awaits (the
+# children of a split request inherit it): an abort from then on names the request also while its chat
+# is rendered, its check waits for a worker thread, or it is tokenized (AsyncEngine.validate).
+ARRIVAL_EPOCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("arrival_epoch", default=None)
 
 
 def in_band_status(e: InvalidRequest) -> tuple[int, str]:
@@ -142,7 +148,8 @@ def build_app(
         return req, text
 
     async def validate_one(make_prompt, make_params, pd_field, request_id, default_max_tokens=None):
-        """(validate's checks, for one request; `default_max_tokens`: `LLMEngine.make_request`'s)
+        """(validate's checks, for one request; `default_max_tokens`: `LLMEngine.make_request`'s; the
+        abort count is the one its route read on arrival, `ARRIVAL_EPOCH`)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
         stalled every stream this engine serves meanwhile.
@@ -153,7 +160,9 @@ def build_app(
         try:
             params: SamplingParams = make_params()
             prompt, rid = make_prompt(), f"cmpl-{uuid.uuid4().hex}"
-            req, text = await asyncio.to_thread(aengine.validate, prompt, params, rid, default_max_tokens)
+            req, text = await asyncio.to_thread(
+                aengine.validate, prompt, params, rid, default_max_tokens, ARRIVAL_EPOCH.get()
+            )
         except (InvalidRequest, TokenizerError, ValueError, TypeError) as e:
             raise APIError(str(e)) from None
         except RecursionError:  # (a value nested thousands deep, e.g. a schema given as a string)
@@ -478,6 +487,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
+        ARRIVAL_EPOCH.set(aengine.num_aborts)
         return await split(body, http, completion)
 
     async def completion(body: CompletionRequest, http: Request):
@@ -569,6 +579,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request):
+        ARRIVAL_EPOCH.set(aengine.num_aborts)
         return await split(body, http, chat_completion)
 
     async def chat_completion(body: ChatCompletionRequest, http: Request):
@@ -717,6 +728,7 @@ def build_app(
         """SGLang's native endpoint. A batch of prompts or `sampling_params.n` > 1: one child request
         per prompt p and sample j (child p·n + j; seeded: seed + j), all validated before any
         starts, answered as a list in that order (streamed: each chunk with its `index`)."""
+        ARRIVAL_EPOCH.set(aengine.num_aborts)
         if (body.input_ids is None) == (body.text is None):
             raise APIError("give exactly one of input_ids or text")
         if body.text == []:
