@@ -162,12 +162,13 @@ class Assignment(NamedTuple):
     num_de_read_tokens: int
 
 
-def _to_alive(engines: Sequence[EngineLoad], start: int) -> int | None:
-    """Round robin: how many positions from `start` to the next alive engine (0: it is); None if none is."""
+def _next_alive(engines: Sequence[EngineLoad], cursor: int) -> tuple[int, EngineLoad] | None:
+    """Round robin from `cursor`: (the cursor at the first alive engine, that engine); None if none is."""
     n = len(engines)
     for k in range(n):
-        if engines[(start + k) % n].alive:
-            return k
+        e = engines[(cursor + k) % n]
+        if e.alive:
+            return cursor + k, e
     return None
 
 
@@ -281,25 +282,17 @@ class DualPathScheduler:
         out: list[Assignment] = []
         page_tokens = self.config.page_tokens
         for req in queue:
-            de = self.decode[self._rr_decode % len(self.decode)]
-            if not de.alive:
-                skip = _to_alive(self.decode, self._rr_decode)
-                if skip is None:
-                    break
-                self._rr_decode += skip
-                de = self.decode[self._rr_decode % len(self.decode)]
+            de_turn, pe_turn = (
+                _next_alive(self.decode, self._rr_decode),
+                _next_alive(self.prefill, self._rr_prefill),
+            )
+            if de_turn is None or pe_turn is None:
+                break
+            (de_cursor, de), (pe_cursor, pe) = de_turn, pe_turn
             pages = req.num_decode_pages(page_tokens)
             if de.num_free_pages < pages:
                 break
-            pe = self.prefill[self._rr_prefill % len(self.prefill)]
-            if not pe.alive:
-                skip = _to_alive(self.prefill, self._rr_prefill)
-                if skip is None:
-                    break
-                self._rr_prefill += skip
-                pe = self.prefill[self._rr_prefill % len(self.prefill)]
-            self._rr_prefill += 1
-            self._rr_decode += 1
+            self._rr_prefill, self._rr_decode = pe_cursor + 1, de_cursor + 1
             out.append(self._commit(req, pe, de, pages))
         return out
 
