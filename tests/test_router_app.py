@@ -19,9 +19,12 @@ from tests.test_router_placement import report
 class Engines:
     """One prefill (`pe`) and one decode (`de`) behind a mock transport; `posts` lists each POST's
     (host, path), `closed` the hosts whose completion the router cancelled (closed its connection).
-    A completion of a host in `blocking` waits until `release` is set; the others answer at once."""
+    A completion of a host in `blocking` waits until `release` is set; the others answer at once.
+    `intercept` (a test's own engine behaviour): an async function of each request, whose answer
+    (a response, or an exception it raises) replaces the mock's; None lets the mock answer."""
 
     def __init__(self, blocking=("pe", "de")) -> None:
+        self.intercept = None
         self.posts: list[tuple[str, str]] = []
         self.closed: list[str] = []
         self.blocking = set(blocking)
@@ -29,6 +32,8 @@ class Engines:
         self.model_paths: dict[str, str] = {}  # host -> the weights it serves (default "/ckpt/a")
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.intercept is not None and (answer := await self.intercept(request)) is not None:
+            return answer
         host, path = request.url.host, request.url.path
         role = "prefill" if host.startswith("pe") else "decode"
         if path == "/pd/info":
@@ -44,6 +49,12 @@ class Engines:
                 self.closed.append(host)
                 raise
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+
+def client_of(router: Router, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+    """A client of the router's app, in process (`raise_app_exceptions=False`: an app error is its 500)."""
+    transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=raise_app_exceptions)
+    return httpx.AsyncClient(transport=transport, base_url="http://router")
 
 
 def completion_scope(body: bytes) -> dict:
@@ -90,8 +101,7 @@ def test_bad_numbers_are_400s_before_any_engine_is_asked(field):
         engines.release.set()  # a request that got through is answered, not left hanging
         router = await started_router(engines, "dualpath")
         body = '{"prompt": [1, 2, 3], "max_tokens": 4, ' + field + "}"  # the last of a repeated key wins
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             r = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         return r, engines, router
 
@@ -109,8 +119,7 @@ def test_a_body_nested_too_deeply_to_parse_is_a_400_before_any_engine_is_asked()
         engines = Engines()
         router = await started_router(engines, "none")
         raw = '{"prompt": "a", "foo": ' + "[" * 100_000 + "]" * 100_000 + "}"
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             r = await c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         return r, engines
 
@@ -125,8 +134,7 @@ def test_the_routers_own_refusals_are_in_openais_error_shape():
 
     async def go():
         router = await started_router(Engines(), "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             return [
                 await c.post("/no/such/path", json={}),
                 await c.get("/v1/completions"),
@@ -175,17 +183,14 @@ def test_a_generate_request_is_placed_by_dualpath_and_a_bad_limit_is_a_400_first
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.method == "POST":
                 sent.append((request.url.host + request.url.path, json.loads(await request.aread())))
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "dualpath")
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             bad = await c.post(
                 "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "4"}}
             )
@@ -275,18 +280,15 @@ def test_the_router_forwards_the_clients_json(body, forwarded):
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.path == "/v1/completions":
                 seen.append((request.url.host, request.headers["content-type"], await request.aread()))
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "none")
         # (the mock's decode answer cannot be relayed as a stream: what matters is what was sent)
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
 
     asyncio.run(go())
@@ -309,7 +311,6 @@ def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill
 
     async def go():
         engines = Engines(blocking=("pe",))
-        handle = engines.handle
 
         async def decode_refuses(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.host == "de":
@@ -318,12 +319,10 @@ def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill
                 return httpx.Response(
                     decode_status, headers={"content-type": "application/json"}, stream=Once(body)
                 )
-            return await handle(request)
 
-        engines.handle = decode_refuses
+        engines.intercept = decode_refuses
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             body = {"prompt": [1, 2], "max_tokens": 4, "stream_options": {"include_usage": True}}
             r = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
         return r, router, engines
@@ -345,7 +344,6 @@ def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_o
 
     async def go():
         engines = Engines(blocking=("pe",))
-        handle = engines.handle
 
         async def de_is_dead(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.host == "de":
@@ -355,13 +353,11 @@ def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_o
                 engines.release.set()  # (the prefill answers once its decode asked for the KV)
                 answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
                 return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
-            return await handle(request)
 
-        engines.handle = de_is_dead
+        engines.intercept = de_is_dead
         decodes = ("http://de", "http://de2")[:num_decodes]
         router = await started_router(engines, "none", decodes=decodes)
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             r = await asyncio.wait_for(
                 c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
             )
@@ -386,7 +382,6 @@ def test_n_choices_one_child_refused_closes_the_others_decode_leg():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def refuse_seed_1(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.host == "pe":
@@ -394,12 +389,10 @@ def test_n_choices_one_child_refused_closes_the_others_decode_leg():
                 if sent.get("seed") == 1:
                     await asyncio.sleep(0.2)  # child 0 is through by then
                     return httpx.Response(400, json={"error": {"message": "refused", "code": 400}})
-            return await handle(request)
 
-        engines.handle = refuse_seed_1
+        engines.intercept = refuse_seed_1
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "n": 2, "seed": 0})
         return r, router, engines
 
@@ -418,7 +411,6 @@ def test_n_choices_stream_client_leaving_closes_every_decode_leg():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def streaming_decode(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.host == "de":
@@ -437,9 +429,8 @@ def test_n_choices_stream_client_leaving_closes_every_decode_leg():
                         closed.append(f"de{seed}")
 
                 return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
-            return await handle(request)
 
-        engines.handle = streaming_decode
+        engines.intercept = streaming_decode
         router = await started_router(engines, "none")
         app = build_router_app(router)
         sent = json.dumps({"prompt": [1, 2], "max_tokens": 1000, "n": 2, "seed": 0, "stream": True}).encode()
@@ -478,8 +469,7 @@ def test_n_choices_go_to_one_prefill_that_computes_their_prompt_once():
     async def go():
         engines = Engines(blocking=())
         router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             # (the mock's decode answers cannot be relayed: what matters is where the legs went)
             await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "n": 3})
             first = [h for h, _ in engines.posts if h.startswith("pe")]
@@ -499,17 +489,14 @@ def test_a_prompt_list_is_one_child_per_prompt_and_choice_each_prompts_on_one_pr
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.host.startswith("pe"):
                 sent.append((request.url.host, json.loads(await request.aread())))
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             # (the mock's decode answers cannot be relayed: what matters is what the legs carried)
             body = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 4, "n": 2, "seed": 7}
             await c.post("/v1/completions", json=body)
@@ -557,7 +544,6 @@ def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def decode_answers(request: httpx.Request) -> httpx.Response:
             if request.url.host == "de" and request.url.path == "/v1/completions":
@@ -572,12 +558,10 @@ def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
                     "usage": usage | {"prompt_tokens_details": {"cached_tokens": n - 1}},
                 }
                 return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
-            return await handle(request)
 
-        engines.handle = decode_answers
+        engines.intercept = decode_answers
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             body = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 2, "n": 2, "seed": 0}
             return await c.post("/v1/completions", json=body)
 
@@ -602,7 +586,6 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.url.path in ("/abort_request", "/flush_cache", "/reset_prefix_cache"):
@@ -610,12 +593,10 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
                 if request.url.host == "pe2":
                     raise httpx.ConnectError("refused")
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             router.prefills[1].healthy = False
             abort = await c.post("/abort_request", json={"rid": "cmpl-1"})
             flush = await c.get("/flush_cache")
@@ -648,7 +629,6 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def recording(request: httpx.Request) -> httpx.Response:
             if request.url.path == "/abort_request":
@@ -663,13 +643,11 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
                     return httpx.Response(
                         200, headers={"content-type": "application/json"}, stream=Once(answer)
                     )
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "dualpath")
         router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             body = {"prompt": [1, 2, 3], "max_tokens": 4}
             waiting = asyncio.ensure_future(c.post("/v1/completions", json=body))
             for _ in range(100):
@@ -713,7 +691,6 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
         busy_once = {"pe"}
 
         async def recording(request: httpx.Request) -> httpx.Response:
@@ -733,12 +710,10 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
                     return httpx.Response(
                         200, headers={"content-type": "application/json"}, stream=Once(answer)
                     )
-            return await handle(request)
 
-        engines.handle = recording
+        engines.intercept = recording
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             body = {"prompt": [1, 2, 3], "max_tokens": 4}
             first = asyncio.ensure_future(c.post("/v1/completions", json=body))
             while len(calls) < 2:
@@ -775,19 +750,16 @@ def test_a_weight_update_that_misses_an_engine_out_of_service_fails_and_it_serve
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def answering(request: httpx.Request) -> httpx.Response:
             if request.url.path == "/update_weights_from_disk":
                 engines.model_paths[request.url.host] = json.loads(await request.aread())["model_path"]
                 return httpx.Response(200, json={"success": True})
-            return await handle(request)
 
-        engines.handle = answering
+        engines.intercept = answering
         router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
         router.prefills[1].healthy = False
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             missed = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
             stale = (router.prefills[1].healthy, router.prefills[1].stale)  # (back, with the old weights)
             picks = {router.pick_prefill(set()).url for _ in range(4)}
@@ -813,8 +785,7 @@ def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             ok = await c.post("/tokenize", json={"prompt": "hi"})
             posts = list(engines.posts)
 
@@ -846,7 +817,6 @@ def test_n_choices_one_child_refused_at_once_answers_without_waiting_for_the_oth
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def engine(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.path == "/v1/completions":
@@ -864,12 +834,10 @@ def test_n_choices_one_child_refused_at_once_answers_without_waiting_for_the_oth
                     headers={"content-type": "application/json"},
                     stream=Once({"choices": [{"index": 0, "text": "x"}]}),
                 )
-            return await handle(request)
 
-        engines.handle = engine
+        engines.intercept = engine
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             body = {"prompt": [1, 2], "max_tokens": 4000, "n": 2, "seed": 0}
             try:
                 r = await asyncio.wait_for(c.post("/v1/completions", json=body), 3)
@@ -894,7 +862,6 @@ def test_a_cancelled_child_closes_its_decode_leg_and_drops_its_in_flight_count(s
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def engine(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.path == "/v1/completions":
@@ -915,12 +882,10 @@ def test_a_cancelled_child_closes_its_decode_leg_and_drops_its_in_flight_count(s
                 except asyncio.CancelledError:
                     engines.closed.append(f"{host}{seed}")
                     raise
-            return await handle(request)
 
-        engines.handle = engine
+        engines.intercept = engine
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             body = {"prompt": [1, 2], "max_tokens": 4, "n": 2, "seed": 0}
             r = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
         await asyncio.sleep(0.5)
@@ -939,19 +904,16 @@ def test_a_decode_error_body_that_breaks_is_an_openai_error_not_a_plain_500():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
 
         async def engine(request: httpx.Request) -> httpx.Response:
             if request.method == "POST" and request.url.path == "/v1/completions":
                 if request.url.host == "de":
                     return httpx.Response(503, headers={"content-type": "application/json"}, stream=Breaks())
                 await asyncio.sleep(30)
-            return await handle(request)
 
-        engines.handle = engine
+        engines.intercept = engine
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router, raise_app_exceptions=False) as c:
             r = await asyncio.wait_for(
                 c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
             )
@@ -970,7 +932,6 @@ def test_a_decode_declared_down_while_its_prefill_worked_has_its_leg_closed():
 
     async def go():
         engines = Engines(blocking=())
-        handle = engines.handle
         prefill_may_answer = asyncio.Event()
 
         async def engine(request: httpx.Request) -> httpx.Response:
@@ -984,12 +945,10 @@ def test_a_decode_declared_down_while_its_prefill_worked_has_its_leg_closed():
                 except asyncio.CancelledError:
                     engines.closed.append("de")
                     raise
-            return await handle(request)
 
-        engines.handle = engine
+        engines.intercept = engine
         router = await started_router(engines, "none")
-        transport = httpx.ASGITransport(app=build_router_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        async with client_of(router) as c:
             call = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}))
             while len(engines.posts) < 2:
                 await asyncio.sleep(0.01)

@@ -734,7 +734,7 @@ def build_app(
         if body.text == []:
             raise APIError("text is an empty list", param="text")
         fields = {"text": body.text, "input_ids": body.input_ids, "rid": body.rid}
-        try:
+        try:  # (the fields a split reads; each child is this body with its own of them)
             split = fanout.generate_children(
                 fields | {"sampling_params": body.sampling_params}, f"gen-{uuid.uuid4().hex}"
             )

@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.server.protocol import JSONResponse, error_body
+from pdserve.server.protocol import MAX_REQUEST_ID_CHARS, JSONResponse, error_body
 
 MAX_N = 64  # choices per prompt (each is a request of its own on the engines)
 MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches, with room to spare
@@ -159,8 +159,6 @@ def base_request_id(client_request_id, fresh: str) -> str:
     """The id a split request's children extend (`<id>_<i>`): the client's request_id, else
     `fresh`. ValueError for a client's that is empty, not a string, or leaves no room for the suffix
     (the children's ids must pass the engines' length check, as the client's did)."""
-    from pdserve.server.protocol import MAX_REQUEST_ID_CHARS
-
     if client_request_id is None:
         return fresh
     limit = MAX_REQUEST_ID_CHARS - MAX_CHILD_SUFFIX_CHARS
@@ -206,8 +204,6 @@ def generate_children(body: dict, fresh_id: str) -> tuple[int, list[dict]] | Non
     sample (the caller's single path, whose validation refuses a malformed body). BadSplit for a
     split that cannot be made. (Both splits use it: the colocated route's over its parsed body, the
     router's over the client's JSON, which it has not checked: shapes are checked here.)"""
-    from pdserve.server.protocol import MAX_REQUEST_ID_CHARS
-
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         return None
@@ -298,9 +294,10 @@ async def merged(
         raise failed.exception()  # e.g. the engine's APIError: answered as for one request
     # A refusal ends the request at once: the others are cancelled (their engines abort them), not
     # left to generate answers nobody reads (a router's child answers its refusal, it does not raise).
-    bad = next((r for r in answered() if r.status_code != 200), None)
+    ok = answered()
+    bad = next((r for r in ok if r.status_code != 200), None)
     if bad is not None:
-        await _stop(tasks, [r for r in answered() if r is not bad])
+        await _stop(tasks, [r for r in ok if r is not bad])
         return bad
     responses = [t.result() for t in tasks]
     if stream:
