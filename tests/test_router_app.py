@@ -743,6 +743,68 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
     assert router.num_in_flight() == 0 and router.open.is_set()
 
 
+@pytest.mark.parametrize("abort", ["client_abort_all", "update_abort_running"])
+def test_a_clients_abort_all_ends_the_requests_a_weight_update_holds_its_own_abort_running_does_not(abort):
+    """Request 1 runs; a weight update holds request 2. A client's /abort_request of everything,
+    sent while request 2 is held, ends it too (its halves go with `pd.aborted` once the update lets
+    it go: the engines answer "abort" with nothing computed). Before, it was sent as new when the
+    update ended and ran under the new weights. The update's own `abort_running` ends request 1
+    only: request 2 goes on under the new weights (SGLang's: the held requests are not running)."""
+    legs: list[dict] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        release, loaded = asyncio.Event(), asyncio.Event()
+
+        async def answering(request: httpx.Request) -> httpx.Response:
+            host, path = request.url.host, request.url.path
+            if path == "/update_weights_from_disk":
+                await loaded.wait()
+                engines.model_paths[host] = json.loads(await request.aread())["model_path"]
+                return httpx.Response(200, json={"success": True})
+            if path == "/abort_request":
+                release.set()  # (request 1 ends: aborted)
+                return httpx.Response(200, json={"success": True})
+            if path == "/v1/completions":
+                pd = json.loads(await request.aread())["pd"]
+                legs.append(pd | {"host": host})
+                if host == "de":
+                    await release.wait()
+                    finish = "abort" if pd.get("aborted") else "length"
+                    answer = {"choices": [{"index": 0, "text": "", "finish_reason": finish}]}
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+
+        engines.intercept = answering
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4}
+            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while len(legs) < 2:
+                await asyncio.sleep(0.01)
+            update = {"model_path": "/ckpt/b", "abort_running": abort == "update_abort_running"}
+            updating = asyncio.ensure_future(c.post("/update_weights_from_disk", json=update))
+            while router.open.is_set():
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.05)
+            assert len(legs) == 2  # (held)
+            if abort == "client_abort_all":
+                assert (await c.post("/abort_request", json={"abort_all": True})).status_code == 200
+            loaded.set()
+            answers = await asyncio.wait_for(asyncio.gather(first, updating, second), 10)
+        return [a.json() for a in answers], router
+
+    (first, updating, second), router = asyncio.run(go())
+    assert updating["success"], updating
+    assert [leg["router_epoch"] for leg in legs[2:]] == ([0, 0] if abort == "client_abort_all" else [1, 1])
+    assert router.abort_epoch == 1 and router.num_in_flight() == 0
+    expected = "abort" if abort == "client_abort_all" else "length"
+    assert second["choices"][0]["finish_reason"] == expected
+    assert all(leg.get("aborted") for leg in legs[2:]) == (abort == "client_abort_all")
+
+
 def test_a_weight_update_that_misses_an_engine_out_of_service_fails_and_it_serves_nothing_until_updated():
     """An engine out of service is not asked (it may not answer), so it keeps the old weights when it
     comes back: the update is a 502 that names it, and once back the engine is out of service

@@ -175,6 +175,7 @@ class Router:
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
+        self.num_held_aborts = 0  # the clients' `abort_all`s: they also end requests a weight update holds
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.open = asyncio.Event()  # cleared while a weight update holds new requests
@@ -191,13 +192,16 @@ class Router:
         while self.num_in_flight():
             await asyncio.sleep(0.01)
 
-    def abort_all(self) -> dict:
+    def abort_all(self, held_too: bool = True) -> dict:
         """An `/abort_request` of everything: the requests this router holds end too. Each one that
         came in before it is sent to its engines marked `pd.aborted` (they answer "abort", in the
-        client's format, with nothing computed), those waiting in placement at once. Returns the
-        fields the abort takes to the engines (this router's id and new abort count), for the
-        halves it sent earlier that reach an engine after the abort."""
+        client's format, with nothing computed): those waiting in placement at once, those a weight
+        update holds when it lets them go (unless `held_too` is False: the update's own
+        `abort_running` ends only what runs). Returns the fields the abort takes to the engines
+        (this router's id and new abort count), for the halves it sent earlier that reach an
+        engine after the abort."""
         self.abort_epoch += 1
+        self.num_held_aborts += held_too
         if self.placement is not None:
             self.placement.abort_waiting()
         return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
@@ -279,12 +283,16 @@ class Router:
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
         sharing). Decodes are still picked per request, to spread the n generations."""
+        epoch, held_aborts = self.abort_epoch, self.num_held_aborts
         while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
             try:  # another update closed the door before this request woke up)
                 await unless_gone(http, self.open.wait())
             except ClientGone:
                 return client_gone()
-        epoch = self.abort_epoch
+        if self.num_held_aborts == held_aborts:
+            # (held through an update's own `abort_running` at most: it ends the requests running,
+            # not those it held, which go on under the new weights)
+            epoch = self.abort_epoch
         self.num_dispatching += 1  # (in the same step as the check: a drain that starts now counts it)
         try:
             if self.placement is not None:

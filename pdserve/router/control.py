@@ -122,7 +122,7 @@ def control_routes(router: Router) -> APIRouter:
             router.open.clear()
             try:
                 if body.abort_running:
-                    everything = {"abort_all": True} | router.abort_all()
+                    everything = {"abort_all": True} | router.abort_all(held_too=False)
                     aborted = await to_every_engine("/abort_request", http, everything)
                     if aborted.status_code != 200:
                         return aborted
