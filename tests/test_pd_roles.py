@@ -1820,9 +1820,53 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     monkeypatch.setattr(conn, "gather_blocks", lambda ids, a, b: gathered.append(b - a) or gather(ids, a, b))
     assert conn.persist(req(9, 64)) == 64
     assert gathered == [1] and conn.num_write_failures == 63
-    payload = conn._writes.queue[-1][2]  # (keys, block index, payload)
+    payload = conn._writes.queue[-1][3]  # (store, keys, block index, payload)
     assert (payload.base.nbytes if payload.base is not None else payload.nbytes) == block_nbytes
     gate.set()
+
+
+def test_a_flush_behind_a_hung_disk_keeps_its_timeout_and_queued_rows_keep_their_store():
+    """The writer is stuck in a put (a hung disk) and the queue is full (persist fills it when the disk
+    is behind). `flush(timeout_s)` returns False within its timeout: it blocked on the full queue with
+    no timeout, and `retarget` (a weight update, on the engine thread) with it. The rows queued before
+    a retarget are written to the store they were queued for, not the new weights' one (they were
+    written to whichever store was current when the writer reached them)."""
+    import threading
+
+    from pdserve.engine.store_connector import StoreConnector
+
+    layout = SimpleNamespace(block_size=4, block_nbytes=16, fingerprint="t")
+    gate = threading.Event()
+    written: dict[str, list[bytes]] = {"old": [], "new": []}
+
+    def store(name: str):
+        def put(key, data, ancestors=()):
+            gate.wait()
+            written[name].append(key)
+            return True
+
+        return SimpleNamespace(layout=layout, put=put)
+
+    old, new = store("old"), store("new")
+    kv = SimpleNamespace(k=[torch.zeros(8, 8, dtype=torch.uint8)], v=[torch.zeros(8, 8, dtype=torch.uint8)])
+    engine = SimpleNamespace(kv=SimpleNamespace(page_size=4), runner=SimpleNamespace(kv_cache=kv))
+    conn = StoreConnector(engine, old)
+    conn._writes.maxsize = 3
+    rows = [(old, [bytes([i]) * 16], 0, torch.zeros(16, dtype=torch.uint8)) for i in range(4)]
+    conn._writes.put_nowait(rows[0])
+    while conn._writes.qsize():  # the writer took it and is stuck in the disk
+        time.sleep(0.01)
+    for row in rows[1:]:
+        conn._writes.put_nowait(row)
+    t0 = time.monotonic()
+    assert conn.flush(timeout_s=0.2) is False
+    conn.retarget(new, flush_timeout_s=0.2)
+    waited_s = time.monotonic() - t0
+    assert conn.store is new
+    gate.set()
+    assert conn.flush(timeout_s=10)
+    assert waited_s < 2.0
+    assert written == {"old": [r[1][0] for r in rows], "new": []}
 
 
 def _with_store(p, tmp_path):

@@ -319,6 +319,31 @@ def test_blocks_written_by_another_process_are_adopted(tmp_path):
     writer.close()
 
 
+@pytest.mark.parametrize("how", ["evicted", "rescanned smaller"])
+def test_a_put_of_a_block_another_process_removed_stores_it_again(tmp_path, how):
+    """`b` indexes blocks that another process sharing the directory then removes (its eviction, or
+    its start-up rescan with a smaller capacity). b's next put of such a block must write it: it
+    returned True without writing (its index said "there" and the failed touch was ignored), so a
+    chain's block stayed missing while b's lookups counted it (found by a two-store state machine)."""
+    b = make_store(tmp_path)
+    put_all(b)
+    if how == "evicted":
+        other = make_store(tmp_path)
+        assert other.lookup_keys(KEYS) == 3
+        other.evict(keys=[KEYS[0]])
+    else:
+        other = make_store(tmp_path, capacity_blocks=1)  # rescan: keeps one block file
+    gone = [k for k in KEYS if not b.path_for(k).exists()]
+    assert gone
+    for k in gone:
+        assert b.put(k, payload(KEYS.index(k)))
+    assert all(b.path_for(k).exists() for k in KEYS)
+    assert read(b, KEYS)[0].status == ["ok"] * 3
+    b.check_integrity()
+    b.close()
+    other.close()
+
+
 def test_remove_files_deletes_this_layouts_directory_only_and_after_close(tmp_path):
     """The previous weights' store after an update: its directory goes, with blocks another process
     wrote; a store of another layout (other weights) beside it keeps its blocks; a process still

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,7 +142,7 @@ class StoreConnector:
             payloads = self.gather_blocks(req.page_ids, first, last).cpu().numpy()  # for the writer
             for b in range(first, last):
                 try:  # (the chain's keys and this block's index: its ancestors, sliced by the writer)
-                    self._writes.put_nowait((keys, b, payloads[b - first]))
+                    self._writes.put_nowait((self.store, keys, b, payloads[b - first]))
                 except queue.Full:  # a flush() sentinel took the last slot
                     self.num_write_failures += 1
         self.persisted[req.request_id] = num_full
@@ -157,33 +158,42 @@ class StoreConnector:
     def forget(self, request_id: str) -> None:
         self.persisted.pop(request_id, None)
 
-    def retarget(self, store: KVBlockStore) -> None:
+    def retarget(self, store: KVBlockStore, flush_timeout_s: float = 30.0) -> None:
         """Engine thread, after a weight update: read and write `store` (the new weights' identity:
         another directory and key chain) from now on. Write-backs queued for the old one land there
-        first; keys cached on requests were of the old chain, and those requests are gone."""
+        (each row names its store; the flush waits for them within its timeout, and a hung disk
+        does not hang the update); keys cached on requests were of the old chain, and those
+        requests are gone."""
         if (
             store.layout.block_size != self.layout.block_size
             or store.layout.block_nbytes != self.layout.block_nbytes
         ):
             raise ValueError("a store of another block layout")  # (only the model identity may change)
-        self.flush()
+        self.flush(flush_timeout_s)
         self.store, self.layout = store, store.layout
         self.root = store_root_key(self.layout.fingerprint)
         self.persisted.clear()
 
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every queued write is on disk (tests, shutdown)."""
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is on disk (tests, shutdown, `retarget`), at most
+        `timeout_s` in all, also when the queue is full behind a slow or hung disk (the marker's own
+        place in the queue is waited for within it). True if they all were."""
         done = threading.Event()
-        self._writes.put((None, 0, done))
-        done.wait(timeout_s)
+        until_s = time.monotonic() + timeout_s
+        try:
+            self._writes.put((None, None, 0, done), timeout=timeout_s)
+        except queue.Full:
+            log.warning("kv store: %d write-backs still queued after %.0f s", self._writes.qsize(), timeout_s)
+            return False
+        return done.wait(max(0.0, until_s - time.monotonic()))
 
     def _write_loop(self) -> None:
         while True:
-            keys, b, payload = self._writes.get()
+            store, keys, b, payload = self._writes.get()
             try:
                 if keys is None:
                     payload.set()
-                elif self.store.put(keys[b], np.ascontiguousarray(payload), ancestors=keys[:b]):
+                elif store.put(keys[b], np.ascontiguousarray(payload), ancestors=keys[:b]):
                     self.num_blocks_written += 1
                 else:
                     self.num_write_failures += 1

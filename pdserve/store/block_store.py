@@ -34,7 +34,6 @@ the directory; the file format, keys and index structure are their own modules.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import logging
@@ -190,9 +189,20 @@ class KVBlockStore:
                 dedup = False
         if dedup:
             # Recency lives in the file's mtime too (as on a read), so a restart keeps this use.
-            with contextlib.suppress(OSError):  # evicted meanwhile: nothing to keep
+            try:
                 os.utime(path)
-            return True
+                return True
+            except FileNotFoundError:
+                # Indexed but gone: another process sharing the directory evicted it (or a rescan of
+                # one started with a smaller capacity). Forget it (unless this process stored it again
+                # meanwhile: rename and index go together under the lock) and store it below, as
+                # promised; returning True here left a chain's block missing while lookups counted it.
+                with self._lock:
+                    self._stats.num_put_dedup -= 1
+                    if not path.exists():
+                        self._index.remove(key)
+            except OSError:  # (no permission to touch it, ...: it is there)
+                return True
         if not overwrite and self._adopt([key]) == 1:  # another process wrote it
             with self._lock:
                 self._stats.num_put_dedup += 1
