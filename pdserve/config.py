@@ -73,6 +73,7 @@ class ModelConfig:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
         traits = arch_traits(arch)
+        raw = dict(traits.config_defaults) | raw
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // num_heads

@@ -311,3 +311,93 @@ def test_auto_dtype_follows_the_checkpoint_and_the_resolved_device(
     device = device.removesuffix("-pre-ampere")
     cfg = config.EngineConfig.create(str(tmp_path), dtype="auto", device=device, num_pages=16)
     assert cfg.dtype == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("use_sliding_window", [False, True])
+def test_keys_a_config_leaves_out_mean_what_transformers_defaults_them_to(arch, use_sliding_window, tmp_path):
+    """A config.json without `num_key_value_heads`, `head_dim`, `sliding_window` or
+    `max_position_embeddings` (hand-written or converted; `save_pretrained` writes them all) is read
+    as transformers reads it (and so vLLM): Mistral's window is 4,096 tokens, Qwen's kv heads 32, Qwen3's
+    head_dim 128. Before, an absent window was none (every logit past 4,096 tokens differed from HF's)
+    and the rest the generic fallbacks."""
+    import transformers
+
+    from pdserve.config import ModelConfig
+
+    tiny_hf_model(arch).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    for key in (
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+        "max_position_embeddings",
+        "layer_types",
+    ):
+        raw.pop(key, None)
+    raw["use_sliding_window"] = use_sliding_window
+    raw["max_window_layers"] = 1  # (Qwen: layer 1 slides when the flag is on)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_dir(tmp_path)
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    if arch == "llama":  # (its attention never reads the key)
+        expected = (None, None)
+    elif arch == "mistral":
+        expected = (hf.sliding_window,) * 2
+    else:
+        expected = tuple(hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
+    assert ours.sliding_windows == expected
+    if arch == "mistral" or (arch != "llama" and use_sliding_window):
+        assert 4096 in ours.sliding_windows
+
+
+def _overflowing_checkpoint(path, x: int) -> None:
+    """A float16 Llama whose layer-0 V overflows to inf for token `x` only (an fp16 activation
+    overflow): x's embedding is one-hot in dim 0 (RMSNorm makes it 8) and v_proj row 0 reads it with
+    weight 9000 (8 * 9000 > 65504). That V dimension never reaches other tokens' residual stream
+    (the o_proj columns reading kv head 0's dim 0 are zero), so a prompt without x is well-defined."""
+    hf = tiny_hf_model("llama", seed=1)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[x] = 0
+        hf.model.embed_tokens.weight[x, 0] = 1.0
+        attn = hf.model.layers[0].self_attn
+        attn.v_proj.weight[0] = 0
+        attn.v_proj.weight[0, 0] = 9000.0
+        attn.o_proj.weight[:, 0] = 0  # (query heads 0 and 1 read kv head 0; head_dim 16)
+        attn.o_proj.weight[:, 16] = 0
+    hf.to(torch.float16).save_pretrained(path)
+
+
+@pytest.mark.parametrize("company", ["batched (page table padded with page 0)", "alone (reused page's tail)"])
+def test_one_requests_overflowed_kv_never_reaches_another_request(company, tmp_path):
+    """Batched decode reads whole pages (the padding of a short page table points at page 0; a reused
+    page's unwritten tail holds its last owner's slots) and hides them by the mask alone; SDPA's 0
+    weight times an inf left there is NaN. A request whose fp16 activations overflowed turned a later,
+    unrelated request's tokens to garbage (token 0, NaN logprobs): the pool now holds finite values only
+    (found by a review; vLLM's kernels never read past a sequence's length)."""
+    import math
+
+    x = 7
+    _overflowing_checkpoint(tmp_path, x)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randint(0, 256, (5,), generator=g).tolist()
+    c = torch.randint(0, 256, (40,), generator=g).tolist()
+    assert x not in b + c
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    batched = company.startswith("batched")
+    kw = dict(dtype="float16", page_size=4, num_pages=64, max_model_len=256, enable_prefix_caching=batched)
+    alone = LLM(str(tmp_path), **kw).generate({"prompt_token_ids": b}, sp)[0].outputs[0]
+    assert all(math.isfinite(t.logprob) for t in alone.logprobs)
+    llm = LLM(str(tmp_path), **kw)
+    if batched:  # (its pages stay cached, page 0 among them)
+        llm.generate({"prompt_token_ids": [x] * 8 + [1, 2, 3]}, sp)
+        out = llm.generate([{"prompt_token_ids": b}, {"prompt_token_ids": c}], sp)[0].outputs[0]
+    else:  # (no prefix cache: its freed pages are reused at once, lowest id first)
+        llm.generate({"prompt_token_ids": [x] * 8}, SamplingParams(temperature=0, max_tokens=1))
+        out = llm.generate({"prompt_token_ids": b}, sp)[0].outputs[0]
+    assert all(math.isfinite(t.logprob) for t in out.logprobs), [t.logprob for t in out.logprobs]
+    assert out.token_ids == alone.token_ids
+    llm.engine.check_integrity()

@@ -205,6 +205,11 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     attention + EP MoE, as DeepSeek deploys it; prefill and decode alike): the smallest power of two
     that leaves at least half of an H200 for KV and activations [assumed]; a dense model runs on one GPU.
     """
+    from pdserve.model.registry import ARCHITECTURES  # (pure Python: the traits are data)
+
+    known = ARCHITECTURES.get((cfg.get("architectures") or [""])[0])
+    if known is not None:  # keys left out mean what transformers defaults them to (as the engine reads)
+        cfg = dict(known.config_defaults) | cfg
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])

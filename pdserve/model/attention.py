@@ -67,8 +67,13 @@ def paged_attention(
 
     `window_masks` (sliding-window layers only) replaces the per-prefill and per-decode-group masks.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    # The pool holds only finite values (it starts zeroed; store loads and PD transfers copy pool
+    # bytes). Why: batched decode reads whole pages, padding and the unwritten tail of a reused page
+    # included, and hides them by the mask alone, but SDPA's 0 weight times an inf or NaN left there
+    # is NaN, so one request whose activations overflowed (fp16) would turn other requests' tokens to
+    # garbage. Only that request's own cached numbers change (they are inf/NaN in HF too).
+    k_cache.index_copy_(0, meta.slot_mapping, torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0))
+    v_cache.index_copy_(0, meta.slot_mapping, torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0))
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for i, chunk in enumerate(meta.prefills):

@@ -19,13 +19,33 @@ class ArchTraits:
     # loads there, without the tensors). Llama and Qwen3: `attention_bias` on q/k/v/o; Llama: `mlp_bias`.
     reads_attention_bias: bool = False
     reads_mlp_bias: bool = False
+    # transformers' config class defaults for keys a config.json may leave out, where they differ
+    # from the generic fallbacks (num_key_value_heads = num_attention_heads, head_dim = hidden //
+    # heads, no window, 4,096 positions): an absent key means these there, and in vLLM (which reads
+    # configs through transformers). An explicit null keeps its meaning.
+    config_defaults: tuple[tuple[str, object], ...] = ()
 
 
+_QWEN_DEFAULTS = (("num_key_value_heads", 32), ("sliding_window", 4096), ("max_position_embeddings", 32768))
+_MISTRAL_DEFAULTS = (
+    ("num_key_value_heads", 8),
+    ("sliding_window", 4096),
+    ("max_position_embeddings", 131072),
+)
 ARCHITECTURES: dict[str, ArchTraits] = {
-    "LlamaForCausalLM": ArchTraits(reads_attention_bias=True, reads_mlp_bias=True),
-    "MistralForCausalLM": ArchTraits(sliding_on_all_layers=True),
-    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True, sliding_from_layer_types=True),
-    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, sliding_from_layer_types=True, reads_attention_bias=True),
+    "LlamaForCausalLM": ArchTraits(
+        reads_attention_bias=True, reads_mlp_bias=True, config_defaults=(("max_position_embeddings", 2048),)
+    ),
+    "MistralForCausalLM": ArchTraits(sliding_on_all_layers=True, config_defaults=_MISTRAL_DEFAULTS),
+    "Qwen2ForCausalLM": ArchTraits(
+        qkv_bias=True, sliding_from_layer_types=True, config_defaults=_QWEN_DEFAULTS
+    ),
+    "Qwen3ForCausalLM": ArchTraits(
+        qk_norm=True,
+        sliding_from_layer_types=True,
+        reads_attention_bias=True,
+        config_defaults=(*_QWEN_DEFAULTS, ("head_dim", 128)),
+    ),
 }
 
 
