@@ -88,6 +88,18 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tokens(text: str) -> int:
+    """A token count ≥ 0 (a negative α or β was refused only inside the router's load poller, which
+    swallowed it: the scheduler was never built and every request heard "retry shortly")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be ≥ 0")
+    return value
+
+
 def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
@@ -96,8 +108,10 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
         help="DualPath placement in the router: round_robin (Basic: PE reads only), round_robin_dual "
         "(ablation: alternate read paths), dualpath (scheduler); none: plain PD routing",
     )
-    p.add_argument("--alpha-tokens", type=int, default=None, help="dualpath α (default: 3 s of SNIC reads)")
-    p.add_argument("--beta-tokens", type=int, default=None, help="dualpath β (default: unlimited)")
+    p.add_argument(
+        "--alpha-tokens", type=_tokens, default=None, help="dualpath α (default: 3 s of SNIC reads)"
+    )
+    p.add_argument("--beta-tokens", type=_tokens, default=None, help="dualpath β (default: unlimited)")
     p.add_argument("--load-interval-s", type=float, default=0.05, help="engine load report poll period")
 
 

@@ -181,6 +181,44 @@ def test_de_pages_accounted_across_one_fetch():
     assert s.decode[0].num_free_pages == 0
 
 
+def test_de_a_dead_engine_counts_neither_in_its_groups_sum_nor_in_z():
+    """The router reports a dead decode `alive` False with whatever load: phase 1 and Z see only the
+    live engines (a dead engine's fake huge load once sank its node-mates' group and made them all
+    "low"); a group with no live engine sinks below every other; a revived engine counts again."""
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1, 1, 1, 2], de_groups=[0, 0, 0, 1])
+    s.report_decode(0, 1, 2000, 10_000)
+    s.report_decode(1, 2, 100, 10_000)
+    s.report_decode(2, 0, 10**12, 0, alive=False)
+    s.report_decode(3, 0, 2500, 10_000)
+    # Phase 1: group 0 = 2100 (live only) < group 1 = 2500. Z = 1.05 * (56 + 2100) / 2 = 1131.9:
+    # e0 (2056) high, e1 (156) low -> e1 (counting the dead one, every engine was low: e0, 1 request)
+    assert s.assign([req(1, new=16, dec=56)])[0].decode_engine == 1
+    s.report_decode(0, 0, 0, 10_000, alive=False)
+    s.report_decode(1, 0, 0, 10_000, alive=False)  # group 0 all dead (0 tokens): sinks
+    assert s.assign([req(2, new=16, dec=56)])[0].decode_engine == 3
+    s.report_decode(1, 0, 0, 10_000)  # back: group 0 = 0 tokens again, the least loaded
+    assert s.assign([req(3, new=16, dec=56)])[0].decode_engine == 1
+    s.report_decode(1, 0, 0, 10_000, alive=False)
+    s.report_decode(3, 0, 0, 10_000, alive=False)
+    assert s.assign([req(4, new=16, dec=56)]) == []  # no live decode: the fetch stops
+
+
+def test_de_phase1_skips_groups_whose_pools_could_never_hold_the_request():
+    """Decodes of unequal pools (`num_total_pages` reported): the least-loaded group whose engines
+    could ever hold the request, with this fetch's tentative sums; others go by plain phase 1."""
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1, 2, 3], de_groups=[0, 1, 2])
+    s.report_decode(0, 0, 0, 10, num_total_pages=10)  # small, idle
+    s.report_decode(1, 1, 700, 80, num_total_pages=100)
+    s.report_decode(2, 1, 500, 80, num_total_pages=100)
+    big, small = req(1, new=16, dec=320), req(2, new=16, dec=32)  # 20 pages; 2 pages
+    out = s.assign([big, req(3, new=16, dec=320), small])
+    # big -> group 2 (500 < 700; group 0 can never hold 20 pages); the next big -> group 1 (700 < 820);
+    # the small one -> group 0 (0 tokens)
+    assert [a.decode_engine for a in out] == [2, 1, 0]
+    out = s.assign([req(4, new=16, dec=16 * 101)])  # 101 pages: no engine could ever hold it
+    assert out == []
+
+
 # ---------------- read path ----------------
 
 
@@ -384,6 +422,31 @@ def test_property_never_exceeds_free_pages_and_assigns_once(data, policy, num_pe
     for i in range(num_de):
         assert used[i] <= free[i]
         assert s.decode[i].num_free_pages == free[i] - used[i] >= 0
+
+
+@fuzz_settings(150)
+@_CLUSTER_DRAWS
+def test_property_dead_or_too_small_decodes_never_get_a_request(data, policy, num_pe, num_de):
+    c = policy_config(policy, alpha_tokens=data.draw(st.integers(0, 5000)), beta_tokens=10**9)
+    s = DualPathScheduler(
+        c,
+        [EngineLoad(i, i % 2) for i in range(num_pe)],
+        [EngineLoad(i, 2 + i % 3, i % 2) for i in range(num_de)],
+        num_nodes=5,
+    )
+    alive = [data.draw(st.booleans()) for _ in range(num_de)]
+    total = [data.draw(st.integers(1, 40)) for _ in range(num_de)]
+    free = [data.draw(st.integers(0, t)) for t in total]
+    for i in range(num_de):
+        s.report_decode(i, 0, data.draw(st.integers(0, 10**6)), free[i], alive[i], total[i])
+    queue = _draw_queue(data, min_new_tokens=1)
+    out = s.assign(queue)
+    assert [a.request_id for a in out] == [r.request_id for r in queue[: len(out)]]
+    used = [0] * num_de
+    for a, r in zip(out, queue, strict=False):
+        assert alive[a.decode_engine]
+        used[a.decode_engine] += r.num_decode_pages(16)
+    assert all(used[i] <= free[i] for i in range(num_de))
 
 
 def test_scheduler_does_not_import_torch():

@@ -218,6 +218,76 @@ def test_dead_engines_are_not_chosen_and_bad_requests_are_refused(policy):
         Placement("fastest", pe, de)
 
 
+def _placement(decodes: list[tuple[str, dict]], queue_timeout_s: float = 600.0, dead=()):
+    """One prefill; decodes as (node, report fields); those in `dead` then lost to health checks."""
+    pe = [Engine("http://p", "prefill", healthy=True)]
+    de = [Engine(f"http://d{i}", "decode", healthy=True) for i in range(len(decodes))]
+    pl = Placement("dualpath", pe, de, queue_timeout_s=queue_timeout_s)
+    pl.on_load(pe[0], report("p0", "prefill"))
+    for e, (node, fields) in zip(de, decodes, strict=True):
+        pl.on_load(e, report(node, "decode", **fields))
+    for i in dead:
+        de[i].healthy = False
+        pl.on_health(de[i])
+    return pl
+
+
+def test_a_dead_decode_leaves_its_groups_z_to_the_live_engines():
+    """One decode node (one group) of three; d2 dies. Its fake load (2**40 tokens) entered
+    Z = 1.05 x (Σ len + Σ tok_e) / |E|: every live engine counted as low, and the choice went to the
+    fewest requests, d0 (20,000 tokens), instead of by tokens. Over the live engines, Z ≈ 10.6K: d0
+    is high, d1 (200 tokens) low: d1."""
+    pl = _placement(
+        [("n", dict(num_seqs=1, num_tokens=20_000, num_free_pages=500)),
+         ("n", dict(num_seqs=2, num_tokens=200, num_free_pages=980)), ("n", {})],
+        dead=[2],
+    )  # fmt: skip
+    assert asyncio.run(pl.place(list(range(40)), 40, 16)).decode_engine == 1
+
+
+def test_a_dead_decode_does_not_take_its_live_node_mates_out_of_placement():
+    """Node A: a0 dead, a1 idle; node B's only decode is full. The dead engine's fake load made group
+    A never the least loaded: phase 1 picked B, which has no pages, and the request waited to the
+    queue timeout though a1 could take it at once."""
+    pl = _placement(
+        [("A", {}), ("A", {}), ("B", dict(num_seqs=60, num_tokens=15_900, num_free_pages=0))],
+        queue_timeout_s=2.0,
+        dead=[0],
+    )
+    assert asyncio.run(pl.place(list(range(40)), 40, 16)).decode_engine == 1
+
+
+def test_a_request_only_a_dead_decode_could_hold_is_refused_at_once():
+    pl = _placement(
+        [("d0", dict(num_free_pages=2000, num_total_pages=2000)), ("d1", {})], queue_timeout_s=2.0, dead=[0]
+    )
+    with pytest.raises(PlacementError, match="largest decode engine has 1000"):
+        asyncio.run(pl.place(list(range(100)), 100, 1500 * 16))
+
+
+def test_phase_1_skips_a_decode_group_whose_pools_could_never_hold_the_request():
+    """Decodes of unequal pools: the idle small node (500 pages) is the least loaded group, but none
+    of its engines could ever hold a 1,007-page request. Phase 1 sent it there and the queue head
+    waited to the timeout (the group stays least loaded while idle); it goes to the big node."""
+    pl = _placement(
+        [("small", dict(num_free_pages=500, num_total_pages=500)),
+         ("big", dict(num_free_pages=1900, num_total_pages=2000, num_seqs=1, num_tokens=1500))],
+        queue_timeout_s=2.0,
+    )  # fmt: skip
+    assert asyncio.run(pl.place(list(range(100)), 100, 1000 * 16)).decode_engine == 1
+    small = asyncio.run(pl.place(list(range(50)), 50, 16))  # (a small one: the least loaded group)
+    assert small.decode_engine == 0
+
+
+@pytest.mark.parametrize("kw", [{"alpha_tokens": -1}, {"beta_tokens": -5}])
+def test_a_negative_alpha_or_beta_is_refused_when_the_placement_is_made(kw):
+    """Refused only when the scheduler was built, inside the load poller, which swallowed it: the
+    router answered "retry shortly" forever."""
+    pe, de = [Engine("http://p", "prefill", healthy=True)], [Engine("http://d", "decode", healthy=True)]
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Placement("dualpath", pe, de, **kw)
+
+
 def test_prompt_shape_of_bodies():
     assert prompt_shape({"prompt": [1, 2, 3]}) == ([1, 2, 3], 3)
     assert prompt_shape({"prompt": [[4, 5]]}) == ([4, 5], 2)

@@ -263,3 +263,70 @@ def test_online_runs_have_no_jct(tmp_path):
     (r,) = json.loads(out.read_text())["runs"]
     assert r["jct_s"] is None and r["jct_mean_s"] is None
     assert r["ttft_mean_s"] is not None and r["horizon_s"] == 40.0 and r["aps"] == 0.2
+
+
+def test_an_unknown_policy_is_a_usage_error_before_any_run(capsys):
+    """A bad name in a --policy list was found only when its turn came: `--policy basic,nosuch` ran
+    the whole Basic simulation first."""
+    assert "unknown policy 'nosuch'" in _usage_error(capsys, "--policy", "basic,nosuch")
+
+
+def _reads(path: str, fn: str, scenarios_tree) -> set[str]:
+    """The `ov.<field>` a scenario function reads, with the module functions it calls (static)."""
+    import ast
+    from pathlib import Path
+
+    import pdserve
+
+    tree = ast.parse((Path(pdserve.__file__).parent / path).read_text())
+    funcs = {n.name: n for t in (tree, scenarios_tree) for n in t.body if isinstance(n, ast.FunctionDef)}
+    out: set[str] = set()
+    todo, seen = [fn], {fn}
+    while todo:
+        for node in ast.walk(funcs[todo.pop()]):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ov":
+                out.add(node.attr)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id in funcs and node.func.id not in seen:
+                    seen.add(node.func.id)
+                    todo.append(node.func.id)
+    return out
+
+
+def test_each_scenario_refuses_exactly_the_overrides_its_code_does_not_read(capsys):
+    """`simulate --scenario ablation --submit-us 8 --aps 3` ran at 1 µs per copy, offline, and said
+    nothing. Each scenario declares what it ignores (refused before anything runs); this compares the
+    declarations with what each scenario's code reads (`ov.<field>`, through the helpers it calls)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import pdserve
+    from pdserve.sim.scenarios import SCENARIOS, Overrides
+
+    scenarios_tree = ast.parse((Path(pdserve.__file__).parent / "sim/scenarios.py").read_text())
+    every = {f.name for f in dataclasses.fields(Overrides)}
+    for sc in SCENARIOS.values():
+        path, fn = (
+            ("sim/emulated.py", "emulated") if sc.name == "emulated" else ("sim/scenarios.py", sc.fn.__name__)
+        )
+        assert sc.ignores == every - _reads(path, fn, scenarios_tree), sc.name
+    for name, flag, value in [("ablation", "--submit-us", "8"), ("ablation", "--aps", "3"),
+                              ("scale", "--horizon-s", "5"), ("submit-cost", "--aps", "1"),
+                              ("online", "--submit-us", "1"), ("emulated", "--model", "ds-27b")]:  # fmt: skip
+        assert run(parse("--accel", "off", "--scenario", name, flag, value)) == 2
+        err = capsys.readouterr().err
+        assert f"{name} does not use {flag}" in err and "simulator:" not in err, err
+
+
+def test_a_missing_trace_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    from pdserve.bench import workloads
+
+    monkeypatch.setattr(workloads, "default_data_dir", lambda: tmp_path)
+    for workload, missing in [("mooncake", "conversation_trace.jsonl"), ("weka_cc", "trace_*.json")]:
+        assert (
+            run(parse("--accel", "off", "--scenario", "ablation", "--agents", "2", "--workload", workload))
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert missing in err and "Traceback" not in err, err

@@ -300,10 +300,17 @@ def load_workload(
         fname = "conversation_trace.jsonl" if base == "mooncake" else "synthetic_trace.jsonl"
         if timing == "trace" and aps is not None:
             raise ValueError(f"{name} replays the trace's own arrival times; an APS does not apply")
+        if not (data_dir / fname).is_file():
+            raise ValueError(f"{name}: no trace file {data_dir / fname} (the repository's ../shared/data)")
         wl = mooncake_trace(data_dir / fname, limit=num_agents)
         return wl if timing == "trace" else replace(wl, start_s=arrivals(wl.num_agents, aps, seed))
     if name == "weka_cc":
-        return weka_workload(sorted((data_dir / "weka_cc").glob("trace_*.json")), num_agents, seed, aps)
+        paths = sorted((data_dir / "weka_cc").glob("trace_*.json"))
+        if not paths:
+            raise ValueError(
+                f"{name}: no trace_*.json in {data_dir / 'weka_cc'} (the repository's ../shared/data)"
+            )
+        return weka_workload(paths, num_agents, seed, aps)
     raise ValueError(
         f"unknown workload {name!r}; known: {sorted(TABLE2)} + mooncake, mooncake-synthetic (either"
         " with @trace for the trace's arrival times), weka_cc"

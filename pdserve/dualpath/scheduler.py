@@ -61,6 +61,11 @@ READ_SHORTER_QUEUE = "shorter_queue"
 READ_SPLIT = "split"
 READ_CHOICES = (READ_PE, READ_ALTERNATE, READ_SHORTER_QUEUE, READ_SPLIT)
 
+# Phase 1's key for a decode group with no live engine (it sinks below every other), and a pool
+# size no request reaches (an engine that did not report its size).
+DEAD_GROUP_TOKENS = 1 << 62
+NO_BOUND_PAGES = 1 << 62
+
 PATH_PE = "pe"
 PATH_DE = "de"
 PATH_SPLIT = "split"
@@ -139,8 +144,11 @@ class PendingRequest(NamedTuple):
 @dataclass
 class EngineLoad:
     """The scheduler's view of one engine (seq_e, tok_e, free pages); node and group are fixed.
-    `alive` False: the router's health checks lost it (the simulator's engines never die); the
-    load-aware choice avoids it by its load, round robin skips it."""
+    `alive` False: the router's health checks lost it (the simulator's engines never die): it takes
+    nothing, and a dead decode's load counts neither in its group's sum nor in the group's Z (its
+    node-mates stay placeable). `num_total_pages` (decodes; 0 = not reported, no bound): the most a
+    request can ever take there, so that phase 1 does not send a request to a group none of whose
+    engines could ever hold it (decodes of unequal pools)."""
 
     engine_id: int
     node_id: int
@@ -149,6 +157,7 @@ class EngineLoad:
     num_tokens: int = 0
     num_free_pages: int = 0
     alive: bool = True
+    num_total_pages: int = 0
 
 
 class Assignment(NamedTuple):
@@ -214,7 +223,10 @@ class DualPathScheduler:
         for e in self.decode:
             self._de_by_group.setdefault(e.group_id, []).append(e)
         self._de_groups = sorted(self._de_by_group)
-        self._group_tokens = {g: sum(e.num_tokens for e in es) for g, es in self._de_by_group.items()}
+        self._group_tokens = {g: self._group_sum(g) for g in self._de_by_group}
+        self._group_alive = {g: sum(e.alive for e in es) for g, es in self._de_by_group.items()}
+        self._group_cap = {g: self._group_capacity(g) for g in self._de_by_group}
+        self._any_group_bounded = min(self._group_cap.values()) < NO_BOUND_PAGES  # (not in the simulator)
         self._group_heap = [(t, g) for g, t in self._group_tokens.items()]
         heapq.heapify(self._group_heap)
         self._group_dirty: set[int] = set()  # groups whose token sum changed since the last fetch
@@ -234,17 +246,46 @@ class DualPathScheduler:
         self._set_prefill_tokens(e, num_tokens)
 
     def report_decode(
-        self, engine_id: int, num_seqs: int, num_tokens: int, num_free_pages: int, alive: bool = True
+        self,
+        engine_id: int,
+        num_seqs: int,
+        num_tokens: int,
+        num_free_pages: int,
+        alive: bool = True,
+        num_total_pages: int | None = None,
     ) -> None:
+        """`num_total_pages` None: as before (the simulator's engines never change size)."""
         e = self.decode[engine_id]
-        e.alive = alive
-        if num_tokens != e.num_tokens:
-            self._group_tokens[e.group_id] += num_tokens - e.num_tokens
-            self._group_dirty.add(e.group_id)  # its heap entry is pushed at the next fetch
-        self._group_pages[e.group_id] += num_free_pages - e.num_free_pages
-        e.num_seqs = num_seqs
-        e.num_tokens = num_tokens
+        g = e.group_id
+        self._group_pages[g] += num_free_pages - e.num_free_pages
         e.num_free_pages = num_free_pages
+        e.num_seqs = num_seqs
+        if alive == e.alive and (num_total_pages is None or num_total_pages == e.num_total_pages):
+            if num_tokens != e.num_tokens:
+                if alive:
+                    self._group_tokens[g] += num_tokens - e.num_tokens
+                    self._group_dirty.add(g)  # its heap entry is pushed at the next fetch
+                e.num_tokens = num_tokens
+            return
+        # (rare: an engine died, came back or changed size) the group's aggregates anew
+        e.alive, e.num_tokens = alive, num_tokens
+        if num_total_pages is not None:
+            e.num_total_pages = num_total_pages
+        self._group_alive[g] = sum(x.alive for x in self._de_by_group[g])
+        self._group_tokens[g] = self._group_sum(g)
+        self._group_cap[g] = self._group_capacity(g)
+        self._any_group_bounded = min(self._group_cap.values()) < NO_BOUND_PAGES
+        self._group_dirty.add(g)
+
+    def _group_sum(self, g: int) -> int:
+        """Phase 1's key: the group's live engines' tokens (a group with none sinks below every other)."""
+        live = [e.num_tokens for e in self._de_by_group[g] if e.alive]
+        return sum(live) if live else DEAD_GROUP_TOKENS
+
+    def _group_capacity(self, g: int) -> int:
+        """The most pages one request can ever take in group g (0: none alive; no bound if unreported)."""
+        caps = [e.num_total_pages or NO_BOUND_PAGES for e in self._de_by_group[g] if e.alive]
+        return max(caps, default=0)
 
     def report_read_queue(self, node_id: int, num_tokens: int) -> None:
         self.read_queue_tokens[node_id] = num_tokens
@@ -338,16 +379,28 @@ class DualPathScheduler:
         tentative: dict[int, int] = {}
         group_of: list[int] = []
         by_group: dict[int, list[PendingRequest]] = {}
-        for req in queue:
+        group_cap = self._group_cap
+        bounded = self._any_group_bounded
+        for i, req in enumerate(queue):
             while True:
                 tok, g = heap[0]
                 if tok == group_tokens[g] + tentative.get(g, 0):
                     break
                 heapq.heappop(heap)
+            if bounded and group_cap[g] < req.num_decode_pages(page_tokens):
+                # No engine of the least-loaded group could ever hold it (unequal decode pools, or
+                # the group is dead): the least-loaded group that could (a scan: rare).
+                g = self._least_loaded_group_holding(req.num_decode_pages(page_tokens), tentative)
+                if g is None:  # (none now: the fetch stops at it)
+                    queue = queue[:i]
+                    break
+                tentative[g] = tentative.get(g, 0) + req.num_decode_tokens
+                heapq.heappush(heap, (group_tokens[g] + tentative[g], g))
+            else:
+                tentative[g] = tentative.get(g, 0) + req.num_decode_tokens
+                heapq.heapreplace(heap, (group_tokens[g] + tentative[g], g))
             group_of.append(g)
             by_group.setdefault(g, []).append(req)
-            tentative[g] = tentative.get(g, 0) + req.num_decode_tokens
-            heapq.heapreplace(heap, (group_tokens[g] + tentative[g], g))
         # Tentative sums end with the fetch; re-insert the real sums of the touched groups.
         for g in tentative:
             heapq.heappush(heap, (group_tokens[g], g))
@@ -363,7 +416,7 @@ class DualPathScheduler:
                 free_pages -= pages
                 sum_len += req.num_decode_tokens
             total = sum_len + self._group_tokens[g]
-            z_by_group[g] = cfg.z_factor * total / len(self._de_by_group[g])
+            z_by_group[g] = cfg.z_factor * total / max(1, self._group_alive[g])  # (mean over live engines)
 
         out: list[Assignment] = []
         for req, g in zip(queue, group_of, strict=True):
@@ -444,6 +497,17 @@ class DualPathScheduler:
             heap[:] = live
             heapq.heapify(heap)
 
+    def _least_loaded_group_holding(self, pages: int, tentative: dict[int, int]) -> int | None:
+        """Phase 1 restricted to groups with an engine whose pool could ever hold `pages`: min (tokens
+        with this fetch's tentative ones, group id); None if no group could."""
+        best: tuple[int, int] | None = None
+        for g, cap in self._group_cap.items():
+            if cap >= pages:
+                key = (self._group_tokens[g] + tentative.get(g, 0), g)
+                if best is None or key < best:
+                    best = key
+        return None if best is None else best[1]
+
     @staticmethod
     def _choose_decode(
         req: PendingRequest, pages: int, engines: list[EngineLoad], z: float
@@ -458,7 +522,7 @@ class DualPathScheduler:
         ls = lt = hs = ht = 0
         dt = req.num_decode_tokens
         for e in engines:
-            if e.num_free_pages < pages:
+            if e.num_free_pages < pages or not e.alive:
                 continue
             tok = e.num_tokens
             if tok + dt <= z:

@@ -21,9 +21,13 @@ what the store really has, and their load reports overwrite the scheduler's opti
 50 ms.
 
 Dead engines: a dead prefill reports β + 1 tokens forever (never chosen by `dualpath`); a dead decode
-reports no free pages and a huge token count (its group is never the least loaded). `round_robin`
-ignores loads: it skips engines reported dead (`alive`), and `Router` re-picks a live engine when the
-scheduler named one that died since its last report.
+is reported `alive` False: it takes nothing, and its load counts neither in its group's token sum nor
+in the group's Z, so its live node-mates are placed as if it were not there (a fake huge load there
+once took them out of placement, and made every one of them "low" under Z); a request only a dead
+decode could hold is refused at once. `round_robin` ignores loads: it skips engines reported dead,
+and `Router` re-picks a live engine when the scheduler named one that died since its last report.
+Each decode's pool size goes to the scheduler too: phase 1 never sends a request to a group none of
+whose engines could ever hold it (decodes of unequal pools; it waited there to the queue timeout).
 """
 
 from __future__ import annotations
@@ -155,6 +159,9 @@ class Placement:
             )
         if policy not in REAL_POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {list(REAL_POLICIES)}")
+        for name, value in (("alpha_tokens", alpha_tokens), ("beta_tokens", beta_tokens)):
+            if value is not None and value < 0:  # (else refused only when the scheduler is built: in
+                raise ValueError(f"{name} must be >= 0, got {value}")  # the load poller, unseen)
         self.policy = policy
         self.prefills, self.decodes = prefills, decodes
         self.alpha_tokens, self.beta_tokens = alpha_tokens, beta_tokens
@@ -268,9 +275,15 @@ class Placement:
         else:
             i = self.decodes.index(engine)
             if engine.healthy:
-                s.report_decode(i, r["num_seqs"], r["num_tokens"], r["num_free_pages"])
+                s.report_decode(
+                    i,
+                    r["num_seqs"],
+                    r["num_tokens"],
+                    r["num_free_pages"],
+                    num_total_pages=r["num_total_pages"],
+                )
             else:
-                s.report_decode(i, 0, UNLIMITED_TOKENS, 0, alive=False)
+                s.report_decode(i, 0, 0, 0, alive=False)
         node = self.node_ids[r["node"]]
         # Node read queue = reads the node's storage link still has to serve (the shared link's view
         # when emulated, else the node's engines' reads in flight) + reads its engines accepted but
@@ -302,7 +315,8 @@ class Placement:
             raise PlacementError("the router has no load report from every engine yet; retry shortly")
         page_tokens = self.scheduler.config.page_tokens
         need_pages = -(-(prompt_len + max_tokens) // page_tokens)
-        biggest = max(self._report(e)["num_total_pages"] for e in self.decodes)
+        # (the live decodes only: a request only a dead one could hold waited to the queue timeout)
+        biggest = max((self._report(e)["num_total_pages"] for e in self.decodes if e.healthy), default=0)
         if need_pages > biggest:
             raise PlacementError(
                 f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "

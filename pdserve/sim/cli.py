@@ -62,7 +62,14 @@ _POLICY_ALIASES = {"round_robin": "basic"}
 
 
 def _policy(text: str) -> str:
-    return _POLICY_ALIASES.get(text, text)
+    """A policy name, checked as it is parsed (a bad one in a list failed only when its turn came,
+    after the runs before it)."""
+    from pdserve.sim.config import MODES
+
+    name = _POLICY_ALIASES.get(text, text)
+    if name not in MODES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; known: {', '.join(sorted(MODES))}")
+    return name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown scenario {args.scenario!r}; use --list", file=sys.stderr)
         return 2
     sc = SCENARIOS[args.scenario]
+    overrides = _overrides(args)
+    if unused := sc.unused(overrides):
+        print(f"error: {sc.name} does not use {', '.join(unused)}", file=sys.stderr)
+        return 2
     print(f"simulator: {engine}", file=sys.stderr)
     from tqdm import tqdm
 
@@ -251,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix_str(label)
 
     try:
-        result = sc.fn(_overrides(args), progress)
+        result = sc.fn(overrides, progress)
     except ValueError as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)

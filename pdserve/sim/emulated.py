@@ -75,7 +75,7 @@ def bench_workload(num_agents: int = 16, workload: str = "32k", seed: int = 0) -
 
 
 def emulated(ov, progress):
-    from pdserve.sim.scenarios import ScenarioResult, _pick, record
+    from pdserve.sim.scenarios import ScenarioResult, _one, _pick, record
 
     out = ScenarioResult("emulated")
     snic_mbps = _pick(ov.snic_gbps, 8 * MB_PER_S_TO_GBPS) / MB_PER_S_TO_GBPS
@@ -87,7 +87,7 @@ def emulated(ov, progress):
         dram_gbytes_per_s=_pick(ov.dram_gbytes_per_s, 10.0),
     )
     model: ModelProfile = CPU_DEMO
-    agents = _pick(ov.agents, (16,))[0]
+    agents = _one(ov.agents, 16, "--agents", "emulated")
     wl = bench_workload(agents, _pick(ov.workload, "32k"), _pick(ov.seed, 0))
     jct = {}
     for mode in _pick(ov.policy, ("layerwise", "dualpath")):

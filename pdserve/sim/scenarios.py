@@ -57,12 +57,24 @@ class ScenarioResult:
 Progress = Callable[[str], None]
 
 
+# Overrides only some scenarios read (online: --aps, --horizon-s; submit-cost: --submit-us).
+SCENARIO_SPECIFIC = frozenset({"aps", "horizon_s", "submit_us"})
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
     num_runs_hint: int
     fn: Callable[[Overrides, Progress], ScenarioResult]
+    # The overrides it does not read: given, they are refused before anything runs (a run that
+    # quietly ignored --submit-us or --aps looked like an answer to the question asked).
+    # tests/test_sim_cli.py checks each set against what the scenario's code reads.
+    ignores: frozenset[str] = SCENARIO_SPECIFIC
+
+    def unused(self, ov: Overrides) -> list[str]:
+        """The options given in `ov` that this scenario does not read (as `--flag` names)."""
+        return ["--" + f.replace("_", "-") for f in sorted(self.ignores) if getattr(ov, f) is not None]
 
 
 def _pick(value, default):
@@ -665,7 +677,11 @@ SCENARIOS: dict[str, Scenario] = {
             pd_ratio,
         ),
         Scenario(
-            "online", "DS-660B 2P4D: APS sweep, max APS with mean TTFT ≤ 4 s and TPOT ≤ 50 ms", 12, online
+            "online",
+            "DS-660B 2P4D: APS sweep, max APS with mean TTFT ≤ 4 s and TPOT ≤ 50 ms",
+            12,
+            online,
+            ignores=frozenset({"submit_us"}),
         ),
         Scenario("nic-balance", "SNIC max/avg over 10 s windows: round robin vs scheduler", 2, nic_balance),
         Scenario("scale", "2P4D 2K agents vs 48P96D (1,152 GPUs) 48K agents, 32K workload", 2, scale),
@@ -676,7 +692,11 @@ SCENARIOS: dict[str, Scenario] = {
             bandwidth_model,
         ),
         Scenario(
-            "submit-cost", "per-copy submit µs sweep: when does cheaper submission matter", 7, submit_cost
+            "submit-cost",
+            "per-copy submit µs sweep: when does cheaper submission matter",
+            7,
+            submit_cost,
+            ignores=frozenset({"aps", "horizon_s"}),
         ),
         Scenario("split", "split (per-request two-sided reads) vs dualpath over P/D shapes", 10, split_sweep),
         Scenario(
@@ -684,6 +704,9 @@ SCENARIOS: dict[str, Scenario] = {
             "pdserve bench dualpath's emulated 1P2D CPU cluster (demo model, 8 MB/s SNICs): sim vs real",
             2,
             _emulated,
+            ignores=SCENARIO_SPECIFIC
+            | {"gpus_per_node", "model", "copies_per_submit", "prefill_ep_gpus", "decode_ep_gpus"}
+            | {"host_buffer_gb"},
         ),
     )
 }
