@@ -11,14 +11,62 @@ from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
+def _checked(kind: type, low: float, high: float | None = None, low_ok: bool = True):
+    """An argparse type: a `kind` number in [low, high] (or (low, high] without `low_ok`), refused as
+    a usage error before anything starts (an out-of-range port was an OverflowError after the model
+    loaded; a zero or negative size started a 2-page pool or read as unset)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if (
+            value != value
+            or value < low
+            or (value == low and not low_ok)
+            or (high is not None and value > high)
+        ):
+            bound = f"{'≥' if low_ok else '>'} {low}" + (f" and ≤ {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
+        return value
+
+    return parse
+
+
+_port = _checked(int, 0, 65535)
+_count = _checked(int, 1)
+_positive = _checked(float, 0, low_ok=False)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS)
+
+
+def _configure_logging(level: str) -> None:
+    """pdserve's own loggers at `--log-level` (uvicorn's are set by uvicorn): their warnings reached
+    stderr as bare text through Python's last-resort handler, and info/debug never showed."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("pdserve")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if level == "trace" else getattr(logging, level.upper()))
+    log.propagate = False
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=0.5)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=_positive, default=0.5)
+    p.add_argument("--max-model-len", type=_count, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -58,7 +106,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _pd_args(p: argparse.ArgumentParser) -> None:
     """Flags of prefill/decode engines, shared by `serve` and `launch` (which passes them on)."""
-    p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "fake"])
+    # (the in-process fake backend reaches only peers in its own process: tests build it in code)
+    p.add_argument("--transfer-backend", default="nixl", choices=["nixl"])
     p.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
     p.add_argument(
         "--pd-abort-lease-s",
@@ -75,16 +124,18 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         "(negative: always)",
     )
     p.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
-    p.add_argument("--kv-store-gib", type=float, default=8.0, help="store capacity (LRU eviction beyond)")
+    p.add_argument("--kv-store-gib", type=_positive, default=8.0, help="store capacity (LRU eviction beyond)")
     p.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
     p.add_argument(
         "--kv-store-keep-old-weights",
         action="store_true",
         help="after a weight update keep the previous weights' store directory (default: removed)",
     )
-    p.add_argument("--snic-mbps", type=float, default=None, help="emulated storage NIC budget per node, MB/s")
     p.add_argument(
-        "--cnic-mbps", type=float, default=None, help="emulated compute NIC budget per engine, MB/s"
+        "--snic-mbps", type=_positive, default=None, help="emulated storage NIC budget per node, MB/s"
+    )
+    p.add_argument(
+        "--cnic-mbps", type=_positive, default=None, help="emulated compute NIC budget per engine, MB/s"
     )
 
 
@@ -112,7 +163,7 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
         "--alpha-tokens", type=_tokens, default=None, help="dualpath α (default: 3 s of SNIC reads)"
     )
     p.add_argument("--beta-tokens", type=_tokens, default=None, help="dualpath β (default: unlimited)")
-    p.add_argument("--load-interval-s", type=float, default=0.05, help="engine load report poll period")
+    p.add_argument("--load-interval-s", type=_positive, default=0.05, help="engine load report poll period")
 
 
 def _read_path_arg(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -177,6 +228,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.server.api import build_app
 
+    _configure_logging(a.log_level)
     pd_config = None
     if a.role != "colocated":
         from pdserve.engine.pd_common import PDConfig
@@ -192,7 +244,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError: a bad or inconsistent engine setting
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config)
+    try:
+        engine = LLMEngine(engine_config)
+    except Exception as e:  # noqa: BLE001 - no weights, a broken tokenizer, no CUDA: one line, not a traceback
+        print(f"error: the engine did not start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     pd = None
     if pd_config is not None:
         from pdserve.server.pd_context import PDContext
@@ -201,11 +257,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
             pd = PDContext(engine, a.role, pd_config, host=a.host)
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
-                raise
+                print(f"error: the PD context did not start: {e}", file=sys.stderr, flush=True)
+                os._exit(2)
             # Same exit code as uvicorn's failed bind: `pdserve launch` retries on fresh ports. The
             # engine's threads are already running, hence the hard exit.
             print(f"error: bootstrap port {a.bootstrap_port} is in use ({e})", file=sys.stderr, flush=True)
             os._exit(3)
+        except Exception as e:  # noqa: BLE001 - e.g. NIXL not installed: one line (threads run: hard exit)
+            hint = " (pip install 'pdserve[nixl]')" if "nixl" in str(e).lower() else ""
+            print(f"error: the PD context did not start: {e}{hint}", file=sys.stderr, flush=True)
+            os._exit(2)
     app = build_app(
         engine,
         pd,
@@ -214,6 +275,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         reasoning_parser=a.reasoning_parser,
         enable_weight_updates=a.enable_weight_updates,
     )
+    if engine.tokenizer is None:  # (token-id prompts only: every text request is a 400)
+        print(f"warning: no tokenizer in {a.model}: only token-id prompts are served", flush=True)
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
         f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
@@ -228,6 +291,7 @@ def cmd_router(a: argparse.Namespace) -> int:
 
     from pdserve.router.app import Router, build_router_app
 
+    _configure_logging(a.log_level)
     try:
         router = Router(
             a.prefill,
@@ -271,6 +335,20 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    """One benchmark; a bad setting or an unreachable server is one `error:` line, not a traceback."""
+    import httpx
+
+    try:
+        return _bench(a)
+    except (ValueError, OSError) as e:  # (ConfigError, a missing model, a bad size)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as e:
+        print(f"error: {type(e).__name__}: {e} (is the server up at the URL given?)", file=sys.stderr)
+        return 1
+
+
+def _bench(a: argparse.Namespace) -> int:
     if a.what == "offline":
         from pdserve.bench.offline import run_offline_bench
 
@@ -311,11 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--log-level", default="warning")
+    s.add_argument("--port", type=_port, default=8000)
+    _log_level_arg(s)
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
     s.add_argument(
-        "--bootstrap-port", type=int, default=8998, help="prefill: bootstrap server port (0 = any)"
+        "--bootstrap-port", type=_port, default=8998, help="prefill: bootstrap server port (0 = any)"
     )
     s.add_argument(
         "--enable-fault-injection",
@@ -331,18 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill", nargs="+", required=True, help="prefill engine base URLs")
     r.add_argument("--decode", nargs="+", required=True, help="decode engine base URLs")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8000)
-    r.add_argument("--health-interval-s", type=float, default=1.0)
+    r.add_argument("--port", type=_port, default=8000)
+    r.add_argument("--health-interval-s", type=_positive, default=1.0)
     _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
     _policy_args(r)
-    r.add_argument("--log-level", default="warning")
+    _log_level_arg(r)
     r.set_defaults(fn=cmd_router)
 
     la = sub.add_parser("launch", help="start router + prefill + decode engines on this machine")
     _engine_args(la)
-    la.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
-    la.add_argument("--decode", type=int, default=1, help="number of decode engines")
-    la.add_argument("--port", type=int, default=8000, help="router port")
+    la.add_argument("--prefill", type=_count, default=1, help="number of prefill engines")
+    la.add_argument("--decode", type=_count, default=1, help="number of decode engines")
+    la.add_argument("--port", type=_port, default=8000, help="router port")
     _pd_args(la)
     _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
     _policy_args(la)
@@ -364,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build the demo checkpoint if needed, serve it, send a few requests")
     d.add_argument("--model-dir", default=".demo-model")
-    d.add_argument("--port", type=int, default=0, help="0 = pick a free port")
+    d.add_argument("--port", type=_port, default=0, help="0 = pick a free port")
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that measure a ratio side by side in one run")
@@ -373,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument(
         "--model", default=None, help="model dir (default: the demo checkpoint, built if missing)"
     )
-    bo.add_argument("--num-requests", type=int, default=32)
+    bo.add_argument("--num-requests", type=_count, default=32)
     bo.add_argument("--seed", type=int, default=0)
     bo.add_argument("--dtype", default="float32")
     bo.add_argument("--device", default="cpu")

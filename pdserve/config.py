@@ -59,10 +59,17 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"no config.json in model directory {str(path)!r}")
-        raw = json.loads(cfg_path.read_text())
+        raw = _read_json(cfg_path)
         gen_path = Path(path) / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return ModelConfig.from_dict(raw, gen)
+        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        try:
+            return ModelConfig.from_dict(raw, gen)
+        except KeyError as e:  # (a required key; the others default as transformers defaults them)
+            raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{cfg_path}: a value of the wrong type ({e})") from None
 
     @staticmethod
     def from_dict(raw: dict, generation: dict | None = None) -> ModelConfig:
@@ -116,6 +123,16 @@ class ModelConfig:
     def kv_bytes_per_token_per_layer(self) -> int:
         """Bytes of K plus V for one token of one layer at 2 bytes/element (bf16/fp16)."""
         return 2 * self.num_kv_heads * self.head_dim * 2
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return value
 
 
 def _rope(raw: dict) -> RopeConfig:
@@ -177,6 +194,8 @@ class CacheConfig:
             raise ConfigError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
+        if not self.kv_cache_memory_gib > 0:  # (a pool of 2 pages started: the size was clamped)
+            raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
 
 
 @dataclass(frozen=True)
@@ -269,7 +288,7 @@ class EngineConfig:
                 f"max_model_len {max_model_len} exceeds the model's {max_positions} positions "
                 "(max_position_embeddings in its config.json)"
             )
-        max_len = max_model_len or min(max_positions, 4096)
+        max_len = max_model_len if max_model_len is not None else min(max_positions, 4096)
         return EngineConfig(
             model=str(model),
             model_config=mc,

@@ -31,18 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0, name: str = "server") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
+            raise RuntimeError(f"{name} exited with code {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"server at {url} not healthy after {timeout_s}s")
+    raise TimeoutError(f"{name} at {url} not healthy after {timeout_s}s")
 
 
 def start_server(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
@@ -66,7 +66,8 @@ def ensure_demo_model(model_dir: str) -> str:
     """Build the demo checkpoint in `model_dir` unless it is there; returns the directory."""
     from pdserve.model.demo import make_demo_model
 
-    if not (Path(model_dir) / "config.json").is_file():
+    # (config.json is written last; the weights too, for a directory an older build left half-written)
+    if not all((Path(model_dir) / f).is_file() for f in ("config.json", "model.safetensors")):
         t = time.perf_counter()
         make_demo_model(model_dir)
         print(f"built demo checkpoint in {model_dir} ({time.perf_counter() - t:.1f}s)")

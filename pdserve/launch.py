@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -270,7 +271,7 @@ def start_cluster(
             for attempt in range(5):
                 proc = cluster.proc(name)
                 try:
-                    wait_healthy(cluster.url(name), proc)
+                    wait_healthy(cluster.url(name), proc, name=name)
                     break
                 except RuntimeError:
                     # Exit code 3: uvicorn could not bind. free_port() only finds a port that was free a
@@ -297,19 +298,54 @@ def start_cluster(
             env,
         )
         cluster.router_url = f"http://127.0.0.1:{router_port}"
-        wait_healthy(cluster.router_url, proc)
+        wait_healthy(cluster.router_url, proc, name="router")
         return cluster
     except BaseException:
         cluster.stop()
         raise
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds: TIME_WAIT is free)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class _Stopped(BaseException):
+    """A stop signal while the cluster was starting (start_cluster stops what it started)."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def launch(a) -> int:
+    def stop_starting(signum, _frame):
+        for sig in STOP_SIGNALS:  # (a second signal must not interrupt the teardown)
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    # Before anything starts: a SIGTERM while the engines load (systemd, docker stop, a CI timeout)
+    # killed the launcher by default and left its engines running without a parent.
+    if a.port and not _port_free(a.port):  # (before the engines load: the router would fail last)
+        print(f"error: router port {a.port} is in use", file=sys.stderr)
+        return 2
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_starting)
     try:
         cluster = start_cluster(a, a.prefill, a.decode, a.port)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except _Stopped as e:
+        print(f"pdserve launch: {signal.Signals(e.args[0]).name} while starting; stopped", file=sys.stderr)
+        return 128 + e.args[0]
+    except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why above)
+        print(f"error: the cluster did not start: {e}", file=sys.stderr)
+        return 1
     n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
     print(
         f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
@@ -321,13 +357,14 @@ def launch(a) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     try:
         while not stopping:
             dead = cluster.dead()
             if dead:
-                print(f"pdserve launch: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                codes = ", ".join(f"{name} (exit code {cluster.proc(name).returncode})" for name in dead)
+                print(f"pdserve launch: {codes} exited; stopping the cluster", file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0

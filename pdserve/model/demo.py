@@ -8,6 +8,7 @@ the tests and the benchmarks run offline; its text is noise, its shapes and form
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -108,7 +109,6 @@ def make_demo_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
         "torch_dtype": "float32",
         "attention_bias": False,
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -124,6 +124,11 @@ def make_demo_model(out_dir: str | Path, seed: int = 0, **shape) -> Path:
         )
     )
     save_file(_random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # config.json last, atomically: its presence means a whole checkpoint (`pdserve demo` builds one
+    # unless it is there; an interrupted build, without it, is built again over its files).
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out / "config.json")
     return out
 
 

@@ -191,7 +191,10 @@ class TransferAgent:
             self._metadata = backend.local_metadata()
             self.backend = backend
         except BaseException as e:  # reported through metadata(); nothing else to run
-            log.exception("transfer agent %s: backend %s failed to start", agent_name, backend_name)
+            if isinstance(e, ImportError):  # (not installed: the reason is all there is to say)
+                log.error("transfer agent %s: backend %s failed to start: %s", agent_name, backend_name, e)
+            else:
+                log.exception("transfer agent %s: backend %s failed to start", agent_name, backend_name)
             self._start_error = e
             self._started.set()
             return

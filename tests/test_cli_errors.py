@@ -1,0 +1,211 @@
+"""What a user of the command line gets for a bad setting or a stop signal: a usage error or one
+`error:` line and a non-zero exit before anything loads, never a traceback or a hang, and no process
+left behind (found by a review of the CLI and process lifecycle, 2026-12-02)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import _configure_logging, build_parser
+from pdserve.demo import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--model", "m", "--port", "99999"], "99999 must be ≥ 0 and ≤ 65535"),
+        (["serve", "--model", "m", "--bootstrap-port", "-1"], "-1 must be ≥ 0 and ≤ 65535"),
+        (["router", "--prefill", "u", "--decode", "u", "--port", "70000"], "70000 must be"),
+        (["serve", "--model", "m", "--log-level", "bogus"], "invalid choice: 'bogus'"),
+        (["serve", "--model", "m", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["serve", "--model", "m", "--kv-cache-gib", "0"], "0 must be > 0"),
+        (["serve", "--model", "m", "--max-model-len", "0"], "0 must be ≥ 1"),
+        (["serve", "--model", "m", "--kv-store-gib", "-1"], "-1 must be > 0"),
+        (["serve", "--model", "m", "--snic-mbps", "-5"], "-5 must be > 0"),
+        (["serve", "--model", "m", "--transfer-backend", "fake"], "invalid choice: 'fake'"),
+        (["launch", "--model", "m", "--prefill", "0"], "0 must be ≥ 1"),
+        (["launch", "--model", "m", "--decode", "-1"], "-1 must be ≥ 1"),
+        (["router", "--prefill", "u", "--decode", "u", "--alpha-tokens", "-5"], "-5 must be ≥ 0"),
+        (["router", "--prefill", "u", "--decode", "u", "--health-interval-s", "0"], "0 must be > 0"),
+        (["router", "--prefill", "u", "--decode", "u", "--load-interval-s", "-1"], "-1 must be > 0"),
+        (["bench", "offline", "--num-requests", "0"], "0 must be ≥ 1"),
+    ],
+)
+def test_bad_values_are_usage_errors_before_anything_loads(capsys, argv, message):
+    """Each was accepted: an OverflowError after the model loaded (ports), a KeyError in uvicorn (log
+    level), a 2-page pool (size 0), 4,096 (max-model-len 0 read as unset), a cluster whose every
+    request failed (the in-process fake backend across processes; a negative α: 503 forever), the
+    router polling back to back (interval 0)."""
+    assert message in _usage_error(capsys, argv)
+    assert build_parser().parse_args(["serve", "--model", "m", "--log-level", "INFO"]).log_level == "info"
+
+
+def test_a_config_json_lacking_a_key_or_broken_is_a_config_error(tmp_path):
+    from pdserve.config import ConfigError, ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ConfigError, match="lacks 'num_attention_heads'"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{x")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_pdserves_own_loggers_follow_the_log_level():
+    """They reached stderr through Python's last-resort handler, bare, whatever --log-level said."""
+    log = logging.getLogger("pdserve")
+    saved = log.handlers[:], log.level, log.propagate
+    try:
+        _configure_logging("error")
+        assert log.level == logging.ERROR and len(log.handlers) == 1 and not log.propagate
+        assert not logging.getLogger("pdserve.transfer.agent").isEnabledFor(logging.WARNING)
+        _configure_logging("debug")
+        assert logging.getLogger("pdserve.transfer.agent").isEnabledFor(logging.DEBUG)
+    finally:
+        log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+def test_the_demo_checkpoint_is_built_again_over_a_half_written_one(tmp_path):
+    """An interrupted build left config.json (written first) and no weights: every later `make demo`
+    took it as built and failed. config.json is now written last, and a directory without the
+    weights is built again."""
+    from pdserve.demo import ensure_demo_model
+
+    d = tmp_path / "demo"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    ensure_demo_model(str(d))
+    assert (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+    assert json.loads((d / "config.json").read_text())["num_attention_heads"] > 0
+    assert not list(d.glob(".*.tmp"))
+
+
+def _cli(args: list[str], timeout_s: float = 90) -> tuple[int, str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("broken", ["no weights", "config lacks a key", "tokenizer.json broken"])
+def test_a_broken_model_directory_is_one_error_line(demo_model_dir, tmp_path, broken):
+    d = tmp_path / "model"
+    shutil.copytree(demo_model_dir, d)
+    if broken == "no weights":
+        (d / "model.safetensors").unlink()
+    elif broken == "config lacks a key":
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["hidden_size"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    else:
+        (d / "tokenizer.json").write_text("{not json")
+    rc, out = _cli(["serve", "--model", str(d), "--port", str(free_port())])
+    assert rc == 2 and "Traceback" not in out and "error:" in out, out[-2000:]
+
+
+def test_bench_against_nothing_or_no_model_is_one_error_line(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    rc, out = _cli(["bench", "agentic", "--url", url, "--num-agents", "1"])
+    assert rc == 1 and "Traceback" not in out and "error: ConnectError" in out, out[-2000:]
+    rc, out = _cli(["bench", "offline", "--model", str(tmp_path / "none")])
+    assert rc == 2 and "Traceback" not in out and "no config.json" in out, out[-2000:]
+
+
+def test_launch_refuses_a_router_port_in_use_before_any_engine_starts(demo_model_dir):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        rc, out = _cli(["launch", "--model", demo_model_dir, "--port", str(port)])
+    assert rc == 2 and f"router port {port} is in use" in out and "pdserve prefill" not in out, out
+    assert time.monotonic() - t0 < 30
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child pids from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_launch_starts_stops_every_engine(demo_model_dir, sig):
+    """The launcher's handlers came only after the cluster was up: a SIGTERM while the engines loaded
+    (systemd, docker stop, a CI timeout) killed it and left its engines running, re-parented; a
+    Ctrl-C printed a KeyboardInterrupt traceback. Now every child is stopped and one line says why."""
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "launch",
+            "--model",
+            demo_model_dir,
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # (its own group: the cleanup below takes any orphan too)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := _children(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(kids) >= 2, "launch did not start its engines"
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 128 + sig, (p.returncode, out[-2000:])
+        assert f"{signal.Signals(sig).name} while starting; stopped" in out and "Traceback" not in out, out
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "engines left running after the launcher stopped"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+        p.wait(10)
