@@ -390,10 +390,11 @@ class DualPathScheduler:
             if bounded and group_cap[g] < req.num_decode_pages(page_tokens):
                 # No engine of the least-loaded group could ever hold it (unequal decode pools, or
                 # the group is dead): the least-loaded group that could (a scan: rare).
-                g = self._least_loaded_group_holding(req.num_decode_pages(page_tokens), tentative)
-                if g is None:  # (none now: the fetch stops at it)
+                holding = self._least_loaded_group_holding(req.num_decode_pages(page_tokens), tentative)
+                if holding is None:  # (none now: the fetch stops at it)
                     queue = queue[:i]
                     break
+                g = holding
                 tentative[g] = tentative.get(g, 0) + req.num_decode_tokens
                 heapq.heappush(heap, (group_tokens[g] + tentative[g], g))
             else:
