@@ -21,6 +21,8 @@ import time
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 ENGINE_FLAGS = (
     "tool_call_parser",
     "reasoning_parser",
@@ -134,6 +136,15 @@ class Cluster:
         return [name for name, p in self.procs if p.poll() is not None]
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        # Stop signals wait until every child is stopped (`launch` turns one into an exception while
+        # the cluster starts: raised in here, it would leave the remaining children running).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self._stop(timeout_s)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _stop(self, timeout_s: float) -> None:
         for _, p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -319,12 +330,9 @@ class _Stopped(BaseException):
     """A stop signal while the cluster was starting (start_cluster stops what it started)."""
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
 def launch(a) -> int:
     def stop_starting(signum, _frame):
-        for sig in STOP_SIGNALS:  # (a second signal must not interrupt the teardown)
+        for sig in STOP_SIGNALS:  # (one is enough; the teardown blocks them: `Cluster.stop`)
             signal.signal(sig, signal.SIG_IGN)
         raise _Stopped(signum)
 
