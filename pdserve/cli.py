@@ -7,38 +7,16 @@ import errno
 import os
 import sys
 
+from pdserve.argtypes import number
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
-
-def _checked(kind: type, low: float, high: float | None = None, low_ok: bool = True):
-    """An argparse type: a `kind` number in [low, high] (or (low, high] without `low_ok`), refused as
-    a usage error before anything starts (an out-of-range port was an OverflowError after the model
-    loaded; a zero or negative size started a 2-page pool or read as unset)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
-            ) from None
-        if (
-            value != value
-            or value < low
-            or (value == low and not low_ok)
-            or (high is not None and value > high)
-        ):
-            bound = f"{'≥' if low_ok else '>'} {low}" + (f" and ≤ {high}" if high is not None else "")
-            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
-        return value
-
-    return parse
-
-
-_port = _checked(int, 0, 65535)
-_count = _checked(int, 1)
-_positive = _checked(float, 0, low_ok=False)
+_port = number(int, 0, low_ok=True, high=65535)
+_count = number(int, 1, low_ok=True)
+_positive = number(float, 0, low_ok=False)
+# (a negative α or β was refused only inside the router's load poller, which swallowed it: the
+# scheduler was never built and every request heard "retry shortly")
+_tokens = number(int, 0, low_ok=True)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -137,18 +115,6 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cnic-mbps", type=_positive, default=None, help="emulated compute NIC budget per engine, MB/s"
     )
-
-
-def _tokens(text: str) -> int:
-    """A token count ≥ 0 (a negative α or β was refused only inside the router's load poller, which
-    swallowed it: the scheduler was never built and every request heard "retry shortly")."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 0")
-    return value
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:

@@ -12,33 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.argtypes import number
 from pdserve.sim import accel
 
-
-def _number(kind: type, low: float, low_ok: bool, inf_ok: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite ``kind`` number above ``low`` (or equal to it when ``low_ok``);
-    ``inf`` only when ``inf_ok`` (an unbounded buffer; an infinite rate or horizon means nothing)."""
-    bound = f"{'≥' if low_ok else '>'} {low:g}" + ("" if inf_ok else " and finite")
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
-            ) from None
-        if math.isnan(v) or v < low or (v == low and not low_ok) or (math.isinf(v) and not inf_ok):
-            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
-        return v
-
-    parse.is_number = True  # type: ignore[attr-defined]  # (for tests that scan options for addresses)
-    return parse
+_number = number
 
 
 _positive_int = _number(int, 0, low_ok=False)
