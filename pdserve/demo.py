@@ -142,9 +142,9 @@ def run_demo(model_dir: str, port: int = 0) -> int:
                     (
                         "pdserve_kv_pages_used",
                         "pdserve_prefix_cache_hit_rate",
-                        "pdserve_pd_pages_sent",
+                        "pdserve_pd_pages_sent_total",
                         "pdserve_pd_rooms_held",
-                        'pdserve_pd_transfer{counter="bytes_done"}',
+                        'pdserve_pd_transfer_total{counter="bytes_done"}',
                     )
                 )
             ]

@@ -371,7 +371,7 @@ def test_forged_messages_and_duplicate_rooms(chaos):
 
         def counted(url: str) -> bool:
             m, b = metrics(url), before[url]
-            key = 'pdserve_pd_control_dropped{{why="{}"}}'.format
+            key = 'pdserve_pd_control_dropped_total{{why="{}"}}'.format
             return (
                 m[key("forged")] >= b[key("forged")] + 2
                 and m[key("malformed")] > b[key("malformed")]
@@ -450,7 +450,7 @@ def test_damaged_store_block_is_recomputed(chaos, damage, read_path):
     else:
         victim.unlink()
     readers = chaos.urls(["prefill0", "prefill1"] if read_path == "pe" else ["decode0", "decode1"])
-    bad_before = sum(metrics(u)["pdserve_store_blocks_bad"] for u in readers)
+    bad_before = sum(metrics(u)["pdserve_store_blocks_bad_total"] for u in readers)
     context = ids + chaos.ref(ids) + chaos.suffix(f"next turn {damage} {read_path}")
     o = tally.add(chaos.call(context, chaos.ref(context), read_path=read_path), what="turn 2")
     tally.settle(chaos.urls(), SETTLE_S)
@@ -458,7 +458,7 @@ def test_damaged_store_block_is_recomputed(chaos, damage, read_path):
         storage = o.usage["prompt_tokens_details"]["cached_tokens_storage"]
         # The read path took the good blocks before the damaged one and recomputed the rest.
         assert storage == damaged * BLOCK, (storage, damaged)
-        bad = sum(metrics(u)["pdserve_store_blocks_bad"] for u in readers) - bad_before
+        bad = sum(metrics(u)["pdserve_store_blocks_bad_total"] for u in readers) - bad_before
         if damage == "corrupt":  # a corrupt block has the right size: it is read, checked and dropped
             assert bad == 1, bad
     chaos.serve_check(tally, tag=f"{damage} {read_path}")
@@ -468,7 +468,7 @@ def test_damaged_store_block_is_recomputed(chaos, damage, read_path):
 def test_store_disk_full(chaos):
     tally = Tally("store: disk full (every write-back fails)")
     decodes = chaos.urls(["decode0", "decode1"])
-    failures = 'pdserve_store{counter="num_write_failures"}'
+    failures = 'pdserve_store_ops_total{op="num_write_failures"}'
     failed_before = sum(metrics(u)[failures] for u in decodes)
     try:
         for name in ("decode0", "decode1"):
@@ -663,7 +663,9 @@ def restart_and_rejoin(chaos, victim: str) -> None:
     others = [n for n in ENGINES if n != victim]
     others_pids = {n: chaos.pid(n) for n in others}
     url = chaos.url(victim)
-    served = "pdserve_pd_pages_sent" if victim.startswith("prefill") else "pdserve_generation_tokens_total"
+    served = (
+        "pdserve_pd_pages_sent_total" if victim.startswith("prefill") else "pdserve_generation_tokens_total"
+    )
     try:
         for name, rules in faults.items():
             if name != victim:

@@ -131,10 +131,10 @@ def test_multi_turn_read_paths_equal_recompute(store_cluster, colocated, read_pa
 
 def test_store_metrics_show_write_back_and_layerwise_prefills(store_cluster):
     m = metrics(store_cluster.urls["decode"][0])
-    assert m["pdserve_store_blocks_written"] > 0
+    assert m["pdserve_store_blocks_written_total"] > 0
     # Turns 2 and 3 of the pe and de conversations ran the layerwise lane on the prefill.
-    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_prefills"] == 4
-    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_fallbacks"] == 0  # all fit
+    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_prefills_total"] == 4
+    assert metrics(store_cluster.urls["prefill"][0])["pdserve_pd_layerwise_fallbacks_total"] == 0  # all fit
 
 
 @pytest.mark.parametrize("read_path", ["pe", "de"])
@@ -158,7 +158,7 @@ def test_corrupt_stored_block_is_detected_and_recomputed(store_cluster, colocate
     data[4096 + 1000] ^= 0xFF  # a payload byte (the header is the first 4 KiB)
     victim.write_bytes(bytes(data))
     engine_url = store_cluster.urls["prefill" if read_path == "pe" else "decode"][0]
-    bad_before = metrics(engine_url)["pdserve_store_blocks_bad"]
+    bad_before = metrics(engine_url)["pdserve_store_blocks_bad_total"]
     ref_first = colocated.generate(
         {"prompt_token_ids": context}, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     )[0]
@@ -170,7 +170,7 @@ def test_corrupt_stored_block_is_detected_and_recomputed(store_cluster, colocate
     )[0]
     assert resp["choices"][0]["text"] == ref.outputs[0].text
     wait_engine_idle(engine_url)
-    assert metrics(engine_url)["pdserve_store_blocks_bad"] == bad_before + 1
+    assert metrics(engine_url)["pdserve_store_blocks_bad_total"] == bad_before + 1
     assert resp["usage"]["prompt_tokens_details"]["cached_tokens_storage"] < 0.9 * len(context)
 
 
@@ -181,13 +181,13 @@ def test_write_back_backlog_is_visible_and_drains(store_cluster, colocated):
     set_faults(de, [{"point": "store.write", "action": "slow", "delay_s": 0.5}])
     try:
         context = colocated.get_tokenizer().encode("# backlog\n" + "total += step(total)\n" * 60)
-        written = metrics(de)["pdserve_store_blocks_written"]
+        written = metrics(de)["pdserve_store_blocks_written_total"]
         complete(store_cluster.router_url, context, "none")
         num_blocks = (len(context) + GEN - 1) // 64  # full blocks of the turn's computed tokens
         assert num_blocks >= 4
         assert metrics(de)["pdserve_store_writes_pending"] >= 1  # 0.5 s a block, 6+ blocks: still writing
         wait_written_back(store_cluster)
-        assert metrics(de)["pdserve_store_blocks_written"] == written + num_blocks
+        assert metrics(de)["pdserve_store_blocks_written_total"] == written + num_blocks
     finally:
         set_faults(de, [])
 

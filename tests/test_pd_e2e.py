@@ -508,6 +508,8 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
     prefill = cluster.by_role["prefill"]
     retries = httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"]
     prompts = [f"# job {i}\n" + BASE * 14 for i in range(3)]  # ~380 tokens each: 3 prefill steps of 128
+    aborts = 'pdserve_requests_finished_total{finish_reason="abort"}'
+    aborts_before = sum(metrics(u).get(aborts, 0) for u in cluster.engine_urls)
 
     def one(prompt: str) -> httpx.Response:
         body = {"model": "demo", "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
@@ -527,6 +529,34 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
     assert httpx.get(cluster.router_url + "/health", timeout=5).json()["num_retries"] == retries
     for url in cluster.engine_urls:
         wait_engine_idle(url)
+    # Each counted once as an abort, by the engine that answers the client (the decode): a PD room
+    # that ended before its first token was counted by neither engine (1 of 3, by where it stood).
+    counted = {u: metrics(u).get(aborts, 0) for u in cluster.engine_urls}
+    assert sum(counted.values()) - aborts_before == 3, counted
+
+
+def test_pd_decode_counts_a_request_that_ends_at_its_handed_over_first_token(cluster):
+    """max_tokens 1: the prefill's token is the whole answer; the decode ends the request when it takes
+    the KV, outside any step. The decode (whose answer the client gets) counted neither its end nor
+    its TTFT; a request of 6 tokens was counted (found by a review of the metrics)."""
+    decode = cluster.by_role["decode"]
+    length, ttft = (
+        'pdserve_requests_finished_total{finish_reason="length"}',
+        "pdserve_time_to_first_token_seconds_count",
+    )
+    before = metrics(decode)
+    body = {"model": "demo", "prompt": BASE, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    deadline = time.monotonic() + 10
+    while metrics(decode).get(length, 0) - before.get(length, 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = metrics(decode)
+    assert after.get(length, 0) - before.get(length, 0) == 1
+    assert after[ttft] - before[ttft] == 1
+    assert (
+        after["pdserve_generation_tokens_total"] == before["pdserve_generation_tokens_total"]
+    )  # (the prefill's)
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -696,7 +726,7 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
     idle = {url: wait_engine_idle(url) for url in cluster.engine_urls}
     decode_url = cluster.by_role["decode"]
     # The decode matched its own prefix cache for the extended prompts and asked only for the rest.
-    assert idle[decode_url]["pdserve_prefix_cache_hit_tokens"] > 0
+    assert idle[decode_url]["pdserve_prefix_cache_hit_tokens_total"] > 0
     prefill_url = [u for u in cluster.engine_urls if u != decode_url][0]
-    assert idle[prefill_url]["pdserve_pd_pages_sent"] > 0
-    assert (idle[decode_url]["pdserve_pd_staged_requests"] > 0) == cluster.staged
+    assert idle[prefill_url]["pdserve_pd_pages_sent_total"] > 0
+    assert (idle[decode_url]["pdserve_pd_staged_requests_total"] > 0) == cluster.staged

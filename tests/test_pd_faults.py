@@ -113,7 +113,7 @@ def hold_mid_transfer(prefill_url: str) -> None:
 
 def wait_mid_transfer(prefill_url: str) -> None:
     """Until a page write went out and a later one stalled: the room is mid-transfer, and stays so."""
-    wait_until(lambda: metrics(prefill_url)["pdserve_pd_pages_sent"] > 0, 30, "pages on the wire")
+    wait_until(lambda: metrics(prefill_url)["pdserve_pd_pages_sent_total"] > 0, 30, "pages on the wire")
     wait_until(lambda: fired(prefill_url)[0] > 0, 30, "a later page write to stall")  # after the skip
 
 
@@ -198,7 +198,8 @@ def test_forged_malformed_and_wrong_version_messages_are_dropped(shared):
     def counted():
         m = metrics(pe)
         return all(
-            m[f'pdserve_pd_control_dropped{{why="{w}"}}'] > before[f'pdserve_pd_control_dropped{{why="{w}"}}']
+            m[f'pdserve_pd_control_dropped_total{{why="{w}"}}']
+            > before[f'pdserve_pd_control_dropped_total{{why="{w}"}}']
             for w in ("forged", "malformed", "wrong_version")
         )
 

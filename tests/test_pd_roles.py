@@ -88,6 +88,11 @@ class Sink:
     def deliver_step_output(self, out) -> None:
         self.deliver(out, out.request_id)
 
+    deliver_output = deliver_step_output
+
+    def deliver_failed(self, error, request_id: str, finish_reason: str) -> None:
+        self.deliver(error, request_id)
+
     def errors(self, request_id: str) -> list[str]:
         return [str(x) for x in self.items[request_id] if isinstance(x, BaseException)]
 

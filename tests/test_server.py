@@ -351,7 +351,7 @@ def test_n_choices_equal_their_seeded_children(client, model_name):
 def test_n_choices_of_a_long_prompt_compute_it_once(url, model_name):
     """The n children of one prompt arrive together; the prompt is computed once: the others find
     every full page in the prefix cache, whether they waited for its pages in flight
-    (pdserve_prefix_waits; the scheduler's tests pin that exactly) or, on a slow or busy machine,
+    (pdserve_prefix_waits_total; the scheduler's tests pin that exactly) or, on a slow or busy machine,
     arrived after the first child's prefill had finished."""
     before = wait_idle(url)
     prompt = "def handler(request, context):\n    return process(request.body)\n" * 8  # ~10 pages
@@ -360,7 +360,7 @@ def test_n_choices_of_a_long_prompt_compute_it_once(url, model_name):
     assert r.status_code == 200, r.text
     assert len({c["text"] for c in r.json()["choices"]}) == 1  # greedy: all the same
     after = wait_idle(url)
-    hits = after["pdserve_prefix_cache_hit_tokens"] - before["pdserve_prefix_cache_hit_tokens"]
+    hits = after["pdserve_prefix_cache_hit_tokens_total"] - before["pdserve_prefix_cache_hit_tokens_total"]
     n_prompt = r.json()["usage"]["prompt_tokens"]
     assert hits >= 3 * ((n_prompt - 1) // PAGE_SIZE) * PAGE_SIZE  # three children hit every full page
 
@@ -1021,7 +1021,7 @@ def test_a_kept_stop_string_streams_without_hold_back(client, model_name):
 def test_metrics_histograms_and_final_state(url):
     m = wait_idle(url)
     assert m["pdserve_time_to_first_token_seconds_count"] > 0
-    assert m["pdserve_time_per_output_token_seconds_count"] > 0
+    assert m["pdserve_request_time_per_output_token_seconds_count"] > 0
     assert m["pdserve_kv_pages_total"] == NUM_PAGES
     assert m["pdserve_kv_pages_used"] == 0
     assert 0 < m["pdserve_prefix_cache_hit_rate"] <= 1

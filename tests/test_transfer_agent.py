@@ -149,8 +149,25 @@ def test_a_submit_that_cannot_start_is_reported_failed_not_lost(fake_agents, tmp
             c.abort(i)
         got = dict(_wait(c.poll_completions, until=lambda acc: len(acc) == len(ids)))
         assert sorted(got) == ids  # every id reported exactly once
+        s = c.stats.snapshot()  # (aborted while waiting for the link: counted submitted all the same)
+        assert s["transfers_submitted"] == s["transfers_done"] + s["transfers_failed"] == 300, s
     finally:
         tm.close()
+    s = a.stats.snapshot()  # a malformed list was counted failed but never submitted: in flight < 0
+    assert s["transfers_submitted"] == s["transfers_done"] + s["transfers_failed"] == 2, s
+    assert [n for n, _ in s["latencies_s"]] == [1, 2]  # (each latency by its place among those finished)
+
+
+def test_a_submit_after_close_is_refused_not_lost(fake_agents):
+    """The thread that reports ids is gone: the id was handed out and never reported, and a waiter
+    (the layerwise lane) waited out its deadline."""
+    a = fake_agents("closed")
+    a.metadata()
+    a.close()
+    with pytest.raises(TransferError, match="is closed"):
+        a.submit("anyone", [(0, 8)], [(0, 8)], b"late")
+    with pytest.raises(TransferError, match="is closed"):
+        a.submit_read("anyone", [(0, 8)], [(0, 8)], b"late")
 
 
 def test_a_full_emulated_link_delays_transfers_instead_of_failing_them(fake_agents, tmp_path):

@@ -101,6 +101,8 @@ def test_fake_fail_rate_and_lost_notifications():
     try:
         a.add_peer("fr-b", b"fr-b")
         b.add_peer("fr-a", b"fr-a")
+        a.register([(0, 16)])
+        b.register([(0, 16)])
         assert a.status(a.write("fr-b", [(0, 1)], [(0, 1)], b"x")) == TransferStatus.FAILED
         a.fail_rate = 0.5
         statuses = [a.status(a.write("fr-b", [(0, 1)], [(0, 1)], b"x")) for _ in range(200)]
@@ -108,6 +110,27 @@ def test_fake_fail_rate_and_lost_notifications():
         h = b.write("fr-a", [(0, 1)], [(0, 1)], b"lost")
         assert b.status(h) == TransferStatus.DONE
         assert a.get_notifications() == []  # done, but the notification is lost
+    finally:
+        a.close()
+        b.close()
+
+
+def test_fake_refuses_descriptors_outside_registered_memory_as_nixl_does():
+    """NIXL refuses a write whose local or remote memory is not registered (measured: a 4 KiB write
+    ending at the peer's last byte goes, one byte further fails); the fake wrote anything, so a role
+    test on it passed with an off-by-one page that NIXL refuses in production."""
+    a, b = FakeBackend("bounds-a"), FakeBackend("bounds-b")
+    try:
+        a.register([(0x10000, 4096)])
+        b.register([(0x20000, 4096)])
+        a.add_peer("bounds-b", b.local_metadata())
+        assert (
+            a.status(a.write("bounds-b", [(0x10000, 4096)], [(0x20000, 4096)], b"ok")) == TransferStatus.DONE
+        )
+        with pytest.raises(TransferError, match=r"remote \(bounds-b\) memory \[0x20001, \+4096\)"):
+            a.write("bounds-b", [(0x10000, 4096)], [(0x20001, 4096)], b"past the end")
+        with pytest.raises(TransferError, match="local memory"):
+            a.write("bounds-b", [(0xF000, 16)], [(0x20000, 16)], b"below the base")
     finally:
         a.close()
         b.close()

@@ -83,10 +83,19 @@ class AsyncEngine:
         on_abort: Callable[[RequestOutput], None] | None = None,
         check_integrity_when_idle: bool = True,
         role: EngineRole | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        on_failed: Callable[[str, str], None] | None = None,
     ) -> None:
+        """Observers (metrics), all called on the engine thread: `on_step` (engine, the step's
+        outputs: one generated token each), `on_abort` (an aborted request's last output),
+        `on_output` (an output whose token this engine did not generate: a PD decode's handed-over
+        first token), `on_failed` (request id, finish reason: a request that ended without an output,
+        e.g. its PD transfer failed)."""
         self.engine = engine
         self._on_step = on_step
         self._on_abort = on_abort
+        self._on_output = on_output
+        self._on_failed = on_failed
         self.role = role
         if role is not None:
             role.attach(self)
@@ -295,6 +304,21 @@ class AsyncEngine:
     def deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         """Engine thread only: push an output (or an error) to the request's stream."""
         self._deliver(out, request_id)
+
+    def deliver_output(self, out: RequestOutput) -> None:
+        """Engine thread only: an output whose token another engine generated (a PD decode's first
+        token, handed over by the prefill) reaches its stream and `on_output` (a request that ended
+        there was counted nowhere: it never passed through a step)."""
+        self._deliver(out, out.request_id)
+        if self._on_output:
+            self._on_output(out)
+
+    def deliver_failed(self, error: BaseException, request_id: str, finish_reason: str) -> None:
+        """Engine thread only: the request ends with `error` instead of an output; `on_failed` counts it
+        (`finish_reason` "abort" or "error")."""
+        self._deliver(error, request_id)
+        if self._on_failed:
+            self._on_failed(request_id, finish_reason)
 
     def deliver_step_output(self, out: RequestOutput) -> None:
         """Engine thread only: an output computed outside `engine.step` (the prefill's layerwise lane)

@@ -157,6 +157,8 @@ class PDRoleBase:
     thread). `agent` may be set after construction: the agent registers the role's handoff and
     staging buffers, so it is created once the role exists (see `PDContext`)."""
 
+    answers_client = False  # the decode's stream is the client's answer (it counts a failed request)
+
     def __init__(self, engine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         from pdserve.disagg.handoff import HandoffPool
         from pdserve.disagg.state import RoomTable
@@ -192,8 +194,13 @@ class PDRoleBase:
     def deliver_failure(self, request_id: str, message: str, client_abort: bool) -> None:
         """Engine thread: the request's room failed. Aborted on purpose (`client_abort`: here, or on
         the peer that told us), its caller answers "abort" (RequestAborted); else it gets a failure
-        (a 503, which the router may retry)."""
-        self.aengine.deliver((RequestAborted if client_abort else RuntimeError)(message), request_id)
+        (a 503, which the router may retry). Counted as ended ("abort" or "error") by the role that
+        answers the client (`answers_client`: the decode), once per request."""
+        error = (RequestAborted if client_abort else RuntimeError)(message)
+        if self.answers_client:
+            self.aengine.deliver_failed(error, request_id, "abort" if client_abort else "error")
+        else:
+            self.aengine.deliver(error, request_id)
 
     def count_failure(self, reason: str) -> None:
         key = reason.split(":")[0]

@@ -102,6 +102,8 @@ class _PagePlan(NamedTuple):
 
 
 class DecodeRole(PDRoleBase, EngineRole):
+    answers_client = True
+
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.num_staged = 0
@@ -471,7 +473,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.engine.scheduler.add_prefilled(req)
             out = self.engine.output(req)
         self.by_request.pop(req.request_id, None)
-        self.aengine.deliver(out, req.request_id)
+        self.aengine.deliver_output(out)  # (counted here: one that ends at its first token never steps)
 
     def _write_back(self, sched) -> None:
         """After each step: persist blocks that decoding filled, so the next turn finds them."""

@@ -107,7 +107,12 @@ def build_app(
     if pd is not None:
         metrics.pd = PDMetrics(metrics.registry, pd)
     aengine = AsyncEngine(
-        engine, on_step=metrics.on_step, on_abort=metrics.observe_finished, role=pd.role if pd else None
+        engine,
+        on_step=metrics.on_step,
+        on_abort=metrics.observe_finished,
+        role=pd.role if pd else None,
+        on_output=metrics.observe,
+        on_failed=metrics.observe_failed,
     )
     role_name = pd.role_name if pd else "colocated"
     metrics.on_step(engine, [])

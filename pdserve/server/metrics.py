@@ -1,6 +1,15 @@
-"""Prometheus metrics of one engine (a registry per server, so tests can run several in a process)."""
+"""Prometheus metrics of one engine (a registry per server, so tests can run several in a process).
+
+Counts that only grow (preemptions, prefix-cache tokens, pages sent, failures, ...) are Counters, as
+vLLM's are (`*_total`: `rate()` and restarts work); the engine keeps them as plain ints, mirrored here
+(`_Mirror`). TTFT is observed when a request's first token is produced (a dashboard saw it only when
+the request ended), TPOT once per request at its end (the mean gap: vLLM's per-request histogram).
+"""
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -8,6 +17,26 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+MAX_OPEN_TTFT = 65536  # requests whose TTFT was observed and whose end was not yet seen (bounded)
+
+
+class _Mirror:
+    """A Counter that follows a count kept elsewhere: it rises by what the count rose since the last
+    look; a count that starts again from 0 (a new store after a weight update) is followed from there
+    (the counter keeps its total, so it never decreases)."""
+
+    def __init__(self, name: str, doc: str, registry: CollectorRegistry, labels: tuple[str, ...] = ()):
+        self.counter = Counter(name, doc, list(labels), registry=registry)
+        self.last: dict[tuple, float] = {}
+        self._lock = threading.Lock()  # (the engine thread and a scrape may both update)
+
+    def set(self, value: float, *labels: str) -> None:
+        with self._lock:
+            prev = self.last.get(labels)
+            self.last[labels] = value
+            delta = value - prev if prev is not None and value >= prev else value
+            if delta > 0:
+                (self.counter.labels(*labels) if labels else self.counter).inc(delta)
 
 
 class EngineMetrics:
@@ -25,17 +54,13 @@ class EngineMetrics:
             "Prompt tokens found in the prefix cache / prompt tokens looked up",
             registry=r,
         )
-        self.prefix_queries = Gauge(
-            "pdserve_prefix_cache_query_tokens", "Prompt tokens looked up", registry=r
-        )
-        self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "Prompt tokens found cached", registry=r)
-        self.preemptions = Gauge(
-            "pdserve_num_preemptions", "Requests preempted (recompute) so far", registry=r
-        )
-        self.prefix_waits = Gauge(
+        self.prefix_queries = _Mirror("pdserve_prefix_cache_query_tokens", "Prompt tokens looked up", r)
+        self.prefix_hits = _Mirror("pdserve_prefix_cache_hit_tokens", "Prompt tokens found cached", r)
+        self.preemptions = _Mirror("pdserve_num_preemptions", "Requests preempted (recompute)", r)
+        self.prefix_waits = _Mirror(
             "pdserve_prefix_waits",
             "Requests put off at admission for a prompt page another request was computing (then shared)",
-            registry=r,
+            r,
         )
         self.generated = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(
@@ -48,11 +73,12 @@ class EngineMetrics:
             registry=r,
         )
         self.tpot = Histogram(
-            "pdserve_time_per_output_token_seconds",
-            "Mean gap between output tokens",
+            "pdserve_request_time_per_output_token_seconds",
+            "Mean gap between a request's output tokens (one per request, at its end)",
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self._ttft_open: OrderedDict[str, None] = OrderedDict()  # TTFT observed, end not yet seen
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after every step and once when it goes idle."""
@@ -71,18 +97,37 @@ class EngineMetrics:
             self.pd.update()
         for out in outputs:
             self.generated.inc()
-            if out.finished:
-                self.observe_finished(out)
+            self.observe(out)
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput) -> None:
+        """An output of a request (a step's, an abort's, or a handed-over first token's, whose token
+        this engine did not generate): its TTFT at its first token, its end when it ends."""
         m = out.metrics
-        self.finished.labels(out.outputs[0].finish_reason or "abort").inc()
-        if m.get("first_token_time") is None:
+        rid = out.request_id
+        first = m.get("first_token_time")
+        if first is not None and rid not in self._ttft_open:
+            self.ttft.observe(first - m["arrival_time"])
+            self._ttft_open[rid] = None
+            if len(self._ttft_open) > MAX_OPEN_TTFT:  # (ids of requests whose end went unseen)
+                self._ttft_open.popitem(last=False)
+        if not out.finished:
             return
-        self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+        self._ttft_open.pop(rid, None)
+        self.finished.labels(out.outputs[0].finish_reason or "abort").inc()
         n = len(out.outputs[0].token_ids)
-        if n > 1:
-            self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+        if first is not None and n > 1:
+            self.tpot.observe((m["last_token_time"] - first) / (n - 1))
+
+    observe_finished = observe  # (the async engine's abort hook: an aborted request's end)
+
+    def observe_failed(self, request_id: str, finish_reason: str) -> None:
+        """A request that ended without an output (its PD transfer failed, or was aborted before the
+        first token): counted once, by the engine that answers the client (the decode)."""
+        self._ttft_open.pop(request_id, None)
+        self.finished.labels(finish_reason).inc()
+
+
+STORE_LEVELS = ("used_bytes", "capacity_bytes", "num_blocks")  # the store's stats that are not counts
 
 
 class PDMetrics:
@@ -100,37 +145,34 @@ class PDMetrics:
         self.room_states = Gauge(
             "pdserve_pd_rooms_by_state", "Rooms per transfer state", ["state"], registry=r
         )
-        self.failures = Gauge("pdserve_pd_failures", "Failed rooms by reason", ["reason"], registry=r)
-        self.handoff_mismatch = Gauge(
-            "pdserve_pd_handoff_mismatches", "Handoff rows whose room did not match", registry=r
+        self.failures = _Mirror("pdserve_pd_failures", "Failed rooms by reason", r, ("reason",))
+        self.handoff_mismatch = _Mirror(
+            "pdserve_pd_handoff_mismatches", "Handoff rows whose room did not match", r
         )
-        self.dropped = Gauge("pdserve_pd_control_dropped", "Control messages dropped", ["why"], registry=r)
-        self.xfer = Gauge("pdserve_pd_transfer", "Transfer agent counters", ["counter"], registry=r)
-        self.pages_sent = Gauge("pdserve_pd_pages_sent", "KV pages written to decode engines", registry=r)
-        self.staged = Gauge(
-            "pdserve_pd_staged_requests", "Requests whose KV arrived through staging", registry=r
-        )
+        self.dropped = _Mirror("pdserve_pd_control_dropped", "Control messages dropped", r, ("why",))
+        self.xfer = _Mirror("pdserve_pd_transfer", "Transfer agent counts", r, ("counter",))
+        self.pages_sent = _Mirror("pdserve_pd_pages_sent", "KV pages written to decode engines", r)
+        self.staged = _Mirror("pdserve_pd_staged_requests", "Requests whose KV arrived through staging", r)
         self.latency = Histogram(
             "pdserve_pd_transfer_latency_seconds",
             "Submit to completion of one write",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=r,
         )
-        self._seen_transfers = 0
-        self.store = Gauge("pdserve_store", "Persistent KV store counters", ["counter"], registry=r)
-        self.layerwise = Gauge(
-            "pdserve_pd_layerwise_prefills", "Prefills run layer by layer over stored KV", registry=r
+        self._seen_transfer = 0  # the last finished transfer (its place) whose latency was observed
+        self.store = Gauge("pdserve_store", "Persistent KV store levels", ["counter"], registry=r)
+        self.store_ops = _Mirror("pdserve_store_ops", "Persistent KV store counts", r, ("op",))
+        self.layerwise = _Mirror(
+            "pdserve_pd_layerwise_prefills", "Prefills run layer by layer over stored KV", r
         )
-        self.layerwise_fallbacks = Gauge(
+        self.layerwise_fallbacks = _Mirror(
             "pdserve_pd_layerwise_fallbacks",
             "Prefills with stored KV too long for the layerwise staging pool, prefilled whole",
-            registry=r,
+            r,
         )
-        self.store_written = Gauge(
-            "pdserve_store_blocks_written", "Blocks this engine wrote back", registry=r
-        )
-        self.store_bad = Gauge(
-            "pdserve_store_blocks_bad", "Stored blocks found corrupt, truncated or missing", registry=r
+        self.store_written = _Mirror("pdserve_store_blocks_written", "Blocks this engine wrote back", r)
+        self.store_bad = _Mirror(
+            "pdserve_store_blocks_bad", "Stored blocks found corrupt, truncated or missing", r
         )
         self.store_pending = Gauge(
             "pdserve_store_writes_pending", "Blocks queued for write-back, not yet on disk", registry=r
@@ -141,9 +183,9 @@ class PDMetrics:
         any thread (also at scrape time, so drops and write-back progress are visible while the engine
         idles)."""
         control = self.pd.control
-        self.dropped.labels("forged").set(control.num_forged)
-        self.dropped.labels("malformed").set(control.num_malformed)
-        self.dropped.labels("wrong_version").set(control.num_wrong_version)
+        self.dropped.set(control.num_forged, "forged")
+        self.dropped.set(control.num_malformed, "malformed")
+        self.dropped.set(control.num_wrong_version, "wrong_version")
         store = getattr(self.pd.role, "store", None)
         if store is not None:
             self.store_written.set(store.num_blocks_written)
@@ -157,7 +199,7 @@ class PDMetrics:
         for state, n in role.rooms.counts().items():
             self.room_states.labels(state.name).set(n)
         for reason, n in role.failures.items():
-            self.failures.labels(reason).set(n)
+            self.failures.set(n, reason)
         self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
         self.update_any_thread()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
@@ -168,14 +210,15 @@ class PDMetrics:
         if getattr(role, "store", None) is not None:
             self.store_bad.set(role.num_store_blocks_bad)
             for name, value in vars(role.store.store.stats()).items():
-                if isinstance(value, int | float):
+                if name in STORE_LEVELS:
                     self.store.labels(name).set(value)
+                elif isinstance(value, int | float):
+                    self.store_ops.set(value, name)
         stats = agent.stats.snapshot()
         latencies = stats.pop("latencies_s")
         for name, value in stats.items():
-            self.xfer.labels(name).set(value)
-        finished = stats["transfers_done"] + stats["transfers_failed"]
-        new = min(finished - self._seen_transfers, len(latencies))
-        for lat in latencies[len(latencies) - new :] if new > 0 else []:
-            self.latency.observe(lat)
-        self._seen_transfers = finished
+            self.xfer.set(value, name)
+        for n, latency_s in latencies:  # (each finished transfer once: by its place, not by a count)
+            if n > self._seen_transfer:
+                self.latency.observe(latency_s)
+                self._seen_transfer = n

@@ -52,7 +52,10 @@ class TransferStats:
     notifications_received: int = 0
     backend_errors: int = 0
     link_waits: int = 0  # submits that waited for a flow slot on a full emulated link (then went on)
-    latencies_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent, submit -> final
+    # Recent (n, submit -> final seconds), n = the transfer's place among those finished (1, 2, ...):
+    # a reader takes the entries past the last n it saw (the counters and this deque are written
+    # apart, so a count read between the two writes cannot pair with the wrong latency).
+    latencies_s: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def snapshot(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "latencies_s"}
@@ -131,7 +134,9 @@ class TransferAgent:
         self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
     ) -> int:
         """Queue a write of local[i] -> remote[i] on `peer`; `notif` reaches the peer after all bytes.
-        Returns a transfer id reported exactly once by `poll_completions`."""
+        Returns a transfer id reported exactly once by `poll_completions`. TransferError once closed
+        (no thread would report it)."""
+        self._check_open()
         with self._ids_lock:
             transfer_id = next(self._ids)
         self._commands.put(
@@ -143,12 +148,17 @@ class TransferAgent:
         self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
     ) -> int:
         """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a write."""
+        self._check_open()
         with self._ids_lock:
             transfer_id = next(self._ids)
         self._commands.put(
             ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "read")
         )
         return transfer_id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"transfer agent {self.agent_name!r} is closed")
 
     def abort(self, transfer_id: int) -> None:
         """Stop a transfer. Once it is reported (FAILED, or DONE if it had already finished), no
@@ -248,6 +258,9 @@ class TransferAgent:
     def _apply(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "submit":
+            # Counted when taken, whatever follows (a link delay, a stall, a malformed list, an abort
+            # before the copy): every transfer later counted done or failed was counted here first.
+            self.stats.transfers_submitted += 1
             try:
                 if self.traffic is not None:
                     # A full link queues the flow (it starts at a later `done()`): a real NIC queues
@@ -303,7 +316,6 @@ class TransferAgent:
         ):  # never copies, never completes: only an abort ends it
             self._delayed[transfer_id] = (_NeverDone(), cmd)
             return
-        self.stats.transfers_submitted += 1
         self.stats.bytes_submitted += nbytes
         self.stats.descriptors_submitted += len(local)
         try:
@@ -353,7 +365,7 @@ class TransferAgent:
         else:
             self.stats.transfers_failed += 1
         self.stats.transfers_aborted += int(aborted)
-        self.stats.latencies_s.append(latency_s)
+        self.stats.latencies_s.append((self.stats.transfers_done + self.stats.transfers_failed, latency_s))
         self._completions.put((transfer_id, status))
         if self.on_complete is not None:
             try:

@@ -34,6 +34,12 @@ class _FakeWrite:
     notif_id: int | None  # id of the notif queued in the peer's inbox (None: failed or lost)
 
 
+def _check_inside(descriptors: list[tuple[int, int]], regions: list[tuple[int, int]], side: str) -> None:
+    for addr, nbytes in descriptors:
+        if not any(base <= addr and addr + nbytes <= base + size for base, size in regions):
+            raise TransferError(f"fake: {side} memory [{addr:#x}, +{nbytes}) is not registered")
+
+
 class FakeBackend(TransferBackend):
     name = "fake"
 
@@ -92,6 +98,14 @@ class FakeBackend(TransferBackend):
                 raise ValueError(f"write: descriptor sizes differ ({n_local} vs {n_remote} bytes)")
         if peer_name not in self._peers:
             raise TransferError(f"fake: unknown peer {peer_name!r}")
+        # As NIXL: every descriptor inside memory its side registered (a test on the fake passed
+        # with an off-by-one page or a wrong base address that NIXL refuses).
+        _check_inside(local, self._registered, "local")
+        with _REGISTRY_LOCK:
+            peer = _REGISTRY.get(peer_name)
+            peer_regions = list(peer._registered) if peer is not None else None
+        if peer_regions is not None:
+            _check_inside(remote, peer_regions, f"remote ({peer_name})")
         fails = self._fail_next > 0 or (self.fail_rate > 0 and self._rng.random() < self.fail_rate)
         if self._fail_next > 0:
             self._fail_next -= 1
