@@ -13,6 +13,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+DECODE_CONTEXT_TOKENS = 5  # prompt tokens an output is decoded after (vLLM: 5)
+
 
 class TokenizerError(ValueError):
     pass
@@ -80,9 +82,32 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        """A detokenizer for one request's growing output (see `IncrementalDetokenizer`)."""
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def incremental(
+        self, skip_special_tokens: bool = True, context: list[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A detokenizer for one request's growing output (see `IncrementalDetokenizer`), decoded after
+        `context` (`decode_context`)."""
+        return IncrementalDetokenizer(self, skip_special_tokens, list(context))
+
+    def decode_context(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+        """The last few prompt tokens an output is decoded after (as vLLM's detokenizer starts from the
+        prompt's): SentencePiece decoders (Metaspace, Llama-2's Strip) drop the leading space of a
+        sequence's first piece, so an output decoded alone lost it ("is" + "▁Paris" read "isParis").
+        The longest tail of at most DECODE_CONTEXT_TOKENS whose text is whole (no partial character)."""
+        for n in range(min(DECODE_CONTEXT_TOKENS, len(prompt_ids)), 0, -1):
+            tail = list(prompt_ids[-n:])
+            if tail[-1] not in self.byte_token_ids and "\ufffd" not in self.decode(tail, skip_special_tokens):
+                return tail
+        return []
+
+    def decode_after(self, context: list[int], token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text `token_ids` add after `context` (`decode_context`)."""
+        if not context:
+            return self.decode(token_ids, skip_special_tokens)
+        head = self.decode(context, skip_special_tokens)
+        full = self.decode(context + list(token_ids), skip_special_tokens)
+        # (a decoder whose text of the context changes with what follows: the output alone)
+        return full[len(head) :] if full.startswith(head) else self.decode(token_ids, skip_special_tokens)
 
     def _compiled_template(self):
         """The chat template, compiled once (compiling took ~6.5 ms per request for Qwen2.5's, with the
@@ -150,28 +175,40 @@ class IncrementalDetokenizer:
     too, but raises on some byte-fallback sequences a sampler can produce.)
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: list[int] = ()
+    ) -> None:
         self._decode = tokenizer.decode
         self._skip = skip_special_tokens
         self._byte_ids = tokenizer.byte_token_ids
-        self._settled = ""  # the text of tokens [0, read_offset)
-        self._prefix_offset = 0  # window start: the tokens before it are settled text
-        self._read_offset = 0
-        self._num_seen = 0  # tokens `text` covers
+        self._context = list(context)  # prompt tokens the window starts with (`decode_context`)
+        self._start()
+        self._num_seen = 0  # output tokens `text` covers
         self.text = ""
+
+    def _start(self) -> None:
+        # Offsets index context + output: the first window is the context, whose text is subtracted.
+        self._settled = ""  # the text of output tokens before read_offset
+        self._prefix_offset = 0  # window start: the tokens before it are settled text
+        self._read_offset = len(self._context)
 
     def update(self, token_ids: list[int]) -> str:
         """`token_ids`: the whole output so far (it only grows). Returns the text so far."""
         if len(token_ids) < self._num_seen:  # not an append: start over
-            self._settled, self._prefix_offset, self._read_offset = "", 0, 0
+            self._start()
         elif len(token_ids) == self._num_seen:
             return self.text
         self._num_seen = len(token_ids)
-        before = self._decode(token_ids[self._prefix_offset : self._read_offset], self._skip)
-        after = self._decode(token_ids[self._prefix_offset :], self._skip)
+        c = len(self._context)
+        if self._prefix_offset < c:  # (the window still starts in the context: only at first)
+            window = self._context[self._prefix_offset :] + token_ids
+        else:
+            window = token_ids[self._prefix_offset - c :]
+        before = self._decode(window[: self._read_offset - self._prefix_offset], self._skip)
+        after = self._decode(window, self._skip)
         new = after[len(before) :]
         self.text = self._settled + new
         if new and not new.endswith("\ufffd") and token_ids[-1] not in self._byte_ids:
             self._settled = self.text
-            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+            self._prefix_offset, self._read_offset = self._read_offset, c + len(token_ids)
         return self.text

@@ -357,7 +357,9 @@ class LLMEngine:
             # (one token can add many characters), plus a margin: a partial UTF-8 character at the end
             # decodes to U+FFFD until its next byte arrives, so earlier text may still change a little.
             tail_from = max(0, req.num_stop_checked_chars - max(len(s) for s in params.stop) - 16)
-            req.num_stop_checked_chars = len(text)
+            # (not counting a trailing run of U+FFFD: a byte-fallback decoder shows an open run as one
+            # per byte, ~4x the text it becomes, and a mark past it skipped the run's characters)
+            req.num_stop_checked_chars = len(text.rstrip("\ufffd"))
             for s in params.stop:
                 # (a match may start inside the min_tokens text, but must end after it)
                 at = text.find(s, max(tail_from, req.num_min_text_chars - len(s) + 1))
@@ -381,13 +383,15 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         skip = req.sampling_params.skip_special_tokens
+        if req.decode_context is None:  # (the prompt's last tokens: a SentencePiece output's first space)
+            req.decode_context = self.tokenizer.decode_context(req.prompt_token_ids, skip)
         if req.status.finished:
             ids = req.output_token_ids
             if req.stopped_on_token and not req.sampling_params.include_stop_str_in_output:
                 ids = ids[:-1]  # the stop token's own text is not part of the answer (as in vLLM)
-            return self.tokenizer.decode(ids, skip)
+            return self.tokenizer.decode_after(req.decode_context, ids, skip)
         if req.detokenizer is None:
-            req.detokenizer = self.tokenizer.incremental(skip)
+            req.detokenizer = self.tokenizer.incremental(skip, req.decode_context)
         return req.detokenizer.update(req.output_token_ids)
 
     def output(self, req: Request) -> RequestOutput:

@@ -48,6 +48,16 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
+    # vLLM's: logprob tokens as "token_id:N" strings (ours are the tokens' text)
+    "return_tokens_as_token_ids": (False,),
+}
+# The same for one route only: vLLM's defaults differ (a completion's prompt gets the tokenizer's
+# special tokens, a chat's rendered template does not); a chat's final assistant message continued
+# instead of closed is not implemented. Ignoring them gave a doubled BOS or a closed message.
+UNSUPPORTED_COMPLETION_FIELDS: dict[str, tuple] = {"add_special_tokens": (True,)}
+UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
+    "add_special_tokens": (False,),
+    "continue_final_message": (False,),
 }
 
 
@@ -58,8 +68,15 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
+        route = (
+            UNSUPPORTED_CHAT_FIELDS
+            if hasattr(self, "messages")
+            else UNSUPPORTED_COMPLETION_FIELDS
+            if hasattr(self, "prompt")
+            else {}
+        )
         for name, value in (self.model_extra or {}).items():
-            off = UNSUPPORTED_FIELDS.get(name)
+            off = route.get(name, UNSUPPORTED_FIELDS.get(name))
             if (
                 off is not None
                 and value is not None
