@@ -23,7 +23,6 @@ form cannot take back calls already sent, so it is not all-or-nothing). A length
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from pdserve.sampling_params import COMPACT_JSON
@@ -56,14 +55,17 @@ class ToolCallParser:
         if at < 0:
             return text, []
         calls = []
-        # A closed block, or an unclosed one running to the end (cut by max_tokens): the latter never
-        # decodes, so a cut call leaves the whole answer as text rather than vanishing.
-        block = re.escape(self.start) + r"(.*?)" + re.escape(self.end) + "|" + re.escape(self.start) + "(.*)"
-        for m in re.finditer(block, text[at:], re.DOTALL):
-            call = self.decode_call(m.group(1)) if m.group(2) is None else None
+        i = at
+        while i >= 0:
+            body = i + len(self.start)
+            close = BlockEnd(self.end).find(text, body)
+            # (an unclosed block, cut by max_tokens, never decodes: a cut call leaves the whole
+            # answer as text rather than vanishing)
+            call = self.decode_call(text[body:close]) if close >= 0 else None
             if call is None:
                 return text, []
             calls.append(openai_call(call))
+            i = text.find(self.start, close + len(self.end))
         content = text[:at]
         return (content if content.strip() else None), calls
 
@@ -99,12 +101,20 @@ class HermesParser(ToolCallParser):
             tid = token_id(text)
             return json.dumps(text) if tid is None else f"<[{tid}]>"
 
-        bodies = " | ".join(f"%json {json.dumps(call_schema(t['function']))}" for t in tools)
+        # The call object is spelled out around each tool's arguments, which are their own %json
+        # root: the tool's schema as written, so its references (`#/$defs/...`, `#/properties/...`,
+        # a recursive `#`) mean what they mean there (nested under the call object, a `#` meant the
+        # call and `#/properties/x` did not resolve).
         lines = [
             f"start: call ({json.dumps(NL)} call)*" if parallel else "start: call",
             f"call: {marker(self.start)} {json.dumps(NL)} body {json.dumps(NL)} {marker(self.end)}",
-            f"body: {bodies}",
+            "body: " + " | ".join(f"call_{i}" for i in range(len(tools))),
         ]
+        for i, t in enumerate(tools):
+            fn = t["function"]
+            head = '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
+            lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
+            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(fn))}")
         return NL.join(lines) + NL
 
 
@@ -125,6 +135,48 @@ def openai_call(call: dict) -> dict:
     }
 
 
+class BlockEnd:
+    """Where a call block's end marker is: the first one outside JSON strings once every bracket
+    opened in the block is closed (an argument holding the end marker's text, e.g. code or a log, cut
+    the call there: no call came back even under tool_choice "required"). Fed incrementally: `find`
+    resumes where the last call on the same text stopped (a stream's O(answer))."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.pos = -1  # next character to scan (-1: not started)
+        self.in_string = self.escaped = False
+        self.depth = 0
+
+    def find(self, text: str, start: int) -> int:
+        """Index of the end marker in `text` (scanning from `start` on the first call), or -1."""
+        if self.pos < 0:
+            self.pos = start
+        i, n, first = self.pos, len(text), self.marker[0]
+        while i < n:
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+            elif c == first and self.depth <= 0 and text.startswith(self.marker, i):
+                self.pos = i
+                return i
+            elif c == first and self.depth <= 0 and self.marker.startswith(text[i:]):
+                break  # (the marker may be arriving: look again from here)
+            i += 1
+        self.pos = i
+        return -1
+
+
 class ToolStream:
     """One streamed answer: `feed(delta, finished)` with the text the step added returns the deltas
     to send (each {"content": str} or {"tool_calls": [item]}); `num_calls` counts the calls sent.
@@ -135,7 +187,7 @@ class ToolStream:
         self.parser = parser
         self.max_calls = max_calls  # parallel_tool_calls=false: 1 (later calls are dropped)
         self.pending = ""  # text received and not yet sent (or dropped)
-        self.searched = 0  # in an open call: `pending` up to here holds no end marker
+        self.block_end: BlockEnd | None = None  # in an open call: where its end marker is
         self.in_calls = False  # a call has started: no more plain content, only calls
         self.sent_content = False  # non-blank content went out (blank content is held: see feed)
         self.num_calls = 0
@@ -160,29 +212,32 @@ class ToolStream:
                     return out
                 if at and (self.sent_content or rest[:at].strip()):
                     out.append({"content": rest[:at]})
-                self.pending, self.in_calls, self.searched = rest[at:], True, 0
+                self.pending, self.in_calls, self.block_end = rest[at:], True, None
                 continue
-            at = rest.find(p.start)
-            if at < 0:  # text after the last call is dropped (see the module docstring)
-                self.pending = "" if finished else rest[max(0, len(rest) - len(p.start) + 1) :]
-                return out
-            if at:  # (text between calls is dropped)
-                rest = self.pending = rest[at:]
-                self.searched = 0
-            close = rest.find(p.end, max(len(p.start), self.searched))
+            if self.block_end is None:
+                at = rest.find(p.start)
+                if at < 0:  # text after the last call is dropped (see the module docstring)
+                    self.pending = "" if finished else rest[max(0, len(rest) - len(p.start) + 1) :]
+                    return out
+                if at:  # (text between calls is dropped)
+                    rest = self.pending = rest[at:]
+                self.block_end = BlockEnd(p.end)
+            close = self.block_end.find(rest, len(p.start))
             if close < 0:
-                self.searched = max(len(p.start), len(rest) - len(p.end) + 1)
                 if finished:  # an unclosed call (cut by max_tokens): its text goes out as content
                     out.append({"content": rest})
                     self.pending = ""
                 return out
             call = p.decode_call(rest[len(p.start) : close])
+            self.block_end = None
             if call is None:
                 out.append({"content": rest[: close + len(p.end)]})
+                # (plain text again, unless a call went out: the whole answer keeps it too)
+                self.in_calls = self.num_calls > 0
             elif self.max_calls is None or self.num_calls < self.max_calls:
                 out.append({"tool_calls": [{"index": self.num_calls, **openai_call(call)}]})
                 self.num_calls += 1
-            self.pending, self.searched = rest[close + len(p.end) :], 0
+            self.pending = rest[close + len(p.end) :]
 
 
 def partial_marker_len(text: str, marker: str) -> int:
@@ -235,20 +290,11 @@ def _template_call(c) -> dict:
 NL = "\n"
 
 
-def call_schema(fn: dict) -> dict:
-    """JSON schema of one call to function `fn` (a tool's `function`): its name, its arguments. The
-    parameters' definitions (`$defs`, `definitions`: what pydantic and agent SDKs write) move to the
-    call's root, where their `#/$defs/...` references point."""
-    params = dict(fn.get("parameters") or {"type": "object"})
-    defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        "x-guidance": COMPACT_JSON,
-        **defs,
-    }
+def arguments_schema(fn: dict) -> dict:
+    """JSON schema of the arguments of a call to `fn` (a tool's `function`): its parameters, written
+    compact as the Hermes and Qwen templates show calls (a schema's own "x-guidance" wins)."""
+    params = fn.get("parameters") or {"type": "object"}
+    return {**params, "x-guidance": params.get("x-guidance", COMPACT_JSON)}
 
 
 def forced_tools(tools: list[dict], choice) -> tuple[list[dict], bool] | None:
@@ -284,4 +330,7 @@ def check_tools(tools) -> list[dict]:
             raise ValueError('each tool must be {"type": "function", "function": {...}}')
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError("each tool's function needs a name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            # (a forced call's grammar read it as a schema: a 500)
+            raise ValueError("each tool's function.parameters must be a JSON schema object")
     return tools
