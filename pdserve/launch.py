@@ -252,7 +252,7 @@ def start_cluster(
         "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"),
     }
     cluster = Cluster()
-    handed_out: set[int] = set()
+    handed_out: set[int] = {router_port} if router_port else set()  # (an engine never gets the router's)
 
     def fresh_port() -> int:
         """A free port not yet given to another process of this launch."""

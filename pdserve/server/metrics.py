@@ -35,8 +35,9 @@ class _Mirror:
             prev = self.last.get(labels)
             self.last[labels] = value
             delta = value - prev if prev is not None and value >= prev else value
+            child = self.counter.labels(*labels) if labels else self.counter  # (shown from 0 on)
             if delta > 0:
-                (self.counter.labels(*labels) if labels else self.counter).inc(delta)
+                child.inc(delta)
 
 
 class EngineMetrics:
