@@ -97,11 +97,18 @@ class Cluster:
         return proc
 
     def _spawn(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
-        if name in dict(self.procs):
-            self.procs = [(n, proc if n == name else p) for n, p in self.procs]
-        else:
-            self.procs.append((name, proc))
+        # Stop signals wait until the child is recorded: one raised inside Popen (after the fork)
+        # left a child the launcher never knew of, running on after `stop` (found by a test). The
+        # mask survives exec: `pdserve.cli` unblocks them first thing.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
+            if name in dict(self.procs):
+                self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+            else:
+                self.procs.append((name, proc))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return proc
 
     def restart(self, name: str, extra_env: dict | None = None, wait: bool = True) -> subprocess.Popen:
