@@ -447,7 +447,22 @@ class Router:
             return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
-        return StreamingResponse(_Relay(de, de_resp), status_code=de_resp.status_code, media_type=media)
+        relay = _Relay(de, de_resp)
+        if media.startswith("text/event-stream"):
+            return StreamingResponse(relay, status_code=de_resp.status_code, media_type=media)
+        # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
+        # one that broke midway was a 200 whose body was half an answer and an SSE error event.
+        try:
+            content = await unless_gone(http, unless_down(de, de_resp.aread()))
+        except ClientGone:
+            return client_gone()
+        except httpx.HTTPError as e:
+            return JSONResponse(error_body(f"decode answer broke: {e!r}", 502, "BadGateway"), 502)
+        except EngineDown as e:
+            return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+        finally:
+            await relay.aclose()
+        return Response(content, status_code=de_resp.status_code, media_type=media)
 
 
 class _Leg:
@@ -492,10 +507,12 @@ class _Relay:
                 # the `finally` below closes the decode's leg, which aborts the request there.
                 async for chunk in chunks:
                     yield chunk
-        except httpx.HTTPError as e:
+        except httpx.HTTPError as e:  # (an in-band error, then [DONE], as an engine ends its streams)
             yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
+            yield "data: [DONE]\n\n"
         except EngineDown as e:
             yield f"data: {json.dumps(error_body(str(e), 503, 'ServiceUnavailable'))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             await self.aclose()
 
@@ -692,6 +709,13 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(http: Request):
         return await to_an_engine("POST", "/detokenize", http)
+
+    @app.get("/version")
+    async def version():
+        """vLLM's: the server's version (tooling checks it)."""
+        from pdserve import __version__
+
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():

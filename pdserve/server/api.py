@@ -87,6 +87,14 @@ SGLANG_SAMPLING_NAMES = {
 }
 
 
+def stop_reason_of(o, finish: str | None) -> str | int | None:
+    """vLLM's `stop_reason` of a choice: the stop string or stop token id that ended it; None when an
+    EOS, the length or an abort did (or it has not ended)."""
+    if o is None or finish != "stop" or isinstance(o.stop_reason, bool):
+        return None
+    return o.stop_reason if isinstance(o.stop_reason, str | int) else None
+
+
 def build_app(
     engine: LLMEngine,
     pd: PDContext | None = None,
@@ -404,6 +412,13 @@ def build_app(
             yield sse(chunk_fn(None, None, 0, None) | {"choices": [], "usage": usage(last)})
         yield "data: [DONE]\n\n"
 
+    @app.get("/version")
+    async def version():
+        """vLLM's: the server's version (tooling checks it)."""
+        from pdserve import __version__
+
+        return {"version": __version__}
+
     @app.get("/health")
     async def health():
         if not aengine.alive:
@@ -521,7 +536,13 @@ def build_app(
                 if lps is not None:
                     head = echo_logprobs(req.prompt_logprobs, req.prompt_token_ids)
                     lps = {key: head[key] + lps[key] for key in lps}
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lps}
+            choice = {
+                "index": 0,
+                "text": delta,
+                "finish_reason": finish,
+                "stop_reason": stop_reason_of(o, finish),
+                "logprobs": lps,
+            }
             if first and body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs, req.num_prompt_tokens)
             if want_ids and first:
@@ -670,6 +691,7 @@ def build_app(
                     "index": 0,
                     "delta": {} if delta is None else {"content": delta},
                     "finish_reason": finish,
+                    "stop_reason": stop_reason_of(o, finish),
                     "logprobs": lps,
                 }
                 return envelope(rid, "chat.completion.chunk", created, [choice])
@@ -689,6 +711,7 @@ def build_app(
                             "index": 0,
                             "delta": d,
                             "finish_reason": finish if k == len(deltas) - 1 else None,
+                            "stop_reason": stop_reason_of(o, finish) if k == len(deltas) - 1 else None,
                             "logprobs": lps if k == 0 else None,
                         }
                     ],
@@ -720,6 +743,7 @@ def build_app(
             "message": message,
             "logprobs": chat_logprobs(o.logprobs, 0),
             "finish_reason": finish,
+            "stop_reason": stop_reason_of(o, finish),
         }
         resp = envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
         if body.prompt_logprobs is not None:  # (vLLM puts them beside the choices in chat)

@@ -50,6 +50,16 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "function_call": ("none",),
     # vLLM's: logprob tokens as "token_id:N" strings (ours are the tokens' text)
     "return_tokens_as_token_ids": (False,),
+    # vLLM's extra parameters that change the answer, not implemented: refused, not ignored
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "chat_template": (),
+    "logits_processors": (),
+    "length_penalty": (1.0, 1),
+    "priority": (0,),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
 }
 # The same for one route only: vLLM's defaults differ (a completion's prompt gets the tokenizer's
 # special tokens, a chat's rendered template does not); a chat's final assistant message continued
@@ -58,13 +68,29 @@ UNSUPPORTED_COMPLETION_FIELDS: dict[str, tuple] = {"add_special_tokens": (True,)
 UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
     "add_special_tokens": (False,),
     "continue_final_message": (False,),
+    "return_token_ids": (False,),  # (a completion's only, here)
 }
+
+
+NULL_MEANS_DEFAULT = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "stream", "ignore_eos", "skip_special_tokens",
+     "include_stop_str_in_output", "min_tokens", "logprobs", "add_generation_prompt"}
+)  # fmt: skip
 
 
 class _SamplingFields(BaseModel):
     # Unknown OpenAI fields (user, ...) are ignored; known ones must have their JSON type (strict: no
     # false -> 0, "1" -> 1, "no" -> False coercions).
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI types these "or null" (the openai SDK sends an explicit None as null): null is the
+        field's default, as in vLLM (a strict non-null field made `temperature=None` a 400)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
