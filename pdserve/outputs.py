@@ -55,6 +55,7 @@ class CompletionOutput:
     logprobs: Sequence[TokenLogprob] | None
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs)
 
 
 @dataclass

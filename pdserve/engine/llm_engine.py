@@ -57,6 +57,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(mc.eos_token_ids) + (
             (tokenizer_eos,) if tokenizer_eos is not None and tokenizer_eos not in mc.eos_token_ids else ()
         )
+        # The primary EOS (the tokenizer's, else the config's first): vLLM treats the others as stop
+        # token ids, so a request they end reports them as its stop_reason.
+        self.primary_eos = tokenizer_eos if tokenizer_eos is not None else (self.eos_token_ids or (None,))[0]
         self.grammars = (  # structured outputs; llguidance's view of the vocabulary is built on first use
             GrammarBackend(
                 self.tokenizer.to_json(),
@@ -95,6 +98,11 @@ class LLMEngine:
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:  # (e.g. multi_modal_data: generating from the text alone would be a wrong answer)
+                raise InvalidRequest(
+                    f"prompt fields {unknown} are not supported (only prompt, prompt_token_ids)"
+                )
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -107,6 +115,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer; send prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise InvalidRequest("a prompt is a string or a list of token ids")
         ids = list(prompt)
         vocab = self.config.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -347,6 +357,8 @@ class LLMEngine:
                 return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
         if token in req.eos_token_ids and not params.ignore_eos:
             req.stopped_on_token = True
+            if token != self.primary_eos:
+                req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             req.stop_reason, req.stopped_on_token = token, True
@@ -394,6 +406,18 @@ class LLMEngine:
             req.detokenizer = self.tokenizer.incremental(skip, req.decode_context)
         return req.detokenizer.update(req.output_token_ids)
 
+    @staticmethod
+    def _cumulative_logprob(req: Request) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs (None unless logprobs were asked for); kept
+        as a running sum, so a stream's outputs cost O(new tokens) each."""
+        if req.sampling_params.logprobs is None:
+            return None
+        done, total = req.logprob_sum
+        for t in req.logprobs[done:]:
+            total += t.logprob
+        req.logprob_sum = (len(req.logprobs), total)
+        return total
+
     def output(self, req: Request) -> RequestOutput:
         """The request as its caller sees it now (text with stop strings cut)."""
         text = self._text(req)
@@ -424,6 +448,7 @@ class LLMEngine:
                     else None,
                     finish,
                     req.stop_reason,
+                    self._cumulative_logprob(req),
                 )
             ],
             finished=req.status.finished,

@@ -70,9 +70,9 @@ class Request:
     num_min_text_chars: int = 0  # output text length while under min_tokens: a stop match ends after it
     prompt_unique_ids: Any = None  # sorted distinct prompt ids (np.int64), for the repetition penalty
     detokenizer: Any = None  # the output's text, a few tokens per step (tokenizer.IncrementalDetokenizer)
-    decode_context: list[int] | None = (
-        None  # prompt tokens the output is decoded after (Tokenizer.decode_context)
-    )
+    # prompt tokens the output is decoded after (Tokenizer.decode_context)
+    decode_context: list[int] | None = None
+    logprob_sum: tuple[int, float] = (0, 0.0)  # (logprobs summed, their sum): cumulative_logprob
     grammar: Any = None  # structured outputs: the matcher every output token advances (model/grammar.py)
     # PD disaggregation: a prefill request keeps its pages after it finishes until the decode acked
     # the transfer (`LLMEngine.release_held`); `pd` holds the role's per-request transfer state.

@@ -38,13 +38,21 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence) or not all(isinstance(p, str | dict) for p in prompts):
+            # (a bare list of ids read as ids of prompts; an int was "'int' object is not iterable")
+            raise ValueError(
+                "prompts: a string, a {'prompt': str} or {'prompt_token_ids': [int, ...]} dict, or a "
+                "list of those (a list of token ids goes in a dict)"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params]
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params: a SamplingParams or a list of them (one per prompt)")
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
@@ -58,10 +66,45 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # (an error in a step, or Ctrl-C: the batch left queued and holding pages ran first, whole,
+            # in the caller's next generate)
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
         return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the model's chat template (which writes the BOS itself: the text is
+        encoded without special tokens, as the server's chat route does), then generated."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs its template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise ValueError("messages: a list of {'role', 'content'} dicts, or a list of such lists")
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt, tools, chat_template_kwargs
+            )
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

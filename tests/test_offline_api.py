@@ -1,0 +1,149 @@
+"""The offline API (LLM / SamplingParams / RequestOutput) against vLLM's (v0.10.x, V1 engine), found
+by a review on 2026-12-02 (each test failed before its fix): `LLM.chat`, `cumulative_logprob`, a
+generate that raises leaves nothing queued or held, malformed inputs are ValueErrors, prompt fields
+that cannot be honoured are refused, a secondary EOS is reported as the stop token."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+P = "def parse_args(argv):\n    parser = argparse.ArgumentParser("
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory) -> str:
+    from pdserve.model.demo import make_demo_model
+
+    return str(make_demo_model(tmp_path_factory.mktemp("demo")))
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return LLM(demo_dir, page_size=16, dtype="float32", num_pages=256, max_model_len=512)
+
+
+def pages_in_use(llm) -> int:
+    return sum(1 for c in llm.engine.kv.pool.ref_counts() if c)
+
+
+def variant(demo_dir: str, tmp_path: Path, config: dict | None = None, generation: dict | None = None) -> str:
+    """A copy of the demo checkpoint with config.json / generation_config.json fields changed."""
+    d = tmp_path / "variant"
+    shutil.copytree(demo_dir, d)
+    for name, extra in (("config.json", config), ("generation_config.json", generation)):
+        if extra:
+            data = json.loads((d / name).read_text())
+            data.update(extra)
+            (d / name).write_text(json.dumps(data))
+    return str(d)
+
+
+# ---- 1. LLM.chat does not exist ------------------------------------------------------------------
+def test_llm_chat_renders_the_template_and_generates(llm):
+    """vLLM: LLM.chat(messages | list of conversations, sampling_params, chat_template_kwargs=...,
+    add_generation_prompt=True) renders the model's chat template, tokenizes it without adding
+    special tokens again, and generates. pdserve: AttributeError."""
+    msgs = [{"role": "user", "content": "hello"}]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    ref = llm.generate({"prompt_token_ids": ids}, sp)[0]
+    outs = llm.chat([msgs, msgs], sp)  # a list of conversations
+    assert len(outs) == 2
+    assert outs[0].prompt_token_ids == ids
+    assert outs[1].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+# ---- 3. CompletionOutput.cumulative_logprob is missing -------------------------------------------
+def test_cumulative_logprob_is_the_sum_of_the_sampled_logprobs(llm):
+    """vLLM: CompletionOutput.cumulative_logprob (None without logprobs, else the sum of the sampled
+    tokens' logprobs). pdserve: AttributeError."""
+    c = llm.generate(P, SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=1))[0].outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs))
+    c = llm.generate(P, SamplingParams(temperature=0, max_tokens=2))[0].outputs[0]
+    assert c.cumulative_logprob is None
+
+
+# ---- 6. An error raised mid-generate leaves the batch queued, holding pages -----------------------
+def test_a_generate_that_raises_midway_leaves_nothing_queued_or_held(demo_dir, monkeypatch):
+    """An exception out of a step (torch.cuda.OutOfMemoryError on a too-big batch, a KeyboardInterrupt
+    in a notebook) propagates out of LLM.generate with every request of the batch still queued and
+    holding KV pages. The next generate() (the user's retry with a smaller batch) silently runs the
+    whole old batch again first (and, on a GPU, OOMs again)."""
+    llm = LLM(demo_dir, page_size=16, dtype="float32", num_pages=256, max_model_len=512)  # (its own)
+    engine = llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def failing(sched):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.generate([P, "x = 1", "import os"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    monkeypatch.undo()
+    assert not engine.requests and not engine.has_unfinished()
+    assert pages_in_use(llm) == 0
+    engine.check_integrity()
+    before = engine.num_generated_tokens
+    llm.generate("y", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.num_generated_tokens - before == 2  # only the retry's own tokens
+
+
+# ---- 7. Malformed prompts / params: TypeError or AttributeError, not ValueError --------------------
+@pytest.mark.parametrize(
+    "prompts, params",
+    [
+        ([1, 2, 3], None),  # one token-id prompt given bare (tokenize_prompt accepts a list of ids)
+        (5, None),
+        ([{"prompt": 5}], None),
+        ([None], None),
+        ("hello", {"max_tokens": 3}),  # params as a dict: became ["max_tokens"]
+    ],
+)
+def test_malformed_inputs_are_value_errors_and_change_nothing(llm, prompts, params):
+    with pytest.raises(ValueError):
+        llm.generate(prompts, params)
+    assert not llm.engine.requests
+
+
+# ---- 10. A prompt dict's keys pdserve cannot honour are dropped silently ---------------------------
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"prompt": "hello", "multi_modal_data": {"image": "x.png"}},
+        {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"audio": "x.wav"}},
+    ],
+)
+def test_prompt_fields_that_cannot_be_honoured_are_refused(llm, prompt):
+    """vLLM refuses multi_modal_data for a text-only model (a ValueError from its input processing).
+    pdserve ignores the key and generates from the text alone."""
+    with pytest.raises(ValueError):
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+
+
+# ---- 11. A generation_config EOS other than the tokenizer's: stop_reason None ----------------------
+def test_a_secondary_eos_from_generation_config_is_reported_as_the_stop_token(demo_dir, tmp_path):
+    """vLLM (SamplingParams.update_from_generation_config): the generation_config's EOS ids other than
+    the tokenizer's are added to stop_token_ids (unless ignore_eos), so ending on one (Llama-3's
+    <|end_of_text|> beside <|eot_id|>) gives finish_reason "stop" with stop_reason = that id. pdserve
+    stops on it too but reports stop_reason None, as for the primary EOS."""
+    plain = LLM(demo_dir, dtype="float32", num_pages=64, max_model_len=256)
+    greedy = plain.generate(P, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    other = greedy.token_ids[3]
+    eos = plain.engine.tokenizer.eos_token_id
+    gen = json.loads((Path(demo_dir) / "generation_config.json").read_text())
+    d = variant(demo_dir, tmp_path, generation={**gen, "eos_token_id": [eos, other]})
+    llm = LLM(d, dtype="float32", num_pages=64, max_model_len=256)
+    out = llm.generate(P, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert out.token_ids[-1] == other and out.finish_reason == "stop"
+    assert out.stop_reason == other
