@@ -1,7 +1,8 @@
 """The offline API (LLM / SamplingParams / RequestOutput) against vLLM's (v0.10.x, V1 engine), found
 by a review on 2026-12-02 (each test failed before its fix): `LLM.chat`, `cumulative_logprob`, a
 generate that raises leaves nothing queued or held, malformed inputs are ValueErrors, prompt fields
-that cannot be honoured are refused, a secondary EOS is reported as the stop token."""
+that cannot be honoured are refused, a secondary EOS is reported as the stop token, a max_tokens past
+the context ends there."""
 
 from __future__ import annotations
 
@@ -147,3 +148,15 @@ def test_a_secondary_eos_from_generation_config_is_reported_as_the_stop_token(de
     out = llm.generate(P, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert out.token_ids[-1] == other and out.finish_reason == "stop"
     assert out.stop_reason == other
+
+
+def test_a_max_tokens_past_the_context_is_capped_there_not_refused(llm):
+    """vLLM V1 offline: only a prompt longer than max_model_len is refused; max_tokens beyond the room
+    left ends the request at max_model_len (finish_reason "length"). pdserve raises InvalidRequest for
+    the whole batch if any one prompt + max_tokens exceeds max_model_len (here 512)."""
+    outs = llm.generate(
+        ["hi", {"prompt_token_ids": [5] * 500}],
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+    )
+    assert len(outs[0].outputs[0].token_ids) == 100
+    assert len(outs[1].outputs[0].token_ids) == 12 and outs[1].outputs[0].finish_reason == "length"

@@ -130,6 +130,7 @@ class LLMEngine:
         request_id: str | None = None,
         tokenized: tuple[str | None, list[int]] | None = None,
         default_max_tokens: int | None = None,
+        cap_max_tokens: bool = False,
     ) -> Request:
         """Validate and build a request without queueing it; raises InvalidRequest. Read-only, so the
         server calls it on its own thread and answers 400 before the engine thread sees anything.
@@ -138,7 +139,8 @@ class LLMEngine:
         `tokenized` (from `tokenize_prompt`) skips tokenizing it again. `params.max_tokens` None means
         up to the context length, or `default_max_tokens` (an API's default the client did not set,
         e.g. SGLang's 128; raised to `min_tokens`) lowered to the room the prompt leaves: a default
-        never refuses a prompt.
+        never refuses a prompt. `cap_max_tokens` (the offline API, as vLLM's): a max_tokens past the
+        room the prompt leaves ends there ("length") instead of refusing the request.
         """
         if self.weights_lost:
             raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
@@ -162,6 +164,8 @@ class LLMEngine:
                     f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the maximum context "
                     f"length of {max_len} leaves after the prompt ({num_prompt} tokens)"
                 )
+        if cap_max_tokens and num_prompt + max_tokens > max_len and params.min_tokens <= max_len - num_prompt:
+            max_tokens = max_len - num_prompt
         if num_prompt + max_tokens > max_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
@@ -205,10 +209,11 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         tokenized: tuple[str | None, list[int]] | None = None,
+        cap_max_tokens: bool = False,
     ) -> str:
         """`make_request` + `add`. Raises InvalidRequest without changing any state."""
         tokenized = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
-        req = self.make_request(prompt, params, request_id, tokenized)
+        req = self.make_request(prompt, params, request_id, tokenized, cap_max_tokens=cap_max_tokens)
         self.add(req, tokenized[0])
         return req.request_id
 

@@ -59,7 +59,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, tok, p in zip(prompts, tokenized, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p, tokenized=tok))
+                # (a max_tokens past the context ends there, "length", as vLLM's offline API does)
+                ids.append(self.engine.add_request(prompt, p, tokenized=tok, cap_max_tokens=True))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
