@@ -1572,7 +1572,10 @@ def test_timed_out_layerwise_pull_keeps_its_staging_slot_until_the_read_is_relea
     assert p.pe_role.staging.num_used_pages == slot_pages  # not reusable: the read may still land
     p.pe_role.check_integrity()
     p.drive(lambda: p.pe_role.staging.num_used_pages == 0, decode=False)  # reported: freed
-    assert p.pe_agent.stats.transfers_aborted == 1 and p.pe_role.abandoned_reads == {}
+    # (the pull: aborted before it copied, so failed; the warm-up's write may also count as aborted,
+    # DONE, when the decode's ack beat the agent's completion report: seen once under load)
+    stats = p.pe_agent.stats
+    assert stats.transfers_failed == 1 and stats.transfers_aborted >= 1 and p.pe_role.abandoned_reads == {}
     p.pe_role.check_integrity()
 
 

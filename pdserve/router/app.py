@@ -437,14 +437,9 @@ class Router:
                 error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502
             )
 
-        try:
-            de_resp = await unless_gone(http, unless_down(de, leg.task))
-        except ClientGone:
-            return client_gone()
-        except httpx.HTTPError as e:
-            return JSONResponse(error_body(f"decode {de.url}: {e!r}", 502, "BadGateway"), 502)
-        except EngineDown as e:
-            return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+        de_resp, failed = await _from_decode(http, de, leg.task, f"decode {de.url}")
+        if failed is not None:
+            return failed
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
         relay = _Relay(de, de_resp)
@@ -453,16 +448,23 @@ class Router:
         # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
         # one that broke midway was a 200 whose body was half an answer and an SSE error event.
         try:
-            content = await unless_gone(http, unless_down(de, de_resp.aread()))
-        except ClientGone:
-            return client_gone()
-        except httpx.HTTPError as e:
-            return JSONResponse(error_body(f"decode answer broke: {e!r}", 502, "BadGateway"), 502)
-        except EngineDown as e:
-            return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+            content, failed = await _from_decode(http, de, de_resp.aread(), "decode answer broke")
         finally:
             await relay.aclose()
-        return Response(content, status_code=de_resp.status_code, media_type=media)
+        return failed if failed is not None else Response(content, de_resp.status_code, media_type=media)
+
+
+async def _from_decode(http: Request, de: Engine, awaitable, what: str):
+    """(`awaitable`'s result, None), or (None, the answer when the client left, the decode's
+    connection broke, or the decode was declared down meanwhile)."""
+    try:
+        return await unless_gone(http, unless_down(de, awaitable)), None
+    except ClientGone:
+        return None, client_gone()
+    except httpx.HTTPError as e:
+        return None, JSONResponse(error_body(f"{what}: {e!r}", 502, "BadGateway"), 502)
+    except EngineDown as e:
+        return None, JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
 
 
 class _Leg:
