@@ -53,6 +53,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    # generation_config.json's sampling values ((SamplingParams field, value), ...): the defaults of a
+    # request that does not set them, as vLLM applies them (its generation_config="auto")
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     @staticmethod
     def from_dir(path: str | os.PathLike) -> ModelConfig:
@@ -117,12 +120,34 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            sampling_defaults=_sampling_defaults(generation or {}),
         )
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """Bytes of K plus V for one token of one layer at 2 bytes/element (bf16/fp16)."""
         return 2 * self.num_kv_heads * self.head_dim * 2
+
+
+# generation_config.json key -> SamplingParams field (vLLM's list: `get_diff_sampling_param`)
+GENERATION_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _sampling_defaults(generation: dict) -> tuple[tuple[str, float | int], ...]:
+    """The sampling values a generation config gives (numbers only; a key set to null is absent)."""
+    out = []
+    for key, name in GENERATION_SAMPLING_KEYS.items():
+        value = generation.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out.append((name, value))
+    return tuple(out)
 
 
 def _read_json(path: Path) -> dict:

@@ -160,3 +160,39 @@ def test_a_max_tokens_past_the_context_is_capped_there_not_refused(llm):
     )
     assert len(outs[0].outputs[0].token_ids) == 100
     assert len(outs[1].outputs[0].token_ids) == 12 and outs[1].outputs[0].finish_reason == "length"
+
+
+def test_generation_config_sampling_values_are_the_defaults_offline_and_over_http(demo_dir, tmp_path):
+    """vLLM >= 0.8 (generation_config="auto") takes the checkpoint's generation_config.json temperature,
+    top_k, top_p, min_p, repetition_penalty (and offline max_new_tokens) as the defaults of a request
+    that does not set them; pdserve sampled at temperature 1 whatever the model's creator set. A
+    request's own value (or over HTTP its null: the default) still decides."""
+    from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from tests.conftest import post_in_process
+
+    d = variant(demo_dir, tmp_path, generation={"top_k": 1, "max_new_tokens": 5, "temperature": 0.7})
+    llm = LLM(d, dtype="float32", num_pages=64, max_model_len=256)
+    assert dict(llm.engine.config.model_config.sampling_defaults) == {
+        "top_k": 1,
+        "max_tokens": 5,
+        "temperature": 0.7,
+    }
+    default = llm.generate(P)[0].outputs[0]
+    greedy = llm.generate(P, SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert len(default.token_ids) == 5 and default.token_ids == greedy.token_ids  # (top_k 1: greedy)
+
+    defaults = {"top_k": 1, "temperature": 0.7}
+    sp = CompletionRequest.model_validate({"prompt": "x"}).sampling_params(16, None, defaults)
+    assert (sp.top_k, sp.temperature, sp.max_tokens) == (1, 0.7, 16)
+    sp = CompletionRequest.model_validate({"prompt": "x", "top_k": 5, "temperature": None}).sampling_params(
+        16, None, defaults
+    )
+    assert (sp.top_k, sp.temperature) == (5, 0.7)
+    sp = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}]}
+    ).sampling_params(16, None, {"repetition_penalty": 1.05})
+    assert sp.repetition_penalty == 1.05
+
+    body = {"prompt": P, "max_tokens": 6, "seed": 3}
+    r1, r2 = post_in_process(llm.engine, [("/v1/completions", body), ("/v1/completions", body | {"seed": 4})])
+    assert r1.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]  # top_k 1 from the model

@@ -45,8 +45,8 @@ class LLM:
                 "list of those (a list of token ids goes in a dict)"
             )
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # (the model's generation-config values, as vLLM's offline API)
+            sampling_params = SamplingParams(**dict(self.engine.config.model_config.sampling_defaults))
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

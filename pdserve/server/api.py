@@ -125,6 +125,9 @@ def build_app(
     role_name = pd.role_name if pd else "colocated"
     metrics.on_step(engine, [])
     model_name = engine.config.model_name
+    # (the generation config's sampling values, for fields a request leaves out; its max_new_tokens
+    # is the offline API's default only: a route keeps OpenAI's / the context's)
+    sampling_defaults = {k: v for k, v in engine.config.model_config.sampling_defaults if k != "max_tokens"}
     tokenizer = engine.tokenizer
     vocab_size = engine.config.model_config.vocab_size
     app = FastAPI(title="pdserve", default_response_class=JSONResponse)
@@ -515,7 +518,7 @@ def build_app(
         pd_field = (body.model_extra or {}).get("pd")
         req, text = await validate(
             body.single_prompt,
-            lambda: body.sampling_params(body.max_tokens, body.logprobs),
+            lambda: body.sampling_params(body.max_tokens, body.logprobs, sampling_defaults),
             pd_field,
             body.request_id,
         )
@@ -633,7 +636,7 @@ def build_app(
         pd_field = (body.model_extra or {}).get("pd")
 
         def params() -> SamplingParams:
-            sp = body.sampling_params(max_tokens, top)
+            sp = body.sampling_params(max_tokens, top, sampling_defaults)
             if call_grammar is not None:
                 if sp.structured_outputs is not None:
                     raise ValueError(

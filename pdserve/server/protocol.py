@@ -178,15 +178,26 @@ class _SamplingFields(BaseModel):
             raise ValueError("give one of response_format, structured_outputs and guided_*, not several")
         return specs[0] if specs else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """`defaults`: the model's generation-config values (`ModelConfig.sampling_defaults`) for the
+        sampling fields this request does not set (as vLLM applies them)."""
         if self.n not in (None, 1):  # (a route splits n > 1 into children of n = 1 before this)
             raise ValueError("n > 1 must be split into requests of n = 1 first")
+        given = self.model_fields_set
+
+        def pick(name: str, value):
+            if defaults and name in defaults and (name not in given or value is None):
+                return defaults[name]
+            return value
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=pick("temperature", self.temperature),
+            top_p=pick("top_p", self.top_p),
+            top_k=pick("top_k", self.top_k),
+            min_p=pick("min_p", self.min_p),
             seed=self.seed,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
@@ -198,7 +209,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias or {},
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty) or 1.0,
             structured_outputs=self.structured(),
             prompt_logprobs=self.prompt_logprobs,
         )
@@ -213,8 +224,10 @@ class CompletionRequest(_SamplingFields):
     # vLLM's extension: token ids beside the text (agentic clients build the next turn from them)
     return_token_ids: bool | None = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        sp = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        sp = super().sampling_params(max_tokens, logprobs, defaults)
         if self.echo and logprobs is not None:  # (the prompt's part needs its tokens' logprobs)
             sp = dataclasses.replace(sp, prompt_logprobs=max(sp.prompt_logprobs or 0, logprobs))
         return sp
