@@ -72,6 +72,11 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
 }
 
 
+def _or(value, default):
+    """`value`, or `default` when it is None (not when it is 0: a repetition_penalty of 0 is refused)."""
+    return default if value is None else value
+
+
 NULL_MEANS_DEFAULT = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "stream", "ignore_eos", "skip_special_tokens",
      "include_stop_str_in_output", "min_tokens", "logprobs", "add_generation_prompt"}
@@ -209,7 +214,7 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias or {},
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty", self.repetition_penalty) or 1.0,
+            repetition_penalty=_or(pick("repetition_penalty", self.repetition_penalty), 1.0),
             structured_outputs=self.structured(),
             prompt_logprobs=self.prompt_logprobs,
         )
