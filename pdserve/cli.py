@@ -483,9 +483,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # (`pdserve launch` starts its children with its stop signals blocked, so that none is lost
-    # between fork and its record of the child; a signal mask survives exec)
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     sys.exit(main())

@@ -8,6 +8,7 @@ tears everything down; if any child dies, the launcher stops the rest and exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -71,6 +72,42 @@ def parse_nodes(spec: str) -> list[tuple[str, int, int]]:
     return nodes
 
 
+class _Stopped(BaseException):
+    """A stop signal while the cluster was starting (start_cluster stops what it started)."""
+
+
+class _StopState:
+    """`launch`'s stop signal while the cluster starts. Python runs a signal's handler at the next
+    bytecode of the main thread, wherever that is (inside Popen after its fork, inside the teardown):
+    there it only records the signal, and the stop is raised when the section ends."""
+
+    armed = False  # launch is starting the cluster: a stop signal raises _Stopped
+    signum: int | None = None
+    depth = 0  # inside `_unstoppable` sections
+
+
+_STOP = _StopState()
+
+
+@contextlib.contextmanager
+def _unstoppable():
+    _STOP.depth += 1
+    try:
+        yield
+    finally:
+        _STOP.depth -= 1
+    if _STOP.armed and _STOP.depth == 0 and _STOP.signum is not None:
+        raise _Stopped(_STOP.signum)
+
+
+def _stop_starting(signum, _frame) -> None:
+    for sig in STOP_SIGNALS:  # (one is enough)
+        signal.signal(sig, signal.SIG_IGN)
+    _STOP.signum = signum
+    if _STOP.armed and _STOP.depth == 0:
+        raise _Stopped(signum)
+
+
 class Cluster:
     """The child processes of one launch; `stop()` is idempotent."""
 
@@ -97,18 +134,14 @@ class Cluster:
         return proc
 
     def _spawn(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
-        # Stop signals wait until the child is recorded: one raised inside Popen (after the fork)
-        # left a child the launcher never knew of, running on after `stop` (found by a test). The
-        # mask survives exec: `pdserve.cli` unblocks them first thing.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
+        # (a stop raised inside Popen, after the fork, left a child the launcher never knew of,
+        # running on after `stop`: found by a test)
+        with _unstoppable():
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
             if name in dict(self.procs):
                 self.procs = [(n, proc if n == name else p) for n, p in self.procs]
             else:
                 self.procs.append((name, proc))
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return proc
 
     def restart(self, name: str, extra_env: dict | None = None, wait: bool = True) -> subprocess.Popen:
@@ -143,13 +176,9 @@ class Cluster:
         return [name for name, p in self.procs if p.poll() is not None]
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        # Stop signals wait until every child is stopped (`launch` turns one into an exception while
-        # the cluster starts: raised in here, it would leave the remaining children running).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
+        # (a stop raised in here would leave the remaining children running)
+        with _unstoppable():
             self._stop(timeout_s)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def _stop(self, timeout_s: float) -> None:
         for _, p in self.procs:
@@ -333,23 +362,15 @@ def _port_free(port: int) -> bool:
             return False
 
 
-class _Stopped(BaseException):
-    """A stop signal while the cluster was starting (start_cluster stops what it started)."""
-
-
 def launch(a) -> int:
-    def stop_starting(signum, _frame):
-        for sig in STOP_SIGNALS:  # (one is enough; the teardown blocks them: `Cluster.stop`)
-            signal.signal(sig, signal.SIG_IGN)
-        raise _Stopped(signum)
-
     # Before anything starts: a SIGTERM while the engines load (systemd, docker stop, a CI timeout)
     # killed the launcher by default and left its engines running without a parent.
     if a.port and not _port_free(a.port):  # (before the engines load: the router would fail last)
         print(f"error: router port {a.port} is in use", file=sys.stderr)
         return 2
+    _STOP.armed, _STOP.signum = True, None
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stop_starting)
+        signal.signal(sig, _stop_starting)
     try:
         cluster = start_cluster(a, a.prefill, a.decode, a.port)
     except ValueError as e:
@@ -361,11 +382,8 @@ def launch(a) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why above)
         print(f"error: the cluster did not start: {e}", file=sys.stderr)
         return 1
-    n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
-    print(
-        f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
-        flush=True,
-    )
+    finally:
+        _STOP.armed = False
     stopping = False
 
     def on_signal(signum, _frame):
@@ -374,6 +392,15 @@ def launch(a) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
+    if _STOP.signum is not None:  # (one that came as start_cluster returned: recorded, not raised)
+        cluster.stop()
+        print(f"pdserve launch: {signal.Signals(_STOP.signum).name} while starting; stopped", file=sys.stderr)
+        return 128 + _STOP.signum
+    n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
+    print(
+        f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
+        flush=True,
+    )
     try:
         while not stopping:
             dead = cluster.dead()
