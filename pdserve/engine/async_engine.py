@@ -84,12 +84,12 @@ class AsyncEngine:
         check_integrity_when_idle: bool = True,
         role: EngineRole | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
-        on_failed: Callable[[str, str], None] | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         """Observers (metrics), all called on the engine thread: `on_step` (engine, the step's
         outputs: one generated token each), `on_abort` (an aborted request's last output),
         `on_output` (an output whose token this engine did not generate: a PD decode's handed-over
-        first token), `on_failed` (request id, finish reason: a request that ended without an output,
+        first token), `on_failed` (the finish reason of a request that ended without an output,
         e.g. its PD transfer failed)."""
         self.engine = engine
         self._on_step = on_step
@@ -318,7 +318,7 @@ class AsyncEngine:
         (`finish_reason` "abort" or "error")."""
         self._deliver(error, request_id)
         if self._on_failed:
-            self._on_failed(request_id, finish_reason)
+            self._on_failed(finish_reason)
 
     def deliver_step_output(self, out: RequestOutput) -> None:
         """Engine thread only: an output computed outside `engine.step` (the prefill's layerwise lane)

@@ -117,7 +117,7 @@ def build_app(
     aengine = AsyncEngine(
         engine,
         on_step=metrics.on_step,
-        on_abort=metrics.observe_finished,
+        on_abort=metrics.observe_end,
         role=pd.role if pd else None,
         on_output=metrics.observe,
         on_failed=metrics.observe_failed,

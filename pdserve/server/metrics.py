@@ -9,7 +9,6 @@ the request ended), TPOT once per request at its end (the mean gap: vLLM's per-r
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -17,7 +16,6 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-MAX_OPEN_TTFT = 65536  # requests whose TTFT was observed and whose end was not yet seen (bounded)
 
 
 class _Mirror:
@@ -79,7 +77,6 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
-        self._ttft_open: OrderedDict[str, None] = OrderedDict()  # TTFT observed, end not yet seen
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after every step and once when it goes idle."""
@@ -101,30 +98,27 @@ class EngineMetrics:
             self.observe(out)
 
     def observe(self, out: RequestOutput) -> None:
-        """An output of a request (a step's, an abort's, or a handed-over first token's, whose token
-        this engine did not generate): its TTFT at its first token, its end when it ends."""
+        """An output of a request (a step's, or a PD decode's handed-over first token, whose token
+        this engine did not generate): its TTFT with its first token (every such output adds one
+        token, so the output holding one is the first), its end when it ends."""
         m = out.metrics
-        rid = out.request_id
-        first = m.get("first_token_time")
-        if first is not None and rid not in self._ttft_open:
-            self.ttft.observe(first - m["arrival_time"])
-            self._ttft_open[rid] = None
-            if len(self._ttft_open) > MAX_OPEN_TTFT:  # (ids of requests whose end went unseen)
-                self._ttft_open.popitem(last=False)
-        if not out.finished:
-            return
-        self._ttft_open.pop(rid, None)
+        if len(out.outputs[0].token_ids) == 1 and m.get("first_token_time") is not None:
+            self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+        if out.finished:
+            self.observe_end(out)
+
+    def observe_end(self, out: RequestOutput) -> None:
+        """A request's end (also the async engine's abort hook: an aborted request's first token, if it
+        had one, was observed with the output that brought it)."""
+        m = out.metrics
         self.finished.labels(out.outputs[0].finish_reason or "abort").inc()
         n = len(out.outputs[0].token_ids)
-        if first is not None and n > 1:
-            self.tpot.observe((m["last_token_time"] - first) / (n - 1))
+        if m.get("first_token_time") is not None and n > 1:
+            self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
 
-    observe_finished = observe  # (the async engine's abort hook: an aborted request's end)
-
-    def observe_failed(self, request_id: str, finish_reason: str) -> None:
+    def observe_failed(self, finish_reason: str) -> None:
         """A request that ended without an output (its PD transfer failed, or was aborted before the
         first token): counted once, by the engine that answers the client (the decode)."""
-        self._ttft_open.pop(request_id, None)
         self.finished.labels(finish_reason).inc()
 
 
