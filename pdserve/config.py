@@ -67,11 +67,11 @@ class ModelConfig:
         gen = _read_json(gen_path) if gen_path.is_file() else {}
         try:
             return ModelConfig.from_dict(raw, gen)
+        except ConfigError:
+            raise
         except KeyError as e:  # (a required key; the others default as transformers defaults them)
             raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, ConfigError):
-                raise
             raise ConfigError(f"{cfg_path}: a value of the wrong type ({e})") from None
 
     @staticmethod

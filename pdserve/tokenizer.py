@@ -82,6 +82,18 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> tuple[str, list[int]]:
+        """The chat template applied to `messages` and its token ids. The template writes the BOS
+        itself, so the text is encoded without special tokens (the chat route and `LLM.chat`)."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        return prompt, self.encode(prompt, add_special_tokens=False)
+
     def incremental(
         self, skip_special_tokens: bool = True, context: list[int] = ()
     ) -> IncrementalDetokenizer:

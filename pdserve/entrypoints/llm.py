@@ -94,8 +94,8 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the model's chat template (which writes the BOS itself: the text is
-        encoded without special tokens, as the server's chat route does), then generated."""
+        them, rendered as the server's chat route renders them (`Tokenizer.chat_prompt`), then
+        generated."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs its template")
@@ -104,8 +104,6 @@ class LLM:
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
                 raise ValueError("messages: a list of {'role', 'content'} dicts, or a list of such lists")
-            text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt, tools, chat_template_kwargs
-            )
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            _, ids = tokenizer.chat_prompt(conversation, add_generation_prompt, tools, chat_template_kwargs)
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -90,9 +90,7 @@ SGLANG_SAMPLING_NAMES = {
 def stop_reason_of(o, finish: str | None) -> str | int | None:
     """vLLM's `stop_reason` of a choice: the stop string or stop token id that ended it; None when an
     EOS, the length or an abort did (or it has not ended)."""
-    if o is None or finish != "stop" or isinstance(o.stop_reason, bool):
-        return None
-    return o.stop_reason if isinstance(o.stop_reason, str | int) else None
+    return o.stop_reason if o is not None and finish == "stop" else None
 
 
 def build_app(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.responses import JSONResponse as _StarletteJSONResponse
@@ -72,11 +72,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
 }
 
 
-def _or(value, default):
-    """`value`, or `default` when it is None (not when it is 0: a repetition_penalty of 0 is refused)."""
-    return default if value is None else value
-
-
 NULL_MEANS_DEFAULT = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "stream", "ignore_eos", "skip_special_tokens",
      "include_stop_str_in_output", "min_tokens", "logprobs", "add_generation_prompt"}
@@ -87,6 +82,8 @@ class _SamplingFields(BaseModel):
     # Unknown OpenAI fields (user, ...) are ignored; known ones must have their JSON type (strict: no
     # false -> 0, "1" -> 1, "no" -> False coercions).
     model_config = ConfigDict(extra="allow", strict=True)
+    # The route's own refused fields beside UNSUPPORTED_FIELDS (pydantic ignores ClassVars)
+    unsupported_here: ClassVar[dict[str, tuple]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -99,15 +96,8 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
-        route = (
-            UNSUPPORTED_CHAT_FIELDS
-            if hasattr(self, "messages")
-            else UNSUPPORTED_COMPLETION_FIELDS
-            if hasattr(self, "prompt")
-            else {}
-        )
         for name, value in (self.model_extra or {}).items():
-            off = route.get(name, UNSUPPORTED_FIELDS.get(name))
+            off = self.unsupported_here.get(name, UNSUPPORTED_FIELDS.get(name))
             if (
                 off is not None
                 and value is not None
@@ -197,6 +187,7 @@ class _SamplingFields(BaseModel):
                 return defaults[name]
             return value
 
+        repetition = pick("repetition_penalty", self.repetition_penalty)  # (0 is refused: not "unset")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=pick("temperature", self.temperature),
@@ -214,13 +205,14 @@ class _SamplingFields(BaseModel):
             logit_bias=self.logit_bias or {},
             presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=_or(pick("repetition_penalty", self.repetition_penalty), 1.0),
+            repetition_penalty=1.0 if repetition is None else repetition,
             structured_outputs=self.structured(),
             prompt_logprobs=self.prompt_logprobs,
         )
 
 
 class CompletionRequest(_SamplingFields):
+    unsupported_here: ClassVar[dict[str, tuple]] = UNSUPPORTED_COMPLETION_FIELDS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -280,6 +272,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unsupported_here: ClassVar[dict[str, tuple]] = UNSUPPORTED_CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

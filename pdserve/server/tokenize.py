@@ -29,12 +29,11 @@ def render_chat(
     template_kwargs: dict | None = None,
 ) -> tuple[str, list[int]]:
     """The chat template applied to `messages` (and `tools`, and the request's chat_template_kwargs),
-    and its token ids. The template writes the BOS itself, so the text is encoded without special
-    tokens. ValueError for a malformed message, TokenizerError for a template that refuses it."""
-    prompt = tokenizer.apply_chat_template(
+    and its token ids (`Tokenizer.chat_prompt`). ValueError for a malformed message, TokenizerError
+    for a template that refuses it."""
+    return tokenizer.chat_prompt(
         tool_calls.template_messages(messages), add_generation_prompt, tools, template_kwargs
     )
-    return prompt, tokenizer.encode(prompt, add_special_tokens=False)
 
 
 class TokenizeRequest(BaseModel):
