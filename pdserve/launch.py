@@ -362,6 +362,11 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def _stopped_while_starting(signum: int) -> int:
+    print(f"pdserve launch: {signal.Signals(signum).name} while starting; stopped", file=sys.stderr)
+    return 128 + signum
+
+
 def launch(a) -> int:
     # Before anything starts: a SIGTERM while the engines load (systemd, docker stop, a CI timeout)
     # killed the launcher by default and left its engines running without a parent.
@@ -377,8 +382,7 @@ def launch(a) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except _Stopped as e:
-        print(f"pdserve launch: {signal.Signals(e.args[0]).name} while starting; stopped", file=sys.stderr)
-        return 128 + e.args[0]
+        return _stopped_while_starting(e.args[0])
     except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why above)
         print(f"error: the cluster did not start: {e}", file=sys.stderr)
         return 1
@@ -394,8 +398,7 @@ def launch(a) -> int:
         signal.signal(sig, on_signal)
     if _STOP.signum is not None:  # (one that came as start_cluster returned: recorded, not raised)
         cluster.stop()
-        print(f"pdserve launch: {signal.Signals(_STOP.signum).name} while starting; stopped", file=sys.stderr)
-        return 128 + _STOP.signum
+        return _stopped_while_starting(_STOP.signum)
     n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
     print(
         f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
