@@ -29,14 +29,19 @@ def test_ttft_is_observed_at_the_first_token_and_once(demo_model_dir):
     assert m.registry.get_sample_value("pdserve_request_time_per_output_token_seconds_count") == 1
     assert m.registry.get_sample_value("pdserve_requests_finished_total", {"finish_reason": "length"}) == 1
     assert m.registry.get_sample_value("pdserve_generation_tokens_total") == 6
+    assert m.registry.get_sample_value("pdserve_prompt_tokens_total") == 3  # at its first token, once
+    assert m.registry.get_sample_value("pdserve_e2e_request_latency_seconds_count") == 1
     # An abort after the first token: its end is counted by the abort hook, its TTFT not again.
     engine.add_request([5, 6, 8], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0), "r2")
     m.on_step(engine, engine.step())
     m.observe_end(engine.abort("r2"))
     assert m.registry.get_sample_value("pdserve_time_to_first_token_seconds_count") == 2
     assert m.registry.get_sample_value("pdserve_requests_finished_total", {"finish_reason": "abort"}) == 1
+    assert m.registry.get_sample_value("pdserve_prompt_tokens_total") == 6
+    assert m.registry.get_sample_value("pdserve_e2e_request_latency_seconds_count") == 2  # an abort ends too
     m.observe_failed("error")  # (a PD room that failed: counted by the decode, once)
     assert m.registry.get_sample_value("pdserve_requests_finished_total", {"finish_reason": "error"}) == 1
+    assert m.registry.get_sample_value("pdserve_e2e_request_latency_seconds_count") == 2  # (no output)
 
 
 def test_counts_that_only_grow_are_counters_and_never_decrease(demo_model_dir):

@@ -9,6 +9,7 @@ the request ended), TPOT once per request at its end (the mean gap: vLLM's per-r
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -16,6 +17,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A whole request (agentic turns decode for minutes): vLLM's e2e buckets.
+_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
 
 
 class _Mirror:
@@ -62,6 +65,11 @@ class EngineMetrics:
             r,
         )
         self.generated = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens",
+            "Prompt tokens of requests that got their first token (cached ones included, as vLLM's)",
+            registry=r,
+        )
         self.finished = Counter(
             "pdserve_requests_finished", "Requests finished", ["finish_reason"], registry=r
         )
@@ -75,6 +83,12 @@ class EngineMetrics:
             "pdserve_request_time_per_output_token_seconds",
             "Mean gap between a request's output tokens (one per request, at its end)",
             buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Arrival to end, per request that produced an output (aborted ones included)",
+            buckets=_E2E_BUCKETS_S,
             registry=r,
         )
 
@@ -104,6 +118,7 @@ class EngineMetrics:
         m = out.metrics
         if len(out.outputs[0].token_ids) == 1 and m.get("first_token_time") is not None:
             self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
         if out.finished:
             self.observe_end(out)
 
@@ -112,6 +127,8 @@ class EngineMetrics:
         had one, was observed with the output that brought it)."""
         m = out.metrics
         self.finished.labels(out.outputs[0].finish_reason or "abort").inc()
+        if m.get("arrival_time") is not None:  # (monotonic, as the engine stamps it)
+            self.e2e.observe(time.monotonic() - m["arrival_time"])
         n = len(out.outputs[0].token_ids)
         if m.get("first_token_time") is not None and n > 1:
             self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
