@@ -18,7 +18,8 @@ from pdserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A whole request (agentic turns decode for minutes): vLLM's e2e buckets.
-_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+_E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960)
+_E2E_BUCKETS_S += (1920, 7680)
 
 
 class _Mirror:
