@@ -343,6 +343,17 @@ class ClusterSim:
         # refused would be refused again: ``_retry_room`` skips it (``_room_unchanged``).
         self.room_ver = [0] * n_nodes
         self._retrying_room = False
+        # What ``_retry_room`` visits, so that a release costs O(its waiters), not O(stalled nodes) (at
+        # 48P96D nearly every node is stalled on room): per node x, the stalled nodes whose head read's
+        # request has x as its PE or DE node (its ``_room_unchanged`` reads x's counter); the stalled
+        # nodes that may pass a retry (a counter of their head's nodes moved, or a read holding room
+        # queued behind the head): a superset, each still checked exactly when visited; and per
+        # stalled node the order it stalled in (= its place in ``stalled_nodes``).
+        self.room_watch: list[set[int]] = [set() for _ in range(n_nodes)]
+        self.room_dirty: set[int] = set()
+        self.stall_stamp = [0] * n_nodes
+        self.stall_nodes: list[tuple[int, int]] = [(0, 0)] * n_nodes  # the watched (PE, DE) nodes
+        self._num_stalls = 0
         # Per PE, the requests whose reads are done and whose prefill is not, in FIFO (= rid) order:
         # assignments follow the router's FIFO queue, so a PE's requests arrive in rid order.
         self.pe_ready: list[list[_Req]] = [[] for _ in range(self.num_pe)]
@@ -580,6 +591,8 @@ class ClusterSim:
             other = self._other_read_node(req, node)
             if other >= 0:
                 self.reserved_queued[other] += 1
+                if self.read_stalled[other]:
+                    self.room_dirty.add(other)  # a read holding room may now pass its head
                 wake = other
         else:
             if not waited:
@@ -595,8 +608,9 @@ class ClusterSim:
                         break
             if passing < 0:
                 if not self.read_stalled[node]:
-                    self.read_stalled[node] = True
-                    self.stalled_nodes.append(node)
+                    self._stall(node, req)
+                elif not self.reserved_queued[node]:
+                    self.room_dirty.discard(node)  # just refused: clean until a counter moves
                 return  # FIFO: the reads queued behind wait too; ``_buf_free`` retries
             item = q[passing]
             del q[passing]
@@ -604,8 +618,7 @@ class ClusterSim:
             req, tokens = item
             self.reserved_queued[node] -= 1
         if self.read_stalled[node]:
-            self.read_stalled[node] = False
-            self.stalled_nodes.remove(node)
+            self._unstall(node)
         nbytes = tokens * self.kv_tok
         t = self.now
         end = max(self.snic[node].book(t, nbytes), self.dram[node].book(t, nbytes))
@@ -615,6 +628,36 @@ class ClusterSim:
             self._start_read(wake)
         if granted_waiter and not self._retrying_room:
             self._retry_room()  # younger waiters on its nodes may go now
+
+    def _stall(self, node: int, head: _Req) -> None:
+        """``node``'s head read (of ``head``, just refused room) waits; the reads behind it too."""
+        self.read_stalled[node] = True
+        self.stalled_nodes.append(node)
+        self._num_stalls += 1
+        self.stall_stamp[node] = self._num_stalls
+        pe_node, de_node = head.pe // self.g, self.P + head.de // self.g
+        self.stall_nodes[node] = (pe_node, de_node)
+        self.room_watch[pe_node].add(node)
+        self.room_watch[de_node].add(node)
+        if self.reserved_queued[node]:
+            self.room_dirty.add(node)
+
+    def _unstall(self, node: int) -> None:
+        """``node``'s stalled head read (or a read that passes it) starts now. A stalled node's head
+        never changes (its SNIC is idle, so nothing pops it), so the nodes it watched are its head's."""
+        self.read_stalled[node] = False
+        self.stalled_nodes.remove(node)
+        pe_node, de_node = self.stall_nodes[node]
+        self.room_watch[pe_node].discard(node)
+        self.room_watch[de_node].discard(node)
+        self.room_dirty.discard(node)
+
+    def _loosen(self, node: int) -> None:
+        """A refused request may now get room on ``node``: bump its counter, mark the stalled nodes
+        whose head depends on it."""
+        self.room_ver[node] += 1
+        if self.room_watch[node]:
+            self.room_dirty.update(self.room_watch[node])
 
     def _other_read_node(self, req: _Req, node: int) -> int:
         """The node of ``req``'s other read (a split request reads on both sides), or -1."""
@@ -655,10 +698,10 @@ class ClusterSim:
         if req.waits_room:
             req.waits_room = False
             wait[de_node].remove(rid)
-            self.room_ver[de_node] += 1
+            self._loosen(de_node)
             if pe_b:
                 wait[pe_node].remove(rid)
-                self.room_ver[pe_node] += 1
+                self._loosen(pe_node)
         return True
 
     def _wait_room(self, req: _Req) -> None:
@@ -683,7 +726,7 @@ class ClusterSim:
 
     def _buf_free(self, node: int, nbytes: int) -> None:
         self.buf_used[node] -= nbytes
-        self.room_ver[node] += 1
+        self._loosen(node)
         # Every loosening (this, or a waiter given room) is followed by a retry run to a fixed point,
         # so before this release no waiter could get room; now only one that needs room here can.
         if self.room_wait[node]:
@@ -699,16 +742,29 @@ class ClusterSim:
         self._retrying_room = True
         fits: list[_Req] = []
         granted = True
+        dirty, stamp = self.room_dirty, self.stall_stamp
         while granted:
             granted = False
-            for n in list(self.stalled_nodes):
-                # A stalled node's SNIC is idle; an earlier retry in this pass may have woken it.
-                if self.read_stalled[n]:
-                    # (Unless a read whose room is held may pass the stalled head.)
-                    if not self.reserved_queued[n] and self._room_unchanged(self.read_q[n][0][0]):
-                        continue
-                    self._start_read(n)
-                    granted = granted or not self.read_stalled[n]
+            # The stalled nodes in stall order, as they were when this round began (a node stalled
+            # during it waits for the next round); visited only if marked dirty, which every node that
+            # could pass is (``room_dirty``): the rest would be refused with no side effect.
+            limit = self._num_stalls + 1
+            after = 0
+            while dirty:
+                n, at = -1, limit
+                for m in dirty:
+                    s = stamp[m]
+                    if after < s < at:
+                        n, at = m, s
+                if n < 0:
+                    break
+                after = at
+                # (Unless a read whose room is held may pass the stalled head.)
+                if not self.reserved_queued[n] and self._room_unchanged(self.read_q[n][0][0]):
+                    dirty.discard(n)
+                    continue
+                self._start_read(n)
+                granted = granted or not self.read_stalled[n]
             for n in list(self.first_turn_nodes):
                 waiting = self.buf_waiting[n]  # first turns only ever wait for room on their DE node
                 while waiting and not self._room_unchanged(waiting[0]) and self._reserve(waiting[0]):
