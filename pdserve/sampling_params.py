@@ -15,6 +15,21 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 1024  # (OpenAI takes 4; vLLM and SGLang set no bound, and RL recipes use a few)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SPEC_CHARS = 256 * 1024  # a structured-output spec's text (schema, regex, choices, grammar)
+MAX_N = 64  # choices per prompt (each is a request of its own on the engines)
+_SEED_SPAN = 2**64  # seeds are taken in [-2**63, 2**64): a choice's seed wraps inside it
+
+
+def child_seed(seed, i: int):
+    """Choice i's seed when one prompt is sampled n times (offline `n`, the HTTP routes' `n`):
+    seed + i, wrapped into the accepted range, so each choice is reproducible alone; anything else is
+    left as it was (an unseeded request stays unseeded; a bad seed is refused by each choice as by
+    the parent)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < _SEED_SPAN:
+        return seed
+    s = seed + i
+    return s - _SEED_SPAN if s >= _SEED_SPAN else s
+
+
 # llguidance's JSON options for `disable_any_whitespace`: Python's json.dumps separators (the form most
 # models write), no other whitespace.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -141,6 +156,9 @@ class StructuredOutputs:
 
 @dataclass
 class SamplingParams:
+    # Choices per prompt. The engine runs one sequence per request: `LLM.generate` and the HTTP routes
+    # split n > 1 into n requests (choice j seeded `child_seed(seed, j)`), which share the prompt's pages.
+    n: int = 1
     max_tokens: int | None = 16  # None: up to max_model_len
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -184,7 +202,7 @@ class SamplingParams:
             "min_tokens must be an integer",
             self.min_tokens,
         )
-        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("n", "max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             _check(
                 value is None or (isinstance(value, int) and not isinstance(value, bool)),
@@ -211,6 +229,7 @@ class SamplingParams:
         _check(isinstance(self.stop, list), "stop must be a string or a list of strings", self.stop)
         if self.top_k == -1:
             self.top_k = 0
+        _check(1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", self.n)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens)
         _check(0.0 <= self.temperature < math.inf, "temperature must be finite and >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)

@@ -196,3 +196,39 @@ def test_generation_config_sampling_values_are_the_defaults_offline_and_over_htt
     body = {"prompt": P, "max_tokens": 6, "seed": 3}
     r1, r2 = post_in_process(llm.engine, [("/v1/completions", body), ("/v1/completions", body | {"seed": 4})])
     assert r1.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]  # top_k 1 from the model
+
+
+def test_n_choices_per_prompt_each_as_its_seed_alone_would_sample(llm):
+    """vLLM's offline `SamplingParams(n=...)` (RL rollouts sample a group per prompt): it did not
+    exist. Choice j is the request seeded seed + j, so each choice is reproducible alone, as over
+    HTTP; the choices share the prompt's pages; nothing is left held."""
+    sp = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    out = llm.generate([P, "x = 1"], [sp, SamplingParams(max_tokens=2, temperature=0)])
+    assert [len(o.outputs) for o in out] == [3, 1]
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    alone = [
+        llm.generate(P, SamplingParams(seed=11 + j, temperature=1.0, max_tokens=8, ignore_eos=True))[0]
+        for j in range(3)
+    ]
+    assert [list(c.token_ids) for c in out[0].outputs] == [list(a.outputs[0].token_ids) for a in alone]
+    assert [c.text for c in out[0].outputs] == [a.outputs[0].text for a in alone]
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # (different seeds, different samples)
+    assert all(c.cumulative_logprob is not None and len(c.logprobs) == 8 for c in out[0].outputs)
+    assert out[0].prompt == P and out[0].request_id != out[1].request_id
+    assert pages_in_use(llm) == 0
+    greedy = llm.generate(P, SamplingParams(n=2, temperature=0, max_tokens=4))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+@pytest.mark.parametrize("n", [0, -1, 65, True, 1.5, "2"])
+def test_a_bad_n_is_a_value_error(n):
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=n)
+
+
+def test_the_engine_refuses_n_above_one_rather_than_answer_one_choice(llm):
+    from pdserve.engine.llm_engine import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="one request per choice"):
+        llm.engine.add_request(P, SamplingParams(n=2))
+    assert not llm.engine.has_unfinished()

@@ -144,10 +144,14 @@ class LLMEngine:
         """
         if self.weights_lost:
             raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
+        if params.n != 1:  # (one sequence per request)
+            raise InvalidRequest(
+                f"n={params.n}: one request per choice (LLM.generate and the HTTP routes split n)"
+            )
         text, ids = tokenized if tokenized is not None else self.tokenize_prompt(prompt)
         if not ids:
             raise InvalidRequest("prompt is empty")
-        request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
+        request_id = request_id if request_id is not None else self.new_request_id()
         max_len = self.config.scheduler.max_model_len
         num_prompt = len(ids)
         if num_prompt >= max_len:
@@ -216,6 +220,11 @@ class LLMEngine:
         req = self.make_request(prompt, params, request_id, tokenized, cap_max_tokens=cap_max_tokens)
         self.add(req, tokenized[0])
         return req.request_id
+
+    def new_request_id(self) -> str:
+        """A fresh id (what `add_request` gives a request without one): for callers that name a group of
+        requests (the offline API's choices of one prompt, `<id>_<j>`)."""
+        return f"req-{next(self._counter)}"
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages now. PD requests are aborted through their role's

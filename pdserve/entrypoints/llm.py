@@ -4,18 +4,21 @@ from pdserve import LLM, SamplingParams
 llm = LLM(model="path/to/hf-dir", page_size=16, dtype="float32")
 outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
 outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+SamplingParams(n=4, seed=0): four choices per prompt in `outputs` (index 0..3), each its own request
+on the engine (choice j seeded seed + j), sharing the prompt's pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, child_seed
 
 
 class LLM:
@@ -32,9 +35,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Serve all prompts together (continuous batching); outputs come back in input order.
+        """Serve all prompts together (continuous batching); outputs come back in input order, one per
+        prompt, its `n` choices in `outputs`.
 
-        Every prompt is validated before any is queued, so one bad prompt leaves the engine untouched.
+        A prompt that fails validation aborts those queued before it, so one bad prompt leaves the
+        engine untouched.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -56,23 +61,38 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        groups: list[tuple[str | None, list[str]]] = []  # per prompt: (the id naming its n choices, ids)
         ids: list[str] = []
         try:
             for prompt, tok, p in zip(prompts, tokenized, params, strict=True):
                 # (a max_tokens past the context ends there, "length", as vLLM's offline API does)
-                ids.append(self.engine.add_request(prompt, p, tokenized=tok, cap_max_tokens=True))
+                if p.n == 1:
+                    ids.append(self.engine.add_request(prompt, p, tokenized=tok, cap_max_tokens=True))
+                    groups.append((None, ids[-1:]))
+                    continue
+                base = self.engine.new_request_id()
+                for j in range(p.n):
+                    choice = replace(p, n=1, seed=child_seed(p.seed, j))
+                    ids.append(
+                        self.engine.add_request(prompt, choice, f"{base}_{j}", tok, cap_max_tokens=True)
+                    )
+                groups.append((base, ids[-p.n :]))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        prompt_of = {rid: i for i, (_, group) in enumerate(groups) for rid in group}
+        left = [len(group) for _, group in groups]
+        bar = tqdm(total=len(groups), disable=not use_tqdm, desc="generate")
         try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                        bar.update(1)
+                        left[prompt_of[out.request_id]] -= 1
+                        if not left[prompt_of[out.request_id]]:
+                            bar.update(1)
         except BaseException:
             # (an error in a step, or Ctrl-C: the batch left queued and holding pages ran first, whole,
             # in the caller's next generate)
@@ -82,7 +102,10 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [done[rid] for rid in ids]
+        return [
+            done[group[0]] if base is None else _choices(base, [done[r] for r in group])
+            for base, group in groups
+        ]
 
     def chat(
         self,
@@ -107,3 +130,14 @@ class LLM:
             _, ids = tokenizer.chat_prompt(conversation, add_generation_prompt, tools, chat_template_kwargs)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _choices(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n choices (requests `<id>_<j>`) as one output: choice j at `outputs[j]`; the
+    prompt's fields from the first (all share the prompt); times from the earliest to the latest."""
+    times: dict = {}
+    for key, pick in (("arrival_time", min), ("first_token_time", min), ("last_token_time", max)):
+        values = [o.metrics[key] for o in outs if o.metrics.get(key) is not None]
+        times[key] = pick(values) if values else None
+    outputs = [replace(o.outputs[0], index=j) for j, o in enumerate(outs)]
+    return replace(outs[0], request_id=request_id, outputs=outputs, metrics=outs[0].metrics | times)

@@ -42,11 +42,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.sampling_params import MAX_N, child_seed
 from pdserve.server.protocol import MAX_REQUEST_ID_CHARS, JSONResponse, error_body
 
-MAX_N = 64  # choices per prompt (each is a request of its own on the engines)
 MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches, with room to spare
-_SEED_SPAN = 2**64  # SamplingParams takes seeds in [-2**63, 2**64): a child's seed wraps inside it
 
 
 def num_choices(n) -> int:
@@ -56,15 +55,6 @@ def num_choices(n) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
     return n
-
-
-def child_seed(seed, i: int):
-    """Child i's seed: seed + i (wrapped into the accepted range); anything else is left as it was
-    (an unseeded request stays unseeded; a bad seed is refused by each child as by the parent)."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < _SEED_SPAN:
-        return seed
-    s = seed + i
-    return s - _SEED_SPAN if s >= _SEED_SPAN else s
 
 
 class StartGate:
