@@ -39,18 +39,18 @@ def test_encode_exact_bytes():
         cached_tokens_storage=48,
         first_logprob=-0.5,
         top_logprobs=top,
+        first_logprob_rank=2,
     )
     data = encode_row(row)
     assert len(data) == 256
-    assert struct.unpack_from("<iiiiIfi", data, 0) == (42, 16, 32, 48, 1, -0.5, 3)
-    assert data[28:32] == b"\0" * 4
+    assert struct.unpack_from("<iiiiIfii", data, 0) == (42, 16, 32, 48, 1, -0.5, 3, 2)
     assert struct.unpack_from("<20i", data, 32) == (1, 8, 15) + (0,) * 17
     assert struct.unpack_from("<20f", data, 112) == (-0.25, -0.5, -0.75) + (0.0,) * 17
     assert data[192:240] == b"\0" * 48 and data[244:248] == b"\0" * 4
     assert data[248:256] == bytes.fromhex("efcdab8967452301")  # little-endian uint64
     assert struct.unpack_from("<I", data, 240)[0] == zlib.crc32(data[248:], zlib.crc32(data[:240]))
     assert decode_row(data) == row
-    assert decode_row(data).logprobs == (-0.5, list(top))
+    assert decode_row(data).logprobs == (-0.5, list(top), 2)
 
 
 def test_round_trip_variants():
@@ -85,6 +85,8 @@ def test_round_trip_variants():
         {"first_logprob": -1.0, "top_logprobs": tuple((i, -1.0) for i in range(21))},  # n = 21
         {"first_logprob": None, "top_logprobs": ((1, -1.0),)},  # top-n without the chosen logprob
         {"first_logprob": -1.0, "top_logprobs": ((-2, -1.0),)},
+        {"first_logprob": -1.0, "first_logprob_rank": -1},
+        {"first_logprob": None, "first_logprob_rank": 3},  # a rank without the chosen logprob
     ],
 )
 def test_encode_rejects_bad_rows(kwargs):
@@ -122,6 +124,12 @@ def test_decode_rejects_bad_bytes():
         lambda b: struct.pack_into("<I", b, 16, 2),  # unknown flag
         lambda b: struct.pack_into("<I", b, 16, 0),  # top_n > 0 without logprobs
         lambda b: struct.pack_into("<i", b, 0, -5),
+        lambda b: struct.pack_into("<i", b, 28, -1),  # rank
+        lambda b: (
+            struct.pack_into("<I", b, 16, 0),
+            struct.pack_into("<i", b, 24, 0),
+            struct.pack_into("<i", b, 28, 1),
+        ),
         lambda b: struct.pack_into("<f", b, 20, float("nan")),
         lambda b: struct.pack_into("<Q", b, 248, 2**63),
     ):

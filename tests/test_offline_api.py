@@ -232,3 +232,21 @@ def test_the_engine_refuses_n_above_one_rather_than_answer_one_choice(llm):
     with pytest.raises(InvalidRequest, match="one request per choice"):
         llm.engine.add_request(P, SamplingParams(n=2))
     assert not llm.engine.has_unfinished()
+
+
+def test_sampled_tokens_logprobs_carry_their_rank(llm):
+    """vLLM's Logprob has `rank` for the sampled token too (1 + how many tokens were likelier, a tie
+    ranking with it); ours had it for prompt logprobs only."""
+    out = llm.generate(
+        P, SamplingParams(seed=3, temperature=1.5, max_tokens=24, ignore_eos=True, logprobs=20)
+    )[0]
+    ranks = [t.rank for t in out.outputs[0].logprobs]
+    assert all(isinstance(r, int) and r >= 1 for r in ranks) and max(ranks) > 1  # (sampled hot: not all top)
+    for t in out.outputs[0].logprobs:
+        likelier = [v for _, v in t.top if v > t.logprob]
+        if t.rank <= len(t.top):  # inside the top list: the tokens before it are exactly the likelier ones
+            assert len(likelier) == t.rank - 1 and t.top[t.rank - 1][0] == t.token_id
+        else:
+            assert len(likelier) == len(t.top)
+    greedy = llm.generate(P, SamplingParams(temperature=0, max_tokens=6, logprobs=0))[0]
+    assert [t.rank for t in greedy.outputs[0].logprobs] == [1] * 6

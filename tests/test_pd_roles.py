@@ -526,6 +526,7 @@ def test_logprobs_of_token_one_travel_in_the_handoff_row(make_pair, colocated):
     assert got.token_ids == ref.token_ids
     assert got.logprobs[0].logprob == pytest.approx(ref.logprobs[0].logprob, rel=1e-6)
     assert [t for t, _ in got.logprobs[0].top] == [t for t, _ in ref.logprobs[0].top]
+    assert [t.rank for t in got.logprobs] == [t.rank for t in ref.logprobs] == [1, 1, 1]  # (greedy)
     p.assert_clean()
 
 

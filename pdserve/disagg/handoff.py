@@ -20,7 +20,7 @@ Slot layout (little-endian, SLOT_BYTES = 256, a multiple of 64 so every slot is 
      16     4  flags                    uint32; bit 0: logprobs present
      20     4  first_logprob            float32 (0.0 when absent)
      24     4  top_n                    int32 in [0, 20] (0 when absent)
-     28     4  (zero)
+     28     4  first_logprob_rank       int32 >= 0: token 1's rank (0 when absent)
      32    80  top_ids[20]              int32, first top_n used, rest zero
     112    80  top_logprobs[20]         float32, first top_n used, rest zero
     192    48  (zero)
@@ -54,6 +54,7 @@ OFF_CACHED_STORAGE = 12
 OFF_FLAGS = 16
 OFF_FIRST_LOGPROB = 20
 OFF_TOP_N = 24
+OFF_FIRST_RANK = 28
 OFF_TOP_IDS = 32
 OFF_TOP_LOGPROBS = OFF_TOP_IDS + 4 * MAX_TOP_N  # 112
 OFF_CRC = 240
@@ -61,7 +62,7 @@ OFF_ROOM = SLOT_BYTES - 8  # 248
 FLAG_LOGPROBS = 1
 _ALIGN_BYTES = 4096  # buffer start alignment (page), friendlier to RDMA registration
 
-_HEAD = struct.Struct("<iiiiIfi")  # first token, 3 counts, flags, first logprob, top_n
+_HEAD = struct.Struct("<iiiiIfii")  # first token, 3 counts, flags, first logprob, top_n, rank
 _TOP_IDS = struct.Struct(f"<{MAX_TOP_N}i")
 _TOP_LPS = struct.Struct(f"<{MAX_TOP_N}f")
 _U32 = struct.Struct("<I")
@@ -81,11 +82,14 @@ class HandoffRow:
     cached_tokens_storage: int = 0
     first_logprob: float | None = None  # None: logprobs were not requested
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), at most 20; () when absent
+    first_logprob_rank: int = 0  # token 1's rank (1 + tokens likelier); 0 when absent
 
     @property
-    def logprobs(self) -> tuple[float, list[tuple[int, float]]] | None:
-        """The sampler's per-row logprobs shape: (chosen logprob, [(id, logprob), ...]) or None."""
-        return None if self.first_logprob is None else (self.first_logprob, list(self.top_logprobs))
+    def logprobs(self) -> tuple[float, list[tuple[int, float]], int] | None:
+        """The sampler's per-row logprobs shape: (chosen logprob, [(id, logprob), ...], rank) or None."""
+        if self.first_logprob is None:
+            return None
+        return (self.first_logprob, list(self.top_logprobs), self.first_logprob_rank)
 
 
 def _crc(buf: bytes | bytearray) -> int:
@@ -101,13 +105,19 @@ def encode_row(row: HandoffRow) -> bytes:
     """SLOT_BYTES bytes for `row`; raises BadHandoffRow on an out-of-range field."""
     if not isinstance(row.room, int) or not 0 < row.room <= MAX_ROOM:
         raise BadHandoffRow(f"room must be an int in (0, 2**63): {row.room!r}")
-    for name in ("first_token_id", "cached_tokens_device", "cached_tokens_host", "cached_tokens_storage"):
+    for name in (
+        "first_token_id",
+        "cached_tokens_device",
+        "cached_tokens_host",
+        "cached_tokens_storage",
+        "first_logprob_rank",
+    ):
         _check_int32(name, getattr(row, name))
     top = row.top_logprobs
     if len(top) > MAX_TOP_N:
         raise BadHandoffRow(f"at most {MAX_TOP_N} top logprobs, got {len(top)}")
-    if row.first_logprob is None and top:
-        raise BadHandoffRow("top_logprobs without first_logprob")
+    if row.first_logprob is None and (top or row.first_logprob_rank):
+        raise BadHandoffRow("top_logprobs or a rank without first_logprob")
     ids = [0] * MAX_TOP_N
     lps = [0.0] * MAX_TOP_N
     for i, (tok, lp) in enumerate(top):
@@ -120,7 +130,9 @@ def encode_row(row: HandoffRow) -> bytes:
     buf = bytearray(SLOT_BYTES)
     head = (row.first_token_id, row.cached_tokens_device, row.cached_tokens_host, row.cached_tokens_storage)
     try:
-        _HEAD.pack_into(buf, 0, *head, flags, float(row.first_logprob or 0.0), len(top))
+        _HEAD.pack_into(
+            buf, 0, *head, flags, float(row.first_logprob or 0.0), len(top), row.first_logprob_rank
+        )
         _TOP_LPS.pack_into(buf, OFF_TOP_LOGPROBS, *lps)
     except OverflowError as e:  # a finite double beyond float32's range
         raise BadHandoffRow(f"logprob out of float32 range: {e}") from None
@@ -141,10 +153,12 @@ def decode_row(data: bytes | bytearray | memoryview) -> HandoffRow:
         raise BadHandoffRow("room is 0: the row has not landed")
     if _U32.unpack_from(buf, OFF_CRC)[0] != _crc(buf):
         raise BadHandoffRow("CRC mismatch: torn or corrupted row")
-    tok, dev, host, storage, flags, first_lp, top_n = _HEAD.unpack_from(buf, 0)
-    if room > MAX_ROOM or min(tok, dev, host, storage) < 0 or flags & ~FLAG_LOGPROBS:
+    tok, dev, host, storage, flags, first_lp, top_n, rank = _HEAD.unpack_from(buf, 0)
+    if room > MAX_ROOM or min(tok, dev, host, storage, rank) < 0 or flags & ~FLAG_LOGPROBS:
         raise BadHandoffRow("field out of range")
     has_lp = bool(flags & FLAG_LOGPROBS)
+    if rank and not has_lp:
+        raise BadHandoffRow("a rank without logprobs")
     if not 0 <= top_n <= MAX_TOP_N or (top_n and not has_lp):
         raise BadHandoffRow(f"top_n out of range: {top_n}")
     ids = _TOP_IDS.unpack_from(buf, OFF_TOP_IDS)
@@ -159,6 +173,7 @@ def decode_row(data: bytes | bytearray | memoryview) -> HandoffRow:
         cached_tokens_storage=storage,
         first_logprob=first_lp if has_lp else None,
         top_logprobs=tuple(zip(ids[:top_n], lps[:top_n], strict=True)),
+        first_logprob_rank=rank,
     )
 
 

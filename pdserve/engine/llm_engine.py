@@ -261,8 +261,7 @@ class LLMEngine:
                 req.first_token_time = now
             req.last_token_time = now
             if result.logprobs[i] is not None:
-                chosen, top = result.logprobs[i]
-                req.logprobs.append(TokenLogprob(token, chosen, top))
+                req.logprobs.append(TokenLogprob(token, *result.logprobs[i]))
             status = self.check_stop(req)
             self.kv.cache_computed_pages(req)
             if status is not None:

@@ -456,7 +456,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         req.first_token_time = req.last_token_time = now
         if req.sampling_params.logprobs is not None and row.first_logprob is not None:
             top = list(row.top_logprobs)[: req.sampling_params.logprobs]
-            req.logprobs.append(TokenLogprob(row.first_token_id, row.first_logprob, top))
+            rank = row.first_logprob_rank or None  # (0: not sent)
+            req.logprobs.append(TokenLogprob(row.first_token_id, row.first_logprob, top, rank))
         self._burn_first_draw(req)
         self.engine.kv.cache_computed_pages(req)
         if self.store is not None:  # write-back: the whole prompt's full blocks, off the critical path

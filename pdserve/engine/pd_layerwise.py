@@ -214,8 +214,7 @@ class LayerwisePrefill:
         req.num_computed_tokens = num_tokens
         req.first_token_time = req.last_token_time = time.monotonic()
         if result.logprobs[0] is not None:
-            chosen, top = result.logprobs[0]
-            req.logprobs.append(TokenLogprob(token, chosen, top))
+            req.logprobs.append(TokenLogprob(token, *result.logprobs[0]))
         req.status = RequestStatus.FINISHED_LENGTH
         pr.num_pages_sent = num_pages  # every page went out layer by layer: the last write is the handoff
         self.num_runs += 1

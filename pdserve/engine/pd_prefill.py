@@ -634,6 +634,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 cached_tokens_storage=req.num_storage_tokens,
                 first_logprob=lp.logprob if lp else None,
                 top_logprobs=tuple(lp.top) if lp else (),
+                first_logprob_rank=(lp.rank or 0) if lp else 0,
             ),
         )
         pr.sent_last = True

@@ -38,7 +38,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
-    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs report it, as vLLM)
+    rank: int | None = None  # 1 + how many tokens were likelier, ties ranking with it (vLLM's)
 
 
 @dataclass(eq=False)  # identity semantics: queues remove by `is`, not by field equality

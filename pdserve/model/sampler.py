@@ -27,7 +27,9 @@ LOGPROB_FLOOR = -9999.0
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen, top-n) per row
+    # (chosen token's logprob, top-n [(id, logprob)], chosen token's rank) per row; None: not asked.
+    # Rank: 1 + how many tokens are likelier, a tie ranking with the token (vLLM's count of >=).
+    logprobs: list[tuple[float, list[tuple[int, float]], int] | None]
 
 
 class Sampler:
@@ -76,11 +78,13 @@ class Sampler:
         if lp is not None:
             max_top = max(params[i].logprobs for i in want)
             top_vals, top_ids = lp.topk(max_top, dim=-1) if max_top else (None, None)
-            chosen_lp = lp.gather(1, chosen[want][:, None]).squeeze(1).tolist()
+            chosen_col = lp.gather(1, chosen[want][:, None])  # [len(want), 1]
+            ranks = (lp >= chosen_col).sum(dim=1).tolist()
+            chosen_lp = chosen_col.squeeze(1).tolist()
             for j, i in enumerate(want):
                 k = params[i].logprobs
                 top = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True)) if k else []
-                logprobs[i] = (chosen_lp[j], top)
+                logprobs[i] = (chosen_lp[j], top, ranks[j])
         return SampleResult(token_ids, logprobs)
 
 
