@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | make-demo-model | demo | bench | simulate."""
+"""`pdserve` command line: serve | router | launch | make-demo-model | demo | bench | simulate."""
 
 from __future__ import annotations
 

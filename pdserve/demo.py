@@ -1,5 +1,6 @@
-"""`make demo`: start a colocated server on the demo checkpoint, talk to it with the `openai` client,
-print what came back with timings, stop the server."""
+"""`make demo`: launch a router + 1 prefill + 1 decode on the demo checkpoint, talk to it with the `openai`
+client, check that PD gives the colocated greedy output, print what came back with timings, stop the
+cluster; then the DualPath comparison on an emulated cluster (`demo-dualpath.json` / `.png`)."""
 
 from __future__ import annotations
 

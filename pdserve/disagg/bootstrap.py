@@ -3,8 +3,8 @@ control channels listen. It carries no KV and no request traffic.
 
 Who uses it: a prefill engine starts one `BootstrapServer` (default port 8998 in the CLI) next to its
 HTTP API; each of its ranks registers with `PUT /route` (or `register_local` in-process). A decode
-engine calls `lookup(url, rank)` once per prefill from an asyncio task or helper thread, never from the
-scheduler loop, then sends `Register` to the returned control address.
+engine calls `lookup(url, rank)` at most once a second per prefill (`PDContext` caches the answer for
+`ADDR_TTL_S`, dropped on failure) from an asyncio task or helper thread, never from the scheduler loop, then sends `Register` to the returned control address.
 
 Choice: a small FastAPI app served by its own uvicorn server on its own thread and event loop. It
 shares nothing with the scheduler but the `RouteTable` (a lock around a dict), so a slow or hostile

@@ -52,7 +52,9 @@ class RequestAborted(RuntimeError):
 class EngineRole:
     """A PD role (prefill or decode side) plugged into the engine thread's loop.
 
-    Every method runs on the engine thread. `add`/`abort` replace the engine's own handling of those
+    Every method runs on the engine thread, except `attach` (called by `AsyncEngine.__init__` before
+    that thread starts) and the read-only helpers the HTTP thread's load report reads
+    (`pd_load.load_report`, e.g. `DecodeRole._reserved_pages`). `add`/`abort` replace the engine's own handling of those
     commands; `tick` runs once per loop turn (poll control messages, transfer completions, deadlines)
     and returns True while it has work in flight, so the loop polls again soon instead of sleeping.
     """

@@ -2,7 +2,7 @@
 
 Single-threaded: the offline `LLM` calls `step()` directly; the server runs it in one engine thread
 (`pdserve.engine.async_engine`). One step = schedule -> run the model -> append sampled tokens ->
-publish full pages to the prefix cache -> check stops -> release finished requests' pages.
+check stops -> publish full pages to the prefix cache -> release finished requests' pages.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def make_staging(kv_cache, capacity_pages: int):
 
 class PDRoleBase:
     """State both PD roles keep (the subclasses are `EngineRole`s: every method runs on the engine
-    thread). `agent` may be set after construction: the agent registers the role's handoff and
+    thread, with the exceptions `EngineRole` names). `agent` may be set after construction: the agent registers the role's handoff and
     staging buffers, so it is created once the role exists (see `PDContext`)."""
 
     answers_client = False  # the decode's stream is the client's answer (it counts a failed request)

@@ -353,7 +353,8 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.control.send(peer.reply_addr, failed, room)
 
     def _on_register(self, msg: Register, reg_id: int, sender: str) -> None:
-        """A decode introduces itself (once). `reg_id` (the envelope's room field) is echoed back so
+        """A decode introduces itself (again after a lost RegisterAck, a stale registration or a weight
+        update: each accepted Register adds its agent again). `reg_id` (the envelope's room field) is echoed back so
         the decode can tell which of its pending registrations this ack answers. A registration we
         could not write to exactly as described is refused here, with the reason; accepted, it is
         only ever used within the bounds it announced (`_kv_request_error`). A refused Register

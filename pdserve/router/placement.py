@@ -5,7 +5,7 @@ Who calls what (all on the router's event loop, so no locks):
   `--load-interval-s`, default 50 ms) and `on_health(engine)` when its health changes;
 * `Router.dispatch` awaits `place(...)` for every request; the request waits in the FIFO until the
   scheduler assigns it (prefill engine, decode engine, read path) — the very scheduler module the
-  simulator runs (`pdserve sim`), with the same named policies (`round_robin` = Basic, `dualpath`,
+  simulator runs (`pdserve simulate`), with the same named policies (`round_robin` = Basic, `dualpath`,
   `round_robin_dual`);
 * after each load report and each arrival, `_pump()` runs one fetch over the queue head.
 

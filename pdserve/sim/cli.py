@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--accel",
         choices=("auto", "on", "off"),
         default="auto",
-        help="compiled simulator (mypyc, same source and results, ~1.9x faster): auto = use a build "
+        help="compiled simulator (mypyc, same source and results, ~2x faster): auto = use a build "
         "that matches the sources if there is one; on = build it first (~2 min once); off = pure Python",
     )
     g = parser.add_argument_group("overrides (default: the scenario's own)")

@@ -6,7 +6,8 @@ thread-safe, and the thread must keep polling so notifications and progress happ
 calls a backend directly; engines go through `TransferAgent`'s queues.
 
 Call order (all from the owner thread): `register` once -> `local_metadata` (shipped to peers by the
-control plane) -> `add_peer` per peer -> any number of `write` / `status` / `release` ->
+control plane) -> `add_peer` per registration -> any number of `write` / `read` / `status` /
+`release` ->
 `get_notifications` continuously -> `close` once.
 """
 
@@ -46,11 +47,14 @@ class TransferBackend(abc.ABC):
 
     @abc.abstractmethod
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
-        """Make `peer_name` a valid write target. Called once per peer, when its registration arrives."""
+        """Make `peer_name` a valid write target. Called on every registration the prefill accepts:
+        first contact, and again when a decode registers anew (a lost RegisterAck, a weight update),
+        so it must be idempotent."""
 
     @abc.abstractmethod
     def remove_peer(self, peer_name: str) -> None:
-        """Forget a peer (it died or left). Unknown names are ignored."""
+        """Forget a peer (it died or left). Unknown names are ignored. (The engines do not call it
+        today: a prefill keeps every decode that registered until it restarts.)"""
 
     @abc.abstractmethod
     def write(
