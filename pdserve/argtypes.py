@@ -36,3 +36,40 @@ def number(
 
     parse.is_number = True  # type: ignore[attr-defined]  # (for tests that scan options for addresses)
     return parse
+
+
+def number_list(item: Callable[[str], float]) -> Callable[[str], list]:
+    """A comma-separated list of ``item`` values, at least one ("0.5,1,2")."""
+
+    def parse(text: str) -> list:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one value")
+        return [item(t) for t in parts]
+
+    return parse
+
+
+def name_list(known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A comma-separated list of names out of ``known``, at least one ("round_robin,dualpath")."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one of {', '.join(known)}")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
+        return names
+
+    return parse
+
+
+# The ranges every command line uses.
+port = number(int, 0, low_ok=True, high=65535)
+count = number(int, 1, low_ok=True)  # 1, 2, ...
+positive = number(float, 0, low_ok=False)
+non_negative = number(float, 0, low_ok=True)
+fraction = number(float, 0, low_ok=False, high=1)  # (0, 1]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")

@@ -7,13 +7,10 @@ import errno
 import os
 import sys
 
-from pdserve.argtypes import number
+from pdserve.argtypes import DEVICES, DTYPES, count, number, port, positive
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
-_port = number(int, 0, low_ok=True, high=65535)
-_count = number(int, 1, low_ok=True)
-_positive = number(float, 0, low_ok=False)
 # (a negative α or β was refused only inside the router's load poller, which swallowed it: the
 # scheduler was never built and every request heard "retry shortly")
 _tokens = number(int, 0, low_ok=True)
@@ -39,12 +36,12 @@ def _configure_logging(level: str) -> None:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF model directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=_positive, default=0.5)
-    p.add_argument("--max-model-len", type=_count, default=None)
+    p.add_argument("--kv-cache-gib", type=positive, default=0.5)
+    p.add_argument("--max-model-len", type=count, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -102,7 +99,7 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         "(negative: always)",
     )
     p.add_argument("--kv-store", default=None, help="DualPath persistent KV store directory (PD roles)")
-    p.add_argument("--kv-store-gib", type=_positive, default=8.0, help="store capacity (LRU eviction beyond)")
+    p.add_argument("--kv-store-gib", type=positive, default=8.0, help="store capacity (LRU eviction beyond)")
     p.add_argument("--kv-block-size", type=int, default=64, help="tokens per stored block")
     p.add_argument(
         "--kv-store-keep-old-weights",
@@ -110,10 +107,10 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         help="after a weight update keep the previous weights' store directory (default: removed)",
     )
     p.add_argument(
-        "--snic-mbps", type=_positive, default=None, help="emulated storage NIC budget per node, MB/s"
+        "--snic-mbps", type=positive, default=None, help="emulated storage NIC budget per node, MB/s"
     )
     p.add_argument(
-        "--cnic-mbps", type=_positive, default=None, help="emulated compute NIC budget per engine, MB/s"
+        "--cnic-mbps", type=positive, default=None, help="emulated compute NIC budget per engine, MB/s"
     )
 
 
@@ -129,7 +126,7 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
         "--alpha-tokens", type=_tokens, default=None, help="dualpath α (default: 3 s of SNIC reads)"
     )
     p.add_argument("--beta-tokens", type=_tokens, default=None, help="dualpath β (default: unlimited)")
-    p.add_argument("--load-interval-s", type=_positive, default=0.05, help="engine load report poll period")
+    p.add_argument("--load-interval-s", type=positive, default=0.05, help="engine load report poll period")
 
 
 def _read_path_arg(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -355,11 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     _log_level_arg(s)
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
     s.add_argument(
-        "--bootstrap-port", type=_port, default=8998, help="prefill: bootstrap server port (0 = any)"
+        "--bootstrap-port", type=port, default=8998, help="prefill: bootstrap server port (0 = any)"
     )
     s.add_argument(
         "--enable-fault-injection",
@@ -375,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill", nargs="+", required=True, help="prefill engine base URLs")
     r.add_argument("--decode", nargs="+", required=True, help="decode engine base URLs")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=_port, default=8000)
-    r.add_argument("--health-interval-s", type=_positive, default=1.0)
+    r.add_argument("--port", type=port, default=8000)
+    r.add_argument("--health-interval-s", type=positive, default=1.0)
     _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
     _policy_args(r)
     _log_level_arg(r)
@@ -384,9 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="start router + prefill + decode engines on this machine")
     _engine_args(la)
-    la.add_argument("--prefill", type=_count, default=1, help="number of prefill engines")
-    la.add_argument("--decode", type=_count, default=1, help="number of decode engines")
-    la.add_argument("--port", type=_port, default=8000, help="router port")
+    la.add_argument("--prefill", type=count, default=1, help="number of prefill engines")
+    la.add_argument("--decode", type=count, default=1, help="number of decode engines")
+    la.add_argument("--port", type=port, default=8000, help="router port")
     _pd_args(la)
     _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
     _policy_args(la)
@@ -408,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build the demo checkpoint if needed, serve it, send a few requests")
     d.add_argument("--model-dir", default=".demo-model")
-    d.add_argument("--port", type=_port, default=0, help="0 = pick a free port")
+    d.add_argument("--port", type=port, default=0, help="0 = pick a free port")
     d.set_defaults(fn=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that measure a ratio side by side in one run")
@@ -417,13 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument(
         "--model", default=None, help="model dir (default: the demo checkpoint, built if missing)"
     )
-    bo.add_argument("--num-requests", type=_count, default=32)
+    bo.add_argument("--num-requests", type=count, default=32)
     bo.add_argument("--seed", type=int, default=0)
-    bo.add_argument("--dtype", default="float32")
-    bo.add_argument("--device", default="cpu")
+    bo.add_argument("--dtype", default="float32", choices=DTYPES, help="both sides (auto: pdserve's choice)")
+    bo.add_argument("--device", default="cpu", choices=DEVICES, help="both sides (auto: pdserve's choice)")
     bo.add_argument("--json", default=None, help="write the figures to this file")
-    bo.add_argument("--repeats", type=int, default=2, help="alternating runs per side; best time kept")
-    bo.add_argument("--kv-cache-gib", type=float, default=1.0, help="pdserve's KV pool (GiB)")
+    bo.add_argument("--repeats", type=count, default=2, help="alternating runs per side; best time kept")
+    bo.add_argument("--kv-cache-gib", type=positive, default=1.0, help="pdserve's KV pool (GiB)")
     bo.set_defaults(fn=cmd_bench)
     bt = bsub.add_parser("transfer", help="NIXL between two processes vs an in-process torch copy")
     from pdserve.bench.transfer import add_arguments as add_transfer_arguments

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pdserve.argtypes import count, non_negative, number, positive
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 
 WORKLOADS = [*sorted(TABLE2), "mooncake", "mooncake-synthetic", "weka_cc"]
@@ -453,25 +454,30 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="router or colocated engine base URL")
     p.add_argument("--model", default=None, help="served model name (default: first of /v1/models)")
     p.add_argument("--model-dir", default=None, help="model dir; its config.json gives the vocab size")
-    p.add_argument("--vocab-size", type=int, default=None, help="ids drawn from [10, V-10) (default 256)")
+    p.add_argument(
+        "--vocab-size",
+        type=number(int, 21, low_ok=True),
+        default=None,
+        help="ids drawn from [10, V-10) (default 256)",
+    )
     p.add_argument("--workload", default="32k", choices=WORKLOADS)
     p.add_argument("--data-dir", default=None, help="trace directory (default ../shared/data)")
     p.add_argument("--mode", default="offline", choices=["offline", "online"])
-    p.add_argument("--num-agents", type=int, default=8)
-    p.add_argument("--max-turns", type=int, default=16)
-    p.add_argument("--length-scale", type=float, default=0.1, help="multiplies appends and gens")
+    p.add_argument("--num-agents", type=count, default=8)
+    p.add_argument("--max-turns", type=count, default=16)
+    p.add_argument("--length-scale", type=positive, default=0.1, help="multiplies appends and gens")
     p.add_argument(
-        "--max-context-tokens", type=int, default=None, help="per agent (default: max_model_len or 2048)"
+        "--max-context-tokens", type=count, default=None, help="per agent (default: max_model_len or 2048)"
     )
-    p.add_argument("--aps", type=float, default=1.0, help="online: agent arrivals per second (Poisson)")
-    p.add_argument("--think-s", type=float, default=0.0, help="tool latency between turns")
-    p.add_argument("--slo-ttft-s", type=float, default=4.0)
-    p.add_argument("--slo-tpot-s", type=float, default=0.05)
-    p.add_argument("--sample-s", type=float, default=1.0, help="/pd/cluster sampling period (0: off)")
+    p.add_argument("--aps", type=positive, default=1.0, help="online: agent arrivals per second (Poisson)")
+    p.add_argument("--think-s", type=non_negative, default=0.0, help="tool latency between turns")
+    p.add_argument("--slo-ttft-s", type=positive, default=4.0)
+    p.add_argument("--slo-tpot-s", type=positive, default=0.05)
+    p.add_argument("--sample-s", type=non_negative, default=1.0, help="/pd/cluster sampling period (0: off)")
     p.add_argument(
         "--extra-body", default=None, help='JSON merged into every request, e.g. {"read_path":"pe"}'
     )
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    p.add_argument("--timeout-s", type=positive, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0, help="trajectories, arrivals and token ids")
     p.add_argument("--token-seed", type=int, default=None, help="token ids only (a cold-cache rerun)")
     p.add_argument("--no-progress", action="store_true")

@@ -52,17 +52,20 @@ def run_offline_bench(args) -> int:
         max_model_len=2048,
         kv_cache_memory_gib=args.kv_cache_gib,
     )
+    # Hugging Face runs on what pdserve resolved ("auto" included): the two sides on equal terms.
+    device, dtype_name = llm.engine.config.device, llm.engine.config.dtype
     work = make_workload(args.num_requests, args.seed, llm.engine.config.model_config.vocab_size)
     num_out = sum(m for _, m in work)
     num_in = sum(len(p) for p, _ in work)
     print(
         f"{len(work)} requests, {num_in} prompt tokens, {num_out} output tokens "
-        f"(device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()})"
+        f"(device {device}, {dtype_name}, torch threads {torch.get_num_threads()})"
     )
 
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in work]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    warm = prompts[:2]
+    llm.generate(warm, [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * len(warm))  # warm-up
 
     def run_ours():
         llm.engine.kv.pool.reset_prefix_cache()  # every repeat starts cold: no prefix hits
@@ -70,13 +73,13 @@ def run_offline_bench(args) -> int:
         outs = llm.generate(prompts, params)
         return time.perf_counter() - t, outs
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, **{hf_dtype_kw(): dtype}).to(args.device).eval()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, **{hf_dtype_kw(): dtype}).to(device).eval()
     hf.generation_config.eos_token_id = None
     max_len = max(len(p) for p, _ in work)
     pad = 0
-    ids = torch.tensor([[pad] * (max_len - len(p)) + p for p, _ in work], device=args.device)
-    mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p, _ in work], device=args.device)
+    ids = torch.tensor([[pad] * (max_len - len(p)) + p for p, _ in work], device=device)
+    mask = torch.tensor([[0] * (max_len - len(p)) + [1] * len(p) for p, _ in work], device=device)
     with torch.no_grad():
         hf.generate(
             ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, do_sample=False, pad_token_id=pad
@@ -111,8 +114,8 @@ def run_offline_bench(args) -> int:
         "num_requests": len(work),
         "prompt_tokens": num_in,
         "output_tokens": num_out,
-        "device": args.device,
-        "dtype": args.dtype,
+        "device": device,
+        "dtype": dtype_name,
         "pdserve_s": round(ours_s, 3),
         "hf_s": round(hf_s, 3),
         "pdserve_tok_s": round(ours_rate, 1),

@@ -17,6 +17,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pdserve.argtypes import DEVICES, DTYPES, count, number, positive
+
 
 @dataclass
 class Result:
@@ -87,8 +89,9 @@ async def run_load(
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = []
         for i, body in enumerate(requests):
+            if i:  # (no wait after the last one: the run's wall time would count it)
+                await asyncio.sleep(rng.expovariate(rate_per_s))
             tasks.append(asyncio.ensure_future(one(client, urls[i % len(urls)], model, body)))
-            await asyncio.sleep(rng.expovariate(rate_per_s))
         return await asyncio.gather(*tasks)
 
 
@@ -141,18 +144,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model dir for the side-by-side run (default: demo checkpoint)"
     )
     p.add_argument("--served-model-name", default="demo")
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
-    p.add_argument("--long-fraction", type=float, default=0.25)
-    p.add_argument("--long-words", type=int, default=700, help="~tokens of a long prompt")
-    p.add_argument("--short-words", type=int, default=30)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine step budget")
+    p.add_argument("--num-requests", type=count, default=48)
+    p.add_argument("--rate", type=positive, default=3.0, help="requests per second (Poisson)")
+    p.add_argument("--long-fraction", type=number(float, 0, low_ok=True, high=1), default=0.25)
+    p.add_argument("--long-words", type=count, default=700, help="~tokens of a long prompt")
+    p.add_argument("--short-words", type=count, default=30)
+    p.add_argument("--max-tokens", type=count, default=64)
+    p.add_argument("--max-num-batched-tokens", type=count, default=256, help="engine step budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--device", default="cpu", help="engines' device (both setups: compared on equal hardware)"
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="engines' device (both setups: compared on equal hardware)",
     )
-    p.add_argument("--dtype", default="float32", help="engines' dtype (both setups)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="engines' dtype (both setups)")
     p.add_argument("--json", default=None)
 
 

@@ -25,20 +25,27 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.argtypes import count, non_negative, number, positive
+
 _METRIC = re.compile(r"^pdserve_kv_pages_used(?:\{[^}]*\})? ([-+0-9.eE]+)$", re.M)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--load-fraction", type=float, default=0.8, help="of the calibrated throughput")
-    p.add_argument("--concurrency", type=int, default=8, help="calibration clients")
-    p.add_argument("--calibrate-s", type=float, default=20.0)
-    p.add_argument("--warmup-s", type=float, default=30.0, help="excluded from the drift windows")
-    p.add_argument("--window-frac", type=float, default=0.1, help="drift compares first vs last window")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--minutes", type=positive, default=10.0)
+    p.add_argument("--prefill", type=count, default=1)
+    p.add_argument("--decode", type=count, default=1)
+    p.add_argument("--load-fraction", type=positive, default=0.8, help="of the calibrated throughput")
+    p.add_argument("--concurrency", type=count, default=8, help="calibration clients")
+    p.add_argument("--calibrate-s", type=positive, default=20.0)
+    p.add_argument("--warmup-s", type=non_negative, default=30.0, help="excluded from the drift windows")
+    p.add_argument(
+        "--window-frac",
+        type=number(float, 0, low_ok=False, high=0.5),
+        default=0.1,
+        help="drift compares first vs last window (each this share of the run)",
+    )
+    p.add_argument("--max-tokens", type=count, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)

@@ -22,14 +22,16 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.argtypes import count, positive
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-mib", type=float, default=4.0, help="bytes per block, MiB (Qwen2.5-32B: 16)")
-    p.add_argument("--num-blocks", type=int, default=48, help="blocks written and read per pass")
-    p.add_argument("--layers", type=int, default=64, help="layers per block (layer block = tokens x 4 KiB)")
-    p.add_argument("--bytes-per-token-layer", type=int, default=4096, help="K+V bytes per token per layer")
-    p.add_argument("--io-threads", type=int, default=4, help="store I/O threads")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per path and case (best kept)")
+    p.add_argument("--block-mib", type=positive, default=4.0, help="bytes per block, MiB (Qwen2.5-32B: 16)")
+    p.add_argument("--num-blocks", type=count, default=48, help="blocks written and read per pass")
+    p.add_argument("--layers", type=count, default=64, help="layers per block (layer block = tokens x 4 KiB)")
+    p.add_argument("--bytes-per-token-layer", type=count, default=4096, help="K+V bytes per token per layer")
+    p.add_argument("--io-threads", type=count, default=4, help="store I/O threads")
+    p.add_argument("--repeats", type=count, default=3, help="timed passes per path and case (best kept)")
     p.add_argument("--backends", nargs="+", default=["preadv", "nixl"], choices=["preadv", "nixl"])
     p.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
     p.add_argument("--dir", default=None, help="parent directory of the temp store (default: $TMPDIR)")

@@ -24,20 +24,22 @@ import hashlib
 import statistics
 import time
 
+from pdserve.argtypes import count
+
 PAGE_SIZES_KIB = (4, 16, 64, 256, 1024)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--page-kib", type=int, nargs="+", default=list(PAGE_SIZES_KIB), help="bytes per page, KiB"
+        "--page-kib", type=count, nargs="+", default=list(PAGE_SIZES_KIB), help="bytes per page, KiB"
     )
-    p.add_argument("--total-mib", type=int, default=64, help="bytes moved per case, MiB")
-    p.add_argument("--num-regions", type=int, default=2, help="regions (K/V buffers) the pages span")
-    p.add_argument("--repeats", type=int, default=15, help="timed repetitions per case (median reported)")
-    p.add_argument("--staging-chunks", type=int, default=4, help="pipelined chunks of a staged write")
+    p.add_argument("--total-mib", type=count, default=64, help="bytes moved per case, MiB")
+    p.add_argument("--num-regions", type=count, default=2, help="regions (K/V buffers) the pages span")
+    p.add_argument("--repeats", type=count, default=15, help="timed repetitions per case (median reported)")
+    p.add_argument("--staging-chunks", type=count, default=4, help="pipelined chunks of a staged write")
     p.add_argument(
         "--rounds",
-        type=int,
+        type=count,
         default=1,
         help="sweep all cases this many times; the table gives medians over every repetition of every "
         "round and each round's ratio (drift on a shared machine shows up between rounds)",
@@ -45,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--torch-threads",
-        type=int,
+        type=count,
         default=1,
         help="torch intra-op threads in both processes (1: on 2 busy cores, 2 threads thrash: 1 MiB gathers 30x slower)",
     )
@@ -101,9 +103,13 @@ def _receiver_main(conn, num_regions: int, max_pages: int, page_nbytes: int, tor
             if seen == expected:  # the receiver's clock reading: CLOCK_MONOTONIC is host-wide
                 conn.send(("ack", time.perf_counter()))
                 seen = 0
-        if not conn.poll(0):
-            continue
-        msg = conn.recv()
+        try:
+            if not conn.poll(0):
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):  # the sender is gone: end quietly
+            agent.close()
+            return
         if msg[0] == "setup":  # (page size, pages per region, dst_pages, chunks, notifs per rep)
             _, case_page_nbytes, num_pages, dst_pages, chunks, expected = msg
             views = [t.view(2 * num_pages, case_page_nbytes) for t in buf]
@@ -119,6 +125,34 @@ def _receiver_main(conn, num_regions: int, max_pages: int, page_nbytes: int, tor
             agent.close()
             conn.send("bye")
             return
+
+
+def _check_layout(total_nbytes: int, num_regions: int, page_sizes: list[int]) -> None:
+    """Every page size must tile each region's share of the bytes exactly, at least once (else a
+    view fails after both processes started); ValueError (an `error:` line) otherwise."""
+    per_region, rest = divmod(total_nbytes, num_regions)
+    bad = [p >> 10 for p in page_sizes if rest or per_region % p or per_region < p]
+    if bad:
+        raise ValueError(
+            f"page size(s) {bad} KiB do not tile {total_nbytes >> 20} MiB over {num_regions} regions "
+            f"({per_region} bytes each): each page size must divide it"
+        )
+
+
+def _stop_receiver(conn, proc, agent) -> None:
+    """Tell the receiver to stop (it closes its agent), close ours, and reap it."""
+    try:
+        conn.send(("stop",))
+        if conn.poll(10):
+            conn.recv()
+    except (EOFError, OSError, BrokenPipeError):
+        pass
+    if agent is not None:
+        agent.close()
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -172,10 +206,11 @@ def run(args: argparse.Namespace) -> int:
     if not nixl_available():
         print("NIXL is not installed (pip install nixl-cu12); nothing to compare.")
         return 1
-    torch.set_num_threads(args.torch_threads)
     R = args.num_regions
     total_nbytes = args.total_mib << 20
     page_sizes = [k << 10 for k in args.page_kib]
+    _check_layout(total_nbytes, R, page_sizes)
+    torch.set_num_threads(args.torch_threads)
     max_pages = total_nbytes // R // min(page_sizes)
     region_nbytes = 2 * max_pages * min(page_sizes)  # every page size uses the same bytes per region
     ctx = mp.get_context("spawn")  # never fork around NIXL agents
@@ -184,133 +219,136 @@ def run(args: argparse.Namespace) -> int:
         target=_receiver_main, args=(child, R, max_pages, min(page_sizes), args.torch_threads), daemon=True
     )
     proc.start()
-    src_flat = _pool(R, 1, region_nbytes, fill=True)
-    ceil_dst_flat = _pool(R, 1, region_nbytes, fill=False)
-    staging_buf = host_zeros(total_nbytes)
-    regions = [(t.data_ptr(), t.numel()) for t in src_flat] + [(staging_buf.data_ptr(), staging_buf.numel())]
-    agent = TransferAgent("nixl", "bench-send", regions, poll_interval_s=0.0002)
-    peer_md, peer_bases, peer_staging = parent.recv()
-    agent.add_peer("bench-recv", peer_md)
+    agent = None
+    try:
+        src_flat = _pool(R, 1, region_nbytes, fill=True)
+        ceil_dst_flat = _pool(R, 1, region_nbytes, fill=False)
+        staging_buf = host_zeros(total_nbytes)
+        regions = [(t.data_ptr(), t.numel()) for t in src_flat] + [
+            (staging_buf.data_ptr(), staging_buf.numel())
+        ]
+        agent = TransferAgent("nixl", "bench-send", regions, poll_interval_s=0.0002)
+        peer_md, peer_bases, peer_staging = parent.recv()
+        agent.add_peer("bench-recv", peer_md)
 
-    def call(*msg):
-        parent.send(msg)
-        return parent.recv()
+        def call(*msg):
+            parent.send(msg)
+            return parent.recv()
 
-    def nixl_rep(submit_all) -> float:
-        t0 = time.perf_counter()
-        ids = submit_all()
-        kind, t_known = parent.recv()
-        assert kind == "ack"
-        dt = t_known - t0  # until the receiver knew (not the ack's way back)
-        done: dict[int, object] = {}
-        while len(done) < len(ids):
-            done.update(agent.poll_completions())
-            time.sleep(0.0001)
-        if any(done[i] != 1 for i in ids):
-            raise RuntimeError(f"transfer failed: {done}")
-        return dt
+        def nixl_rep(submit_all) -> float:
+            t0 = time.perf_counter()
+            ids = submit_all()
+            kind, t_known = parent.recv()
+            assert kind == "ack"
+            dt = t_known - t0  # until the receiver knew (not the ack's way back)
+            done: dict[int, object] = {}
+            while len(done) < len(ids):
+                done.update(agent.poll_completions())
+                time.sleep(0.0001)
+            if any(done[i] != 1 for i in ids):
+                raise RuntimeError(f"transfer failed: {done}")
+            return dt
 
-    rng = np.random.default_rng(args.seed)
-    # (page KiB, pattern, path) -> descriptors, and every repetition's times over all rounds.
-    samples: dict[tuple[int, str, str], dict] = {}
-    print(
-        f"moving {args.total_mib} MiB per case over {R} regions; median of {args.repeats} x {args.rounds} "
-        f"round(s); receiver pid {proc.pid}"
-    )
-    for page_nbytes in [p for _ in range(args.rounds) for p in page_sizes]:
-        n = total_nbytes // R // page_nbytes  # pages per region
-        src = [t.view(2 * n, page_nbytes) for t in src_flat]
-        cdst = [t.view(2 * n, page_nbytes) for t in ceil_dst_flat]
-        local_tab = RegionTable(tuple(t.data_ptr() for t in src), (page_nbytes,) * R)
-        peer_tab = RegionTable(tuple(peer_bases), (page_nbytes,) * R)
-        staging = StagingPool(R, page_nbytes, n, buffer=staging_buf)
-        memcpy = (_copy_contiguous, (src, cdst, n))
-        memcpy_s = _time_ceiling(args.repeats, memcpy[0], *memcpy[1])
-        patterns = {
-            "contiguous": (np.arange(n), np.arange(n)),
-            "scattered": (rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]),
-        }
-        for case, (src_pages, dst_pages) in patterns.items():
-            if case == "contiguous":
-                ceiling = memcpy
-            else:  # the faster of the two in-process ways, picked once, then timed next to nixl
-                sidx, didx = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
-                tmp = host_zeros((n, page_nbytes))
-                pairs = list(zip(src_pages.tolist(), dst_pages.tolist(), strict=True))
-                vec = (_copy_indexed, (src, cdst, sidx, didx, tmp))
-                loop = (_copy_loop, (src, cdst, pairs))
-                vec_s, loop_s = _time_ceiling(2, vec[0], *vec[1]), _time_ceiling(1, loop[0], *loop[1])
-                ceiling = vec if vec_s <= loop_s else loop
-            runs = merge_runs(src_pages.tolist(), dst_pages.tolist())
-            local, remote = page_descriptors(runs, local_tab, peer_tab)
-            paths = {"direct": None}
-            if case == "scattered":
-                paths["staged"] = None
-            for path in paths:
-                if path == "direct":
-                    chunks, expected = [], 1
+        rng = np.random.default_rng(args.seed)
+        # (page KiB, pattern, path) -> descriptors, and every repetition's times over all rounds.
+        samples: dict[tuple[int, str, str], dict] = {}
+        print(
+            f"moving {args.total_mib} MiB per case over {R} regions; median of {args.repeats} x {args.rounds} "
+            f"round(s); receiver pid {proc.pid}"
+        )
+        for page_nbytes in [p for _ in range(args.rounds) for p in page_sizes]:
+            n = total_nbytes // R // page_nbytes  # pages per region
+            src = [t.view(2 * n, page_nbytes) for t in src_flat]
+            cdst = [t.view(2 * n, page_nbytes) for t in ceil_dst_flat]
+            local_tab = RegionTable(tuple(t.data_ptr() for t in src), (page_nbytes,) * R)
+            peer_tab = RegionTable(tuple(peer_bases), (page_nbytes,) * R)
+            staging = StagingPool(R, page_nbytes, n, buffer=staging_buf)
+            memcpy = (_copy_contiguous, (src, cdst, n))
+            memcpy_s = _time_ceiling(args.repeats, memcpy[0], *memcpy[1])
+            patterns = {
+                "contiguous": (np.arange(n), np.arange(n)),
+                "scattered": (rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]),
+            }
+            for case, (src_pages, dst_pages) in patterns.items():
+                if case == "contiguous":
+                    ceiling = memcpy
+                else:  # the faster of the two in-process ways, picked once, then timed next to nixl
+                    sidx, didx = torch.as_tensor(src_pages), torch.as_tensor(dst_pages)
+                    tmp = host_zeros((n, page_nbytes))
+                    pairs = list(zip(src_pages.tolist(), dst_pages.tolist(), strict=True))
+                    vec = (_copy_indexed, (src, cdst, sidx, didx, tmp))
+                    loop = (_copy_loop, (src, cdst, pairs))
+                    vec_s, loop_s = _time_ceiling(2, vec[0], *vec[1]), _time_ceiling(1, loop[0], *loop[1])
+                    ceiling = vec if vec_s <= loop_s else loop
+                runs = merge_runs(src_pages.tolist(), dst_pages.tolist())
+                local, remote = page_descriptors(runs, local_tab, peer_tab)
+                paths = {"direct": None}
+                if case == "scattered":
+                    paths["staged"] = None
+                for path in paths:
+                    if path == "direct":
+                        chunks, expected = [], 1
 
-                    def submit_all(local=local, remote=remote):
-                        return [agent.submit("bench-recv", local, remote, b"d")]
+                        def submit_all(local=local, remote=remote):
+                            return [agent.submit("bench-recv", local, remote, b"d")]
 
-                    num_descs = len(local)
-                else:
-                    k = max(1, min(args.staging_chunks, n))
-                    bounds = [n * c // k for c in range(k + 1)]
-                    chunks = [(bounds[c], bounds[c], bounds[c + 1] - bounds[c]) for c in range(k)]
-                    expected = k
+                        num_descs = len(local)
+                    else:
+                        k = max(1, min(args.staging_chunks, n))
+                        bounds = [n * c // k for c in range(k + 1)]
+                        chunks = [(bounds[c], bounds[c], bounds[c + 1] - bounds[c]) for c in range(k)]
+                        expected = k
 
-                    def submit_all(chunks=chunks, src=src, src_pages=src_pages, staging=staging):
-                        ids = []
-                        for c, (off, start, cnt) in enumerate(chunks):
-                            gather_pages(src, src_pages[start : start + cnt], staging.view(off, cnt))
-                            addr, nbytes = staging.descriptor(off, cnt)
-                            remote_addr = peer_staging + (addr - staging_buf.data_ptr())
-                            ids.append(
-                                agent.submit(
-                                    "bench-recv", [(addr, nbytes)], [(remote_addr, nbytes)], b"s%d" % c
+                        def submit_all(chunks=chunks, src=src, src_pages=src_pages, staging=staging):
+                            ids = []
+                            for c, (off, start, cnt) in enumerate(chunks):
+                                gather_pages(src, src_pages[start : start + cnt], staging.view(off, cnt))
+                                addr, nbytes = staging.descriptor(off, cnt)
+                                remote_addr = peer_staging + (addr - staging_buf.data_ptr())
+                                ids.append(
+                                    agent.submit(
+                                        "bench-recv", [(addr, nbytes)], [(remote_addr, nbytes)], b"s%d" % c
+                                    )
                                 )
-                            )
-                        return ids
+                            return ids
 
-                    num_descs = k
-                assert call("setup", page_nbytes, n, dst_pages, chunks, expected) == "ok"
-                assert call("zero") == "ok"
-                nixl_rep(submit_all)  # warm-up, then verify the bytes
-                if call("verify") != _digest(src, src_pages):
-                    raise RuntimeError(f"bytes differ on the receiver: {page_nbytes} B {case} {path}")
-                # Interleave: copy then nixl, rep by rep, so both see the same background load.
-                nixl_t, ceil_t = [], []
-                for _ in range(args.repeats):
-                    ceil_t.append(_time_ceiling(1, ceiling[0], *ceiling[1]))
-                    nixl_t.append(nixl_rep(submit_all))
-                ratios = [c / x for c, x in zip(ceil_t, nixl_t, strict=True)]
-                ratio = statistics.median(ratios)
-                acc = samples.setdefault(
-                    (page_nbytes >> 10, case, path),
-                    {
-                        "descs": num_descs,
-                        "nixl": [],
-                        "ceil": [],
-                        "ratios": [],
-                        "round_ratios": [],
-                        "memcpy": [],
-                    },
-                )
-                acc["nixl"] += nixl_t
-                acc["ceil"] += ceil_t
-                acc["ratios"] += ratios
-                acc["round_ratios"].append(ratio)
-                acc["memcpy"].append(memcpy_s)
-                print(
-                    f"  {page_nbytes >> 10:>5} KiB {case:<10} {path:<6} descs {num_descs:>6}  "
-                    f"nixl {_gbps(total_nbytes, statistics.median(nixl_t)):6.2f}  "
-                    f"copy {_gbps(total_nbytes, statistics.median(ceil_t)):6.2f}  ratio {ratio:5.0%}",
-                    flush=True,
-                )
-    call("stop")
-    agent.close()
-    proc.join(10)
+                        num_descs = k
+                    assert call("setup", page_nbytes, n, dst_pages, chunks, expected) == "ok"
+                    assert call("zero") == "ok"
+                    nixl_rep(submit_all)  # warm-up, then verify the bytes
+                    if call("verify") != _digest(src, src_pages):
+                        raise RuntimeError(f"bytes differ on the receiver: {page_nbytes} B {case} {path}")
+                    # Interleave: copy then nixl, rep by rep, so both see the same background load.
+                    nixl_t, ceil_t = [], []
+                    for _ in range(args.repeats):
+                        ceil_t.append(_time_ceiling(1, ceiling[0], *ceiling[1]))
+                        nixl_t.append(nixl_rep(submit_all))
+                    ratios = [c / x for c, x in zip(ceil_t, nixl_t, strict=True)]
+                    ratio = statistics.median(ratios)
+                    acc = samples.setdefault(
+                        (page_nbytes >> 10, case, path),
+                        {
+                            "descs": num_descs,
+                            "nixl": [],
+                            "ceil": [],
+                            "ratios": [],
+                            "round_ratios": [],
+                            "memcpy": [],
+                        },
+                    )
+                    acc["nixl"] += nixl_t
+                    acc["ceil"] += ceil_t
+                    acc["ratios"] += ratios
+                    acc["round_ratios"].append(ratio)
+                    acc["memcpy"].append(memcpy_s)
+                    print(
+                        f"  {page_nbytes >> 10:>5} KiB {case:<10} {path:<6} descs {num_descs:>6}  "
+                        f"nixl {_gbps(total_nbytes, statistics.median(nixl_t)):6.2f}  "
+                        f"copy {_gbps(total_nbytes, statistics.median(ceil_t)):6.2f}  ratio {ratio:5.0%}",
+                        flush=True,
+                    )
+    finally:  # (an error on this side too: the receiver and both NIXL agents end cleanly)
+        _stop_receiver(parent, proc, agent)
     rows = [
         (
             kib,

@@ -1,0 +1,238 @@
+"""The benchmark commands' edges (a review of the bench tools, 2026-12-02, fourth session; each test
+failed before its fix): settings a run cannot use are one `error:` line before anything starts, the
+serve bench's wall time ends at the last answer, the DualPath bench claims identical outputs only when
+it compared two runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.demo import free_port
+from tests.conftest import demo_model_dir  # noqa: F401  (session fixture: the demo checkpoint)
+
+
+def _main(argv: list[str]) -> int:
+    """The CLI's exit code; an exception escaping `main` (a traceback for the user) fails the test."""
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse usage error
+        return int(e.code)
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(
+            f"`pdserve {' '.join(argv)}` raised {type(e).__name__}: {e} (a traceback, not an error line)"
+        )
+
+
+# ---- bench offline ---------------------------------------------------------------------------------
+
+
+def test_bench_offline_runs_with_a_single_request(demo_model_dir, capsys):  # noqa: F811
+    """`--num-requests 1` passes the parser (`_count`, >= 1) but the warm-up sends `prompts[:2]` (one
+    prompt) with two SamplingParams: "error: 1 prompts but 2 sampling params", rc 2, nothing measured."""
+    rc = _main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            demo_model_dir,
+            "--num-requests",
+            "1",
+            "--seed",
+            "200",
+            "--repeats",
+            "1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "auto"], ["--device", "auto"]])
+def test_bench_offline_auto_dtype_or_device_is_not_a_traceback(demo_model_dir, flag):  # noqa: F811
+    """`bench offline` takes any --dtype/--device string (no choices). "auto", the default of every
+    other command and accepted by `LLM`, loads pdserve's side and then crashes on the HF side:
+    KeyError 'auto' (the dtype dict) / RuntimeError from `.to("auto")`."""
+    rc = _main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            demo_model_dir,
+            "--num-requests",
+            "2",
+            "--seed",
+            "622",
+            "--repeats",
+            "1",
+            *flag,
+        ]
+    )
+    assert rc in (0, 2)
+
+
+def test_bench_offline_repeats_zero_is_an_error_line(demo_model_dir):  # noqa: F811
+    """`--repeats 0` loads both models, runs no timed pass, then fails with UnboundLocalError ('ours')."""
+    rc = _main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            demo_model_dir,
+            "--num-requests",
+            "2",
+            "--seed",
+            "622",
+            "--repeats",
+            "0",
+        ]
+    )
+    assert rc == 2
+
+
+# ---- bench serve -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", ["0", "-2"])
+def test_bench_serve_rate_must_be_positive(rate):
+    """`--rate 0`: ZeroDivisionError in `random.expovariate` (a traceback; in the side-by-side mode
+    after the PD cluster has started). `--rate -2`: negative gaps, every request is sent at once and the
+    run is reported as a Poisson load."""
+    url = f"http://127.0.0.1:{free_port()}"
+    rc = _main(["bench", "serve", "--url", url, "--rate", rate, "--num-requests", "3"])
+    assert rc == 2
+
+
+def test_bench_serve_throughput_excludes_the_wait_after_the_last_arrival(monkeypatch, tmp_path):
+    """`run_load` sleeps one more inter-arrival gap after sending the LAST request before it gathers
+    the answers, and that sleep is inside the `wall_s` that divides `output_tok_s`. Here the one request
+    is answered at once, yet wall_s is the whole 0.5 s gap that follows it."""
+    from pdserve.bench import serve
+
+    async def instant(client, url, model, body):
+        return serve.Result(True, 0.001, 0.001, [], 10)
+
+    monkeypatch.setattr(serve, "one", instant)
+    rate = random.Random(1).expovariate(1.0) / 0.5  # seed 0 -> Random(1): the first gap is 0.5 s
+    out = tmp_path / "serve.json"
+    rc = _main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            "http://127.0.0.1:9",
+            "--num-requests",
+            "1",
+            "--rate",
+            str(rate),
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    row = json.loads(out.read_text())["runs"][0]
+    assert row["wall_s"] < 0.2, row  # the last answer came back in ~0 s
+
+
+# ---- bench transfer --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--page-kib", "1024", "--total-mib", "1"],  # 512 KiB per region < one page: 0 pages
+        ["--page-kib", "4", "12", "--total-mib", "4"],  # 12 KiB does not divide the region
+    ],
+)
+def test_bench_transfer_bad_page_sizes_are_an_error_line(args):
+    """Page sizes the run cannot lay out are not checked up front. `--page-kib 4 12`: RuntimeError
+    traceback from `Tensor.view` (after the receiver process and both NIXL agents started). `--page-kib
+    1024 --total-mib 1`: the sender prints an `error:` line (StagingPool), but it exits without telling
+    the spawned receiver, which dies on EOFError with a traceback and a C++ "terminate called without
+    an active exception" (its NIXL agent never closed): the same happens on any error in the sender."""
+    from pdserve.transfer.nixl_backend import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL not installed")
+    p = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "transfer", *args, "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out and "error:" in out, out[-1500:]
+
+
+# ---- bench dualpath --------------------------------------------------------------------------------
+
+
+def _fake_run(policy: str, sha: str, failed: int) -> dict:
+    summary = {"jct_s": 10.0, "agent_time_mean_s": 5.0, "ttft_p50_s": 0.1, "tpot_p50_s": 0.01}
+    summary |= {"goodput": 1.0, "turns_failed": failed}
+    return {
+        "policy": policy,
+        "wall_s": 10.0,
+        "summary": summary,
+        "snic": {},
+        "outputs_sha256": sha,
+        "storage_hit_tokens": 0,
+        "records": [],
+    }
+
+
+@pytest.mark.parametrize("policies", [",", "round_robin,dualpth"])
+def test_bench_dualpath_checks_its_policies_before_any_cluster(demo_model_dir, monkeypatch, policies):  # noqa: F811
+    """`--policies ","` (no policy) ends in IndexError (`rows[0]`). A typo ("dualpth") is found only
+    when its router refuses to start, after the first policy's whole run (minutes): RuntimeError
+    traceback, and the finished run's figures are lost (no JSON)."""
+    from pdserve.bench import dualpath_compare
+
+    calls = []
+
+    def fake_run_policy(a, model_dir, policy, agents, online):
+        calls.append(policy)
+        return _fake_run(policy, "same", 0)
+
+    monkeypatch.setattr(dualpath_compare, "run_policy", fake_run_policy)
+    rc = _main(["bench", "dualpath", "--model", demo_model_dir, "--policies", policies, "--num-agents", "2"])
+    assert rc == 2 and calls == [], calls
+
+
+def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_dir, monkeypatch, tmp_path):  # noqa: F811
+    """`outputs_identical` is `len(shas) == 1` over the runs WITHOUT failed turns: when one policy lost
+    a turn, a single run is left and the JSON/table say "greedy outputs identical across policies:
+    True" although nothing was compared (here the two runs' outputs even differ)."""
+    from pdserve.bench import dualpath_compare
+
+    runs = {"round_robin": _fake_run("round_robin", "aaa", 1), "dualpath": _fake_run("dualpath", "bbb", 0)}
+    monkeypatch.setattr(dualpath_compare, "run_policy", lambda a, m, policy, agents, online: runs[policy])
+    out = tmp_path / "dp.json"
+    _main(["bench", "dualpath", "--model", demo_model_dir, "--num-agents", "2", "--json", str(out)])
+    assert json.loads(out.read_text())["outputs_identical"] is not True
+
+
+# ---- bench soak ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [["--prefill", "0"], ["--decode", "0"]])
+def test_bench_soak_engine_counts_are_checked_before_anything_starts(demo_model_dir, monkeypatch, flag):  # noqa: F811
+    """`bench soak --prefill 0` (or `--decode 0`) is accepted (plain `type=int`, where `launch` uses
+    `_count`): the cluster starts its engines, then the router refuses an empty `--prefill` list and the
+    user gets `RuntimeError: router exited with code 2` as a traceback."""
+    import pdserve.launch
+
+    started = []
+
+    def fake_start_cluster(args, num_prefill, num_decode, *rest, **kw):
+        started.append((num_prefill, num_decode))
+        raise RuntimeError("router exited with code 2")  # what the real one ends in
+
+    monkeypatch.setattr(pdserve.launch, "start_cluster", fake_start_cluster)
+    rc = _main(["bench", "soak", "--model", demo_model_dir, "--minutes", "0.01", *flag])
+    assert rc == 2 and started == [], started
