@@ -5,7 +5,8 @@ Same shape: 1 prefill node and 2 decode nodes with one engine each (g = 1), stor
 `--snic-mbps` (default 8 MB/s) and compute NICs of `--cnic-mbps` (200 MB/s) expressed in Gbit/s for
 the simulator; the same agents (the bench's `build_agents` with its defaults: Table-2 32K row, 16 agents,
 ≤ 12 turns, lengths × 0.2, ≤ 3,500 tokens of context; all start at t = 0); the demo checkpoint's KV
-(4 layers x 2 x 4 heads x 32 dims x fp32 = 4 KiB per token, plus the store file header per block). The
+(4 layers x 2 x 4 heads x 32 dims x fp32 = 4 KiB per token; the store file's 4 KiB header per 64-token
+block, +1.6% of the storage NICs' bytes, is not modelled). The
 real Basic (`round_robin`: PE reads, layerwise prefill) is the simulator's `layerwise` mode; `dualpath`
 is `dualpath`.
 
@@ -26,7 +27,6 @@ from pdserve.sim.cluster import ClusterSim
 from pdserve.sim.config import HardwareConfig, SimConfig
 
 MB_PER_S_TO_GBPS = 8 / 1000  # 1 MB/s = 8 Mbit/s = 0.008 Gbit/s
-STORE_HEADER_BYTES_PER_TOKEN = 64 / 64  # a 64-byte file header per 64-token block
 
 # The demo checkpoint (pdserve make-demo-model) served in fp32 on CPU by one engine process.
 # Measured on this machine (quiet, one process; `python /tmp/prof.py`-style runs recorded in
