@@ -1345,7 +1345,6 @@ def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair
             lookup=lambda req: 1,
             start_read=lambda req, n: SimpleNamespace(future=read, buffer=None, keys=[b"k0"]),
             persist=lambda req: None,
-            persisted={},
         )
     room = new_room()
     preq, dreq = p.requests(ids1 + prompt(8, start=7), 8, "r3", room)
@@ -1664,7 +1663,6 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
         lookup=lambda req: lookups.append(req.request_id) or 1,
         start_read=lambda req, n: SimpleNamespace(future=Future(), buffer=None, keys=[b"k0"]),
         persist=lambda req: None,
-        persisted={},
     )
     preq, dreq = p.requests(ids1 + prompt(4, start=7), 8, "r3", new_room())
     dreq.read_path = "de"
@@ -1724,7 +1722,6 @@ def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path, 
     assert store.read_blocks(connector.keys_for(nxt, 3), buf).num_prefix_ok == 3
     for b in range(3):
         assert torch.equal(buf[b], captured[b].cpu())
-    assert connector.persisted == {}  # forgotten with the request
     p.assert_clean()
     store.close()
 
@@ -1816,6 +1813,7 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
             num_computed_tokens=num_blocks * page * ppb,
             page_ids=[j % 512 for j in range(num_blocks * ppb)],
             block_key_cache=[],
+            num_blocks_persisted=0,
             all_token_ids=tokens,
         )
 

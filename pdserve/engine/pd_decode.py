@@ -483,8 +483,6 @@ class DecodeRole(PDRoleBase, EngineRole):
         for req in sched.requests:
             if req.page_ids and not req.status.finished:
                 self.store.persist(req)
-        for request_id in [r for r in self.store.persisted if r not in self.engine.requests]:
-            self.store.forget(request_id)
 
     def _write_back_last(self, req: Request) -> None:
         """A request stopped in this step: persist the block its last step filled, before its pages go

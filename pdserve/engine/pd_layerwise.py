@@ -190,6 +190,10 @@ class LayerwisePrefill:
             k_hit, v_hit = current[layer]
             k_all = torch.cat((k_hit[send_from:], k_new[max(0, send_from - hit_tokens) :]))
             v_all = torch.cat((v_hit[send_from:], v_new[max(0, send_from - hit_tokens) :]))
+            # Into the decode's pool, which holds finite values only (model/attention.py says why: an
+            # fp16 overflow left there turns other requests' tokens to garbage).
+            k_all = torch.nan_to_num_(k_all, nan=0.0, posinf=0.0, neginf=0.0)
+            v_all = torch.nan_to_num_(v_all, nan=0.0, posinf=0.0, neginf=0.0)
             self._send_layer(
                 pr, layer, k_all, v_all, first_send_page, num_pages, getattr(finish, "settle", None)
             )

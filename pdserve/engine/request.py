@@ -89,6 +89,9 @@ class Request:
     # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).
     page_key_cache: list = field(default_factory=list)
     block_key_cache: list = field(default_factory=list)
+    # Full store blocks of this request already queued for write-back (on the request, not a table by
+    # id: an id used again by a later request must not inherit the count).
+    num_blocks_persisted: int = 0
     page_id_row: Any = None  # (page_ids list, the same ids as int64 array): ModelRunner._page_row
 
     def __post_init__(self) -> None:

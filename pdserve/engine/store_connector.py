@@ -57,7 +57,6 @@ class StoreConnector:
         # Per layer: K and V pools viewed as bytes per page [num_pages, page_bytes].
         self._k = [k.view(k.shape[0], -1).view(torch.uint8) for k in kv.k]
         self._v = [v.view(v.shape[0], -1).view(torch.uint8) for v in kv.v]
-        self.persisted: dict[str, int] = {}  # request id -> full blocks already queued for the store
         self.num_blocks_written = 0
         self.num_write_failures = 0
         self._writes: queue.Queue = queue.Queue(maxsize=1024)
@@ -123,7 +122,7 @@ class StoreConnector:
     def persist(self, req: Request) -> int:
         """Queue every full block of the request's computed tokens not yet queued. Returns how many."""
         num_full = req.num_computed_tokens // self.layout.block_size
-        done = self.persisted.get(req.request_id, 0)
+        done = req.num_blocks_persisted
         if num_full <= done:
             return 0
         keys = self.keys_for(req, num_full)
@@ -145,7 +144,7 @@ class StoreConnector:
                     self._writes.put_nowait((self.store, keys, b, payloads[b - first]))
                 except queue.Full:  # a flush() sentinel took the last slot
                     self.num_write_failures += 1
-        self.persisted[req.request_id] = num_full
+        req.num_blocks_persisted = num_full
         return num_full - done
 
     @property
@@ -154,9 +153,6 @@ class StoreConnector:
         block a request queued is counted here before its response ends, so 0 after a response means
         its write-back is done (tests wait on it; operators watch it grow when the disk is behind)."""
         return self._writes.unfinished_tasks
-
-    def forget(self, request_id: str) -> None:
-        self.persisted.pop(request_id, None)
 
     def retarget(self, store: KVBlockStore, flush_timeout_s: float = 30.0) -> None:
         """Engine thread, after a weight update: read and write `store` (the new weights' identity:
@@ -172,7 +168,6 @@ class StoreConnector:
         self.flush(flush_timeout_s)
         self.store, self.layout = store, store.layout
         self.root = store_root_key(self.layout.fingerprint)
-        self.persisted.clear()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is on disk (tests, shutdown, `retarget`), at most

@@ -1,0 +1,100 @@
+"""The layerwise PD prefill and the DualPath read paths (PE and DE) at their edges (a review,
+2026-12-02, fourth session; each test failed before its fix): the layerwise lane keeps the decode's
+pool finite, and a request id used again still gets its blocks written back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tests.test_pd_roles as pd_roles
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from tests.test_hf_equivalence import _overflowing_checkpoint
+from tests.test_pd_roles import Pair, _submit_read_path, _with_store
+
+pytestmark = pytest.mark.timeout(120)
+
+OVERFLOW_TOKEN = 7  # layer-0 V of this token overflows to inf in float16 (tests/test_hf_equivalence)
+
+
+def _fp16_engine(ckpt, num_pages=64, budget=64, page_size=4):
+    return LLMEngine(
+        EngineConfig.create(
+            ckpt, dtype="float16", device="cpu", page_size=page_size, num_pages=num_pages,
+            max_model_len=256, max_num_batched_tokens=budget,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_layerwise_lane_never_puts_non_finite_kv_into_the_decode_pool(tmp_path, monkeypatch, read_path):
+    """The paged path writes `nan_to_num(k/v)` into the pool (model/attention.py: the pool holds
+    finite values only, else SDPA's 0 weight x inf = NaN leaks into OTHER requests' decode steps).
+    The layerwise lane (pd_layerwise.py `emit` -> `_send_layer`) sent the miss tokens' raw K/V to the
+    decode, so a request whose fp16 activations overflowed leaves inf in the decode's pool (and in
+    the store, by write-back). A later, unrelated request that reuses one of those pages as its
+    growth page then decodes token 0 with NaN logprobs. Through the ordinary PD path (read_path
+    none) the same sequence gives the colocated engine's tokens."""
+    model = tmp_path / "model"
+    _overflowing_checkpoint(model, OVERFLOW_TOKEN)
+    monkeypatch.setattr(pd_roles, "make_engine", _fp16_engine)
+    p = Pair(str(model), copy_bytes=True)
+    store = _with_store(p, tmp_path / "store")
+    try:
+        g = torch.Generator().manual_seed(0)
+        context = [t for t in torch.randint(0, 256, (80,), generator=g).tolist() if t != OVERFLOW_TOKEN][:40]
+        other = [t for t in torch.randint(0, 256, (80,), generator=g).tolist() if t != OVERFLOW_TOKEN][:40]
+        # Turn 1 stores the 40-token context (5 blocks of 8 tokens).
+        p.submit_both(context, 1, "seed")
+        p.drive(lambda: p.idle())
+        p.de_role.store.flush()
+        p.de_engine.kv.pool.reset_prefix_cache()
+        p.pe_engine.kv.pool.reset_prefix_cache()
+        # Turn 2: the stored context + 8 new tokens (the overflowing one among them) via the layerwise lane.
+        _submit_read_path(p, context + [1, OVERFLOW_TOKEN] * 4, 1, "r1", read_path)
+        p.drive(lambda: p.idle())
+        assert p.pe_role.layerwise.num_runs == 1
+        p.de_engine.kv.pool.reset_prefix_cache()  # (its pages are free for the next request)
+        kv = p.de_engine.runner.kv_cache
+        finite = all(bool(torch.isfinite(t).all()) for t in (*kv.k, *kv.v))
+        # An unrelated request: its growth page (page 10) is one that r1's miss tokens were written into.
+        sp = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+        p.submit_both(other, 6, "r2", logprobs=0)
+        p.drive(lambda: p.idle())
+        out = p.de_sink.final("r2").outputs[0]
+        ref = LLM(str(model), dtype="float16", page_size=4, num_pages=64, max_model_len=256)
+        ref_out = ref.generate({"prompt_token_ids": other}, sp)[0].outputs[0]
+        assert finite, "the decode's KV pool holds inf/NaN written by the layerwise lane"
+        assert all(math.isfinite(t.logprob) for t in out.logprobs), [t.logprob for t in out.logprobs]
+        assert out.token_ids == ref_out.token_ids
+    finally:
+        store.close()
+        p.close()
+
+
+def test_a_request_id_used_again_gets_its_blocks_written_back(hf_checkpoints, tmp_path):
+    """The count of blocks already queued for write-back was a table by request id (StoreConnector.
+    persisted), cleared only by the decode's step hook for ids no longer in the engine. A request that ends at its
+    first token (max_tokens 1, or EOS / a stop at token 1) is released in `_commit` without a step,
+    so its entry stays; the next request under the same id (SGLang `/generate` `rid`, which the
+    engines take as their request id) then counts its first blocks as already persisted and never
+    writes them back: its next turn finds nothing in the store and recomputes the whole context."""
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    try:
+        first, second = pd_roles.prompt(40, start=3), pd_roles.prompt(40, start=50)
+        p.submit_both(first, 1, "rid-1")
+        p.drive(lambda: p.idle())
+        p.submit_both(second, 1, "rid-1")  # the same id, once the first one has ended
+        p.drive(lambda: p.idle())
+        assert p.de_role.store.flush()
+        probe = p.de_engine.make_request(second, SamplingParams(max_tokens=1), "probe")
+        stored = store.lookup_keys(p.de_role.store.keys_for(probe, 5))
+        assert stored == 5, f"{stored} of the second prompt's 5 full blocks were written back"
+    finally:
+        store.close()
+        p.close()
