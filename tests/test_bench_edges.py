@@ -14,7 +14,6 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.demo import free_port
-from tests.conftest import demo_model_dir  # noqa: F401  (session fixture: the demo checkpoint)
 
 
 def _main(argv: list[str]) -> int:
@@ -32,66 +31,28 @@ def _main(argv: list[str]) -> int:
 # ---- bench offline ---------------------------------------------------------------------------------
 
 
-def test_bench_offline_runs_with_a_single_request(demo_model_dir, capsys):  # noqa: F811
-    """`--num-requests 1` passes the parser (`_count`, >= 1) but the warm-up sends `prompts[:2]` (one
-    prompt) with two SamplingParams: "error: 1 prompts but 2 sampling params", rc 2, nothing measured."""
-    rc = _main(
-        [
-            "bench",
-            "offline",
-            "--model",
-            demo_model_dir,
-            "--num-requests",
-            "1",
-            "--seed",
-            "200",
-            "--repeats",
-            "1",
-        ]
-    )
+def test_bench_offline_runs_with_a_single_request(demo_model_dir, capsys):
+    """`--num-requests 1` passed the parser but the warm-up sent `prompts[:2]` (one prompt) with
+    two SamplingParams: "error: 1 prompts but 2 sampling params", rc 2, nothing measured."""
+    rc = _main(f"bench offline --model {demo_model_dir} --num-requests 1 --seed 200 --repeats 1".split())
     err = capsys.readouterr().err
     assert rc == 0, err
 
 
 @pytest.mark.parametrize("flag", [["--dtype", "auto"], ["--device", "auto"]])
-def test_bench_offline_auto_dtype_or_device_is_not_a_traceback(demo_model_dir, flag):  # noqa: F811
-    """`bench offline` takes any --dtype/--device string (no choices). "auto", the default of every
-    other command and accepted by `LLM`, loads pdserve's side and then crashes on the HF side:
+def test_bench_offline_auto_dtype_or_device_is_not_a_traceback(demo_model_dir, flag):
+    """`bench offline` took any --dtype/--device string. "auto", the default of every other command
+    and accepted by `LLM`, loaded pdserve's side and then crashed on the HF side:
     KeyError 'auto' (the dtype dict) / RuntimeError from `.to("auto")`."""
     rc = _main(
-        [
-            "bench",
-            "offline",
-            "--model",
-            demo_model_dir,
-            "--num-requests",
-            "2",
-            "--seed",
-            "622",
-            "--repeats",
-            "1",
-            *flag,
-        ]
+        f"bench offline --model {demo_model_dir} --num-requests 2 --seed 622 --repeats 1".split() + flag
     )
-    assert rc in (0, 2)
+    assert rc == 0
 
 
-def test_bench_offline_repeats_zero_is_an_error_line(demo_model_dir):  # noqa: F811
-    """`--repeats 0` loads both models, runs no timed pass, then fails with UnboundLocalError ('ours')."""
-    rc = _main(
-        [
-            "bench",
-            "offline",
-            "--model",
-            demo_model_dir,
-            "--num-requests",
-            "2",
-            "--seed",
-            "622",
-            "--repeats",
-            "0",
-        ]
-    )
+def test_bench_offline_repeats_zero_is_an_error_line(demo_model_dir):
+    """`--repeats 0` loaded both models, ran no timed pass, then failed with UnboundLocalError."""
+    rc = _main(f"bench offline --model {demo_model_dir} --num-requests 2 --seed 622 --repeats 0".split())
     assert rc == 2
 
 
@@ -121,18 +82,7 @@ def test_bench_serve_throughput_excludes_the_wait_after_the_last_arrival(monkeyp
     rate = random.Random(1).expovariate(1.0) / 0.5  # seed 0 -> Random(1): the first gap is 0.5 s
     out = tmp_path / "serve.json"
     rc = _main(
-        [
-            "bench",
-            "serve",
-            "--url",
-            "http://127.0.0.1:9",
-            "--num-requests",
-            "1",
-            "--rate",
-            str(rate),
-            "--json",
-            str(out),
-        ]
+        f"bench serve --url http://127.0.0.1:9 --num-requests 1 --rate {str(rate)} --json {str(out)}".split()
     )
     assert rc == 0
     row = json.loads(out.read_text())["runs"][0]
@@ -187,7 +137,7 @@ def _fake_run(policy: str, sha: str, failed: int) -> dict:
 
 
 @pytest.mark.parametrize("policies", [",", "round_robin,dualpth"])
-def test_bench_dualpath_checks_its_policies_before_any_cluster(demo_model_dir, monkeypatch, policies):  # noqa: F811
+def test_bench_dualpath_checks_its_policies_before_any_cluster(demo_model_dir, monkeypatch, policies):
     """`--policies ","` (no policy) ends in IndexError (`rows[0]`). A typo ("dualpth") is found only
     when its router refuses to start, after the first policy's whole run (minutes): RuntimeError
     traceback, and the finished run's figures are lost (no JSON)."""
@@ -204,7 +154,7 @@ def test_bench_dualpath_checks_its_policies_before_any_cluster(demo_model_dir, m
     assert rc == 2 and calls == [], calls
 
 
-def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_dir, monkeypatch, tmp_path):  # noqa: F811
+def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_dir, monkeypatch, tmp_path):
     """`outputs_identical` is `len(shas) == 1` over the runs WITHOUT failed turns: when one policy lost
     a turn, a single run is left and the JSON/table say "greedy outputs identical across policies:
     True" although nothing was compared (here the two runs' outputs even differ)."""
@@ -221,7 +171,7 @@ def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_d
 
 
 @pytest.mark.parametrize("flag", [["--prefill", "0"], ["--decode", "0"]])
-def test_bench_soak_engine_counts_are_checked_before_anything_starts(demo_model_dir, monkeypatch, flag):  # noqa: F811
+def test_bench_soak_engine_counts_are_checked_before_anything_starts(demo_model_dir, monkeypatch, flag):
     """`bench soak --prefill 0` (or `--decode 0`) is accepted (plain `type=int`, where `launch` uses
     `_count`): the cluster starts its engines, then the router refuses an empty `--prefill` list and the
     user gets `RuntimeError: router exited with code 2` as a traceback."""
