@@ -41,7 +41,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from --kv-cache-gib)")
     p.add_argument("--kv-cache-gib", type=positive, default=0.5)
-    p.add_argument("--max-model-len", type=count, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=count,
+        default=None,
+        help="prompt + output tokens of one request (default: the model's positions, as far as the KV pool holds them)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--no-prefix-caching", action="store_true")

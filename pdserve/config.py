@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per KV element
 
 
 class ConfigError(ValueError):
@@ -222,6 +223,14 @@ class CacheConfig:
         if not self.kv_cache_memory_gib > 0:  # (a pool of 2 pages started: the size was clamped)
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
 
+    def pool_pages(self, mc: ModelConfig, dtype: str) -> int:
+        """Pages in the pool: `num_pages`, else as many as `kv_cache_memory_gib` holds (K and V of every
+        layer, [page_size, kv_heads, head_dim] each, in `dtype`)."""
+        if self.num_pages:
+            return self.num_pages
+        page_nbytes = 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * DTYPE_NBYTES[dtype]
+        return max(2, int(self.kv_cache_memory_gib * (1 << 30)) // page_nbytes)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -313,7 +322,21 @@ class EngineConfig:
                 f"max_model_len {max_model_len} exceeds the model's {max_positions} positions "
                 "(max_position_embeddings in its config.json)"
             )
-        max_len = max_model_len if max_model_len is not None else min(max_positions, 4096)
+        if dtype not in SUPPORTED_DTYPES:  # (before the pool is sized in it)
+            raise ConfigError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+        cache = CacheConfig(
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_memory_gib=kv_cache_memory_gib,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        # Unset: the model's positions (vLLM's default), capped at what the pool holds, so that any
+        # request the context admits fits the pool (vLLM refuses to start there instead).
+        max_len = (
+            max_model_len
+            if max_model_len is not None
+            else min(max_positions, cache.pool_pages(mc, dtype) * page_size)
+        )
         return EngineConfig(
             model=str(model),
             model_config=mc,
@@ -321,12 +344,7 @@ class EngineConfig:
             device=device,
             seed=seed,
             served_model_name=served_model_name,
-            cache=CacheConfig(
-                page_size=page_size,
-                num_pages=num_pages,
-                kv_cache_memory_gib=kv_cache_memory_gib,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
+            cache=cache,
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,

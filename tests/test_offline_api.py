@@ -250,3 +250,21 @@ def test_sampled_tokens_logprobs_carry_their_rank(llm):
             assert len(likelier) == len(t.top)
     greedy = llm.generate(P, SamplingParams(temperature=0, max_tokens=6, logprobs=0))[0]
     assert [t.rank for t in greedy.outputs[0].logprobs] == [1] * 6
+
+
+def test_max_model_len_defaults_to_the_models_positions_as_far_as_the_pool_holds(demo_dir, tmp_path):
+    """It defaulted to at most 4,096 tokens: a 32K-context model refused a 5,000-token prompt unless
+    the user passed --max-model-len. Now the model's positions (vLLM's default), capped at what the
+    KV pool holds, so any request the context admits fits the pool."""
+    from pdserve.config import EngineConfig
+
+    long = variant(demo_dir, tmp_path, config={"max_position_embeddings": 32768})
+    assert EngineConfig.create(long).scheduler.max_model_len == 32768  # (0.5 GiB holds far more)
+    assert EngineConfig.create(long, num_pages=40, page_size=16).scheduler.max_model_len == 640
+    assert EngineConfig.create(long, num_pages=40, max_model_len=100).scheduler.max_model_len == 100
+    small = LLM(long, kv_cache_memory_gib=0.002)  # sized by memory: the same pages as the default
+    cfg = small.engine.config
+    assert cfg.scheduler.max_model_len == small.engine.kv.pool.num_pages * cfg.cache.page_size < 32768
+    prompt = {"prompt_token_ids": [5 + i % 4000 for i in range(5000)]}
+    out = LLM(long).generate(prompt, SamplingParams(max_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2

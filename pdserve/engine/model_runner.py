@@ -33,9 +33,7 @@ class ModelRunner:
         self.page_size = config.cache.page_size
         max_positions = max(config.scheduler.max_model_len, 1)
         self.model = load_model(config.model, mc, config.dtype, config.device, max_positions)
-        num_pages = config.cache.num_pages or KVCache.num_pages_for_memory(
-            mc, self.page_size, self.dtype, config.cache.kv_cache_memory_gib
-        )
+        num_pages = config.cache.pool_pages(mc, config.dtype)
         self.kv_cache = KVCache(mc, num_pages, self.page_size, self.dtype, config.device)
         self._kv_views = self.kv_cache.flat_views()
         self._windows = sorted({w for w in mc.sliding_windows if w is not None})

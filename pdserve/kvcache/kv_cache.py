@@ -80,9 +80,3 @@ class KVCache:
                 (v.data_ptr(), v.numel() * v.element_size()),
             ]
         return out
-
-    @staticmethod
-    def num_pages_for_memory(cfg: ModelConfig, page_size: int, dtype: torch.dtype, gib: float) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * elem
-        return max(2, int(gib * (1 << 30)) // per_page)
