@@ -90,6 +90,9 @@ class DecodeRoom:
     # stay below prompt pages - hits and its next page key is not cached, no plan can fit: admission
     # skips it without matching its prefix again (~0.2 ms for a 30k-token prompt, per room and pass).
     num_miss_hits: int = -1
+    # DE read path served from our own prefix cache (it covered at least the store): tokens of our
+    # pages the prefill pulls instead of computing. It reports them as stored; they were ours.
+    num_own_hit_tokens: int = 0
 
 
 class _PagePlan(NamedTuple):
@@ -334,6 +337,12 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.transfer[dr.room] = dr
             if plan.num_store_blocks:  # DE read path: read first, ask the prefill once the blocks are in
                 dr.store_read = self.store.start_read(req, plan.num_store_blocks)
+            elif req.read_path == "de" and self.store is not None and plan.num_hit_tokens:
+                # Our prefix cache covers at least what the store holds (we served the previous turn):
+                # the prefill pulls those pages layer by layer, as it would the store's, rather than
+                # computing every token its own cache lacks.
+                dr.num_own_hit_tokens = plan.num_hit_tokens
+                self._request_kv(dr, req.page_ids[: plan.num_hit_tokens // self.page_size])
             else:
                 self._request_kv(dr)
 
@@ -447,10 +456,14 @@ class DecodeRole(PDRoleBase, EngineRole):
         # Reported cached tokens = prompt tokens nobody recomputed, as the prefill accounts them: its own
         # prefix hits, or the stored blocks its layerwise run loaded (read by it, PE path, or by us, DE
         # path). Not our store read itself: a prefill that fell back to a whole prefill recomputed
-        # those tokens (counting both gave more cached tokens than the prompt). (Our prefix hits only
-        # spared the prefill sending those pages; they count in our prefix-cache metrics.)
-        req.num_storage_tokens = row.cached_tokens_storage
-        req.num_cached_tokens = row.cached_tokens_device + row.cached_tokens_host + req.num_storage_tokens
+        # those tokens (counting both gave more cached tokens than the prompt). Off the DE path our
+        # prefix hits only spared the prefill sending those pages (our prefix-cache metrics count
+        # them); on it the prefill pulled them, and reports them as stored: they were our device hits.
+        own = min(dr.num_own_hit_tokens, row.cached_tokens_storage)  # (ours, pulled: device hits)
+        req.num_storage_tokens = row.cached_tokens_storage - own
+        req.num_cached_tokens = (
+            row.cached_tokens_device + own + row.cached_tokens_host + req.num_storage_tokens
+        )
         req.append_output(row.first_token_id)
         now = time.monotonic()
         req.first_token_time = req.last_token_time = now
