@@ -129,8 +129,9 @@ def test_sampler_needs_histories_and_keeps_raw_logprobs():
     raw = torch.log_softmax(logits, dim=-1)[0]
     res = sampler(logits.clone(), [p], [None], [History([0], [])])
     assert res.token_ids == [2]  # greedy over the processed logits
-    chosen, top = res.logprobs[0]
+    chosen, top, rank = res.logprobs[0]
     assert chosen == pytest.approx(raw[2].item()) and top == [(0, pytest.approx(raw[0].item()))]
+    assert rank == 3  # (of the raw logprobs: the least likely of the three)
 
 
 @pytest.mark.parametrize(
