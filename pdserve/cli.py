@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import socket
 import sys
 
 from pdserve.argtypes import DEVICES, DTYPES, count, number, port, positive
@@ -19,6 +20,44 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def _log_level_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS)
+
+
+GRACEFUL_SHUTDOWN_S = 5.0  # after Ctrl-C / SIGTERM, in-flight requests get this long, then are cancelled
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen before anything loads, so a taken port is one error line (not a model loaded
+    for nothing and a banner for a server that never answers) and the banner tells the truth."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own bind)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _listen_or_exit_code(host: str, port: int) -> socket.socket | int:
+    """`_listen`, or the exit code after one error line: 3 for a port in use (uvicorn's code for a
+    failed bind, which `pdserve launch` retries on fresh ports), 2 otherwise."""
+    try:
+        return _listen(host, port)
+    except OSError as e:
+        print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 3 if e.errno == errno.EADDRINUSE else 2
+
+
+def _serve_http(app, sock: socket.socket, log_level: str) -> int:
+    """Serve `app` on the bound socket until Ctrl-C / SIGTERM (open streams are cancelled after
+    GRACEFUL_SHUTDOWN_S: they held the process for as long as they ran); 3 if it did not start."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return 0 if server.started else 3
 
 
 def _configure_logging(level: str) -> None:
@@ -191,12 +230,14 @@ def _pd_config(a: argparse.Namespace, secret: bytes):
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
 
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.server.api import build_app
 
     _configure_logging(a.log_level)
+    sock = _listen_or_exit_code(a.host, a.port)
+    if isinstance(sock, int):
+        return sock
     pd_config = None
     if a.role != "colocated":
         from pdserve.engine.pd_common import PDConfig
@@ -245,21 +286,29 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     if engine.tokenizer is None:  # (token-id prompts only: every text request is a 400)
         print(f"warning: no tokenizer in {a.model}: only token-id prompts are served", flush=True)
+    pool_tokens = engine.kv.pool.num_pages * engine.kv.page_size
+    if engine.config.scheduler.max_model_len > pool_tokens:  # (only when given: the default is capped)
+        print(
+            f"warning: --max-model-len {engine.config.scheduler.max_model_len} is more than the KV pool holds "
+            f"({pool_tokens} tokens): a request past that is a 400 (raise --kv-cache-gib or --num-pages)",
+            flush=True,
+        )
     print(
         f"pdserve {a.role}: {engine.config.model_name} ({engine.config.dtype}, {engine.config.device}), "
-        f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; http://{a.host}:{a.port}",
+        f"{engine.kv.pool.num_pages} KV pages of {engine.kv.page_size} tokens; "
+        f"http://{a.host}:{sock.getsockname()[1]}",
         flush=True,
     )
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
-    return 0
+    return _serve_http(app, sock, a.log_level)
 
 
 def cmd_router(a: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdserve.router.app import Router, build_router_app
 
     _configure_logging(a.log_level)
+    sock = _listen_or_exit_code(a.host, a.port)
+    if isinstance(sock, int):
+        return sock
     try:
         router = Router(
             a.prefill,
@@ -273,13 +322,14 @@ def cmd_router(a: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        sock.close()
         return 2
     print(
-        f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; http://{a.host}:{a.port}",
+        f"pdserve router: {len(a.prefill)} prefill, {len(a.decode)} decode; "
+        f"http://{a.host}:{sock.getsockname()[1]}",
         flush=True,
     )
-    uvicorn.run(build_router_app(router), host=a.host, port=a.port, log_level=a.log_level)
-    return 0
+    return _serve_http(build_router_app(router), sock, a.log_level)
 
 
 def cmd_launch(a: argparse.Namespace) -> int:

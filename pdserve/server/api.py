@@ -464,6 +464,8 @@ def build_app(
             metrics.pd.update_any_thread()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    started_s = int(time.time())  # (vLLM's cards say when they were made; 0 read as 1970)
+
     @app.get("/v1/models")
     async def models():
         return {
@@ -472,7 +474,7 @@ def build_app(
                 {
                     "id": model_name,
                     "object": "model",
-                    "created": 0,
+                    "created": started_s,
                     "owned_by": "pdserve",
                     "max_model_len": engine.config.scheduler.max_model_len,
                 }

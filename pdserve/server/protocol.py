@@ -347,6 +347,9 @@ def describe_errors(errors: list[dict]) -> str:
     (its own str() adds its input and a link to its docs per error)."""
     parts = []
     for err in errors:
+        if err.get("type") == "json_invalid":  # (FastAPI's "1: JSON decode error"; the router's words)
+            parts.append("request body is not valid JSON")
+            continue
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts) or "invalid request body"
