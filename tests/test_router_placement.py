@@ -308,3 +308,26 @@ def test_an_engine_down_at_start_does_not_block_placement_and_joins_when_it_repo
     assert sorted(pl.node_ids) == ["d0", "d1", "p0"]
     pl.on_load(de[0], report("d0", "decode", num_seqs=5, num_tokens=5000))
     assert [a.decode_engine for a in place_all(pl, [list(range(40))])] == [1]
+
+
+def test_a_request_to_a_router_just_started_waits_for_the_first_reports(monkeypatch):
+    """A freshly started router answers /health before its load poller's first round: a request sent
+    then was a 503 "retry shortly" (seen in the cluster test once the router bound its port before
+    starting). It now waits for the reports, up to FIRST_REPORTS_WAIT_S."""
+    import pdserve.router.placement as placement
+
+    pe = [Engine("http://p", "prefill", healthy=True)]
+    de = [Engine("http://d0", "decode", healthy=True)]
+    pl = Placement("dualpath", pe, de)
+
+    async def go():
+        later = asyncio.get_running_loop().call_later
+        later(0.1, pl.on_load, pe[0], report("p0", "prefill"))
+        later(0.15, pl.on_load, de[0], report("d0", "decode"))
+        return await pl.place(list(range(40)), 40, 8)
+
+    assert asyncio.run(go()).decode_engine == 0
+    monkeypatch.setattr(placement, "FIRST_REPORTS_WAIT_S", 0.05)
+    fresh = Placement("dualpath", pe, de)
+    with pytest.raises(PlacementError, match="retry shortly"):
+        asyncio.run(fresh.place(list(range(40)), 40, 8))

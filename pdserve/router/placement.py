@@ -51,11 +51,12 @@ from pdserve.dualpath.scheduler import (
 from pdserve.kvcache.hashing import page_keys, root_key
 
 REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
+# A request that reaches a router whose first load reports are not all in waits this long for them
+# (a freshly started router answers /health before its poller's first round: its first requests
+# were 503s).
+FIRST_REPORTS_WAIT_S = 5.0
 CHARS_PER_TOKEN = 4  # text and chat prompts: the router's estimate of their tokens (it has no tokenizer)
 TEXT_CHUNK_CHARS = 256  # a text prompt's pieces for prefix hits (~64 tokens: one store block or less)
-# Pieces hashed per prompt, at most: 1 MiB of text or 4,096 messages (far past any context) bound the
-# router's work on a crafted body; a longer prompt's estimate stops there.
-MAX_PROMPT_PIECES = 4096
 # Pieces hashed per prompt, at most: 1 MiB of text or 4,096 messages (far past any context) bound the
 # router's work on a crafted body; a longer prompt's estimate stops there.
 MAX_PROMPT_PIECES = 4096
@@ -311,8 +312,12 @@ class Placement:
     ) -> Assignment:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
         A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate."""
-        if self.scheduler is None:
-            raise PlacementError("the router has no load report from every engine yet; retry shortly")
+        if self.scheduler is None:  # (just started: the first reports are a poll or two away)
+            deadline = time.monotonic() + FIRST_REPORTS_WAIT_S
+            while self.scheduler is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if self.scheduler is None:
+                raise PlacementError("the router has no load report from every engine yet; retry shortly")
         page_tokens = self.scheduler.config.page_tokens
         need_pages = -(-(prompt_len + max_tokens) // page_tokens)
         # (the live decodes only: a request only a dead one could hold waited to the queue timeout)
