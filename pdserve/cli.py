@@ -9,6 +9,7 @@ import socket
 import sys
 
 from pdserve.argtypes import DEVICES, DTYPES, count, number, port, positive
+from pdserve.server.auth import API_KEY_ENV
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -20,6 +21,18 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def _log_level_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS)
+
+
+def _api_key_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on the /v1 routes (else ${API_KEY_ENV}; default: none)",
+    )
+
+
+def _api_key(a: argparse.Namespace) -> str | None:
+    return a.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 GRACEFUL_SHUTDOWN_S = 5.0  # after Ctrl-C / SIGTERM, in-flight requests get this long, then are cancelled
@@ -283,6 +296,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         tool_call_parser=a.tool_call_parser,
         reasoning_parser=a.reasoning_parser,
         enable_weight_updates=a.enable_weight_updates,
+        api_key=_api_key(a),
     )
     if engine.tokenizer is None:  # (token-id prompts only: every text request is a 400)
         print(f"warning: no tokenizer in {a.model}: only token-id prompts are served", flush=True)
@@ -319,6 +333,7 @@ def cmd_router(a: argparse.Namespace) -> int:
             load_interval_s=a.load_interval_s,
             alpha_tokens=a.alpha_tokens,
             beta_tokens=a.beta_tokens,
+            api_key=_api_key(a),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -409,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=port, default=8000)
     _log_level_arg(s)
+    _api_key_arg(s)
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
     s.add_argument(
         "--bootstrap-port", type=port, default=8998, help="prefill: bootstrap server port (0 = any)"
@@ -429,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=port, default=8000)
     r.add_argument("--health-interval-s", type=positive, default=1.0)
+    _api_key_arg(r)
     _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
     _policy_args(r)
     _log_level_arg(r)
@@ -439,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--prefill", type=count, default=1, help="number of prefill engines")
     la.add_argument("--decode", type=count, default=1, help="number of decode engines")
     la.add_argument("--port", type=port, default=8000, help="router port")
+    _api_key_arg(la)
     _pd_args(la)
     _read_path_arg(la, "DualPath read path the router asks for (auto: the side with fewer reads in flight)")
     _policy_args(la)

@@ -21,6 +21,7 @@ import time
 
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
+from pdserve.server.auth import API_KEY_ENV
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -287,6 +288,8 @@ def start_cluster(
         "PYTHONUNBUFFERED": "1",
         "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib*"),
     }
+    if getattr(a, "api_key", None):  # (every engine and the router; in the environment, not in `ps`)
+        env[API_KEY_ENV] = a.api_key
     cluster = Cluster()
     handed_out: set[int] = {router_port} if router_port else set()  # (an engine never gets the router's)
 

@@ -52,6 +52,7 @@ from pdserve.router.placement import (
     requested_max_tokens,
 )
 from pdserve.server import fanout
+from pdserve.server.auth import ApiKey
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body, http_error
@@ -155,7 +156,9 @@ class Router:
         load_interval_s: float = 0.05,
         alpha_tokens: int | None = None,
         beta_tokens: int | None = None,
+        api_key: str | None = None,
     ) -> None:
+        self.api_key = api_key  # clients must send it (server/auth.py); we send it to the engines
         self.prefills = [Engine(u.rstrip("/"), "prefill") for u in prefill_urls]
         self.decodes = [Engine(u.rstrip("/"), "decode") for u in decode_urls]
         # DualPath: with a policy, the scheduler of pdserve.dualpath picks (PE, DE, read path) per
@@ -170,7 +173,10 @@ class Router:
         self.health_interval_s = health_interval_s
         self.max_prefill_attempts = max_prefill_attempts
         self._rr = itertools.count()
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0, connect=5.0),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        )
         self.num_retries = 0
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
@@ -572,6 +578,7 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve router")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(ApiKey, key=router.api_key)
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # (404, 405: OpenAI's shape)
     state: dict = {}

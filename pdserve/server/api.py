@@ -40,6 +40,7 @@ from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
 from pdserve.server.admin import admin_routes
+from pdserve.server.auth import ApiKey
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
@@ -100,6 +101,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     enable_weight_updates: bool = False,
+    api_key: str | None = None,
 ) -> FastAPI:
     """`pd` (prefill or decode role) plugs the role into the engine thread and the handlers.
     `enable_fault_injection` adds `GET/POST /debug/faults` (pdserve.faults; chaos tests only).
@@ -130,6 +132,7 @@ def build_app(
     vocab_size = engine.config.model_config.vocab_size
     app = FastAPI(title="pdserve", default_response_class=JSONResponse)
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(ApiKey, key=api_key)  # (outermost: a request without the key is not read)
     app.state.engine = aengine
     app.state.metrics = metrics
 

@@ -1,0 +1,39 @@
+"""`--api-key` (vLLM's): requests to the OpenAI routes (`/v1/...`) must carry `Authorization: Bearer
+<key>`, else a 401 in OpenAI's error shape. The other routes (health, metrics, SGLang's `/generate`,
+the PD and admin routes) stay open, as in vLLM: bind 127.0.0.1 (the default) or put a proxy in front
+to expose them. The router sends the same key to its engines."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.server.protocol import error_body
+
+PROTECTED_PREFIX = "/v1/"
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+class ApiKey:
+    """ASGI middleware; `key` None or empty leaves every route open."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+        if hmac.compare_digest(given.strip(), self.expected):  # (constant time: no key by timing)
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(
+            error_body("missing or wrong API key (Authorization: Bearer ...)", 401, "AuthenticationError")
+        ).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
