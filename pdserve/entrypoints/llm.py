@@ -63,39 +63,25 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         groups: list[tuple[str | None, list[str]]] = []  # per prompt: (the id naming its n choices, ids)
         ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=sum(p.n for p in params), disable=not use_tqdm, desc="generate")
         try:
             for prompt, tok, p in zip(prompts, tokenized, params, strict=True):
                 # (a max_tokens past the context ends there, "length", as vLLM's offline API does)
-                if p.n == 1:
-                    ids.append(self.engine.add_request(prompt, p, tokenized=tok, cap_max_tokens=True))
-                    groups.append((None, ids[-1:]))
-                    continue
-                base = self.engine.new_request_id()
+                base = self.engine.new_request_id() if p.n > 1 else None
                 for j in range(p.n):
-                    choice = replace(p, n=1, seed=child_seed(p.seed, j))
-                    ids.append(
-                        self.engine.add_request(prompt, choice, f"{base}_{j}", tok, cap_max_tokens=True)
-                    )
+                    choice = p if base is None else replace(p, n=1, seed=child_seed(p.seed, j))
+                    rid = None if base is None else f"{base}_{j}"
+                    ids.append(self.engine.add_request(prompt, choice, rid, tok, cap_max_tokens=True))
                 groups.append((base, ids[-p.n :]))
-        except Exception:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
-        done: dict[str, RequestOutput] = {}
-        prompt_of = {rid: i for i, (_, group) in enumerate(groups) for rid in group}
-        left = [len(group) for _, group in groups]
-        bar = tqdm(total=len(groups), disable=not use_tqdm, desc="generate")
-        try:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
-                        left[prompt_of[out.request_id]] -= 1
-                        if not left[prompt_of[out.request_id]]:
-                            bar.update(1)
+                        bar.update(1)
         except BaseException:
-            # (an error in a step, or Ctrl-C: the batch left queued and holding pages ran first, whole,
-            # in the caller's next generate)
+            # (a bad prompt, an error in a step, or Ctrl-C: what was queued, left holding pages, ran
+            # first, whole, in the caller's next generate)
             for rid in ids:
                 if rid not in done:
                     self.engine.abort(rid)
