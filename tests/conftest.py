@@ -239,6 +239,11 @@ def run_in_process(engine, scenario, **app_kw):
         app.state.engine.shutdown()
 
 
+def serve_cmd(model_dir: str, port: int, *flags: str) -> list[str]:
+    """The command line of a `pdserve serve` process on 127.0.0.1:`port`."""
+    return [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(port), *flags]
+
+
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str, log_dir, *flags: str):
     """A `pdserve serve` process on 127.0.0.1 (extra `flags` appended); yields (url, proc, log_path).
@@ -248,9 +253,8 @@ def serve_subprocess(model_dir: str, log_dir, *flags: str):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(log_dir) / "server.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(port), *flags]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(serve_cmd(model_dir, port, *flags), stdout=log, stderr=subprocess.STDOUT)
     try:
         try:
             wait_healthy(url, proc, timeout_s=120)
