@@ -209,6 +209,22 @@ def test_pd_penalties_bias_and_min_tokens_equal_colocated(cluster, colocated):
         wait_engine_idle(url)
 
 
+def test_pd_echo_with_max_tokens_0_answers_the_prompt_alone(cluster):
+    """The scoring form through the router: placed as the one token both halves run, answered as the
+    prompt with nothing generated; with logprobs it needs a colocated engine (a 400, nothing held)."""
+    prompt = warm_prompts()[2] + "    pass"
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 0, "echo": True}
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == prompt and r.json()["usage"]["completion_tokens"] == 0
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"logprobs": 1}, timeout=60)
+    assert r.status_code == 400 and "colocated" in r.text
+    r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"echo": False}, timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_n_choices_equal_colocated_seeded_children(cluster, colocated):
     """The router splits n = 3 into three PD requests (seed + i each) and merges them: the same
     choices as one engine sampling each seed, streamed or not; bad n is a 400 from the router."""

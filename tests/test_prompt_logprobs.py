@@ -197,6 +197,57 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
     assert len(chat.json()["prompt_logprobs"]) == n_chat and chat.json()["prompt_logprobs"][0] is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(demo_engine):
+    """OpenAI's and vLLM's scoring form (lm-eval's loglikelihood): echo + max_tokens 0 answers the
+    prompt and its logprobs, nothing generated (the one token run to finish the prompt is dropped, and
+    not counted); streamed, the same. max_tokens 0 without echo stays a 400."""
+    tok = demo_engine.tokenizer
+    prompt = "def handler(request):\n    return request"
+    ids = tok.encode(prompt)
+    base = {"prompt": prompt, "max_tokens": 0, "echo": True, "temperature": 0}
+    before = demo_engine.kv.pool.num_free_pages
+    scored, streamed, with_ids, plp, refused = post_all(
+        demo_engine,
+        [
+            ("/v1/completions", base | {"logprobs": 2}),
+            (
+                "/v1/completions",
+                base | {"logprobs": 2, "stream": True, "stream_options": {"include_usage": True}},
+            ),
+            ("/v1/completions", base | {"return_token_ids": True}),
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}),
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 0}),
+        ],
+    )
+    for r in (scored, streamed, with_ids, plp):
+        assert r.status_code == 200, r.text
+    assert refused.status_code == 400 and "max_tokens" in refused.text
+    choice = scored.json()["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    expected = plp.json()["choices"][0]["prompt_logprobs"]
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [expected[i][str(ids[i])]["logprob"] for i in range(1, len(ids))], abs=1e-4
+    )
+    assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])  # (top 2 and the prompt's token)
+    assert scored.json()["usage"] == scored.json()["usage"] | {
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "total_tokens": len(ids),
+    }
+    events = [json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in chunks) == prompt
+    assert {k: sum((c["logprobs"][k] for c in chunks if c["logprobs"]), []) for k in lp} == lp
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    ids_choice = with_ids.json()["choices"][0]
+    assert ids_choice["text"] == prompt and ids_choice["logprobs"] is None
+    assert ids_choice["prompt_token_ids"] == ids and ids_choice["token_ids"] == []
+    assert not demo_engine.requests and demo_engine.kv.pool.num_free_pages == before
+
+
 def test_echo_null_is_echo_false(demo_engine):
     (r,) = post_all(demo_engine, [("/v1/completions", {"prompt": "hello", "max_tokens": 2, "echo": None})])
     assert r.status_code == 200 and not r.json()["choices"][0]["text"].startswith("hello")

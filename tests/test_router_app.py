@@ -159,6 +159,13 @@ def test_requested_max_tokens_reads_what_the_engines_read():
     assert requested_max_tokens(completion, {}) is None
     with pytest.raises(ValueError, match="max_completion_tokens"):
         requested_max_tokens(chat, {"max_completion_tokens": 0, "max_tokens": 9})
+    # echo with max_tokens 0 (scoring: the prompt alone) is placed as the one token the engines run
+    assert requested_max_tokens(completion, {"max_tokens": 0, "echo": True}) == 1
+    for refused in ({"max_tokens": 0}, {"max_tokens": 0, "echo": 1}, {"max_tokens": False, "echo": True}):
+        with pytest.raises(ValueError, match="max_tokens"):
+            requested_max_tokens(completion, refused)
+    with pytest.raises(ValueError, match="max_tokens"):
+        requested_max_tokens(chat, {"max_tokens": 0, "echo": True})
     with pytest.raises(ValueError, match="token ids"):
         prompt_shape({"prompt": [-1]})
 

@@ -394,8 +394,16 @@ def completion_view(path: str, body: dict) -> dict:
 def requested_max_tokens(path: str, body: dict) -> int | None:
     """The client's output-token limit as the engines read it (chat: `max_completion_tokens` wins over
     `max_tokens`; /generate: its sampling_params' `max_new_tokens`, or ours, `max_tokens`); None when
-    absent. ValueError unless it is a positive JSON integer."""
+    absent. ValueError unless it is a positive JSON integer, or 0 on a completion with `echo` (the
+    engines' scoring form: the prompt alone, computed with one token that is dropped)."""
     keys = ("max_completion_tokens", "max_tokens") if path.endswith("/chat/completions") else ("max_tokens",)
+    if (
+        path.endswith("/v1/completions")
+        and body.get("echo") is True
+        and type(body.get("max_tokens")) is int
+        and body["max_tokens"] == 0
+    ):
+        return 1
     if path == "/generate":
         sp = body.get("sampling_params")
         body, keys = (sp if isinstance(sp, dict) else {}), ("max_new_tokens", "max_tokens")

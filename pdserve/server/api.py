@@ -250,8 +250,9 @@ def build_app(
     def envelope(rid: str, obj: str, created: int, choices: list) -> dict:
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
 
-    def usage(out: RequestOutput) -> dict:
-        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    def usage(out: RequestOutput, num_dropped_tokens: int = 0) -> dict:
+        """(`num_dropped_tokens`: output tokens run but not returned, not counted: echo's scoring)"""
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids) - num_dropped_tokens
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
@@ -369,12 +370,19 @@ def build_app(
         return f"data: {json.dumps(obj)}\n\n"
 
     async def stream(
-        req, text, chunk_fn, options: StreamOptions | None, head: list[dict] = (), every_token: bool = False
+        req,
+        text,
+        chunk_fn,
+        options: StreamOptions | None,
+        head: list[dict] = (),
+        every_token: bool = False,
+        num_dropped_tokens: int = 0,
     ) -> AsyncIterator[str]:
         """Turn the engine's cumulative outputs into SSE deltas; hold back a trailing partial UTF-8 char.
         `every_token`: a chunk for every new token even when its text is held back (token-id clients).
         `options` (the client's stream_options): `include_usage` adds a last chunk with the usage;
-        with `continuous_usage_stats` too (vLLM's), every chunk carries the usage so far."""
+        with `continuous_usage_stats` too (vLLM's), every chunk carries the usage so far.
+        `num_dropped_tokens`: output tokens `chunk_fn` drops, left out of the usage."""
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)
 
@@ -402,7 +410,9 @@ def build_app(
                 if delta or out.finished or (new_tokens and (every_token or o.logprobs)):
                     made = chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None)
                     for c in made if isinstance(made, list) else (made,):  # (tool calls: 0..n chunks)
-                        yield sse(c | {"usage": so_far(len(o.token_ids))} if continuous else c)
+                        yield sse(
+                            c | {"usage": so_far(len(o.token_ids) - num_dropped_tokens)} if continuous else c
+                        )
                     sent_text, sent_tokens = upto, len(o.token_ids)
         except InvalidRequest as e:  # the stream already started: report in-band
             yield sse(error_body(str(e), *in_band_status(e)))
@@ -413,7 +423,9 @@ def build_app(
             yield "data: [DONE]\n\n"
             return
         if include_usage and last is not None:
-            yield sse(chunk_fn(None, None, 0, None) | {"choices": [], "usage": usage(last)})
+            yield sse(
+                chunk_fn(None, None, 0, None) | {"choices": [], "usage": usage(last, num_dropped_tokens)}
+            )
         yield "data: [DONE]\n\n"
 
     @app.get("/version")
@@ -519,9 +531,12 @@ def build_app(
     async def completion(body: CompletionRequest, http: Request):
         check_model(body.model)
         pd_field = (body.model_extra or {}).get("pd")
+        # echo with max_tokens 0 (OpenAI's and vLLM's scoring form; lm-eval's loglikelihood): the prompt
+        # alone, with its logprobs. The engine runs one token to finish the prompt; it is dropped.
+        scoring = bool(body.echo) and body.max_tokens == 0
         req, text = await validate(
             body.single_prompt,
-            lambda: body.sampling_params(body.max_tokens, body.logprobs, sampling_defaults),
+            lambda: body.sampling_params(1 if scoring else body.max_tokens, body.logprobs, sampling_defaults),
             pd_field,
             body.request_id,
         )
@@ -535,13 +550,16 @@ def build_app(
                 token_starts = [sum(len(token_str(t)) for t in req.prompt_token_ids)]
 
         def chunk(delta, o, start, finish):
-            lps = completion_logprobs(o.logprobs, start, token_starts) if o is not None else None
+            returned = o is not None and not scoring  # (the generated part, if any is returned)
+            lps = completion_logprobs(o.logprobs, start, token_starts) if returned else None
             first = o is not None and start == 0  # (the first chunk of a stream, or the whole answer)
+            if scoring:
+                delta = ""
             if first and body.echo:
                 delta = echoed + delta
-                if lps is not None:
+                if body.logprobs is not None:
                     head = echo_logprobs(req.prompt_logprobs, req.prompt_token_ids)
-                    lps = {key: head[key] + lps[key] for key in lps}
+                    lps = head if lps is None else {key: head[key] + lps[key] for key in lps}
             choice = {
                 "index": 0,
                 "text": delta,
@@ -554,17 +572,20 @@ def build_app(
             if want_ids and first:
                 choice["prompt_token_ids"] = list(req.prompt_token_ids)
             if want_ids and o is not None:
-                choice["token_ids"] = list(o.token_ids[start:])
+                choice["token_ids"] = list(o.token_ids[start:]) if returned else []
             return envelope(rid, "text_completion", created, [choice])
 
+        num_dropped = int(scoring)
         if body.stream and role_name != "prefill":
             await resolve_pd(req)
-            events = stream(req, text, chunk, body.stream_options, every_token=want_ids)
+            events = stream(
+                req, text, chunk, body.stream_options, every_token=want_ids, num_dropped_tokens=num_dropped
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         out = await run_to_end(req, text, http)
         o = out.outputs[0]
         resp = chunk(o.text, o, 0, o.finish_reason)
-        return resp | {"usage": usage(out)}
+        return resp | {"usage": usage(out, num_dropped)}
 
     def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict] | None, bool, str | None]:
         """(tools for the template, whether to parse the answer for calls, the grammar the answer must
