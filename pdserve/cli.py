@@ -19,8 +19,30 @@ _tokens = number(int, 0, low_ok=True)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's default in its help, as vLLM's --help shows them; not where the help already
+    says it, nor where there is none to show (None: computed or off; a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        shown = not (default is None or default is False or default is argparse.SUPPRESS)
+        if action.option_strings and shown and "default" not in text:
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """(sub-commands are made of the parser's own class: the formatter reaches every one)"""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _log_level_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS)
+    p.add_argument(
+        "--log-level", default="warning", type=str.lower, choices=LOG_LEVELS, help="uvicorn's and pdserve's"
+    )
 
 
 def _api_key_arg(p: argparse.ArgumentParser) -> None:
@@ -88,27 +110,36 @@ def _configure_logging(level: str) -> None:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF model directory")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights and KV cache (auto: float32 on the CPU; on a GPU the checkpoint's half type, else bfloat16)",
+    )
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when there is one")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=positive, default=0.5)
+    p.add_argument("--kv-cache-gib", type=positive, default=0.5, help="KV pool size in GiB")
     p.add_argument(
         "--max-model-len",
         type=count,
         default=None,
         help="prompt + output tokens of one request (default: the model's positions, as far as the KV pool holds them)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="recompute every prompt (no reuse of cached pages)"
+    )
     p.add_argument(
         "--no-in-flight-prefix-sharing",
         action="store_true",
         help="admit copies of a prompt being prefilled at once (each computes it) instead of waiting "
         "for its pages to reach the prefix cache",
     )
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: --model as given)"
+    )
     p.add_argument(
         "--tool-call-parser",
         default=None,
@@ -127,7 +158,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         help="move a thinking model's <think>...</think> to reasoning_content in chat answers",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the shared sampler (requests without a seed of their own)",
+    )
     p.add_argument(
         "--prefill-quota-ms",
         type=float,
@@ -139,7 +175,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _pd_args(p: argparse.ArgumentParser) -> None:
     """Flags of prefill/decode engines, shared by `serve` and `launch` (which passes them on)."""
     # (the in-process fake backend reaches only peers in its own process: tests build it in code)
-    p.add_argument("--transfer-backend", default="nixl", choices=["nixl"])
+    p.add_argument("--transfer-backend", default="nixl", choices=["nixl"], help="how KV pages move")
     p.add_argument("--pd-deadline-s", type=float, default=30.0, help="deadline of every PD transfer state")
     p.add_argument(
         "--pd-abort-lease-s",
@@ -415,14 +451,19 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = _Parser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run an engine with an OpenAI-compatible HTTP API")
     _engine_args(s)
-    s.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=port, default=8000)
+    s.add_argument(
+        "--role",
+        default="colocated",
+        choices=["colocated", "prefill", "decode"],
+        help="colocated: a whole engine; prefill/decode: a half behind `pdserve router`",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=port, default=8000, help="HTTP port")
     _log_level_arg(s)
     _api_key_arg(s)
     s.add_argument("--cluster-secret", default=None, help="PD roles: HMAC key (else $PDSERVE_CLUSTER_SECRET)")
@@ -442,9 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
     r.add_argument("--prefill", nargs="+", required=True, help="prefill engine base URLs")
     r.add_argument("--decode", nargs="+", required=True, help="decode engine base URLs")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=port, default=8000)
-    r.add_argument("--health-interval-s", type=positive, default=1.0)
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    r.add_argument("--port", type=port, default=8000, help="HTTP port")
+    r.add_argument("--health-interval-s", type=positive, default=1.0, help="engine health poll period")
     _api_key_arg(r)
     _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
     _policy_args(r)
@@ -472,12 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(fn=cmd_launch)
 
     m = sub.add_parser("make-demo-model", help="write the small offline demo checkpoint")
-    m.add_argument("dir")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("dir", help="directory to write (config.json, model.safetensors, tokenizer)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     m.set_defaults(fn=cmd_make_demo_model)
 
     d = sub.add_parser("demo", help="build the demo checkpoint if needed, serve it, send a few requests")
-    d.add_argument("--model-dir", default=".demo-model")
+    d.add_argument("--model-dir", default=".demo-model", help="the demo checkpoint's directory")
     d.add_argument("--port", type=port, default=0, help="0 = pick a free port")
     d.set_defaults(fn=cmd_demo)
 
@@ -487,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument(
         "--model", default=None, help="model dir (default: the demo checkpoint, built if missing)"
     )
-    bo.add_argument("--num-requests", type=count, default=32)
-    bo.add_argument("--seed", type=int, default=0)
+    bo.add_argument("--num-requests", type=count, default=32, help="requests, each side the same")
+    bo.add_argument("--seed", type=int, default=0, help="seed of the prompts and their lengths")
     bo.add_argument("--dtype", default="float32", choices=DTYPES, help="both sides (auto: pdserve's choice)")
     bo.add_argument("--device", default="cpu", choices=DEVICES, help="both sides (auto: pdserve's choice)")
     bo.add_argument("--json", default=None, help="write the figures to this file")

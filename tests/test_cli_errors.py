@@ -4,6 +4,7 @@ left behind (found by a review of the CLI and process lifecycle, 2026-12-02)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -58,6 +59,47 @@ def test_bad_values_are_usage_errors_before_anything_loads(capsys, argv, message
     router polling back to back (interval 0)."""
     assert message in _usage_error(capsys, argv)
     assert build_parser().parse_args(["serve", "--model", "m", "--log-level", "INFO"]).log_level == "info"
+
+
+def _all_parsers(parser: argparse.ArgumentParser, name: str = "pdserve"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _all_parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_option_of_every_command_says_what_it_does_and_its_default(capsys):
+    """--help was a list of bare flags with few defaults (a vLLM user reads them there): every option
+    of every sub-command has a help line, and each value it defaults to is shown, none that is not
+    one (None: computed or off; a flag's False)."""
+    parsers = dict(_all_parsers(build_parser()))
+    assert {
+        "pdserve serve",
+        "pdserve router",
+        "pdserve launch",
+        "pdserve bench serve",
+        "pdserve simulate",
+    } <= set(parsers)
+    bare = [
+        (name, a.option_strings[0])
+        for name, p in parsers.items()
+        for a in p._actions
+        if a.option_strings and a.default is not argparse.SUPPRESS and not a.help
+    ]
+    assert bare == []
+    for name, p in parsers.items():
+        text = p.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, name
+    serve = parsers["pdserve serve"].format_help()
+    for shown in (
+        "tokens per KV page (default: 16)",
+        "(default: 2048)",
+        "(default: 8000)",
+        "(default: warning)",
+    ):
+        assert shown in " ".join(serve.split()), shown
+    assert "(default: 0)" in " ".join(parsers["pdserve demo"].format_help().split())  # (a 0 is a value)
 
 
 def test_a_config_json_lacking_a_key_or_broken_is_a_config_error(tmp_path):

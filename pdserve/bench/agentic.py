@@ -460,19 +460,26 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ids drawn from [10, V-10) (default 256)",
     )
-    p.add_argument("--workload", default="32k", choices=WORKLOADS)
+    p.add_argument("--workload", default="32k", choices=WORKLOADS, help="Table 2 row or a trace")
     p.add_argument("--data-dir", default=None, help="trace directory (default ../shared/data)")
-    p.add_argument("--mode", default="offline", choices=["offline", "online"])
-    p.add_argument("--num-agents", type=count, default=8)
-    p.add_argument("--max-turns", type=count, default=16)
+    p.add_argument(
+        "--mode",
+        default="offline",
+        choices=["offline", "online"],
+        help="offline: every agent at t = 0; online: Poisson arrivals at --aps",
+    )
+    p.add_argument("--num-agents", type=count, default=8, help="agents (trajectories)")
+    p.add_argument("--max-turns", type=count, default=16, help="turns per agent, at most")
     p.add_argument("--length-scale", type=positive, default=0.1, help="multiplies appends and gens")
     p.add_argument(
         "--max-context-tokens", type=count, default=None, help="per agent (default: max_model_len or 2048)"
     )
     p.add_argument("--aps", type=positive, default=1.0, help="online: agent arrivals per second (Poisson)")
     p.add_argument("--think-s", type=non_negative, default=0.0, help="tool latency between turns")
-    p.add_argument("--slo-ttft-s", type=positive, default=4.0)
-    p.add_argument("--slo-tpot-s", type=positive, default=0.05)
+    p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="goodput: time to first token, at most")
+    p.add_argument(
+        "--slo-tpot-s", type=positive, default=0.05, help="goodput: time per output token, at most"
+    )
     p.add_argument("--sample-s", type=non_negative, default=1.0, help="/pd/cluster sampling period (0: off)")
     p.add_argument(
         "--extra-body", default=None, help='JSON merged into every request, e.g. {"read_path":"pe"}'
@@ -480,7 +487,7 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=positive, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0, help="trajectories, arrivals and token ids")
     p.add_argument("--token-seed", type=int, default=None, help="token ids only (a cold-cache rerun)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, help="write config, summary and per-turn records here")
     p.add_argument("--plot", default=None, help="write a PNG here")
 

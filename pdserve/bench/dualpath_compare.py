@@ -40,22 +40,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="round_robin,dualpath",
         help="router placement policies, compared in this order (the first is the baseline)",
     )
-    p.add_argument("--mode", choices=["offline", "online"], default="offline")
+    p.add_argument(
+        "--mode",
+        choices=["offline", "online"],
+        default="offline",
+        help="offline: JCT of every agent at t = 0; online: the highest --aps within the SLOs",
+    )
     p.add_argument(
         "--aps",
         type=number_list(positive),
         default="0.25,0.35,0.5,0.7,1.0,1.4",
         help="online: arrival rates tried in ascending order until one misses the SLO (agents/s)",
     )
-    p.add_argument("--slo-ttft-s", type=positive, default=4.0)
+    p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="online: time to first token, at most")
     p.add_argument("--slo-tpot-s", type=positive, default=0.2, help="CPU engines decode slower than GPUs")
     p.add_argument("--slo-goodput", type=fraction, default=0.9, help="online: fraction of turns within SLO")
-    p.add_argument("--workload", default="32k")
-    p.add_argument("--num-agents", type=count, default=16)
-    p.add_argument("--max-turns", type=count, default=12)
-    p.add_argument("--length-scale", type=positive, default=0.2)
-    p.add_argument("--max-context-tokens", type=count, default=3500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default="32k", help="as for `pdserve bench agentic`")
+    p.add_argument("--num-agents", type=count, default=16, help="agents (trajectories)")
+    p.add_argument("--max-turns", type=count, default=12, help="turns per agent, at most")
+    p.add_argument("--length-scale", type=positive, default=0.2, help="multiplies appends and gens")
+    p.add_argument("--max-context-tokens", type=count, default=3500, help="per agent")
+    p.add_argument("--seed", type=int, default=0, help="trajectories, arrivals and token ids")
     p.add_argument(
         "--sample-s",
         type=positive,
@@ -63,9 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="SNIC balance window; ~10 reads per node per window at the defaults (the paper's 50 GB/s "
         "SNICs move a 32K-token context in ~26 ms, so its windows hold dozens of reads)",
     )
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write every policy's figures here")
+    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_policy(a, model_dir: str, policy: str, agents, online: bool) -> dict:

@@ -143,15 +143,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="model dir for the side-by-side run (default: demo checkpoint)"
     )
-    p.add_argument("--served-model-name", default="demo")
-    p.add_argument("--num-requests", type=count, default=48)
+    p.add_argument("--served-model-name", default="demo", help="the model name sent to --url")
+    p.add_argument("--num-requests", type=count, default=48, help="requests per setup")
     p.add_argument("--rate", type=positive, default=3.0, help="requests per second (Poisson)")
-    p.add_argument("--long-fraction", type=number(float, 0, low_ok=True, high=1), default=0.25)
+    p.add_argument(
+        "--long-fraction",
+        type=number(float, 0, low_ok=True, high=1),
+        default=0.25,
+        help="share of long prompts",
+    )
     p.add_argument("--long-words", type=count, default=700, help="~tokens of a long prompt")
-    p.add_argument("--short-words", type=count, default=30)
-    p.add_argument("--max-tokens", type=count, default=64)
+    p.add_argument("--short-words", type=count, default=30, help="~tokens of a short prompt")
+    p.add_argument("--max-tokens", type=count, default=64, help="output tokens per request")
     p.add_argument("--max-num-batched-tokens", type=count, default=256, help="engine step budget")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals")
     p.add_argument(
         "--device",
         default="cpu",
@@ -159,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines' device (both setups: compared on equal hardware)",
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="engines' dtype (both setups)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the figures to this file")
 
 
 def run(a: argparse.Namespace) -> int:

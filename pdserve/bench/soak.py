@@ -32,12 +32,12 @@ _METRIC = re.compile(r"^pdserve_kv_pages_used(?:\{[^}]*\})? ([-+0-9.eE]+)$", re.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model dir (default: the demo checkpoint, built if missing)")
-    p.add_argument("--minutes", type=positive, default=10.0)
-    p.add_argument("--prefill", type=count, default=1)
-    p.add_argument("--decode", type=count, default=1)
+    p.add_argument("--minutes", type=positive, default=10.0, help="length of the loaded run")
+    p.add_argument("--prefill", type=count, default=1, help="prefill engines")
+    p.add_argument("--decode", type=count, default=1, help="decode engines")
     p.add_argument("--load-fraction", type=positive, default=0.8, help="of the calibrated throughput")
     p.add_argument("--concurrency", type=count, default=8, help="calibration clients")
-    p.add_argument("--calibrate-s", type=positive, default=20.0)
+    p.add_argument("--calibrate-s", type=positive, default=20.0, help="throughput calibration before the run")
     p.add_argument("--warmup-s", type=non_negative, default=30.0, help="excluded from the drift windows")
     p.add_argument(
         "--window-frac",
@@ -45,10 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.1,
         help="drift compares first vs last window (each this share of the run)",
     )
-    p.add_argument("--max-tokens", type=count, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None)
+    p.add_argument("--max-tokens", type=count, default=16, help="output tokens per request")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrivals")
+    p.add_argument("--json", default=None, help="write the figures and samples here")
+    p.add_argument("--plot", default=None, help="write a PNG here")
 
 
 def rss_bytes(pid: int) -> int:

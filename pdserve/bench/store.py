@@ -32,8 +32,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-token-layer", type=count, default=4096, help="K+V bytes per token per layer")
     p.add_argument("--io-threads", type=count, default=4, help="store I/O threads")
     p.add_argument("--repeats", type=count, default=3, help="timed passes per path and case (best kept)")
-    p.add_argument("--backends", nargs="+", default=["preadv", "nixl"], choices=["preadv", "nixl"])
-    p.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["preadv", "nixl"],
+        choices=["preadv", "nixl"],
+        help="store read paths",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=["warm", "cold"],
+        choices=["warm", "cold"],
+        help="warm: files in the page cache; cold: dropped from it before each pass",
+    )
     p.add_argument("--dir", default=None, help="parent directory of the temp store (default: $TMPDIR)")
 
 

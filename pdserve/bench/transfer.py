@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sweep all cases this many times; the table gives medians over every repetition of every "
         "round and each round's ratio (drift on a shared machine shows up between rounds)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the scattered page ids")
     p.add_argument(
         "--torch-threads",
         type=count,

@@ -67,9 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that matches the sources if there is one; on = build it first (~2 min once); off = pure Python",
     )
     g = parser.add_argument_group("overrides (default: the scenario's own)")
-    g.add_argument("--prefill-nodes", type=_positive_int)
-    g.add_argument("--decode-nodes", type=_positive_int)
-    g.add_argument("--gpus-per-node", type=_positive_int)
+    g.add_argument("--prefill-nodes", type=_positive_int, help="prefill nodes")
+    g.add_argument("--decode-nodes", type=_positive_int, help="decode nodes")
+    g.add_argument("--gpus-per-node", type=_positive_int, help="GPUs (and compute NICs) per node")
     g.add_argument("--model", help="named profile (ds-660b, ds-27b, qwen2.5-32b) or an HF config.json path")
     g.add_argument(
         "--workload",
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dram-gbytes-per-s", type=_positive, help="host DRAM bandwidth per node, GB/s (default 500)"
     )
-    g.add_argument("--seed", type=_number(int, 0, low_ok=True))
+    g.add_argument("--seed", type=_number(int, 0, low_ok=True), help="workload seed")
     g.add_argument("--quota-ms", type=_positive, help="PE compute quota per batch (default 300)")
     g.add_argument(
         "--submit-us", type=_list(_non_negative), help="per-copy submit µs (submit-cost sweep values)"
