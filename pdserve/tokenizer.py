@@ -13,6 +13,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+SPACE_MARKER = "\u2581"  # SentencePiece's "▁": a piece's leading space
 DECODE_CONTEXT_TOKENS = 5  # prompt tokens an output is decoded after (vLLM: 5)
 
 
@@ -52,6 +53,9 @@ class Tokenizer:
         self.byte_token_ids = frozenset(
             i for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
         )
+        # SentencePiece vocabularies write a word's leading space as U+2581 in its pieces ("▁Paris");
+        # byte-level BPE ones never hold that character raw (it would be three byte symbols).
+        self._has_space_marker = any(piece.startswith(SPACE_MARKER) for piece in self._tok.get_vocab())
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what llguidance reads for structured outputs)."""
@@ -81,6 +85,19 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included). SentencePiece decoders
+        (Metaspace, Llama-2's Strip) drop the leading space of a sequence's first piece, so "▁Paris"
+        decoded alone read "Paris"; the spaces its piece starts with are put back, as vLLM does."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if self._has_space_marker:
+            piece = self._tok.id_to_token(token_id) or ""
+            num_marked = len(piece) - len(piece.lstrip(SPACE_MARKER))
+            num_missing = num_marked - (len(text) - len(text.lstrip(" ")))
+            if num_missing > 0:
+                text = " " * num_missing + text
+        return text
 
     def chat_prompt(
         self,

@@ -194,6 +194,44 @@ def test_completion_text_keeps_the_leading_space_of_its_first_token(llama2_dir):
     assert got == (expected, expected, prompt + expected), got
 
 
+def test_logprob_token_strings_keep_their_pieces_leading_spaces(llama2_dir, demo_dir):
+    """Each logprob token is decoded alone, and a SentencePiece decoder drops a sequence's first
+    space: '▁is' read 'is', so the tokens of ' Paris. It is' joined to 'Paris.Itis'. vLLM puts the
+    spaces of the piece back (its convert_ids_list_to_tokens); so do we, in completions' tokens and
+    top_logprobs, chat's content and prompt_logprobs' decoded_token. A byte-level BPE vocabulary
+    (the demo's) has no such marker and is decoded as before."""
+    engine = make_engine(llama2_dir)
+    tok = engine.tokenizer
+    out = tok.encode("Paris. It is", add_special_tokens=False)
+    assert tok.decode([out[-1]]) == "is" and tok.token_text(out[-1]) == " is"
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": len(out),
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    (r,) = post_in_process(
+        engine,
+        [("/v1/completions", body | {"logprobs": 1, "prompt_logprobs": 1})],
+        sampler=ScriptedIds(out),
+    )
+    choice = r.json()["choices"][0]
+    text = choice["text"]
+    assert text == " Paris. It is"
+    lps = choice["logprobs"]
+    assert "".join(lps["tokens"]) == text
+    assert all(t in top for t, top in zip(lps["tokens"], lps["top_logprobs"], strict=True))
+    assert lps["text_offset"] == [sum(map(len, lps["tokens"][:i])) for i in range(len(out))]
+    prompt_ids = tok.encode(body["prompt"])
+    decoded = [
+        e[str(t)]["decoded_token"] for t, e in zip(prompt_ids[1:], choice["prompt_logprobs"][1:], strict=True)
+    ]
+    assert "".join(decoded) == " capital of France is"
+    byte_level = make_engine(demo_dir).tokenizer
+    ids = byte_level.encode("def f(x): return x", add_special_tokens=False)
+    assert [byte_level.token_text(t) for t in ids] == [byte_level.decode([t]) for t in ids]
+
+
 @pytest.mark.parametrize(
     "route, field",
     [

@@ -266,7 +266,7 @@ def build_app(
 
     @functools.lru_cache(maxsize=1 << 18)  # (prompt logprobs of a 32k prompt at k = 20: ~690k lookups)
     def token_str(tid: int) -> str:
-        return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else str(tid)
+        return tokenizer.token_text(tid) if tokenizer else str(tid)
 
     def token_str_all(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
