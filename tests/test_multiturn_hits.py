@@ -42,9 +42,11 @@ def store_cluster(demo_model_dir, tmp_path_factory):
     c.stop()
 
 
-def _turn(c, prompt: list[int], read_path: str, max_tokens: int) -> tuple[list[int], dict]:
+def _turn(
+    c, prompt: list[int], read_path: str, max_tokens: int, router_url: str = ""
+) -> tuple[list[int], dict]:
     r = httpx.post(
-        c.router_url + "/v1/completions",
+        (router_url or c.router_url) + "/v1/completions",
         json={
             "model": "demo",
             "prompt": prompt,
@@ -88,3 +90,65 @@ def test_next_turn_reads_the_previous_turns_whole_context_from_the_store(store_c
         assert (details["cached_tokens"], details["cached_tokens_storage"]) == (own, 0), details
     else:
         assert details["cached_tokens_storage"] == stored, details
+
+
+@pytest.fixture(scope="module")
+def two_decode_cluster(demo_model_dir, tmp_path_factory):
+    """1 prefill + 2 decodes sharing a KV store, and a router for each decode (`c.via[url]`), so a
+    test says which decode a turn runs on."""
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    from pdserve.demo import free_port, wait_healthy
+    from pdserve.launch import router_flags, start_cluster
+
+    store = str(tmp_path_factory.mktemp("kvstore2"))
+    a = cluster_args(demo_model_dir, kv_store=store, max_model_len=2048)
+    c = start_cluster(a, 1, 2)
+    try:
+        c.via = {}
+        for i, decode in enumerate(c.urls["decode"]):
+            port = free_port()
+            args = ["router", "--port", str(port), "--prefill", *c.urls["prefill"], "--decode", decode]
+            proc = c.start(f"router_to_decode{i}", args + router_flags(a), c.commands["router"][1])
+            c.via[decode] = f"http://127.0.0.1:{port}"
+            wait_healthy(c.via[decode], proc)
+        yield c
+    finally:
+        c.stop()
+
+
+def _finished(url: str) -> float:
+    return sum(v for k, v in metrics(url).items() if k.startswith("pdserve_requests_finished_total"))
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_next_turn_on_another_decode_reads_the_store_and_equals_one_engine(
+    two_decode_cluster, demo_model_dir, read_path
+):
+    """Turn 1 runs on decode A, turn 2 on decode B, which holds none of the conversation's pages: the
+    blocks A wrote back come from the store, through the prefill (pe) or into B itself (de), and
+    both turns' tokens equal one colocated engine's."""
+    from pdserve import LLM, SamplingParams
+
+    c = two_decode_cluster
+    decode_a, decode_b = c.urls["decode"]
+    rng = random.Random(11 if read_path == "pe" else 12)
+    prompt = [rng.randrange(10, 4000) for _ in range(301)]
+    before = {u: _finished(u) for u in (decode_a, decode_b)}
+    gen, _ = _turn(c, prompt, read_path, 200, c.via[decode_a])
+    _wait_write_back(decode_a)
+    prompt2 = prompt + gen + [rng.randrange(10, 4000) for _ in range(30)]
+    stored = (len(prompt) + len(gen) - 1) // BLOCK * BLOCK  # 448
+    ids2, details = _turn(c, prompt2, read_path, 24, c.via[decode_b])
+    assert [_finished(u) - before[u] for u in (decode_a, decode_b)] == [1, 1]
+    assert details["cached_tokens"] >= stored and details["cached_tokens_storage"] == stored, details
+
+    ref = LLM(demo_model_dir, max_model_len=2048, num_pages=400, max_num_batched_tokens=128, dtype="float32")
+    expected = ref.generate(
+        [{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt2}],
+        [
+            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        ],
+    )
+    assert gen == list(expected[0].outputs[0].token_ids)
+    assert ids2 == list(expected[1].outputs[0].token_ids)
