@@ -382,6 +382,69 @@ def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_o
         assert "no healthy decode engine" in message and "decode http://de: ConnectError" in message
 
 
+def _scrape(text: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_router_serves_its_own_metrics_requests_retries_latency_and_engines():
+    """`GET /metrics` on the router (it had none: an operator saw only the engines'): requests by
+    route and code (401s and unknown paths too, the latter as "other"), retries by the side that
+    failed, first-byte and whole-answer latency, requests in flight, each engine's health."""
+
+    async def go():
+        engines = Engines(blocking=("pe",))
+        dead = {"de"}
+
+        async def answer(request: httpx.Request) -> httpx.Response | None:
+            if request.method == "POST" and request.url.host in dead:
+                raise httpx.ConnectError("connection refused", request=request)
+            if request.method == "POST" and request.url.host == "de2":
+                engines.release.set()
+                answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return None
+
+        engines.intercept = answer
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        router.api_key = "sk-test"
+        async with client_of(router) as c:
+            unauthorized = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
+            assert unauthorized.status_code == 401
+            c.headers["Authorization"] = "Bearer sk-test"
+            ok = await asyncio.wait_for(
+                c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
+            )
+            bad = await c.post("/v1/completions", content=b"{not json")
+            await c.get("/no/such/path")
+            text = (await c.get("/metrics")).text
+        return ok, bad, _scrape(text)
+
+    ok, bad, m = asyncio.run(go())
+    assert ok.status_code == 200 and bad.status_code == 400
+    completions = ("route", "/v1/completions")
+    assert m[("pdserve_router_requests_total", (("code", "200"), completions))] == 1
+    assert m[("pdserve_router_requests_total", (("code", "400"), completions))] == 1
+    assert m[("pdserve_router_requests_total", (("code", "401"), completions))] == 1
+    assert m[("pdserve_router_requests_total", (("code", "404"), ("route", "other")))] == 1
+    assert m[("pdserve_router_retries_total", (("side", "decode"),))] == 1
+    assert m[("pdserve_router_retries_total", (("side", "prefill"),))] == 0
+    assert m[("pdserve_router_request_duration_seconds_count", (completions,))] == 3
+    assert m[("pdserve_router_first_byte_seconds_count", (completions,))] == 3
+    assert m[("pdserve_router_requests_in_flight", ())] == 0
+    healthy = {labels: v for (name, labels), v in m.items() if name == "pdserve_router_engine_healthy"}
+    assert healthy == {
+        (("role", "prefill"), ("url", "http://pe")): 1.0,
+        (("role", "decode"), ("url", "http://de")): 1.0,  # (until its health checks fail)
+        (("role", "decode"), ("url", "http://de2")): 1.0,
+    }
+
+
 def test_n_choices_one_child_refused_closes_the_others_decode_leg():
     """n = 2 where the prefill refuses child 1 (seed + 1) after child 0 got its decode stream: the
     client gets the refusal, and child 0's decode leg, opened but never read, is closed with its

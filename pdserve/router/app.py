@@ -38,9 +38,11 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.pd_common import new_room
+from pdserve.router.metrics import RequestMetrics, RouterCollector
 from pdserve.router.placement import (
     DEFAULT_PLACEMENT_TOKENS,
     Placement,
@@ -177,7 +179,7 @@ class Router:
             timeout=httpx.Timeout(600.0, connect=5.0),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
-        self.num_retries = 0
+        self.retries_by_side = {"prefill": 0, "decode": 0}  # attempts retried, by the side that failed
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
@@ -188,6 +190,10 @@ class Router:
         self.open.set()
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
+
+    @property
+    def num_retries(self) -> int:
+        return sum(self.retries_by_side.values())
 
     def num_in_flight(self) -> int:
         """Requests this router has taken in and not yet answered to the end."""
@@ -425,7 +431,7 @@ class Router:
                 await leg.close()
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
-                self.num_retries += 1
+                self.retries_by_side["decode"] += 1
                 log.warning("retrying on another decode: %s", last_error)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
@@ -436,7 +442,7 @@ class Router:
             if pe_resp is not None:
                 last_error = f"prefill {pe.url}: HTTP {pe_resp.status_code} {pe_resp.text[:200]}"
             await leg.close()  # closing the decode's stream aborts its room
-            self.num_retries += 1
+            self.retries_by_side["prefill"] += 1
             log.warning("retrying on another prefill: %s", last_error)
         else:
             return JSONResponse(
@@ -579,6 +585,9 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve router")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
     app.add_middleware(ApiKey, key=router.api_key)
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(router))
+    app.add_middleware(RequestMetrics, registry=registry)  # (last: outermost, so 401s and 413s count)
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # (404, 405: OpenAI's shape)
     state: dict = {}
@@ -735,6 +744,10 @@ def build_router_app(router: Router) -> FastAPI:
         }
         body = {"status": "ok" if ok else "degraded", "engines": engines, "num_retries": router.num_retries}
         return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/pd/cluster")
     async def cluster():
