@@ -233,6 +233,32 @@ def test_bad_requests_change_no_state(llm):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("num_prompt, max_tokens", [(7, 2), (8, 1)])
+def test_a_request_whose_kv_fills_the_pool_exactly_runs(demo_model_dir, num_prompt, max_tokens):
+    """The last token sampled is never computed, so a request holds prompt + max_tokens - 1 KV slots:
+    7 + 2 (or 8 + 1) tokens fit 2 pages of 4. It was refused ("needs more KV pages than this engine
+    has in total", found by a review of the KV managers) with max_model_len above the pool; now it
+    runs, to the same greedy tokens as an engine with pages to spare; one token more is refused."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    def greedy(num_pages: int, n: int) -> list[int]:
+        config = EngineConfig.create(demo_model_dir, page_size=4, num_pages=num_pages, max_model_len=64)
+        engine = LLMEngine(config)
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        engine.add(engine.make_request({"prompt_token_ids": list(range(5, 5 + num_prompt))}, params, "r"))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        engine.check_integrity()
+        assert engine.kv.pool.num_free_pages == num_pages
+        return list(outs[-1].outputs[0].token_ids)
+
+    assert greedy(2, max_tokens) == greedy(64, max_tokens)
+    with pytest.raises(InvalidRequest, match="more KV pages"):
+        greedy(2, max_tokens + 1)
+
+
 def test_an_unset_max_tokens_is_the_context_left_or_the_apis_default_within_it(demo_model_dir):
     """max_tokens None: up to max_model_len; with `default_max_tokens` (an API's default, /generate's
     128): that, lowered to the room the prompt leaves, and the pool check uses the lowered value."""

@@ -175,7 +175,8 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
                 f"length of {max_len} tokens"
             )
-        if self.kv.num_pages_for(num_prompt + max_tokens) > self.kv.pool.num_pages:
+        # (the last token sampled is never computed, so it holds no KV: prompt + max_tokens - 1 slots)
+        if self.kv.num_pages_for(num_prompt + max_tokens - 1) > self.kv.pool.num_pages:
             raise InvalidRequest("request needs more KV pages than this engine has in total")
         vocab = self.config.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:

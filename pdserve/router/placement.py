@@ -319,7 +319,8 @@ class Placement:
             if self.scheduler is None:
                 raise PlacementError("the router has no load report from every engine yet; retry shortly")
         page_tokens = self.scheduler.config.page_tokens
-        need_pages = -(-(prompt_len + max_tokens) // page_tokens)
+        # (as the engines count: the last token sampled is never computed, so it holds no KV)
+        need_pages = -(-(prompt_len + max_tokens - 1) // page_tokens)
         # (the live decodes only: a request only a dead one could hold waited to the queue timeout)
         biggest = max((self._report(e)["num_total_pages"] for e in self.decodes if e.healthy), default=0)
         if need_pages > biggest:
