@@ -30,6 +30,8 @@ class Engines:
         self.blocking = set(blocking)
         self.release = asyncio.Event()
         self.model_paths: dict[str, str] = {}  # host -> the weights it serves (default "/ckpt/a")
+        self.weights_ids: dict[str, str] = {}  # host -> their identity (default: none reported)
+        self.statuses: dict[str, str] = {}  # host -> its /pd/info status (default "ok")
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if self.intercept is not None and (answer := await self.intercept(request)) is not None:
@@ -38,7 +40,13 @@ class Engines:
         role = "prefill" if host.startswith("pe") else "decode"
         if path == "/pd/info":
             info = {"role": role, "model": "m", "bootstrap_url": "http://pe:1"}
-            return httpx.Response(200, json=info | {"model_path": self.model_paths.get(host, "/ckpt/a")})
+            info |= {
+                "model_path": self.model_paths.get(host, "/ckpt/a"),
+                "status": self.statuses.get(host, "ok"),
+            }
+            if host in self.weights_ids:
+                info["weights_id"] = self.weights_ids[host]
+            return httpx.Response(200, json=info)
         if path == "/pd/load":
             return httpx.Response(200, json=report(host, role))
         self.posts.append((host, path))
@@ -911,6 +919,75 @@ def test_a_weight_update_that_misses_an_engine_out_of_service_fails_and_it_serve
         "http://pe2",
     ]
     assert healthy_after
+
+
+def test_an_engine_that_missed_an_update_to_the_same_directory_is_told_by_its_weights_identity():
+    """A trainer that writes every step over one directory sends the same model_path each time: an
+    engine out of service during the update came back with the same path, so it was taken back into
+    service with the previous step's weights (a review of weight updates). Engines report the identity
+    of the weights they serve (`weights_id`: model, vocabulary, checkpoint digest); the router keeps
+    the one the update's engines reported and takes out an engine reporting another."""
+
+    async def go():
+        engines = Engines(blocking=())
+        engines.weights_ids = {"pe": "w0", "pe2": "w0", "de": "w0"}
+        step = {"id": "w0"}
+
+        async def answering(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/update_weights_from_disk":
+                engines.weights_ids[request.url.host] = step["id"]
+                return httpx.Response(200, json={"success": True, "weights_id": step["id"]})
+
+        engines.intercept = answering
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        router.prefills[1].healthy = False  # (out of service during the update: not asked)
+        async with client_of(router) as c:
+            step["id"] = "w1"  # the trainer rewrote /ckpt/a
+            missed = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/a"})
+            await router.check_health()
+            stale = (router.prefills[1].healthy, router.prefills[1].stale)
+            picks = {router.pick_prefill(set()).url for _ in range(4)}
+            step["id"] = "w2"
+            again = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/a"})
+            return missed, stale, picks, again, router.prefills[1].healthy, router.weights_id
+
+    missed, stale, picks, again, healthy_after, weights_id = asyncio.run(go())
+    assert missed.status_code == 502 and missed.json()["unhealthy"] == ["http://pe2"]
+    assert stale == (False, True) and picks == {"http://pe"}  # (same path, other weights: out)
+    assert again.status_code == 200 and len(again.json()["engines"]) == 3
+    assert healthy_after and weights_id == "w2"
+
+
+def test_an_engine_whose_weights_were_lost_or_thread_died_is_out_of_service():
+    """The router judged engines by `/pd/info` answering, which an engine with lost weights or a dead
+    engine thread still does: both stayed in service and the router's /health said "ok" while every
+    request was a 503 (a review of weight updates). `/pd/info` now carries the engine's status: the
+    weights-lost one is out of service and stale (the next update includes it: it is what brings it
+    back), the dead one out of service, and the router's /health says "degraded"."""
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answering(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/update_weights_from_disk":
+                engines.statuses.pop(request.url.host, None)
+                return httpx.Response(200, json={"success": True})
+
+        engines.intercept = answering
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        engines.statuses = {"pe": "weights lost", "de": "dead"}
+        await router.check_health()
+        await router.check_health()  # (two misses: out of service)
+        states = [(e.healthy, e.stale) for e in router.prefills + router.decodes]
+        async with client_of(router) as c:
+            health = await c.get("/health")
+            update = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/a"})
+        return states, health, update
+
+    states, health, update = asyncio.run(go())
+    assert states == [(False, True), (True, False), (False, False)]
+    assert health.status_code == 503 and health.json()["status"] == "degraded"
+    assert sorted(update.json()["engines"]) == ["http://pe", "http://pe2"]  # (the dead one: not asked)
 
 
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():

@@ -211,3 +211,35 @@ def test_a_copy_that_fails_midway_restores_the_old_weights_or_takes_the_engine_o
     assert again == before
     assert lost.status_code == 503 and health.status_code == 503
     assert refused.status_code == 503 and "inconsistent" in refused.json()["error"]["message"]
+
+
+def test_a_good_checkpoint_after_the_weights_were_lost_brings_the_engine_back(checkpoints, tmp_path):
+    """The trainer writes every step over the directory the engine serves. A diverged step (a NaN
+    weight) is refused, and the restore reads the same, now diverged, files and fails: the engine is
+    weights-lost (503s; `/pd/info` says so too, which the router reads). The next good step loaded
+    every tensor, answered 200 and still left every request a 503 until a restart (a review of weight
+    updates); now it clears the state and serves exactly what an engine loaded from it does."""
+    a, b, _ = checkpoints
+    served = shutil.copytree(a, tmp_path / "latest")
+    engine = LLMEngine(EngineConfig.create(str(served), dtype="float32", **KW))
+    tensors = load_file(str(served / "model.safetensors"))
+    last = max(n for n in tensors if n.startswith("model.layers.") and n.endswith("mlp.down_proj.weight"))
+    tensors[last][0, 0] = float("nan")
+
+    async def scenario(c):
+        save_file(tensors, str(served / "model.safetensors"), metadata={"format": "pt"})
+        lost = await c.post("/update_weights_from_disk", json={"model_path": str(served)})
+        info = (await c.get("/pd/info")).json()
+        refused = await completion(c)
+        shutil.copy(f"{b}/model.safetensors", served / "model.safetensors")  # the next, good step
+        recovered = await c.post("/update_weights_from_disk", json={"model_path": str(served)})
+        after = await completion(c)
+        health = await c.get("/health")
+        return lost, info, refused, recovered, after, health, (await c.get("/pd/info")).json()
+
+    lost, info, refused, recovered, after, health, info_after = run(engine, scenario)
+    assert lost.status_code == 503 and refused.status_code == 503
+    assert info["status"] == "weights lost" and "restoring" in info["error"]
+    assert recovered.status_code == 200, recovered.text
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == greedy_ref(b)
+    assert health.status_code == 200 and info_after["status"] == "ok" and engine.weights_lost is None

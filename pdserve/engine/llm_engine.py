@@ -301,7 +301,7 @@ class LLMEngine:
         checkpoint that does not match is refused (InvalidRequest, CheckpointError) before any weight
         changes or any request is aborted. If copying fails midway (the files changed meanwhile), the
         previous weights are loaded back (CheckpointError); if that fails too, WeightsLost and the
-        engine refuses requests (`weights_lost`). Returns the cached pages dropped. `abort` (request id ->
+        engine refuses requests (`weights_lost`) until an update succeeds. Returns the cached pages dropped. `abort` (request id ->
         its final output or None) replaces `self.abort` for that (a PD role ends its rooms with it)."""
         current = self.config.model_config
         try:
@@ -336,6 +336,9 @@ class LLMEngine:
                 )
                 raise WeightsLost(self.weights_lost) from e2
             raise CheckpointError(f"loading failed midway ({e!r}); the previous weights are back") from e
+        # Every tensor was loaded and checked: weights an earlier failed restore left inconsistent are
+        # all replaced (the engine served 503s after any later update until a restart)
+        self.weights_lost = None
         self.weights_dir = model_dir
         self.num_weight_updates += 1
         return dropped

@@ -73,6 +73,7 @@ class Engine:
     misses: int = 0
     deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
     model_path: str = ""  # the weights it serves (from /pd/info)
+    weights_id: str = ""  # ... and their identity (model, vocabulary, checkpoint digest; from /pd/info)
     # Answers health checks but serves other weights than the cluster's last update (it was out of
     # service then, or restarted from the launch checkpoint): taken out of service like a dead engine,
     # so no pair of stale engines serves the old weights unnoticed; the next update includes it.
@@ -190,6 +191,9 @@ class Router:
         self.open.set()
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
+        # ... and the identity its engines reported (a trainer that rewrites one directory every step
+        # keeps the path: an engine that missed an update is told by this)
+        self.weights_id: str | None = None
 
     @property
     def num_retries(self) -> int:
@@ -228,8 +232,17 @@ class Router:
                     e.bootstrap_url, e.model = info.get("bootstrap_url", ""), info.get("model", "")
                     e.deadline_s = float(info.get("deadline_s") or 0.0)
                     e.model_path = str(info.get("model_path", ""))
-                    e.stale = self.weights_path is not None and e.model_path != self.weights_path
-                    ok = not e.stale
+                    e.weights_id = str(info.get("weights_id", ""))
+                    # (an engine whose thread died or whose weights were lost answers, saying so; the
+                    # latter is stale: the next update is what brings it back)
+                    status = info.get("status", "ok")
+                    if status == "weights lost":
+                        e.stale = True
+                    elif self.weights_id and e.weights_id:
+                        e.stale = e.weights_id != self.weights_id
+                    else:
+                        e.stale = self.weights_path is not None and e.model_path != self.weights_path
+                    ok = not e.stale and status == "ok"
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1

@@ -146,10 +146,12 @@ def control_routes(router: Router) -> APIRouter:
                     CONTROL_TIMEOUT_S,
                     include_stale=True,  # (an update is what brings them back)
                 )
-                if any(status == 200 for status, _ in answers.values()):
+                loaded = [a for status, a in answers.values() if status == 200]
+                if loaded:
                     # The cluster's weights now: an engine that did not load them is out of service
-                    # (stale) until an update reaches it too.
+                    # (stale) until an update reaches it too (told by identity where engines report one).
                     router.weights_path = body.model_path
+                    router.weights_id = next((a["weights_id"] for a in loaded if a.get("weights_id")), None)
                     await router.check_health()
                 return summary(live, answers, every_engine=True)
             finally:

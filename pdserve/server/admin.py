@@ -121,6 +121,6 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             "num_cached_pages_dropped": dropped,
             "num_requests_aborted": len(aborted) + len(rooms_ended),
             "num_weight_updates": engine.num_weight_updates,
-        }
+        } | ({"weights_id": pd.identity} if pd is not None else {})
 
     return router

@@ -435,17 +435,24 @@ def build_app(
 
         return {"version": __version__}
 
+    def status() -> dict:
+        """{"status": "ok"}, or why this engine serves nothing (with its error)."""
+        if not aengine.alive:
+            return {"status": "dead", "error": repr(aengine.error)}
+        if engine.weights_lost:
+            return {"status": "weights lost", "error": engine.weights_lost}
+        return {"status": "ok"}
+
     @app.get("/health")
     async def health():
-        if not aengine.alive:
-            return JSONResponse({"status": "dead", "error": repr(aengine.error)}, status_code=503)
-        if engine.weights_lost:
-            return JSONResponse({"status": "weights lost", "error": engine.weights_lost}, status_code=503)
-        return {"status": "ok"}
+        state = status()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/pd/info")
     async def pd_info():
-        info = {"role": role_name, "model": model_name, "model_path": engine.weights_dir}
+        """Who this engine is and whether it serves (`status`: the router's health check reads it, so
+        an engine whose thread died or whose weights were lost is taken out of service)."""
+        info = {"role": role_name, "model": model_name, "model_path": engine.weights_dir} | status()
         if pd is not None:
             info |= pd.info()
         return info

@@ -53,6 +53,7 @@ class PDContext:
         self.name = name
         self.control = ControlChannel(host, config.cluster_secret, name)
         identity = model_identity(engine)
+        self.identity = identity  # the weights served (the router tells engines that missed an update by it)
         fingerprint = layout_fingerprint(engine, identity)
         role_cls = PrefillRole if role_name == "prefill" else DecodeRole
         self.role = role_cls(engine, config, self.control, None, fingerprint)
@@ -138,6 +139,7 @@ class PDContext:
         Requests across a pair whose weights differ fail cleanly (503) until both are updated.
         `identity`: the new weights' (`model_identity` of their directory, read before they loaded)."""
         fingerprint = layout_fingerprint(self.engine, identity)
+        self.identity = identity
         self.role.new_weights(fingerprint)
         if self.store is not None:
             old, new = self.store, None
@@ -167,6 +169,7 @@ class PDContext:
             "agent": self.agent.agent_name,
             "node": self.config.node,
             "deadline_s": self.config.deadline_s,  # the router bounds its wait for a prefill with it
+            "weights_id": self.identity,
         }
         if self.bootstrap is not None:
             out["bootstrap_url"] = self.bootstrap.url
