@@ -435,6 +435,79 @@ def test_body_size_limit_middleware():
     asyncio.run(run())
 
 
+CSRF_BODY = b'{"model_path": "/tmp/attacker-ckpt", "abort_running": true}'
+
+
+def test_a_cross_site_post_is_never_read_as_json_by_the_router():
+    """A web page the operator has open can POST to the router on 127.0.0.1 without a CORS preflight
+    if the request is "simple" (text/plain, or a typeless Blob: no Content-Type). The router read any
+    body as JSON and forwarded it to every engine as JSON: such a page could make the whole cluster
+    abort its requests and load a checkpoint of its choosing (a review of weight updates; the engines
+    alone refused it, by FastAPI's rule). Now a declared non-JSON type is a 415 everywhere, and a
+    body without a type is a 415 on the control routes; nothing reaches an engine."""
+    from pdserve.router.app import Router, build_router_app
+
+    asked: list[tuple[str, str]] = []
+
+    async def engines(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pd/info":
+            role = "prefill" if request.url.host == "pe" else "decode"
+            return httpx.Response(200, json={"role": role, "model": "m", "bootstrap_url": "http://pe:1"})
+        asked.append((request.url.host, request.url.path))
+        return httpx.Response(200, json={"success": True})
+
+    async def go():
+        router = Router(["http://pe"], ["http://de"])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+        await router.check_health()
+        transport = httpx.ASGITransport(app=build_router_app(router))
+        out = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            for path, body, content_type in [
+                ("/update_weights_from_disk", CSRF_BODY, "text/plain"),
+                ("/update_weights_from_disk", CSRF_BODY, None),  # (a typeless Blob)
+                ("/abort_request", b'{"abort_all": true}', "text/plain;charset=UTF-8"),
+                ("/abort_request", b'{"abort_all": true}', None),
+                (
+                    "/v1/completions",
+                    b'{"prompt": "hi", "max_tokens": 2}',
+                    "application/x-www-form-urlencoded",
+                ),
+                ("/tokenize", b'{"prompt": "hi"}', "multipart/form-data; boundary=x"),
+            ]:
+                headers = {"content-type": content_type} if content_type else {}
+                request = c.build_request("POST", path, content=body, headers=headers)
+                assert ("content-type" in request.headers) == (content_type is not None)
+                out.append((await c.send(request)).status_code)
+            ok = await c.post("/abort_request", json={"abort_all": True})  # a JSON client: as before
+            flushed = await c.post("/flush_cache")  # (SGLang's clients: no body, no type)
+        return out, ok, flushed
+
+    refused, ok, flushed = asyncio.run(go())
+    assert refused == [415] * 6
+    assert ok.status_code == 200 and flushed.status_code == 200
+    assert asked == [
+        ("pe", "/abort_request"),
+        ("de", "/abort_request"),
+        ("pe", "/flush_cache"),
+        ("de", "/flush_cache"),
+    ]
+
+
+def test_json_content_types_are_recognised():
+    from pdserve.server.content_type import is_json
+
+    for ok in (
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/vnd.x+json",
+    ):
+        assert is_json(ok), ok
+    for bad in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "text/json", ""):
+        assert not is_json(bad), bad
+
+
 def test_body_size_limit_stops_reading_at_the_limit():
     app, calls = _tiny_app(64 << 10)
     status, pulled = asyncio.run(

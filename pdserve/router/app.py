@@ -55,6 +55,7 @@ from pdserve.router.placement import (
 )
 from pdserve.server import fanout
 from pdserve.server.auth import ApiKey
+from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.protocol import error_body, http_error
@@ -597,6 +598,7 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve router")
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(JsonBodies)  # (a cross-site page's text/plain POST is never read as JSON)
     app.add_middleware(ApiKey, key=router.api_key)
     registry = CollectorRegistry()
     registry.register(RouterCollector(router))

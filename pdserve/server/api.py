@@ -41,6 +41,7 @@ from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
 from pdserve.server.admin import admin_routes
 from pdserve.server.auth import ApiKey
+from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
@@ -132,6 +133,7 @@ def build_app(
     vocab_size = engine.config.model_config.vocab_size
     app = FastAPI(title="pdserve", default_response_class=JSONResponse)
     app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(JsonBodies)  # (a cross-site page's text/plain POST is never read as JSON)
     app.add_middleware(ApiKey, key=api_key)  # (outermost: a request without the key is not read)
     app.state.engine = aengine
     app.state.metrics = metrics
