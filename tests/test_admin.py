@@ -260,6 +260,7 @@ def test_flush_cache_and_model_info(demo_model_dir):
         "is_generation": True,
         "max_model_len": 1024,
         "num_weight_updates": 0,
+        "weight_version": "default",
     }
 
 

@@ -243,3 +243,56 @@ def test_a_good_checkpoint_after_the_weights_were_lost_brings_the_engine_back(ch
     assert recovered.status_code == 200, recovered.text
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == greedy_ref(b)
     assert health.status_code == 200 and info_after["status"] == "ok" and engine.weights_lost is None
+
+
+def test_sglangs_own_update_fields_are_taken_as_sglang_means_them(checkpoints):
+    """RL frameworks built on SGLang send its fields (a review of weight updates: each was a 400 and
+    the old weights kept serving): `abort_all_requests` aborts what runs, `load_format` names the
+    format (safetensors is what we read), `weight_version` labels the weights (reported by
+    `/get_weight_version` and `/get_model_info`), `flush_cache` true (false is refused: old KV never
+    meets new weights). A refusal carries SGLang's `success: false` and `message` too."""
+    a, b, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        before = (await c.get("/get_weight_version")).json()
+        long = asyncio.ensure_future(completion(c, n=600))
+        for _ in range(500):
+            if engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        body = {
+            "model_path": b,
+            "abort_all_requests": True,
+            "load_format": "auto",
+            "weight_version": "step-7",
+        }
+        updated = await c.post("/update_weights_from_disk", json=body)
+        refused = [
+            await c.post("/update_weights_from_disk", json={"model_path": a} | extra)
+            for extra in ({"load_format": "pt"}, {"flush_cache": False}, {"weight_version": ""})
+        ]
+        missing = await c.post(
+            "/update_weights_from_disk", json={"model_path": "/no/such/dir", "load_format": None}
+        )
+        return (
+            before,
+            await long,
+            updated,
+            refused,
+            missing,
+            await c.get("/get_weight_version"),
+            await c.get("/get_model_info"),
+        )
+
+    before, long, updated, refused, missing, version, info = run(engine, scenario)
+    assert before == {"weight_version": "default"}
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["num_requests_aborted"] == 1 and updated.json()["weight_version"] == "step-7"
+    assert long.json()["choices"][0]["finish_reason"] == "abort"
+    assert [r.status_code for r in refused] == [400, 400, 400]
+    assert "load_format 'pt'" in refused[0].text and "flush_cache" in refused[1].text
+    assert missing.status_code == 400 and missing.json()["success"] is False
+    assert missing.json()["message"] == missing.json()["error"]["message"]
+    assert version.json() == {"weight_version": "step-7"} and info.json()["weight_version"] == "step-7"
+    assert engine.weights_dir == b and engine.num_weight_updates == 1

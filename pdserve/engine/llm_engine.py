@@ -93,6 +93,7 @@ class LLMEngine:
         self.extra_page_refs: list = []
         self.weights_dir = config.model  # where the served weights came from (update_weights)
         self.num_weight_updates = 0
+        self.weight_version = "default"  # a trainer's label of the weights served (SGLang's; set by updates)
         self.weights_lost: str | None = None  # set when an update left the weights inconsistent
 
     # ---- intake --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ One already sent but not yet taken in by an engine when it gets the abort ends t
 the router's id and abort count (`pd.router_id`, `pd.router_epoch`), so does the abort, and an
 engine aborts a half of an earlier count on arrival (its role tells the peer, as for any abort).
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
-answers alike (`/v1/models`, `/tokenize`, `/get_model_info`) goes to one live engine; what every engine
+answers alike (`/v1/models`, `/tokenize`, `/get_model_info`, `/get_weight_version`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
 all of them (``router/control.py``; a weight update holds new requests at `Router.open` meanwhile).
 
@@ -734,6 +734,10 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/get_model_info")
     async def get_model_info():
         return await to_an_engine("GET", "/get_model_info")
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return await to_an_engine("GET", "/get_weight_version")
 
     @app.post("/tokenize")
     async def tokenize(http: Request):

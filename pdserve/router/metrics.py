@@ -32,6 +32,7 @@ ROUTES = frozenset(
         "/flush_cache",
         "/reset_prefix_cache",
         "/get_model_info",
+        "/get_weight_version",
         "/version",
         "/health",
         "/metrics",

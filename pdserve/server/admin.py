@@ -69,13 +69,24 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             "is_generation": True,
             "max_model_len": engine.config.scheduler.max_model_len,
             "num_weight_updates": engine.num_weight_updates,
+            "weight_version": engine.weight_version,
         }
+
+    @router.get("/get_weight_version")
+    async def get_weight_version():
+        """SGLang's: the label the last update gave the weights ("default" until one does)."""
+        return {"weight_version": engine.weight_version}
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest):
-        """409 while requests are in flight, unless `abort_running` (each then ends with "abort")."""
+        """409 while requests are in flight, unless `abort_running` (each then ends with "abort").
+        Errors carry SGLang's `success: false` and `message` beside OpenAI's `error`."""
+
+        def failed(message: str, status: int = 400, err_type: str = "BadRequestError", param=None):
+            return APIError(message, status, err_type, param, {"success": False, "message": message})
+
         if not enable_weight_updates:
-            raise APIError(
+            raise failed(
                 "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
             )
         aborted: list = []  # final outputs of the requests the update aborted
@@ -110,17 +121,20 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         try:
             dropped = await aengine.run(update)
         except EngineBusy as e:
-            raise APIError(str(e), 409, "Conflict") from None
+            raise failed(str(e), 409, "Conflict") from None
         except (InvalidRequest, CheckpointError) as e:
-            raise APIError(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
+            raise failed(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
         except (WeightsLost, EngineDeadError) as e:
-            raise APIError(str(e), 503, "ServiceUnavailable") from None
+            raise failed(str(e), 503, "ServiceUnavailable") from None
+        if body.weight_version is not None:
+            engine.weight_version = body.weight_version
         return {
             "success": True,
             "message": f"serving the weights of {body.model_path}",
             "num_cached_pages_dropped": dropped,
             "num_requests_aborted": len(aborted) + len(rooms_ended),
             "num_weight_updates": engine.num_weight_updates,
+            "weight_version": engine.weight_version,
         } | ({"weights_id": pd.identity} if pd is not None else {})
 
     return router

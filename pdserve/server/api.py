@@ -146,7 +146,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status)
+        return JSONResponse(error_body(str(e), e.status, e.err_type, e.param) | e.extra, status_code=e.status)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
 

@@ -363,10 +363,16 @@ class APIError(Exception):
     """Raised by an engine's route: answered as `error_body(...)` with that status (server/api.py)."""
 
     def __init__(
-        self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+        extra: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.err_type, self.param = status, err_type, param
+        self.extra = extra or {}  # top-level fields beside "error" (SGLang's routes: success, message)
 
 
 Role = Literal["colocated", "prefill", "decode"]
@@ -395,9 +401,30 @@ class AbortRequest(BaseModel):
         return self
 
 
+LOAD_FORMATS = (None, "auto", "safetensors")  # (what the engines read; SGLang's field names more)
+
+
 class UpdateWeightsRequest(BaseModel):
-    """POST /update_weights_from_disk: a checkpoint directory of the served model's shape."""
+    """POST /update_weights_from_disk: a checkpoint directory of the served model's shape.
+
+    SGLang's own fields, as RL frameworks built on it send them: `abort_all_requests` (our
+    `abort_running`: either aborts), `load_format` (safetensors is what we read: null, "auto" or
+    "safetensors"), `weight_version` (a label the engine reports from then on), `flush_cache` (the
+    prefix cache computed with the old weights is always dropped: false is refused). Others: 400."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model_path: str = Field(min_length=1)
     abort_running: bool = False
+    abort_all_requests: bool = False
+    load_format: str | None = None
+    weight_version: str | None = Field(None, min_length=1, max_length=256)
+    flush_cache: bool = True
+
+    @model_validator(mode="after")
+    def _sglang_fields(self):
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not supported (safetensors checkpoints)")
+        if not self.flush_cache:
+            raise ValueError("flush_cache: false is not supported (old weights' KV never meets new weights)")
+        self.abort_running = self.abort_running or self.abort_all_requests
+        return self
