@@ -49,7 +49,8 @@ def _api_key_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on the /v1 routes (else ${API_KEY_ENV}; default: none)",
+        help=f"require `Authorization: Bearer KEY` on every route but /health, /metrics, /version and "
+        f"/pd/... (else ${API_KEY_ENV}; default: none)",
     )
 
 

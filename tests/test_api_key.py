@@ -1,5 +1,6 @@
-"""`--api-key` (vLLM's): the /v1 routes of engines and router need `Authorization: Bearer <key>`; the
-router sends it to its engines (a new user missed it, 2026-12-02, fourth session)."""
+"""`--api-key`: the routes of engines and router need `Authorization: Bearer <key>` (all but health,
+metrics, version and the read-only PD routes); the router sends it to its engines (a new user missed
+it, 2026-12-02, fourth session; SGLang's routes and weight updates were left open, fifth)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,37 @@ def test_an_engine_with_a_key_refuses_v1_requests_without_it(demo_model_dir):
     assert right.status_code == 200 and len(right.json()["choices"][0]["text"]) >= 0
     assert models.status_code == 200 and health.status_code == 200
     assert not engine.has_unfinished()  # (the refused requests never reached it)
+
+
+def test_the_sglang_and_admin_routes_need_the_key_too_and_monitoring_does_not(demo_model_dir):
+    """Only /v1 was guarded (vLLM's rule): with a key set, anyone reaching the port could still
+    generate through `/generate`, abort every request, or make the engine load another checkpoint (a
+    review of the HTTP surface). Guarded now as SGLang guards them; what monitors and the router poll
+    stays open."""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=256))
+    app = build_app(engine, api_key=KEY, enable_weight_updates=True)
+    guarded = [
+        ("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+        ("POST", "/update_weights_from_disk", {"model_path": demo_model_dir}),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("POST", "/flush_cache", None),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("GET", "/get_model_info", None),
+    ]
+    opened = ["/health", "/metrics", "/version", "/pd/info"]
+    try:
+        answers = _calls(
+            app,
+            [(m, p, {}, b) for m, p, b in guarded]
+            + [("GET", p, {}, None) for p in opened]
+            + [("POST", "/generate", {"Authorization": f"Bearer {KEY}"}, guarded[0][2])],
+        )
+    finally:
+        app.state.engine.shutdown()
+    refused, open_, keyed = answers[: len(guarded)], answers[len(guarded) : -1], answers[-1]
+    assert [r.status_code for r in refused] == [401] * len(guarded)
+    assert [r.status_code for r in open_] == [200] * len(opened)
+    assert keyed.status_code == 200 and engine.num_weight_updates == 0
 
 
 def test_a_router_with_a_key_refuses_clients_without_it_and_sends_it_to_its_engines():

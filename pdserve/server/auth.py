@@ -1,7 +1,9 @@
-"""`--api-key` (vLLM's): requests to the OpenAI routes (`/v1/...`) must carry `Authorization: Bearer
-<key>`, else a 401 in OpenAI's error shape. The other routes (health, metrics, SGLang's `/generate`,
-the PD and admin routes) stay open, as in vLLM: bind 127.0.0.1 (the default) or put a proxy in front
-to expose them. The router sends the same key to its engines."""
+"""`--api-key`: requests must carry `Authorization: Bearer <key>`, else a 401 in OpenAI's error shape.
+Open without it: what monitors and load balancers poll (`/health`, `/metrics`, `/version`) and the
+read-only PD routes the router polls (`/pd/...`). vLLM guards only its `/v1` routes; pdserve also
+serves SGLang's `/generate` and the admin routes (weight updates, aborts, cache resets), which an open
+port must not expose, so it guards everything else as SGLang's `--api-key` does. The router sends the
+same key to its engines."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.server.protocol import error_body
 
-PROTECTED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PREFIX = "/pd/"  # (read-only: who an engine is, its load report, the router's placement state)
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
@@ -24,7 +27,12 @@ class ApiKey:
         self.expected = f"Bearer {key}".encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if (
+            self.expected is None
+            or scope["type"] != "http"
+            or scope["path"] in OPEN_PATHS
+            or scope["path"].startswith(OPEN_PREFIX)
+        ):
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
