@@ -296,3 +296,66 @@ def test_nixl_agent_between_processes():
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def test_a_backend_that_fails_to_start_is_closed(monkeypatch):
+    """A failed `register` left the backend open (a review of the transfer layer): NIXL memory
+    registered before the failure was never deregistered, and a fake agent's name stayed taken, so a
+    new agent under it was refused."""
+    from pdserve.transfer import fake_backend
+
+    def failing_register(self, regions):
+        raise RuntimeError("registration failed (e.g. a memlock limit)")
+
+    monkeypatch.setattr(fake_backend.FakeBackend, "register", failing_register)
+    agent = TransferAgent("fake", "start-fails", [(0, 4096)])
+    with pytest.raises(TransferError, match="failed to start"):
+        agent.metadata()
+    agent.close()
+    monkeypatch.undo()
+    fake_backend.FakeBackend("start-fails").close()  # (the name is free again)
+
+
+def test_a_submit_racing_close_is_reported_or_refused():
+    """`submit` checked that the agent was open, then queued its command: a `close` in between queued
+    "close" first, the thread ended without seeing the submit, and its id was never reported (the
+    layerwise lane would wait out its deadline on it). Submit and close now take one lock: here the
+    submit is held inside its queueing while close runs, and its id is reported (failed)."""
+    import threading
+
+    agent = TransferAgent("fake", "submit-vs-close", [(0, 4096)])
+    agent.metadata()
+    entered, gate = threading.Event(), threading.Event()
+
+    class SlowSubmits:  # the agent's command queue, whose put of a submit waits for `gate`
+        def __init__(self, commands) -> None:
+            self.commands = commands
+            self.get, self.get_nowait = commands.get, commands.get_nowait
+
+        def put(self, cmd) -> None:
+            if cmd[0] == "submit":
+                entered.set()
+                gate.wait(5)
+            self.commands.put(cmd)
+
+    agent._commands = SlowSubmits(agent._commands)
+    result: dict = {}
+
+    def submit():
+        try:
+            result["id"] = agent.submit("anyone", [(0, 8)], [(0, 8)], b"late")
+        except TransferError as e:
+            result["error"] = e
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    assert entered.wait(5)
+    closer = threading.Thread(target=agent.close)
+    closer.start()
+    time.sleep(0.05)  # (close runs now, while the submit is queueing)
+    gate.set()
+    submitter.join(5)
+    closer.join(10)
+    assert "error" not in result
+    reported = _wait(agent.poll_completions, timeout_s=2.0)
+    assert reported == [(result["id"], TransferStatus.FAILED)], reported

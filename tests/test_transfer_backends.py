@@ -168,8 +168,14 @@ def test_region_index_tells_memory_type_and_device_of_each_descriptor():
 
 @pytest.mark.parametrize(
     "regions",
-    [[(0, 1000, 0, 0), (100, 100, 0, 0)], [(-1, 10, 0, 0)], [(2**64 - 4, 8, 0, 0)], [(0, 10, 7, 0)]],
-    ids=["overlap", "negative", "past-2**64", "unknown-memory"],
+    [
+        [(0, 1000, 0, 0), (100, 100, 0, 0)],
+        [(-1, 10, 0, 0)],
+        [(2**64 - 4, 8, 0, 0)],
+        [(2**64 - 4096, 4096, 0, 0)],  # (its end, 2**64, does not fit: was an OverflowError)
+        [(0, 10, 7, 0)],
+    ],
+    ids=["overlap", "negative", "past-2**64", "ending-at-2**64", "unknown-memory"],
 )
 def test_region_index_refuses_regions_no_agent_registers(regions):
     from pdserve.transfer.nixl_backend import RegionIndex

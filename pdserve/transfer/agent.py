@@ -136,24 +136,24 @@ class TransferAgent:
         """Queue a write of local[i] -> remote[i] on `peer`; `notif` reaches the peer after all bytes.
         Returns a transfer id reported exactly once by `poll_completions`. TransferError once closed
         (no thread would report it)."""
-        self._check_open()
-        with self._ids_lock:
+        with self._ids_lock:  # (with close(): a submit is queued before "close", or refused)
+            self._check_open()
             transfer_id = next(self._ids)
-        self._commands.put(
-            ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "write")
-        )
+            self._commands.put(
+                ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "write")
+            )
         return transfer_id
 
     def submit_read(
         self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
     ) -> int:
         """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a write."""
-        self._check_open()
         with self._ids_lock:
+            self._check_open()
             transfer_id = next(self._ids)
-        self._commands.put(
-            ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "read")
-        )
+            self._commands.put(
+                ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "read")
+            )
         return transfer_id
 
     def _check_open(self) -> None:
@@ -182,10 +182,11 @@ class TransferAgent:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread: pending transfers are released (aborted) and the backend is closed."""
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(("close",))
+        with self._ids_lock:  # (a submit that got its id is queued before this; later ones are refused)
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(("close",))
         self._thread.join(timeout_s)
 
     @property
@@ -195,6 +196,7 @@ class TransferAgent:
     # ---- agent thread ----
 
     def _run(self, backend_name: str, agent_name: str, regions, options) -> None:
+        backend = None
         try:
             backend = create_backend(backend_name, agent_name, **options)
             backend.register(regions)
@@ -206,6 +208,11 @@ class TransferAgent:
             else:
                 log.exception("transfer agent %s: backend %s failed to start", agent_name, backend_name)
             self._start_error = e
+            if backend is not None:  # (memory it registered before the failure; its name, in-process)
+                try:
+                    backend.close()
+                except Exception:
+                    log.exception("transfer agent %s: backend close failed", agent_name)
             self._started.set()
             return
         self._started.set()

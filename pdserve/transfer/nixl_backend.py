@@ -89,7 +89,7 @@ class RegionIndex:
             if (
                 addr < 0
                 or nbytes < 0
-                or addr + nbytes > 1 << 64
+                or addr + nbytes >= 1 << 64  # (its end must fit the uint64 bounds below)
                 or mem not in (0, 1)
                 or not 0 <= dev < 1 << 32
             ):
