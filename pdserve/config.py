@@ -66,12 +66,16 @@ class ModelConfig:
         raw = _read_json(cfg_path)
         gen_path = Path(path) / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
+        from pdserve.model.registry import UnsupportedArchitecture  # torch-free
+
         try:
             return ModelConfig.from_dict(raw, gen)
         except ConfigError:
             raise
         except KeyError as e:  # (a required key; the others default as transformers defaults them)
             raise ConfigError(f"{cfg_path} lacks {e.args[0]!r}") from None
+        except UnsupportedArchitecture as e:  # (a ValueError, but not a value of the wrong type)
+            raise ConfigError(f"{cfg_path}: {e}") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{cfg_path}: a value of the wrong type ({e})") from None
 
@@ -163,11 +167,14 @@ def _read_json(path: Path) -> dict:
 
 def _rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files write rope_theta and
-    # rope_scaling at the top level. Accept both.
-    params = dict(raw.get("rope_parameters") or {})
+    # rope_scaling at the top level. A `rope_scaling` block is the whole RoPE config, as transformers
+    # reads it, also beside `rope_parameters` (what model cards tell users to add for a longer
+    # context: merged key by key, the saved "rope_type": "default" won and the scaling was silently
+    # dropped, a YaRN block included). Theta: the block's, else the top level's, else the saved one.
+    saved = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    params = dict(scaling) if scaling else saved
+    theta = params.get("rope_theta", raw.get("rope_theta", saved.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
@@ -177,7 +184,10 @@ def _rope(raw: dict) -> RopeConfig:
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        # (absent: the model's positions, as transformers defaults it)
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
     )
 
 

@@ -34,9 +34,15 @@ class CheckpointError(ValueError):
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's files, chosen as transformers chooses them: `model.safetensors` if there is
+    one (a stale index that `save_pretrained` leaves beside it is ignored), else the shards the index
+    names, else every `*.safetensors` file. (Every file was loaded beside `model.safetensors`: Mistral's
+    `consolidated.safetensors` or a leftover adapter refused the checkpoint as unexpected tensors.)"""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    elif index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [model_dir / n for n in names]
     else:
