@@ -668,6 +668,9 @@ def build_app(
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         pd_field = (body.model_extra or {}).get("pd")
 
+        # (whether the prompt opened or closed the thinking: the grammar and the split read it alike)
+        thought_state = thinking.prompt_state(prompt) if thinking is not None else None
+
         def params() -> SamplingParams:
             sp = body.sampling_params(max_tokens, top, sampling_defaults)
             if call_grammar is not None:
@@ -680,7 +683,7 @@ def build_app(
             if thinking is not None and sp.structured_outputs is not None:
                 # The answer starts with the model's thinking, which no grammar describes: constrain
                 # what follows its end marker (unless the prompt already closed it: thinking off).
-                closed = prompt.rstrip().endswith(thinking.end)
+                closed = thought_state == "closed"
                 spec = dataclasses.replace(
                     sp.structured_outputs, start_after=None if closed else thinking.end
                 )
@@ -702,7 +705,7 @@ def build_app(
             return finish if finish in (None, "length") or named else "tool_calls"
 
         calls_stream = tool_calls.ToolStream(tool_parser, max_calls) if parse_calls else None
-        thought_stream = reasoning.ReasoningStream(thinking) if thinking else None
+        thought_stream = reasoning.ReasoningStream(thinking, thought_state) if thinking else None
 
         def deltas_of(delta: str, finished: bool) -> list[dict]:
             """A step's text as chat deltas: reasoning first (if a parser splits it off), the rest as
@@ -767,7 +770,7 @@ def build_app(
         message: dict = {"role": "assistant", "content": o.text}
         finish = o.finish_reason
         if thinking is not None:
-            thought, answer = thinking.split(o.text)
+            thought, answer = thinking.split(o.text, thought_state)
             message = {"role": "assistant", "content": answer, "reasoning_content": thought}
         if parse_calls and message["content"] is not None:
             content, calls = tool_parser.parse(message["content"])

@@ -9,15 +9,20 @@ calls in it. Under PD the decode, which streams the answer, parses it; the prefi
 `hermes` (Hermes 2 Pro, Qwen2.5, Qwen3 and others): each call is
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. The message's `content` is the text
 before the first call (None when blank); text after a call is dropped, as vLLM's parser does. A
-block that is not such JSON leaves the whole answer as content, with no calls (all or nothing).
-`finish_reason` becomes "tool_calls" when calls were found.
+block that is not such JSON leaves the whole answer as content, with no calls (all or nothing). The
+last block may lack its closing tag (the model stopped on EOS or a stop string right after the JSON):
+it is a call if what follows the marker is one whole call, as vLLM reads `<tool_call>(.*)`; a block
+cut mid-JSON by max_tokens is not. `finish_reason` becomes "tool_calls" when calls were found.
 
 Streaming (`ToolStream`): content streams until a call starts, holding back an unfinished `<tool_call>`
-marker; each call goes out whole, as one `tool_calls` delta, once its closing tag arrived (OpenAI
+marker (and blank text before it, which a call makes none); each call goes out whole, as one
+`tool_calls` delta, once its closing tag arrived (or the answer ended on its whole JSON; OpenAI
 clients accumulate deltas by `index`, so one delta per call is valid). A block that does not parse,
-or an unclosed one at the end (a length cut), is sent as content so no text is lost (the streamed
-form cannot take back calls already sent, so it is not all-or-nothing). A length cut keeps
-`finish_reason` "length" in both forms. `parallel_tool_calls: false` keeps the first call only.
+or an unclosed one at the end (a length cut), is sent as content with the blank text held before it,
+so no text is lost; with no call sent yet, the rest of the answer is then plain content too, as the
+whole answer reads it. A bad block after a call was sent cannot take that call back, so only there the
+streamed form is not all-or-nothing. A length cut keeps `finish_reason` "length" in both forms.
+`parallel_tool_calls: false` keeps the first call only.
 """
 
 from __future__ import annotations
@@ -59,12 +64,14 @@ class ToolCallParser:
         while i >= 0:
             body = i + len(self.start)
             close = BlockEnd(self.end).find(text, body)
-            # (an unclosed block, cut by max_tokens, never decodes: a cut call leaves the whole
-            # answer as text rather than vanishing)
-            call = self.decode_call(text[body:close]) if close >= 0 else None
+            # (an unclosed block is a call only if the rest is one: a block cut by max_tokens never
+            # decodes, and leaves the whole answer as text rather than vanishing)
+            call = self.decode_call(text[body:close] if close >= 0 else text[body:])
             if call is None:
                 return text, []
             calls.append(openai_call(call))
+            if close < 0:
+                break
             i = text.find(self.start, close + len(self.end))
         content = text[:at]
         return (content if content.strip() else None), calls
@@ -190,6 +197,8 @@ class ToolStream:
         self.block_end: BlockEnd | None = None  # in an open call: where its end marker is
         self.in_calls = False  # a call has started: no more plain content, only calls
         self.sent_content = False  # non-blank content went out (blank content is held: see feed)
+        self.held_blank = ""  # blank text before the open block: content if the block is not a call
+        self.plain = False  # a block failed before any call: the rest is content, as `parse` reads it
         self.num_calls = 0
 
     def feed(self, delta: str, finished: bool) -> list[dict]:
@@ -197,6 +206,11 @@ class ToolStream:
         self.pending += delta
         while True:
             rest = self.pending
+            if self.plain:
+                if rest:
+                    out.append({"content": rest})
+                self.pending = ""
+                return out
             if not self.in_calls:
                 at = rest.find(p.start)
                 if at < 0:
@@ -212,6 +226,8 @@ class ToolStream:
                     return out
                 if at and (self.sent_content or rest[:at].strip()):
                     out.append({"content": rest[:at]})
+                elif at:  # (blank so far: none if a call follows, content if the block is not one)
+                    self.held_blank = rest[:at]
                 self.pending, self.in_calls, self.block_end = rest[at:], True, None
                 continue
             if self.block_end is None:
@@ -223,21 +239,27 @@ class ToolStream:
                     rest = self.pending = rest[at:]
                 self.block_end = BlockEnd(p.end)
             close = self.block_end.find(rest, len(p.start))
-            if close < 0:
-                if finished:  # an unclosed call (cut by max_tokens): its text goes out as content
-                    out.append({"content": rest})
-                    self.pending = ""
+            if close < 0 and not finished:
                 return out
-            call = p.decode_call(rest[len(p.start) : close])
+            # (the answer ended in an unclosed block: a call if the rest is one whole call, else text
+            # cut by max_tokens)
+            block_len = len(rest) if close < 0 else close + len(p.end)
+            call = p.decode_call(rest[len(p.start) : close if close >= 0 else len(rest)])
             self.block_end = None
             if call is None:
-                out.append({"content": rest[: close + len(p.end)]})
-                # (plain text again, unless a call went out: the whole answer keeps it too)
+                out.append({"content": self.held_blank + rest[:block_len]})
+                self.sent_content = True
+                # (no call went out: the whole answer has none either, so the rest is plain content;
+                # after a call, later text is dropped as before)
+                self.plain = self.num_calls == 0
                 self.in_calls = self.num_calls > 0
             elif self.max_calls is None or self.num_calls < self.max_calls:
                 out.append({"tool_calls": [{"index": self.num_calls, **openai_call(call)}]})
                 self.num_calls += 1
-            self.pending = rest[close + len(p.end) :]
+            self.held_blank = ""
+            self.pending = rest[block_len:]
+            if close < 0:
+                return out
 
 
 def partial_marker_len(text: str, marker: str) -> int:
