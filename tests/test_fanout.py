@@ -64,6 +64,11 @@ def test_a_prompt_lists_children_and_merged_usage_count_each_prompt_once():
     for bad in (["x", [1]], [[1], "x"], ["x", 1]):
         with pytest.raises(ValueError, match="every prompt of a list must be a string, or every one"):
             fanout.batch_of(bad)
+    # (lists of one string each: the router's split made each a prompt an engine accepts, a 200 where
+    # the engine and vLLM answer 400; found by a review of prompt lists)
+    for bad in ([["hello"], ["world"]], [[5, 6], ["world"]], [[1], [True]], [[1], [2.0]]):
+        with pytest.raises(ValueError, match="lists of integers only"):
+            fanout.batch_of(bad)
     assert fanout.num_children(16, 64) == 1024 and fanout.num_children(1024, 1) == 1024
     with pytest.raises(ValueError, match="17 prompts x n=64: more than 1024"):
         fanout.num_children(17, 64)

@@ -209,6 +209,31 @@ def test_pd_penalties_bias_and_min_tokens_equal_colocated(cluster, colocated):
         wait_engine_idle(url)
 
 
+def test_pd_a_streamed_split_of_more_children_than_a_connection_pool_answers(cluster):
+    """120 prompts, streamed: each child holds its decode stream open until every child has started.
+    The router's connection pool (httpx's default, 100) deadlocked it, and the health checks queued
+    behind it marked both engines down (a review of prompt lists); the pool is unbounded now. A list
+    of one-string lists is refused as the engine refuses it."""
+    prompts = [f"item {i}: def f{i}(x):" for i in range(120)]
+    body = {"model": "demo", "prompt": prompts, "max_tokens": 2, "ignore_eos": True, "stream": True}
+    finished: set[int] = set()
+    with httpx.stream("POST", cluster.router_url + "/v1/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                finished |= {c["index"] for c in json.loads(line[6:])["choices"] if c.get("finish_reason")}
+    assert finished == set(range(120))
+    assert httpx.get(cluster.router_url + "/health", timeout=10).json()["status"] == "ok"
+    r = httpx.post(
+        cluster.router_url + "/v1/completions",
+        json={"model": "demo", "prompt": [["hello"], ["world"]], "max_tokens": 2},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "lists of integers only" in r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
 def test_pd_echo_with_max_tokens_0_answers_the_prompt_alone(cluster):
     """The scoring form through the router: placed as the one token both halves run, answered as the
     prompt with nothing generated; with logprobs it needs a colocated engine (a 400, nothing held)."""

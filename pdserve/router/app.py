@@ -63,6 +63,9 @@ from pdserve.server.protocol import error_body, http_error
 log = logging.getLogger(__name__)
 
 
+KEEPALIVE_CONNECTIONS = 256  # idle connections to the engines kept for reuse (more are closed)
+
+
 @dataclass
 class Engine:
     url: str
@@ -177,8 +180,14 @@ class Router:
         self.health_interval_s = health_interval_s
         self.max_prefill_attempts = max_prefill_attempts
         self._rr = itertools.count()
+        # No cap on connections to the engines: each request holds its decode's stream open, and a
+        # split request's children hold theirs until every child has started (fanout.merged), so
+        # httpx's default pool of 100 deadlocked a streamed list of 120 prompts, and the health checks
+        # queued behind it marked every engine down (a review of n > 1 and prompt lists). Requests
+        # are bounded by the clients and the engines' own queues, not by this pool.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self.retries_by_side = {"prefill": 0, "decode": 0}  # attempts retried, by the side that failed

@@ -129,6 +129,10 @@ def batch_of(prompt) -> list | None:
     kind = type(prompt[0])
     if not all(type(p) is kind for p in prompt):
         raise ValueError("every prompt of a list must be a string, or every one a list of token ids")
+    # (the router splits raw JSON: [["a"], ["b"]] became children of one-string lists, each a prompt
+    # an engine accepts, where the engine and vLLM refuse the list)
+    if kind is list and not all(type(t) is int for p in prompt for t in p):
+        raise ValueError("a list of prompts as token ids must hold lists of integers only")
     return prompt
 
 
