@@ -55,9 +55,13 @@ def test_layerwise_lane_never_puts_non_finite_kv_into_the_decode_pool(tmp_path, 
         p.de_engine.kv.pool.reset_prefix_cache()
         p.pe_engine.kv.pool.reset_prefix_cache()
         # Turn 2: the stored context + 8 new tokens (the overflowing one among them) via the layerwise lane.
+        pages_sent = p.pe_role.num_pages_sent
         _submit_read_path(p, context + [1, OVERFLOW_TOKEN] * 4, 1, "r1", read_path)
         p.drive(lambda: p.idle())
         assert p.pe_role.layerwise.num_runs == 1
+        # (the pages it wrote counted as sent, as the paged lane counts them: the metric missed them;
+        # all 12 on the PE path, the 2 past the 10 the decode read itself on the DE path)
+        assert p.pe_role.num_pages_sent == pages_sent + (12 if read_path == "pe" else 2)
         p.de_engine.kv.pool.reset_prefix_cache()  # (its pages are free for the next request)
         kv = p.de_engine.runner.kv_cache
         finite = all(bool(torch.isfinite(t).all()) for t in (*kv.k, *kv.v))

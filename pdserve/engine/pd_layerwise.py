@@ -221,6 +221,7 @@ class LayerwisePrefill:
             req.logprobs.append(TokenLogprob(token, *result.logprobs[0]))
         req.status = RequestStatus.FINISHED_LENGTH
         pr.num_pages_sent = num_pages  # every page went out layer by layer: the last write is the handoff
+        self.role.num_pages_sent += max(0, num_pages - first_send_page)  # (the paged lane's count too)
         self.num_runs += 1
 
     def _send_layer(self, pr, layer: int, k_all, v_all, first_page: int, num_pages: int, settle=None) -> None:
