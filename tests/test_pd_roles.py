@@ -1103,6 +1103,19 @@ def test_layout_mismatch_refused_at_registration(make_pair):
 
 
 # ---- 7. decode admission --------------------------------------------------------------------------
+def test_a_request_that_fills_the_decode_pool_exactly_is_admitted(make_pair):
+    """7 + 2 tokens fill 2 pages of 4 (the last sampled token holds no KV), which the engines accept.
+    The decode reserved a growth page on top of the prompt's 2, one it would never use, so the room
+    waited in admission until the prefill's Bootstrapping deadline failed it (a review of this
+    session's changes); the reserve is capped at what the request can use past its prompt's pages."""
+    p = make_pair(de_pages=2, copy_bytes=True)
+    p.submit_both(prompt(7), 2, "exact")
+    p.drive(lambda: any(o.finished for o in p.de_sink.outputs("exact")) or p.de_sink.errors("exact"))
+    assert not p.de_sink.errors("exact") and len(p.de_sink.final("exact").outputs[0].token_ids) == 2
+    p.drive(lambda: p.idle())
+    p.assert_clean()
+
+
 def test_decode_admission_has_no_head_of_line_blocking(make_pair):
     """16 decode pages of 4 tokens, growth reserve 1 page each. A (6 + 1 pages) is admitted; B (10 + 1)
     does not fit in the 9 left; C (2 + 1), behind B, is admitted. Freeing A lets B in. (Aging is off:
@@ -1193,8 +1206,8 @@ def test_a_stale_registration_registers_again_for_the_rooms_still_waiting(make_p
     p.submit_both(prompt(9, start=5), 2, "warm")  # registers the decode under the old weights
     p.drive(lambda: p.idle())
     p.pe_role.new_weights("new-weights|layout")
-    p.submit_both(prompt(13), 2, "first")
-    second = p.submit_both(prompt(13, start=2), 2, "second")  # (does not fit beside first: waits)
+    p.submit_both(prompt(16), 2, "first")  # (4 pages + 1 of growth: token 17's KV needs a 5th)
+    second = p.submit_both(prompt(16, start=2), 2, "second")  # (does not fit beside first: waits)
     p.drive(lambda: bool(p.de_sink.errors("first")))
     assert "no longer serves" in p.de_sink.errors("first")[0]
     assert second in [d.room for d in p.de_role.prealloc]

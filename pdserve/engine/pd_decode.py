@@ -318,7 +318,14 @@ class DecodeRole(PDRoleBase, EngineRole):
             if self.handoff.num_free == 0:
                 return  # taken only once the pages are in hand (below): nothing to give back on a miss
             req = dr.req
-            growth = -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size)
+            # (never more than the request can use past its prompt's pages: its last sampled token
+            # holds no KV, so one that fills the pool exactly waited for a page it would never take
+            # until the prefill's Bootstrapping deadline failed it)
+            growth = min(
+                -(-min(self.config.growth_reserve_tokens, req.max_tokens) // self.page_size),
+                kv.num_pages_for(req.num_prompt_tokens + req.max_tokens - 1)
+                - kv.num_pages_for(req.num_prompt_tokens),
+            )
             budget = kv.pool.num_free_pages - reserved - growth
             plan = self._plan_pages(dr, budget, now) if self._may_fit(dr, budget) else None
             if plan is None or not kv.allocate(
