@@ -453,6 +453,36 @@ def test_the_router_serves_its_own_metrics_requests_retries_latency_and_engines(
     }
 
 
+def test_the_routers_metrics_count_a_route_that_raised_as_500_and_its_refused_update_body_as_sglangs():
+    """A route that raised was counted 499 ("the client left"): Starlette answers the 500 outside the
+    metrics wrapper, so operators alerting on 5xx saw none. The router's own refusal of an update body
+    lacked SGLang's `success: false` the engines give (a review of this session's changes)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, "none")
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("a bug in a route")
+
+        router.dispatch = broken
+        async with client_of(router, raise_app_exceptions=False) as c:
+            failed = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            refused = await c.post(
+                "/update_weights_from_disk", json={"model_path": "/x", "load_format": "pt"}
+            )
+            text = (await c.get("/metrics")).text
+        return failed, refused, _scrape(text)
+
+    failed, refused, m = asyncio.run(go())
+    assert failed.status_code == 500
+    assert m[("pdserve_router_requests_total", (("code", "500"), ("route", "/v1/completions")))] == 1
+    assert not any(
+        name == "pdserve_router_requests_total" and ("code", "499") in labels for name, labels in m
+    )
+    assert refused.status_code == 400 and refused.json()["success"] is False
+
+
 def test_n_choices_one_child_refused_closes_the_others_decode_leg():
     """n = 2 where the prefill refuses child 1 (seed + 1) after child 0 got its decode stream: the
     client gets the refusal, and child 0's decode leg, opened but never read, is closed with its

@@ -494,6 +494,25 @@ def test_a_cross_site_post_is_never_read_as_json_by_the_router():
     ]
 
 
+def test_the_fault_injection_route_does_not_read_a_typeless_cross_site_body(demo_model_dir):
+    """`POST /debug/faults` (chaos clusters) replaces the fault rules from a raw body: a typeless
+    cross-site POST armed faults (a review of this session's changes). It is a control route now."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from tests.conftest import run_in_process
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=256))
+
+    async def scenario(c):
+        request = c.build_request("POST", "/debug/faults", content=b'{"rules": [], "seed": 7}')
+        assert "content-type" not in request.headers
+        typeless = await c.send(request)
+        return typeless, await c.post("/debug/faults", json={"rules": [], "seed": 7})
+
+    typeless, as_json = run_in_process(engine, scenario, enable_fault_injection=True)
+    assert typeless.status_code == 415 and as_json.status_code == 200
+
+
 def test_json_content_types_are_recognised():
     from pdserve.server.content_type import is_json
 

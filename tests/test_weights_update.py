@@ -296,3 +296,24 @@ def test_sglangs_own_update_fields_are_taken_as_sglang_means_them(checkpoints):
     assert missing.json()["message"] == missing.json()["error"]["message"]
     assert version.json() == {"weight_version": "step-7"} and info.json()["weight_version"] == "step-7"
     assert engine.weights_dir == b and engine.num_weight_updates == 1
+
+
+def test_a_refused_update_body_carries_sglangs_success_false_and_message(checkpoints):
+    """A body the request model refuses (an SGLang field's own check, a mistyped model_path) went
+    through the app-wide validation answer, OpenAI's `error` alone: an SGLang client reading
+    `["success"]` got a KeyError where other refusals carry it (a review of this session's changes)."""
+    a = checkpoints[0]
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        bodies = (
+            {"model_path": a, "load_format": "pt"},
+            {"model_path": a, "flush_cache": False},
+            {"model_path": 3},
+        )
+        return [await c.post("/update_weights_from_disk", json=b) for b in bodies]
+
+    answers = run(engine, scenario)
+    assert [r.status_code for r in answers] == [400, 400, 400]
+    for r in answers:
+        assert r.json()["success"] is False and r.json()["message"] == r.json()["error"]["message"]

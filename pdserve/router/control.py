@@ -116,8 +116,9 @@ def control_routes(router: Router) -> APIRouter:
         requests, 503s, until an update succeeds everywhere)."""
         try:
             body = UpdateWeightsRequest.model_validate_json(await http.body())
-        except ValidationError as e:  # (as an engine refuses it)
-            return JSONResponse(error_body(f"invalid body: {describe_errors(e.errors())}", 400), 400)
+        except ValidationError as e:  # (as an engine refuses it, with SGLang's `success` and `message`)
+            message = f"invalid body: {describe_errors(e.errors())}"
+            return JSONResponse(error_body(message, 400) | {"success": False, "message": message}, 400)
         async with router.update_lock:
             router.open.clear()
             try:

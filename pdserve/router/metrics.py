@@ -81,8 +81,9 @@ class RouterCollector:
 
 class RequestMetrics:
     """ASGI wrapper: counts each HTTP request by route and status when its answer starts, and times
-    its first and last body bytes. An answer that never starts (the client left first) is counted
-    with code 499, as the router's own answer to a departed client says."""
+    its first and last body bytes. A route that raised is counted with the 500 it gets; an answer
+    that never starts otherwise (the client left first) with code 499, as the router's own answer to
+    a departed client says."""
 
     def __init__(self, app, registry: CollectorRegistry) -> None:
         self.app = app
@@ -129,5 +130,8 @@ class RequestMetrics:
 
         try:
             await self.app(scope, receive, timed_send)
+        except Exception:  # (Starlette's outermost middleware answers it with a 500, outside us)
+            seen["code"] = seen["code"] or 500
+            raise
         finally:
             self.requests.labels(route, str(seen["code"] or 499)).inc()

@@ -70,6 +70,8 @@ from pdserve.server.protocol import (
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
 
+SGLANG_STATUS_ROUTES = frozenset({"/update_weights_from_disk"})  # answers carry `success`, `message`
+
 # The engine's abort count when the request came in, read by its route before anything awaits (the
 # children of a split request inherit it): an abort from then on names the request also while its chat
 # is rendered, its check waits for a worker thread, or it is tokenized (AsyncEngine.validate).
@@ -151,8 +153,12 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        return JSONResponse(error_body(describe_errors(e.errors()), 400), status_code=400)
+    async def _validation_error(http: Request, e: RequestValidationError):
+        message = describe_errors(e.errors())
+        body = error_body(message, 400)
+        if http.url.path in SGLANG_STATUS_ROUTES:  # (SGLang's clients read `success`)
+            body |= {"success": False, "message": message}
+        return JSONResponse(body, status_code=400)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

@@ -25,7 +25,7 @@ from email.message import Message
 from pdserve.server.limits import ASGIApp, Receive, Scope, Send
 
 CONTROL_PATHS = frozenset(
-    {"/update_weights_from_disk", "/abort_request", "/reset_prefix_cache", "/flush_cache"}
+    {"/update_weights_from_disk", "/abort_request", "/reset_prefix_cache", "/flush_cache", "/debug/faults"}
 )
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
