@@ -304,3 +304,22 @@ def test_failed_turn_stops_its_agent(fake_router):
     assert "HTTP 400" in res.records[0].error and res.outputs_sha256() == Result("x").outputs_sha256()
     s = summarize(res.records)
     assert s["turns_failed"] == 2 and s["goodput"] == 0.0 and s["ttft_p50_s"] is None
+
+
+@pytest.mark.timeout(120)
+def test_the_bench_sends_the_api_key_of_the_environment(demo_model_dir, tmp_path, monkeypatch):
+    """A server started with `--api-key` answered the bench's requests 401 (it sent no key; the bench
+    then failed on a KeyError): it sends $PDSERVE_API_KEY, and says what the server answered."""
+    flags = ["--max-model-len", "512", "--num-pages", "64", "--dtype", "float32", "--device", "cpu"]
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    with serve_subprocess(demo_model_dir, tmp_path, *flags, "--api-key", "sk-bench") as (url, _, _):
+        parser = argparse.ArgumentParser()
+        add_agentic_args(parser)
+        args = parser.parse_args(
+            ["--url", url, "--model-dir", demo_model_dir, "--num-agents", "1", "--max-turns", "2"]
+            + ["--length-scale", "0.1", "--no-progress", "--sample-s", "0"]
+        )
+        with pytest.raises(ValueError, match="/v1/models answered 401"):
+            run_agentic(args)
+        monkeypatch.setenv("PDSERVE_API_KEY", "sk-bench")
+        assert run_agentic(args)["summary"]["turns_ok"] == 2

@@ -31,6 +31,7 @@ import numpy as np
 
 from pdserve.argtypes import count, non_negative, number, positive
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
+from pdserve.server.auth import client_headers
 
 WORKLOADS = [*sorted(TABLE2), "mooncake", "mooncake-synthetic", "weka_cc"]
 
@@ -281,7 +282,7 @@ async def run_agents(
     url = url.rstrip("/")
     result = Result("online" if online else "offline")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=client_headers()) as client:
         t0 = time.perf_counter()
         samples: list = []
         sampler = asyncio.create_task(_sampler(client, url, sample_s, t0, samples)) if sample_s > 0 else None
@@ -496,7 +497,10 @@ def run_agentic(args: argparse.Namespace) -> dict:
     """The CLI entry: build the workload, run it, print a table, write --json / --plot; returns the
     JSON payload (``summary["turns_failed"] == 0`` means every turn succeeded)."""
     url = args.url.rstrip("/")
-    served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    models = httpx.get(url + "/v1/models", timeout=30, headers=client_headers())
+    if models.status_code != 200:  # (a 401: the server wants $PDSERVE_API_KEY; was a KeyError)
+        raise ValueError(f"{url}/v1/models answered {models.status_code}: {models.text[:200]}")
+    served = models.json()["data"][0]
     vocab = args.vocab_size
     if vocab is None and args.model_dir:
         vocab = vocab_size_of(args.model_dir)

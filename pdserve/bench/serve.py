@@ -86,7 +86,9 @@ async def run_load(
     import httpx
 
     rng = random.Random(seed + 1)
-    async with httpx.AsyncClient(timeout=600) as client:
+    from pdserve.server.auth import client_headers
+
+    async with httpx.AsyncClient(timeout=600, headers=client_headers()) as client:
         tasks = []
         for i, body in enumerate(requests):
             if i:  # (no wait after the last one: the run's wall time would count it)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -17,6 +18,13 @@ from pdserve.server.protocol import error_body
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 OPEN_PREFIX = "/pd/"  # (read-only: who an engine is, its load report, the router's placement state)
 API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def client_headers(key: str | None = None) -> dict[str, str]:
+    """What a client of these servers sends (the bench tools): `Authorization: Bearer KEY` for `key`,
+    else $PDSERVE_API_KEY, else nothing."""
+    key = key or os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class ApiKey:
