@@ -80,8 +80,9 @@ def test_abort_request_ends_the_named_request_then_abort_all_the_rest(demo_model
 
 
 def test_the_ids_clients_see_abort_their_requests(demo_model_dir):
-    """A chat's `chatcmpl-` id, a client's own `request_id` (two requests sharing it: both), and the
-    merged id of an n = 3 request (its children are `<id>_<i>`) each abort what they name, every
+    """A chat's `chatcmpl-` id, a client's own `request_id` as it chose it (two requests sharing it:
+    both; it matched nothing, only "cmpl-" + it did, found by a README walk-through), and the merged
+    id of an n = 3 request (its children are `<id>_<i>`) each abort what they name, every
     choice included; engine ids stay unique underneath."""
     engine = LLMEngine(EngineConfig.create(demo_model_dir, dtype="float32", **KW))
     long = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
@@ -99,7 +100,7 @@ def test_the_ids_clients_see_abort_their_requests(demo_model_dir):
         parent = next(c for c in clients.values() if c and c.endswith("_0"))[:-2]
         answers = [
             await c.post("/abort_request", json={"rid": "chatcmpl-" + chat_rid.removeprefix("cmpl-")}),
-            await c.post("/abort_request", json={"rid": "cmpl-job-7"}),
+            await c.post("/abort_request", json={"rid": "job-7"}),  # (the client's own id: "cmpl-" + it too)
             await c.post("/abort_request", json={"rid": parent}),
         ]
         return clients, answers, await chat, [await m for m in mine_twice], await three, parent

@@ -432,9 +432,13 @@ class AsyncEngine:
 def _named(req: Request, name: str) -> bool:
     """Whether `/abort_request` of `name` means `req`: its id or its client's id is `name` or starts
     with `<name>_` (the choices and prompts of one request, server/fanout.py; SGLang matches by
-    prefix too)."""
+    prefix too). A client's own `request_id` names it too: the answer's id is "cmpl-" + it (an abort
+    by the id the client chose found nothing and still said success)."""
+    names = (name,) if name.startswith("cmpl-") else (name, f"cmpl-{name}")
     return any(
-        x == name or x.startswith(f"{name}_") for x in (req.request_id, req.client_id or req.request_id)
+        x == n or x.startswith(f"{n}_")
+        for x in (req.request_id, req.client_id or req.request_id)
+        for n in names
     )
 
 
