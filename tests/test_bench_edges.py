@@ -82,11 +82,33 @@ def test_bench_serve_throughput_excludes_the_wait_after_the_last_arrival(monkeyp
     rate = random.Random(1).expovariate(1.0) / 0.5  # seed 0 -> Random(1): the first gap is 0.5 s
     out = tmp_path / "serve.json"
     rc = _main(
-        f"bench serve --url http://127.0.0.1:9 --num-requests 1 --rate {str(rate)} --json {str(out)}".split()
+        f"bench serve --url http://127.0.0.1:9 --served-model-name demo --num-requests 1 --rate {str(rate)} "
+        f"--json {str(out)}".split()
     )
     assert rc == 0
     row = json.loads(out.read_text())["runs"][0]
     assert row["wall_s"] < 0.2, row  # the last answer came back in ~0 s
+
+
+@pytest.mark.timeout(120)
+def test_bench_serve_against_a_server_asks_its_model_name_and_says_why_requests_failed(
+    demo_model_dir, tmp_path, capsys
+):
+    """`bench serve --url` sent the model name "demo" whatever the server served: against the README's
+    own `pdserve serve --model .demo-model` every request was a 404, reported as a table of 0 ok and
+    nan latencies with no reason (a README walk-through). It asks /v1/models now, and prints the
+    first failure of a setup whose requests failed."""
+    from tests.conftest import serve_subprocess
+
+    flags = ["--max-model-len", "1024", "--num-pages", "128", "--dtype", "float32", "--device", "cpu"]
+    with serve_subprocess(demo_model_dir, tmp_path, *flags) as (url, _, _):
+        base = ["bench", "serve", "--url", url, "--num-requests", "2", "--rate", "50", "--max-tokens", "4"]
+        base += ["--short-words", "5", "--long-fraction", "0"]
+        assert _main(base + ["--json", str(tmp_path / "ok.json")]) == 0
+        assert json.loads((tmp_path / "ok.json").read_text())["runs"][0]["ok"] == 2
+        capsys.readouterr()
+        assert _main(base + ["--served-model-name", "no-such-model"]) == 1
+        assert "given: 2 of 2 failed, the first: HTTP 404" in capsys.readouterr().out
 
 
 # ---- bench transfer --------------------------------------------------------------------------------

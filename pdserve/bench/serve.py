@@ -118,6 +118,9 @@ def summarize(name: str, results: list[Result], wall_s: float) -> dict:
         for q in (50, 90, 99):
             out[f"{label}_p{q}_ms"] = round(pct(vals, q) * 1000, 1)
         out[f"{label}_mean_ms"] = round(statistics.fmean(vals) * 1000, 1) if vals else float("nan")
+    failed = [r.error for r in results if not r.ok]
+    if failed:  # (why they failed: a table of 0 ok and nan latencies said nothing)
+        out["first_error"] = failed[0]
     return out
 
 
@@ -136,6 +139,11 @@ def print_table(rows: list[dict]) -> None:
     print(" | ".join(f"{c:>13}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]!s:>13}" for c in cols))
+    for r in rows:
+        if "first_error" in r:
+            print(
+                f"{r['setup']}: {r['requests'] - r['ok']} of {r['requests']} failed, the first: {r['first_error']}"
+            )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,7 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="model dir for the side-by-side run (default: demo checkpoint)"
     )
-    p.add_argument("--served-model-name", default="demo", help="the model name sent to --url")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name sent (default: the first one --url's /v1/models lists; the side-by-side "
+        "run serves 'demo')",
+    )
     p.add_argument("--num-requests", type=count, default=48, help="requests per setup")
     p.add_argument("--rate", type=positive, default=3.0, help="requests per second (Poisson)")
     p.add_argument(
@@ -169,11 +182,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the figures to this file")
 
 
+def served_model(url: str) -> str:
+    """The first model `url`'s /v1/models lists; ValueError with its answer if it lists none."""
+    import httpx
+
+    from pdserve.server.auth import client_headers
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, headers=client_headers())
+    if r.status_code != 200 or not r.json().get("data"):
+        raise ValueError(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
+    return r.json()["data"][0]["id"]
+
+
 def run(a: argparse.Namespace) -> int:
     requests = make_requests(
         a.num_requests, a.long_fraction, a.long_words, a.short_words, a.max_tokens, a.seed
     )
     rows = []
+    if a.url and a.served_model_name is None:  # (a fixed "demo" was a 404 on every request elsewhere)
+        a.served_model_name = served_model(a.url[0])
+    a.served_model_name = a.served_model_name or "demo"
     if a.url:
         t = time.perf_counter()
         res = asyncio.run(run_load(a.url, a.served_model_name, requests, a.rate, a.seed))
