@@ -62,7 +62,13 @@ class ModelConfig:
     def from_dir(path: str | os.PathLike) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
-            raise ConfigError(f"no config.json in model directory {str(path)!r}")
+            hint = (
+                ""
+                if Path(path).is_dir()
+                else " (--model is a local directory: download a hub model first, e.g. "
+                "`huggingface-cli download ID --local-dir DIR`)"
+            )
+            raise ConfigError(f"no config.json in model directory {str(path)!r}{hint}")
         raw = _read_json(cfg_path)
         gen_path = Path(path) / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}

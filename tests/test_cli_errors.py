@@ -176,6 +176,9 @@ def test_bench_against_nothing_or_no_model_is_one_error_line(tmp_path):
     assert rc == 1 and "Traceback" not in out and "error: ConnectError" in out, out[-2000:]
     rc, out = _cli(["bench", "offline", "--model", str(tmp_path / "none")])
     assert rc == 2 and "Traceback" not in out and "no config.json" in out, out[-2000:]
+    # (a hub id, as a vLLM user types it: the error says to download it first; a README walk-through)
+    rc, out = _cli(["serve", "--model", "Qwen/Qwen2.5-0.5B", "--port", str(free_port())])
+    assert rc == 2 and "huggingface-cli download" in out and "Traceback" not in out, out[-2000:]
 
 
 def test_launch_refuses_a_router_port_in_use_before_any_engine_starts(demo_model_dir):

@@ -203,7 +203,9 @@ def build_app(
         if params.prompt_logprobs is not None:
             # (the prefill computes the prompt, the decode answers: the logprobs would have to cross)
             raise APIError(
-                "prompt_logprobs (and echo with logprobs) need a colocated engine", param="prompt_logprobs"
+                "the prompt's logprobs (prompt_logprobs, echo with logprobs, /generate's input logprobs) "
+                "need a colocated engine",
+                param="prompt_logprobs",
             )
         if (
             not isinstance(pd_field, dict)
