@@ -59,6 +59,10 @@ def _api_key(a: argparse.Namespace) -> str | None:
 
 
 GRACEFUL_SHUTDOWN_S = 5.0  # after Ctrl-C / SIGTERM, in-flight requests get this long, then are cancelled
+# An engine aborts what still runs this long before the cancel: each answer ends with its tokens so far
+# and finish_reason "abort" (a cancelled handler answered a plain-text 500, which the OpenAI client
+# retried against a server going away, and logged a CancelledError traceback; a stream just broke).
+ABORT_BEFORE_CANCEL_S = 1.0
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -85,14 +89,34 @@ def _listen_or_exit_code(host: str, port: int) -> socket.socket | int:
         return 3 if e.errno == errno.EADDRINUSE else 2
 
 
-def _serve_http(app, sock: socket.socket, log_level: str) -> int:
+def _serve_http(app, sock: socket.socket, log_level: str, before_cancel=None) -> int:
     """Serve `app` on the bound socket until Ctrl-C / SIGTERM (open streams are cancelled after
-    GRACEFUL_SHUTDOWN_S: they held the process for as long as they ran); 3 if it did not start."""
+    GRACEFUL_SHUTDOWN_S: they held the process for as long as they ran); 3 if it did not start.
+    `before_cancel` (a coroutine function): awaited ABORT_BEFORE_CANCEL_S before that cancel, to end
+    what still runs as the application means to (an engine: its requests' "abort")."""
+    import asyncio
+
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            async def at_deadline() -> None:
+                await asyncio.sleep(max(0.0, GRACEFUL_SHUTDOWN_S - ABORT_BEFORE_CANCEL_S))
+                await before_cancel()
+
+            timer = asyncio.ensure_future(at_deadline()) if before_cancel is not None else None
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    server = Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # (uvicorn raises the Ctrl-C it caught again once shut down: no traceback)
+        pass
     return 0 if server.started else 3
 
 
@@ -350,7 +374,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         f"http://{a.host}:{sock.getsockname()[1]}",
         flush=True,
     )
-    return _serve_http(app, sock, a.log_level)
+    return _serve_http(app, sock, a.log_level, before_cancel=app.state.engine.abort_now)
 
 
 def cmd_router(a: argparse.Namespace) -> int:
