@@ -94,7 +94,10 @@ def run_demo(model_dir: str, port: int = 0) -> int:
             f"cluster up in {time.perf_counter() - t:.1f}s: router {cluster.router_url}, "
             f"prefill {cluster.urls['prefill'][0]}, decode {cluster.urls['decode'][0]} (KV over NIXL)"
         )
-        client = OpenAI(base_url=cluster.router_url + "/v1", api_key="unused")
+        from pdserve.server.auth import API_KEY_ENV
+
+        # (the cluster inherits $PDSERVE_API_KEY: the demo sends it too, else any placeholder)
+        client = OpenAI(base_url=cluster.router_url + "/v1", api_key=os.environ.get(API_KEY_ENV) or "unused")
         model = client.models.list().data[0].id
         # The 4th prompt extends the 2nd: its whole pages are prefix-cache hits.
         prompts = [

@@ -118,6 +118,23 @@ def test_the_ids_clients_see_abort_their_requests(demo_model_dir):
     engine.check_integrity()
 
 
+def test_an_abort_names_a_request_by_its_engine_id_its_answers_id_or_the_id_its_client_chose():
+    """`_named` (what `/abort_request {"rid"}` matches): the engine's id, the answer's id, the id the
+    client chose (the answer's is "cmpl-" + it; one that itself starts with "cmpl-" matched nothing),
+    and a split request's children by prefix."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.async_engine import _named
+
+    chosen = SimpleNamespace(request_id="cmpl-0af3", client_id="cmpl-cmpl-job")
+    assert all(_named(chosen, n) for n in ("cmpl-0af3", "cmpl-cmpl-job", "cmpl-job"))
+    assert not any(_named(chosen, n) for n in ("job", "cmpl-jo", "0af3"))
+    child = SimpleNamespace(request_id="cmpl-9b_1", client_id="cmpl-run_1")
+    assert _named(child, "run") and _named(child, "cmpl-run") and not _named(child, "ru")
+    plain = SimpleNamespace(request_id="gen-7", client_id=None)  # (a /generate rid)
+    assert _named(plain, "gen-7") and not _named(plain, "gen")
+
+
 def test_abort_all_also_ends_a_request_still_being_checked(demo_model_dir):
     """A request validated before an abort of everything but streamed after it (it was tokenizing,
     or waiting at a split request's start gate) ends at once with finish_reason "abort", no token

@@ -111,6 +111,25 @@ def test_bench_serve_against_a_server_asks_its_model_name_and_says_why_requests_
         assert "given: 2 of 2 failed, the first: HTTP 404" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(120)
+def test_bench_soak_sends_the_api_key_of_the_environment(demo_model_dir, tmp_path, monkeypatch):
+    """Soak launches its own cluster, which inherits $PDSERVE_API_KEY; its requests sent no key, so
+    with the variable exported every one was a 401 and calibration measured 0 requests/s (a review
+    of this session's changes)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.bench.soak import Traffic, _calibrate
+    from tests.conftest import serve_subprocess
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-soak")  # (the server reads it too, as launch's children)
+    flags = ["--device", "cpu", "--dtype", "float32", "--num-pages", "256", "--max-model-len", "2048"]
+    with serve_subprocess(demo_model_dir, tmp_path, *flags) as (url, _, _):
+        assert httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 401
+        assert asyncio.run(_calibrate(url, Traffic(0, 4096, 2), 1, 2.0)) > 0
+
+
 # ---- bench transfer --------------------------------------------------------------------------------
 
 

@@ -1020,6 +1020,37 @@ def test_an_engine_whose_weights_were_lost_or_thread_died_is_out_of_service():
     assert sorted(update.json()["engines"]) == ["http://pe", "http://pe2"]  # (the dead one: not asked)
 
 
+def test_an_engine_whose_port_is_refused_is_out_of_service_without_cutting_what_it_runs():
+    """An engine in its graceful shutdown (Ctrl-C) closes its port first and ends its own requests
+    ("abort"); the router cut them at two refused health checks, with a 503 the client retries (a
+    review of this session's changes). Refused: out of service, `down` not set. One that accepts but
+    does not answer (paused): `down`, which cuts its requests as before."""
+
+    async def go():
+        engines = Engines(blocking=())
+        failing = {}
+
+        async def health(request: httpx.Request) -> httpx.Response | None:
+            if request.url.path == "/pd/info" and request.url.host in failing:
+                raise failing[request.url.host]("no answer", request=request)
+            return None
+
+        engines.intercept = health
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        failing["de"] = httpx.ConnectError
+        for _ in range(3):
+            await router.check_health()
+        refused = (router.decodes[0].healthy, router.decodes[0].down.is_set())
+        failing["de2"] = httpx.ReadTimeout
+        for _ in range(2):
+            await router.check_health()
+        paused = (router.decodes[1].healthy, router.decodes[1].down.is_set())
+        return refused, paused
+
+    refused, paused = asyncio.run(go())
+    assert refused == (False, False) and paused == (False, True)
+
+
 def test_tokenize_goes_to_a_live_decode_as_is_and_an_unreachable_one_is_a_503():
     async def go():
         engines = Engines(blocking=())

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.argtypes import count, non_negative, number, positive
+from pdserve.server.auth import client_headers
 
 _METRIC = re.compile(r"^pdserve_kv_pages_used(?:\{[^}]*\})? ([-+0-9.eE]+)$", re.M)
 
@@ -108,7 +109,8 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict) -> tuple[bool, 
 async def _calibrate(url: str, traffic: Traffic, concurrency: int, seconds: float) -> float:
     done = 0
     stop = time.perf_counter() + seconds
-    async with httpx.AsyncClient(timeout=120) as client:
+    # (the cluster it launched inherits $PDSERVE_API_KEY: every request was a 401 with it exported)
+    async with httpx.AsyncClient(timeout=120, headers=client_headers()) as client:
 
         async def loop():
             nonlocal done
@@ -126,7 +128,7 @@ async def _soak(url: str, traffic: Traffic, rate: float, seconds: float, pids, e
     samples: list[dict] = []
     finished: list[tuple[float, bool, float, str]] = []  # (end time, ok, latency, error)
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=client_headers()) as client:
 
         async def one(body):
             ok, lat, err = await _send(client, url, body)

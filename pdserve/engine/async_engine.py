@@ -434,12 +434,13 @@ def _named(req: Request, name: str) -> bool:
     with `<name>_` (the choices and prompts of one request, server/fanout.py; SGLang matches by
     prefix too). A client's own `request_id` names it too: the answer's id is "cmpl-" + it (an abort
     by the id the client chose found nothing and still said success)."""
-    names = (name,) if name.startswith("cmpl-") else (name, f"cmpl-{name}")
-    return any(
-        x == n or x.startswith(f"{n}_")
-        for x in (req.request_id, req.client_id or req.request_id)
-        for n in names
-    )
+
+    def names(x: str, n: str) -> bool:
+        return x == n or x.startswith(f"{n}_")
+
+    client_id = req.client_id or req.request_id
+    # (also for a chosen id that starts with "cmpl-" itself: its answer's id is "cmpl-cmpl-...")
+    return names(req.request_id, name) or names(client_id, name) or names(client_id, f"cmpl-{name}")
 
 
 def _settle(done: asyncio.Future, result, error) -> None:

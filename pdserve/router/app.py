@@ -234,6 +234,7 @@ class Router:
 
     async def check_health(self) -> None:
         async def one(e: Engine) -> None:
+            refused = False  # (its port closed: it stopped listening, shutting down or dead)
             try:
                 r = await self.client.get(e.url + "/pd/info", timeout=2.0)
                 info = r.json()
@@ -253,12 +254,19 @@ class Router:
                     else:
                         e.stale = self.weights_path is not None and e.model_path != self.weights_path
                     ok = not e.stale and status == "ok"
+            except httpx.ConnectError:
+                ok, refused = False, True
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1
             was = e.healthy
             e.healthy = ok or (e.healthy and e.misses < 2)
-            if was and not e.healthy:
+            # Out of service: no new requests. What it still runs is cut (`down`) unless its port was
+            # refused: an engine in its graceful shutdown closes its port first and ends its requests
+            # itself (a Ctrl-C'd engine answers them "abort"; they were cut with a 503 the client
+            # retries), and a dead one's connections break on their own. One that accepts but does not
+            # answer (paused, wedged) or says it cannot serve is cut.
+            if not e.healthy and not refused and not e.down.is_set():
                 e.down.set()
             elif e.healthy and e.down.is_set():
                 e.down = asyncio.Event()
