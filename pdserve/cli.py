@@ -63,6 +63,10 @@ GRACEFUL_SHUTDOWN_S = 5.0  # after Ctrl-C / SIGTERM, in-flight requests get this
 # and finish_reason "abort" (a cancelled handler answered a plain-text 500, which the OpenAI client
 # retried against a server going away, and logged a CancelledError traceback; a stream just broke).
 ABORT_BEFORE_CANCEL_S = 1.0
+# Idle keep-alive connections are kept this long (uvicorn's default is 5 s): longer than the router's
+# own expiry of its idle connections to the engines (router/app.py KEEPALIVE_EXPIRY_S), so the router
+# always drops one before the engine does.
+SERVER_KEEP_ALIVE_S = 15
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -111,7 +115,12 @@ def _serve_http(app, sock: socket.socket, log_level: str, before_cancel=None) ->
                 if timer is not None:
                     timer.cancel()
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+    )
     server = Server(config)
     try:
         server.run(sockets=[sock])

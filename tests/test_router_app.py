@@ -1233,3 +1233,14 @@ def test_a_decode_declared_down_while_its_prefill_worked_has_its_leg_closed():
     r, router, closed = asyncio.run(go())
     assert r.status_code == 503 and router.decodes[0].in_flight == 0
     assert closed == ["de"], "the decode's leg was never closed: the engine never aborts the request"
+
+
+def test_the_router_drops_idle_engine_connections_before_an_engine_closes_them():
+    """An idle connection reused the instant an engine's server closed it was a ReadError, which the
+    router read as a dead decode (a 503 in a CI run after a 120-child burst left many idle
+    connections; httpx's default idle expiry equals uvicorn's keep-alive, 5 s). The router's expiry
+    is below the engines' keep-alive, with a margin larger than a health-check period."""
+    from pdserve import cli
+    from pdserve.router import app
+
+    assert app.KEEPALIVE_EXPIRY_S + 1.0 < 5.0 < cli.SERVER_KEEP_ALIVE_S

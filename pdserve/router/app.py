@@ -64,6 +64,12 @@ log = logging.getLogger(__name__)
 
 
 KEEPALIVE_CONNECTIONS = 256  # idle connections to the engines kept for reuse (more are closed)
+# An idle connection is dropped this long after its last use, well before an engine's server closes it
+# (uvicorn: 5 s, cli.SERVER_KEEP_ALIVE_S: 15 s). At equal times (httpx's default is uvicorn's 5 s) a
+# request could go out on a connection the engine was closing that instant: a ReadError, which the
+# router reads as a dead decode (a 503 with one decode; seen in CI after a 120-child burst left many
+# idle connections).
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass
@@ -187,7 +193,11 @@ class Router:
         # are bounded by the clients and the engines' own queues, not by this pool.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=KEEPALIVE_CONNECTIONS,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self.retries_by_side = {"prefill": 0, "decode": 0}  # attempts retried, by the side that failed
