@@ -10,13 +10,13 @@ engine, detokenizer, route, parsers and streams are the real ones.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import httpx
 import pytest
 
 from pdserve.model.sampler import SampleResult
+from tests.test_chat_semantics import template
 
 
 # ---- harness -------------------------------------------------------------------------------------
@@ -112,17 +112,6 @@ def body(**kw) -> dict:
         "max_tokens": 200,
         "tools": TOOLS,
     } | kw
-
-
-@contextlib.contextmanager
-def template(eng, text: str):
-    tok = eng.tokenizer
-    old = tok.chat_template, tok._template
-    tok.chat_template, tok._template = text, None
-    try:
-        yield
-    finally:
-        tok.chat_template, tok._template = old
 
 
 # A template whose generation prompt ends as Qwen3's with enable_thinking=False (thinking closed),

@@ -11,36 +11,9 @@ import json
 import pytest
 import torch
 
+from tests.conftest import tiny_hf_model
+
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _tiny(arch: str, seed: int = 0, **over):
-    import transformers as tf
-
-    config_cls, model_cls = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-    }[arch]
-    kw = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    kw.update(over)
-    torch.manual_seed(seed)
-    return model_cls(config_cls(**kw)).eval()
 
 
 def _edit_config(path, fn) -> None:
@@ -95,7 +68,7 @@ def test_rope_scaling_added_to_a_v5_config_is_not_silently_ignored(tmp_path):
     logprobs/tokens for a 120-token prompt."""
     from pdserve.config import ModelConfig
 
-    _tiny("llama", seed=5).save_pretrained(tmp_path)
+    tiny_hf_model("llama", seed=5).save_pretrained(tmp_path)
     _edit_config(tmp_path, lambda c: c.update(rope_scaling={"type": "linear", "factor": 4.0}))
     assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
     hf = _hf_from_dir(tmp_path)
@@ -118,7 +91,7 @@ def test_unsupported_rope_scaling_next_to_rope_parameters_is_refused(tmp_path):
     Expected: ConfigError "unsupported rope_type 'yarn'". Before its fix: the engine starts."""
     from pdserve.config import ConfigError, ModelConfig
 
-    _tiny("qwen3", seed=6).save_pretrained(tmp_path)
+    tiny_hf_model("qwen3", seed=6).save_pretrained(tmp_path)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     _edit_config(tmp_path, lambda c: c.update(rope_scaling=yarn))
     assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
@@ -147,7 +120,9 @@ def test_llama3_rope_without_original_max_position_embeddings_matches_hf(tmp_pat
         "high_freq_factor": 4.0,
         "rope_theta": 10000.0,
     }
-    _tiny("llama", seed=7, rope_parameters=dict(rope), max_position_embeddings=256).save_pretrained(tmp_path)
+    tiny_hf_model("llama", seed=7, rope_parameters=dict(rope), max_position_embeddings=256).save_pretrained(
+        tmp_path
+    )
     _edit_config(tmp_path, lambda c: c["rope_parameters"].pop("original_max_position_embeddings", None))
     hf = _hf_from_dir(tmp_path)
     assert hf.config.rope_parameters["original_max_position_embeddings"] == 256
@@ -173,8 +148,8 @@ def test_stale_index_left_by_save_pretrained_does_not_break_loading(tmp_path):
     (model-00001-of-0000N.safetensors), not even a CheckpointError."""
     from pdserve import LLM, SamplingParams
 
-    _tiny("llama", seed=30).save_pretrained(tmp_path, max_shard_size="100KB")
-    hf = _tiny("llama", seed=31)
+    tiny_hf_model("llama", seed=30).save_pretrained(tmp_path, max_shard_size="100KB")
+    hf = tiny_hf_model("llama", seed=31)
     hf.save_pretrained(tmp_path)  # unsharded, same directory
     assert (tmp_path / "model.safetensors.index.json").is_file()  # stale, left by transformers
     assert not list(tmp_path.glob("model-0000*.safetensors"))
@@ -197,7 +172,7 @@ def test_an_extra_safetensors_file_beside_model_safetensors_is_not_loaded(tmp_pa
 
     from pdserve import LLM
 
-    hf = _tiny("mistral", seed=15)
+    hf = tiny_hf_model("mistral", seed=15)
     hf.save_pretrained(tmp_path)
     sd = load_file(str(tmp_path / "model.safetensors"))
     save_file(

@@ -97,15 +97,13 @@ def test_ctrl_c_of_launch_ends_the_requests_in_flight_as_aborts(demo_model_dir, 
     port closes as its shutdown starts, two refused health checks declared it down, and the router cut
     its requests with a 503 the OpenAI client retries (a review of this session's changes). A refused
     port now takes an engine out of service without cutting what it still runs."""
-    import json
     import os
     import signal
     import subprocess
     import sys
-    import threading
-    import time
 
     from pdserve.demo import free_port, wait_healthy
+    from tests.test_serve_cli import stop_with_requests_in_flight
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -113,34 +111,13 @@ def test_ctrl_c_of_launch_ends_the_requests_in_flight_as_aborts(demo_model_dir, 
     cmd += ["--dtype", "float32", "--num-pages", "512", "--max-model-len", "4096", "--port", str(port)]
     with open(tmp_path / "launch.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    answers: dict = {}
     try:
         wait_healthy(url, proc, timeout_s=180)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-
-        def whole() -> None:
-            body = {"model": model, "prompt": "a", "max_tokens": 4000, "ignore_eos": True}
-            answers["whole"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
-
-        def streamed() -> None:
-            body = {"model": model, "prompt": "b", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-        threads = [threading.Thread(target=f) for f in (whole, streamed)]
-        for t in threads:
-            t.start()
-        time.sleep(2.0)
-        os.killpg(proc.pid, signal.SIGINT)  # (a terminal's Ctrl-C: launch and every child)
-        for t in threads:
-            t.join(timeout=60)
+        # (a terminal's Ctrl-C: launch and every child)
+        stop_with_requests_in_flight(url, lambda: os.killpg(proc.pid, signal.SIGINT), model, wait_s=2.0)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert answers["whole"].status_code == 200, answers["whole"].text[:300]
-    assert answers["whole"].json()["choices"][0]["finish_reason"] == "abort"
-    lines = answers["lines"]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort", lines[-2][:300]

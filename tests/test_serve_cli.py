@@ -79,38 +79,44 @@ def test_ctrl_c_stops_a_colocated_server_with_a_stream_in_flight(demo_model_dir,
         assert not alive, f"still running {waited:.1f}s after SIGINT (a stream was in flight)"
 
 
+def stop_with_requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> None:
+    """Send a long non-streamed and a long streamed completion to `url`, call `stop()` `wait_s` later
+    (a Ctrl-C), wait for both answers, and check each ended with its tokens so far and finish_reason
+    "abort" (the stream with its last chunk and [DONE])."""
+    import threading
+
+    answers: dict = {}
+    base = {"max_tokens": 4000, "ignore_eos": True} | ({"model": model} if model else {})
+
+    def whole() -> None:
+        answers["whole"] = httpx.post(url + "/v1/completions", json=base | {"prompt": "a"}, timeout=120)
+
+    def streamed() -> None:
+        body = base | {"prompt": "b", "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (whole, streamed)]
+    for t in threads:
+        t.start()
+    time.sleep(wait_s)
+    stop()
+    for t in threads:
+        t.join(timeout=60)
+    assert answers["whole"].status_code == 200, answers["whole"].text[:300]
+    assert answers["whole"].json()["choices"][0]["finish_reason"] == "abort"
+    lines = answers["lines"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort", lines[-2][:300]
+
+
 def test_ctrl_c_ends_the_requests_in_flight_as_aborts(demo_model_dir, tmp_path):
     """Past the 5 s Ctrl-C grace, uvicorn cancelled the handlers: a non-streamed request got a
     plain-text 500 (which the OpenAI client retries against a server going away), a stream broke
     without its last chunk or [DONE], and the log held a CancelledError traceback (a README
     walk-through). The engine now aborts what still runs a second before: each answer ends with its
     tokens so far and finish_reason "abort"."""
-    import threading
-
     with serve_subprocess(demo_model_dir, tmp_path) as (url, proc, log_path):
-        answers: dict = {}
-
-        def whole() -> None:
-            body = {"prompt": "a", "max_tokens": 4000, "ignore_eos": True}
-            answers["whole"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
-
-        def streamed() -> None:
-            body = {"prompt": "b", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-        threads = [threading.Thread(target=f) for f in (whole, streamed)]
-        for t in threads:
-            t.start()
-        time.sleep(1.5)
-        proc.send_signal(signal.SIGINT)
-        for t in threads:
-            t.join(timeout=60)
+        stop_with_requests_in_flight(url, lambda: proc.send_signal(signal.SIGINT))
         assert proc.wait(timeout=30) in (0, -signal.SIGINT)  # (uvicorn re-raises the signal it caught)
-    whole_answer = answers["whole"]
-    assert whole_answer.status_code == 200, whole_answer.text[:200]
-    assert whole_answer.json()["choices"][0]["finish_reason"] == "abort"
-    lines = answers["lines"]
-    assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert "Traceback" not in open(log_path).read()

@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 
 from pdserve.argtypes import count, non_negative, number, positive
+from pdserve.bench import served_model_card
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 from pdserve.server.auth import client_headers
 
@@ -497,10 +498,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     """The CLI entry: build the workload, run it, print a table, write --json / --plot; returns the
     JSON payload (``summary["turns_failed"] == 0`` means every turn succeeded)."""
     url = args.url.rstrip("/")
-    models = httpx.get(url + "/v1/models", timeout=30, headers=client_headers())
-    if models.status_code != 200:  # (a 401: the server wants $PDSERVE_API_KEY; was a KeyError)
-        raise ValueError(f"{url}/v1/models answered {models.status_code}: {models.text[:200]}")
-    served = models.json()["data"][0]
+    served = served_model_card(url)
     vocab = args.vocab_size
     if vocab is None and args.model_dir:
         vocab = vocab_size_of(args.model_dir)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.argtypes import DEVICES, DTYPES, count, number, positive
+from pdserve.bench import served_model_card
 
 
 @dataclass
@@ -182,25 +183,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the figures to this file")
 
 
-def served_model(url: str) -> str:
-    """The first model `url`'s /v1/models lists; ValueError with its answer if it lists none."""
-    import httpx
-
-    from pdserve.server.auth import client_headers
-
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, headers=client_headers())
-    if r.status_code != 200 or not r.json().get("data"):
-        raise ValueError(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
-    return r.json()["data"][0]["id"]
-
-
 def run(a: argparse.Namespace) -> int:
     requests = make_requests(
         a.num_requests, a.long_fraction, a.long_words, a.short_words, a.max_tokens, a.seed
     )
     rows = []
     if a.url and a.served_model_name is None:  # (a fixed "demo" was a 404 on every request elsewhere)
-        a.served_model_name = served_model(a.url[0])
+        a.served_model_name = served_model_card(a.url[0])["id"]
     a.served_model_name = a.served_model_name or "demo"
     if a.url:
         t = time.perf_counter()
