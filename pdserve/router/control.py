@@ -28,7 +28,13 @@ from pydantic import ValidationError
 
 from pdserve.router.app import JSON, Engine, Router, client_gone
 from pdserve.server.disconnect import ClientGone, unless_gone
-from pdserve.server.protocol import AbortRequest, UpdateWeightsRequest, describe_errors, error_body
+from pdserve.server.protocol import (
+    AbortRequest,
+    UpdateWeightsRequest,
+    describe_errors,
+    error_body,
+    sglang_failure,
+)
 
 CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
 WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
@@ -118,7 +124,7 @@ def control_routes(router: Router) -> APIRouter:
             body = UpdateWeightsRequest.model_validate_json(await http.body())
         except ValidationError as e:  # (as an engine refuses it, with SGLang's `success` and `message`)
             message = f"invalid body: {describe_errors(e.errors())}"
-            return JSONResponse(error_body(message, 400) | {"success": False, "message": message}, 400)
+            return JSONResponse(error_body(message, 400) | sglang_failure(message), 400)
         async with router.update_lock:
             router.open.clear()
             try:

@@ -34,7 +34,13 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
 from pdserve.server.pd_context import model_identity
-from pdserve.server.protocol import AbortRequest, APIError, UpdateWeightsRequest, request_id_of
+from pdserve.server.protocol import (
+    AbortRequest,
+    APIError,
+    UpdateWeightsRequest,
+    request_id_of,
+    sglang_failure,
+)
 
 
 def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates: bool, pd=None) -> APIRouter:
@@ -83,7 +89,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         Errors carry SGLang's `success: false` and `message` beside OpenAI's `error`."""
 
         def failed(message: str, status: int = 400, err_type: str = "BadRequestError", param=None):
-            return APIError(message, status, err_type, param, {"success": False, "message": message})
+            return APIError(message, status, err_type, param, sglang_failure(message))
 
         if not enable_weight_updates:
             raise failed(

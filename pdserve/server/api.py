@@ -66,6 +66,7 @@ from pdserve.server.protocol import (
     describe_errors,
     error_body,
     http_error,
+    sglang_failure,
 )
 from pdserve.server.tokenize import render_chat, tokenize_routes
 from pdserve.tokenizer import TokenizerError
@@ -157,7 +158,7 @@ def build_app(
         message = describe_errors(e.errors())
         body = error_body(message, 400)
         if http.url.path in SGLANG_STATUS_ROUTES:  # (SGLang's clients read `success`)
-            body |= {"success": False, "message": message}
+            body |= sglang_failure(message)
         return JSONResponse(body, status_code=400)
 
     def check_model(name: str | None) -> None:

@@ -359,6 +359,11 @@ def error_body(message: str, code: int, err_type: str = "BadRequestError", param
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def sglang_failure(message: str) -> dict:
+    """What SGLang's clients read beside OpenAI's `error` on its control routes' refusals."""
+    return {"success": False, "message": message}
+
+
 class APIError(Exception):
     """Raised by an engine's route: answered as `error_body(...)` with that status (server/api.py)."""
 
