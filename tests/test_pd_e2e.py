@@ -771,3 +771,7 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
     prefill_url = [u for u in cluster.engine_urls if u != decode_url][0]
     assert idle[prefill_url]["pdserve_pd_pages_sent_total"] > 0
     assert (idle[decode_url]["pdserve_pd_staged_requests_total"] > 0) == cluster.staged
+    # Registrations: the one decode on the prefill, the prefill on the decode; none idle long enough
+    # to be forgotten (PDConfig.peer_idle_s).
+    assert idle[prefill_url]["pdserve_pd_peers"] == 1 and idle[decode_url]["pdserve_pd_peers"] >= 1
+    assert idle[prefill_url]["pdserve_pd_peers_forgotten_total"] == 0

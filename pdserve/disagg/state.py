@@ -180,6 +180,10 @@ class RoomTable:
         e = self._get(room)
         return None if e.state in TERMINAL else e.entered_s + self.deadlines_s[e.state]
 
+    def now(self) -> float:
+        """The table's clock (injectable: the roles time their peers' registrations by it too)."""
+        return self._clock()
+
     def time_left_s(self, room: int) -> float:
         """Seconds before the room's current state expires (0 when terminal or already past)."""
         deadline = self.deadline_s(room)

@@ -69,8 +69,16 @@ class PDConfig:
     node_dir: str | None = None
     snic_bytes_per_s: float = float("inf")
     cnic_bytes_per_s: float = float("inf")
+    # Registrations are leases. A prefill forgets a decode it has heard nothing from in `peer_idle_s`
+    # and whose rooms are all gone (its transfer-agent entry is removed too: each decode restart, a
+    # new agent name, used to stay for the prefill's life); a decode registers again with a prefill
+    # it has sent nothing to in `peer_renew_s` before its next KVRequest, so a live decode is never
+    # forgotten under it. A decode forgets a prefill it has not used in `peer_idle_s` likewise.
+    peer_idle_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.peer_idle_s < math.inf:  # (NaN fails too)
+            raise ValueError(f"peer_idle_s must be finite and > 0 s, got {self.peer_idle_s}")
         if not 0.0 < self.deadline_s <= MAX_DEADLINE_S:  # (NaN fails too)
             raise ValueError(f"deadline_s must be in (0, {MAX_DEADLINE_S:.0f}] s, got {self.deadline_s}")
         # A lease shorter than the prefill's longest room life lets the decode reuse pages that a
@@ -87,6 +95,12 @@ class PDConfig:
     def room_life_s(self) -> float:
         """The longest a room lives on a prefill with these deadlines (sent in its RegisterAck)."""
         return min_lease_s(self.deadlines(), margin_s=0.0)
+
+    @property
+    def peer_renew_s(self) -> float:
+        """A decode re-registers before asking a prefill it has been silent to for this long: a
+        quarter of the prefill's `peer_idle_s`, a wide margin for messages still on their way."""
+        return self.peer_idle_s / 4
 
     @property
     def lease_s(self) -> float:

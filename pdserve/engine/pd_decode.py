@@ -50,6 +50,7 @@ from pdserve.transfer.staging import scatter_pages
 log = logging.getLogger(__name__)
 
 STORE_LOOKUP_REFRESH_S = 1.0  # a waiting DE-path request looks the store up again this often
+PEER_GC_INTERVAL_S = 1.0  # unused prefills are looked for at most this often (room clock)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PrefillPeer:
     agent_name: str = ""
     registered_s: float = 0.0  # when the last Register went out (it is re-sent while unanswered)
     lease_s: float = 0.0  # abort lease for this prefill's rooms: ours, or longer if its rooms live longer
+    used_s: float = 0.0  # when our last Register or KVRequest went to it (room clock): renewal, forgetting
 
 
 @dataclass
@@ -122,6 +124,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.releasing: dict[int, DecodeRoom] = {}  # aborted after a KVRequest: wait for ack / lease
         self.by_request: dict[str, int] = {}
         self.num_handoff_mismatches = 0
+        self.num_peers_forgotten = 0  # prefills dropped after `peer_idle_s` unused
+        self._next_peer_gc_s = 0.0
 
     def _reserved_pages(self) -> int:
         """Growth reserved by requests whose KV is still arriving (they will need it at once).
@@ -190,6 +194,36 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.control.send(peer.control_addr, self.register_message(), peer.reg_id)
         peer.state = "registering"
         peer.registered_s = time.monotonic()
+        peer.used_s = self.rooms.now()
+
+    def _renew_if_idle(self, peer: PrefillPeer) -> None:
+        """Register again with a ready prefill we have sent nothing to in `peer_renew_s`, before the
+        next KVRequest: the prefill forgets decodes silent for `peer_idle_s`
+        (`PrefillRole._forget_idle_peers`), and a KVRequest it no longer knows the sender of is only
+        refused, with no one to tell, so the room would wait out its Bootstrapping deadline."""
+        if peer.state == "ready" and self.rooms.now() - peer.used_s > self.config.peer_renew_s:
+            self._forget_registration(peer)
+            self._register(peer)
+
+    def _forget_unused_peers(self) -> None:
+        """Drop prefills unused for `peer_idle_s` that no room of ours names (a restarted prefill
+        listens on a new control address, so its old entry would stay for good)."""
+        now = self.rooms.now()
+        if now < self._next_peer_gc_s:
+            return
+        self._next_peer_gc_s = now + PEER_GC_INTERVAL_S
+        named = {d.peer_addr for d in self.prealloc}
+        named.update(d.peer_addr for d in self.transfer.values())
+        named.update(d.peer_addr for d in self.releasing.values())
+        for addr, peer in list(self.peers.items()):
+            if now - peer.used_s > self.config.peer_idle_s and addr not in named:
+                del self.peers[addr]
+                self.num_peers_forgotten += 1
+
+    @property
+    def num_peers(self) -> int:
+        """Prefills we know (registered, registering or refused)."""
+        return len(self.peers)
 
     def _retry_registrations(self) -> None:
         """Re-send a Register that got no RegisterAck while requests wait for that prefill.
@@ -253,6 +287,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             dr = self.releasing.pop(room, None)
             if dr is not None:
                 self._free(dr)
+        self._forget_unused_peers()
         return bool(self.prealloc or self.transfer or self.releasing)
 
     def _on_message(self, env) -> None:
@@ -313,6 +348,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         reserved = self._reserved_pages()  # (once a pass; each admission adds its growth below)
         for dr in list(self.prealloc):
             peer = self.peers[dr.peer_addr]
+            self._renew_if_idle(peer)
             if peer.state != "ready":
                 continue
             if self.handoff.num_free == 0:
@@ -400,6 +436,9 @@ class DecodeRole(PDRoleBase, EngineRole):
         dr.dst_page_ids = req.page_ids[dr.num_hit_tokens // self.page_size :]
         dr.staging_offset = self._staging_slot(dr.dst_page_ids)
         dr.requested = True
+        peer = self.peers.get(dr.peer_addr)
+        if peer is not None:
+            peer.used_s = self.rooms.now()
         self.control.send(
             dr.peer_addr,
             KVRequest(

@@ -47,6 +47,8 @@ from pdserve.transfer.staging import gather_pages
 
 log = logging.getLogger(__name__)
 
+PEER_GC_INTERVAL_S = 1.0  # idle decodes are looked for at most this often (room clock)
+
 
 @dataclass
 class DecodePeer:
@@ -62,6 +64,7 @@ class DecodePeer:
     num_handoff_slots: int
     staging_base_addr: int
     staging_capacity_pages: int  # its staging buffer in pages of every region
+    heard_s: float = 0.0  # when it last sent us anything (room clock): idle peers are forgotten
 
 
 @dataclass
@@ -127,6 +130,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
         self.num_pages_sent = 0
+        self.num_peers_forgotten = 0  # decodes dropped after `peer_idle_s` of silence
+        self._next_peer_gc_s = 0.0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
         engine.extra_page_refs.append(lambda: [p for pages in self.pinned.values() for p in pages])
@@ -197,7 +202,37 @@ class PrefillRole(PDRoleBase, EngineRole):
             if now - tomb.t_s > self.config.lease_s:  # the decode has long forgotten the room
                 del self.tombstones[room]
         self._reap()
+        self._forget_idle_peers()
         return bool(self.transfers) or bool(self.by_room)
+
+    def _forget_idle_peers(self) -> None:
+        """Drop decodes silent for `peer_idle_s` that no room of ours still uses, and their transfer
+        agent entries. A restarted decode registers under a new agent name, so without this every
+        restart stayed here (and in the backend: NIXL's remote agent and its connections) for the
+        prefill's life. A live decode renews its registration well before (`PDConfig.peer_renew_s`);
+        one that asks after being forgotten is told "decode is not registered" as any stranger.
+        Runs after the messages of the turn (a paused prefill counts what it finds on waking up as
+        heard) and never while an abandoned pull may still read from a decode (it has no room)."""
+        now = self.rooms.now()
+        if now < self._next_peer_gc_s or self.abandoned_reads:
+            return
+        self._next_peer_gc_s = now + PEER_GC_INTERVAL_S
+        in_use = {id(pr.peer) for pr in self.by_room.values() if pr.peer is not None}
+        for table in (self.peers, self.stale_peers):
+            for sender, peer in list(table.items()):
+                if now - peer.heard_s > self.config.peer_idle_s and id(peer) not in in_use:
+                    del table[sender]
+                    self.num_peers_forgotten += 1
+                    if not any(p.agent_name == peer.agent_name for p in self._all_peers()):
+                        self.agent.remove_peer(peer.agent_name)
+
+    def _all_peers(self) -> list[DecodePeer]:
+        return [*self.peers.values(), *self.stale_peers.values()]
+
+    @property
+    def num_peers(self) -> int:
+        """Registered decodes (under the weights we serve or earlier ones)."""
+        return len(self.peers) + len(self.stale_peers)
 
     def _on_completion(self, tid: int, status) -> None:
         # Reported: the transfer is done or released, so none of its bytes moves any more.
@@ -290,6 +325,9 @@ class PrefillRole(PDRoleBase, EngineRole):
 
     def _on_message(self, env) -> None:
         body, room = env.body, env.room
+        known = self._peer_by_sender(env.sender)
+        if known is not None:
+            known.heard_s = self.rooms.now()
         if isinstance(body, Register):
             self._on_register(body, room, env.sender)
         elif isinstance(body, KVRequest):
@@ -379,6 +417,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             msg.num_handoff_slots,
             msg.staging_base_addr,
             msg.staging_bytes // slot_page_bytes,
+            heard_s=self.rooms.now(),
         )
         ack = RegisterAck(ok=True, agent_name=self.agent.agent_name, room_life_s=self.config.room_life_s)
         self.control.send(msg.reply_addr, ack, reg_id)

@@ -165,6 +165,12 @@ class PDMetrics:
         self.dropped = _Mirror("pdserve_pd_control_dropped", "Control messages dropped", r, ("why",))
         self.xfer = _Mirror("pdserve_pd_transfer", "Transfer agent counts", r, ("counter",))
         self.pages_sent = _Mirror("pdserve_pd_pages_sent", "KV pages written to decode engines", r)
+        self.peers = Gauge(
+            "pdserve_pd_peers", "Peers known: a prefill's registered decodes, a decode's prefills", registry=r
+        )
+        self.peers_forgotten = _Mirror(
+            "pdserve_pd_peers_forgotten", "Peers dropped after peer_idle_s unused (a restarted one)", r
+        )
         self.staged = _Mirror("pdserve_pd_staged_requests", "Requests whose KV arrived through staging", r)
         self.latency = Histogram(
             "pdserve_pd_transfer_latency_seconds",
@@ -216,6 +222,8 @@ class PDMetrics:
         self.handoff_mismatch.set(getattr(role, "num_handoff_mismatches", 0))
         self.update_any_thread()
         self.pages_sent.set(getattr(role, "num_pages_sent", 0))
+        self.peers.set(getattr(role, "num_peers", 0))
+        self.peers_forgotten.set(getattr(role, "num_peers_forgotten", 0))
         self.staged.set(getattr(role, "num_staged", 0))
         if hasattr(role, "layerwise"):
             self.layerwise.set(role.layerwise.num_runs)

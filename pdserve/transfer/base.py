@@ -53,8 +53,8 @@ class TransferBackend(abc.ABC):
 
     @abc.abstractmethod
     def remove_peer(self, peer_name: str) -> None:
-        """Forget a peer (it died or left). Unknown names are ignored. (The engines do not call it
-        today: a prefill keeps every decode that registered until it restarts.)"""
+        """Forget a peer (it died or left). Unknown names are ignored. Called by a prefill for a decode
+        silent for `PDConfig.peer_idle_s` with no room left, so never under a live transfer to it."""
 
     @abc.abstractmethod
     def write(
