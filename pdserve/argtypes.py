@@ -65,6 +65,21 @@ def name_list(known: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def engine_url(text: str) -> str:
+    """An engine's base URL, http(s)://HOST[:PORT][/PREFIX] ("127.0.0.1:8001" was taken and every
+    health check then failed unseen: httpx refuses a URL without a scheme)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(text)
+    try:
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an engine URL such as http://127.0.0.1:8001")
+    return text.rstrip("/")
+
+
 # The ranges every command line uses.
 port = number(int, 0, low_ok=True, high=65535)
 count = number(int, 1, low_ok=True)  # 1, 2, ...

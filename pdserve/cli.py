@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from pdserve.argtypes import DEVICES, DTYPES, count, number, port, positive
+from pdserve.argtypes import DEVICES, DTYPES, count, engine_url, number, port, positive
 from pdserve.server.auth import API_KEY_ENV
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -97,7 +97,8 @@ def _serve_http(app, sock: socket.socket, log_level: str, before_cancel=None) ->
     """Serve `app` on the bound socket until Ctrl-C / SIGTERM (open streams are cancelled after
     GRACEFUL_SHUTDOWN_S: they held the process for as long as they ran); 3 if it did not start.
     `before_cancel` (a coroutine function): awaited ABORT_BEFORE_CANCEL_S before that cancel, to end
-    what still runs as the application means to (an engine: its requests' "abort")."""
+    what still runs as the application means to (an engine: its requests' "abort"; the router: a 503
+    for what it relays, its decode legs closed)."""
     import asyncio
 
     import uvicorn
@@ -414,7 +415,7 @@ def cmd_router(a: argparse.Namespace) -> int:
         f"http://{a.host}:{sock.getsockname()[1]}",
         flush=True,
     )
-    return _serve_http(build_router_app(router), sock, a.log_level)
+    return _serve_http(build_router_app(router), sock, a.log_level, before_cancel=router.shut_down)
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
@@ -515,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     r = sub.add_parser("router", help="OpenAI-compatible router in front of prefill and decode engines")
-    r.add_argument("--prefill", nargs="+", required=True, help="prefill engine base URLs")
-    r.add_argument("--decode", nargs="+", required=True, help="decode engine base URLs")
+    r.add_argument("--prefill", nargs="+", type=engine_url, required=True, help="prefill engine base URLs")
+    r.add_argument("--decode", nargs="+", type=engine_url, required=True, help="decode engine base URLs")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=port, default=8000, help="HTTP port")
     r.add_argument("--health-interval-s", type=positive, default=1.0, help="engine health poll period")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
@@ -121,3 +122,50 @@ def test_ctrl_c_of_launch_ends_the_requests_in_flight_as_aborts(demo_model_dir, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_of_the_router_alone_ends_what_it_relays_with_a_503_and_the_engines_abort_it(demo_model_dir):
+    """The router's own Ctrl-C (its engines run on, serving other routers): what it still relayed past
+    uvicorn's grace was cancelled, a whole answer as a plain-text 500 (which the OpenAI client
+    retries) and a stream cut without [DONE]. It now ends each with a 503 naming the shutdown (the
+    stream with an error event and [DONE]) and closes its decode legs, so the engines abort them."""
+    import json
+    import signal
+    import threading
+
+    from pdserve.router.app import STOPPING
+    from tests.test_pd_e2e import wait_engine_idle
+
+    args = launch.cluster_args(demo_model_dir, num_pages=512, max_model_len=4096, served_model_name="demo")
+    cluster = launch.start_cluster(args, 1, 1)
+    try:
+        url, answers = cluster.router_url, {}
+        base = {"model": "demo", "max_tokens": 4000, "ignore_eos": True}
+
+        def whole() -> None:
+            answers["whole"] = httpx.post(url + "/v1/completions", json=base | {"prompt": "a"}, timeout=120)
+
+        def streamed() -> None:
+            body = base | {"prompt": "b", "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        threads = [threading.Thread(target=f) for f in (whole, streamed)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        router = cluster.proc("router")
+        router.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(timeout=60)
+        assert answers["whole"].status_code == 503, answers["whole"].text[:300]
+        assert STOPPING in answers["whole"].json()["error"]["message"]
+        lines = answers["lines"]
+        assert len(lines) > 3 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert STOPPING in json.loads(lines[-2][6:])["error"]["message"], lines[-2][:300]
+        assert router.wait(timeout=30) in (0, -signal.SIGINT)
+        for engine_url in (cluster.url("prefill0"), cluster.url("decode0")):
+            wait_engine_idle(engine_url)  # (both requests aborted there; the engines serve on)
+    finally:
+        cluster.stop()

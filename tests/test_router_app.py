@@ -1244,3 +1244,349 @@ def test_the_router_drops_idle_engine_connections_before_an_engine_closes_them()
     from pdserve.router import app
 
     assert app.KEEPALIVE_EXPIRY_S + 1.0 < 5.0 < cli.SERVER_KEEP_ALIVE_S
+
+
+@pytest.mark.parametrize("policy", ["none", "dualpath"])
+def test_shut_down_ends_every_relayed_request_with_a_503_and_closes_its_engine_legs(policy):
+    """The router's Ctrl-C: uvicorn cancelled the handlers still running after its grace, so a whole
+    answer was a plain-text 500 (which the OpenAI client retries) and a stream broke without [DONE].
+    `Router.shut_down` (a second before that cancel) ends each as the router means to: a request
+    waiting for its prefill, one waiting for the decode's whole answer, and a stream mid-relay get a
+    503 (the stream an error event and [DONE]); every decode leg is closed, so the engines abort them,
+    and no health check brings an engine back."""
+    from pdserve.router.app import STOPPING
+
+    async def go():
+        engines = Engines(blocking=())
+        prefill_answers = asyncio.Event()  # (never set: the prefill of "wait_pe" works on)
+
+        async def engine(request: httpx.Request) -> httpx.Response | None:
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            body = json.loads(await request.aread())
+            host, case = request.url.host, body["user"]
+            engines.posts.append((host, case))
+            if host == "pe":
+                if case == "wait_pe":
+                    await prefill_answers.wait()
+                return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+            if case == "stream":
+
+                class Body(httpx.AsyncByteStream):
+                    async def __aiter__(self):
+                        for k in range(100000):
+                            chunk = {"id": "c", "choices": [{"index": 0, "text": f"{k} "}]}
+                            yield f"data: {json.dumps(chunk)}\n\n".encode()
+                            await asyncio.sleep(0.01)
+
+                    async def aclose(self) -> None:
+                        engines.closed.append(case)
+
+                return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+            try:
+                await asyncio.sleep(3600)  # a long decode, or one waiting for its prefill's KV
+            except asyncio.CancelledError:
+                engines.closed.append(case)
+                raise
+
+        engines.intercept = engine
+        router = await started_router(engines, policy)
+        app = build_router_app(router)
+        chunks: list[bytes] = []
+        status: list[int] = []
+
+        async def stream() -> int:  # (driven by hand: httpx's ASGI transport reads a body whole)
+            sent = json.dumps({"prompt": [1, 2], "max_tokens": 500, "stream": True, "user": "stream"})
+            messages = [{"type": "http.request", "body": sent.encode(), "more_body": False}]
+
+            async def receive():
+                if messages:
+                    return messages.pop(0)
+                await asyncio.Event().wait()  # (the client stays)
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    status.append(message["status"])
+                elif message["type"] == "http.response.body":
+                    chunks.append(message.get("body", b""))
+
+            await app(completion_scope(sent.encode()), receive, send)
+            return status[0]
+
+        def lines() -> list[str]:
+            return [x for x in b"".join(chunks).decode().split("\n") if x.startswith("data: ")]
+
+        async with client_of(router) as c:
+            calls = {
+                case: asyncio.ensure_future(
+                    c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 8, "user": case})
+                )
+                for case in ("wait_pe", "wait_de")
+            }
+            calls["stream"] = asyncio.ensure_future(stream())
+            for _ in range(300):
+                if len(lines()) >= 3 and len(engines.posts) >= 6:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"not all relayed: {engines.posts} {lines()[-2:]} {status}")
+            await router.shut_down()
+            answers = {case: await asyncio.wait_for(call, 5) for case, call in calls.items()}
+            late = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 8, "user": "late"})
+        await router.check_health()  # (as the health loop would: nothing comes back)
+        await asyncio.sleep(0.3)
+        return router, answers, late, lines(), sorted(engines.closed)
+
+    router, answers, late, lines, closed = asyncio.run(go())
+    for case in ("wait_pe", "wait_de"):
+        assert answers[case].status_code == 503, (case, answers[case].text)
+        assert STOPPING in answers[case].json()["error"]["message"], case
+    assert answers["stream"] == 200 and lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == 503 and STOPPING in error["message"], error
+    assert late.status_code == 503 and STOPPING in late.json()["error"]["message"], late.text
+    assert closed == ["stream", "wait_de", "wait_pe"]  # every decode leg closed: each engine aborts
+    assert all(not e.healthy for e in router.prefills + router.decodes)
+    assert router.decodes[0].in_flight == 0 and router.num_in_flight() == 0
+
+
+# ---- found by a review of the router (2026-12-02, sixth session) -----------------------------------
+COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 4}
+
+
+async def _fail_health(router, engines: Engines, hosts: set[str]) -> None:
+    """`hosts` stop answering (connection refused); two health rounds take them out of service."""
+    previous = engines.intercept
+
+    async def dead(request: httpx.Request):
+        if request.url.host in hosts:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await previous(request) if previous is not None else None
+
+    engines.intercept = dead
+    await router.check_health()
+    await router.check_health()
+    assert not any(e.healthy for e in router.prefills + router.decodes if e.url.split("//")[1] in hosts)
+
+
+# ---- 1. placement policies: no live prefill -> the request waits in the FIFO for 10 minutes -----------
+@pytest.mark.parametrize("policy", ["round_robin", "dualpath"])
+def test_placement_with_no_live_prefill_answers_503_at_once(policy):
+    """Plain routing answers 503 "no healthy prefill engine" at once. Under a placement policy the
+    scheduler never assigns a dead prefill (round_robin skips it, dualpath reports it at beta + 1
+    tokens), and `Placement.place` only checks the *decodes* before queueing, so the request sits in
+    the FIFO until `queue_timeout_s` (600 s): a non-streamed client sees nothing for 10 minutes."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy)
+        await _fail_health(router, engines, {"pe"})
+        async with client_of(router) as c:
+            try:
+                r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 3)
+            except TimeoutError:
+                return None
+        return r
+
+    r = asyncio.run(go())
+    assert r is not None, "the request hung in the placement queue with no live prefill (600 s timeout)"
+    assert r.status_code == 503, r.text
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualpath"])
+@pytest.mark.parametrize("dies", ["pe", "de"])
+def test_requests_waiting_in_placement_when_the_last_engine_of_a_role_dies_are_refused(policy, dies):
+    """A request is queued (the decode has no free page yet); then the only prefill / decode goes down.
+    `Placement.on_health` re-pumps the queue but never refuses what can no longer be placed, so the
+    request waits to the 600 s queue timeout instead of the 503 a new request would get."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy)
+        router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION))
+            for _ in range(100):
+                if router.placement.queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert router.placement.queue, "the request should be waiting in placement"
+            await _fail_health(router, engines, {dies})
+            try:
+                r = await asyncio.wait_for(call, 3)
+            except TimeoutError:
+                return None
+        return r
+
+    r = asyncio.run(go())
+    assert r is not None, "a request queued in placement hangs after the last engine of a role died"
+    assert r.status_code == 503, r.text
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualpath"])
+def test_placement_with_every_decode_down_is_a_503_not_a_400(policy):
+    """With every decode out of service, `Placement.place` computes `biggest` = 0 pages and raises
+    PlacementError("... the largest decode engine has 0"), which `_dispatch_placed` answers 400
+    BadRequest (only messages containing "retry" become 503): a client error, not retried by
+    OpenAI clients, for an outage. Plain routing answers 503 "no healthy decode engine"."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy)
+        await _fail_health(router, engines, {"de"})
+        async with client_of(router) as c:
+            return await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 10)
+
+    r = asyncio.run(go())
+    assert r.status_code == 503, r.text
+
+
+class _BrokenStream(httpx.AsyncByteStream):
+    """A streamed decode answer whose connection is gone (the decode process died after its headers)."""
+
+    async def __aiter__(self):
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        yield b""  # pragma: no cover
+
+
+def _sse_ok() -> httpx.AsyncByteStream:
+    chunk = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+
+    class S(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+    return S()
+
+
+@pytest.mark.parametrize("failure", ["streamed decode died after its headers", "decode declared down"])
+def test_a_decode_that_fails_after_accepting_is_left_for_another_decode_without_blaming_the_prefill(failure):
+    """1 prefill, 2 decodes. The first decode accepts the request, then dies (a streamed request: its
+    200 headers came at once, then the connection broke) or freezes and is declared down by the
+    health checks. `_prefill_unless_decode_fails` (router/app.py) only looks at the decode's task
+    while it is *pending*: once the streamed headers came, and for a decode declared down, it waits
+    for the prefill alone, which waits for the dead decode's KVRequest until its Bootstrapping
+    deadline (30 s by default; 1.5 s here) and answers 503. The router then blames the prefill
+    (`tried.add`, a "prefill" retry), and with one prefill the client gets 503 "no healthy prefill
+    engine" although a healthy pair (pe, de2) was there all along. The prefill's failure is now laid
+    on its decode when that decode is out of service by then."""
+    stream = failure.startswith("streamed")
+
+    async def go():
+        engines = Engines(blocking=())
+        de2_asked = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            host = request.url.host
+            if host == "de":
+                body = _BrokenStream() if stream else None
+                if body is None:
+                    await asyncio.sleep(3600)  # frozen: no headers ever
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
+            if host == "de2":
+                de2_asked.set()
+                if stream:
+                    return httpx.Response(
+                        200, headers={"content-type": "text/event-stream"}, stream=_sse_ok()
+                    )
+                answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+                return httpx.Response(200, json=answer)
+            try:  # the prefill: token 1 once a decode asked for the KV, else its Bootstrapping deadline
+                await asyncio.wait_for(de2_asked.wait(), 1.5)
+            except TimeoutError:
+                return httpx.Response(
+                    503, json={"error": {"message": "room timed out in Bootstrapping", "code": 503}}
+                )
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION | {"stream": stream}))
+            await asyncio.sleep(0.2)
+            de = router.decodes[0]
+            de.healthy = False  # what check_health does after two missed checks (its port refused when
+            if not stream:  # it died; no answer when frozen, which cuts what it runs too)
+                de.down.set()
+            r = await asyncio.wait_for(call, 10)
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.status_code == 200 and "ok" in r.text, r.text
+    assert router.retries_by_side == {"prefill": 0, "decode": 1}
+
+
+def test_an_engine_that_failed_a_weight_update_is_out_of_service_when_the_update_answers():
+    """After an update the router calls `check_health` so that an engine that did not load the new
+    weights is out of service (stale) before the held requests go. But the health state machine's
+    hysteresis (`e.healthy = ok or (e.healthy and e.misses < 2)`) also applies to an engine that
+    *answered* and said it serves other weights: it stays healthy (and is picked first) until the
+    next health round, so the requests released at `open.set()` go to a decode of the old weights."""
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answering(request: httpx.Request):
+            if request.url.path == "/update_weights_from_disk":
+                if request.url.host == "de":
+                    return httpx.Response(400, json={"success": False, "message": "load failed"})
+                engines.model_paths[request.url.host] = json.loads(await request.aread())["model_path"]
+                return httpx.Response(200, json={"success": True})
+
+        engines.intercept = answering
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        async with client_of(router) as c:
+            r = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+        de = router.decodes[0]
+        return r, de.stale, de.healthy, router.pick_decode().url
+
+    r, stale, healthy, picked = asyncio.run(go())
+    assert r.status_code == 502 and stale
+    assert not healthy and picked == "http://de2", "a decode on the old weights is still picked"
+
+
+def test_requests_in_flight_gauge_counts_one_request_once():
+    """`Router.num_in_flight()` = `num_dispatching` + the decodes' in-flight counts, but a request inside
+    `dispatch` also holds its decode leg's count (`_Leg.__init__`): one request waiting for its
+    prefill shows as 2 in `pdserve_router_requests_in_flight` (and in the weight update's
+    "N requests still in flight")."""
+
+    async def go():
+        engines = Engines(blocking=("pe", "de"))
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION))
+            while len(engines.posts) < 2:
+                await asyncio.sleep(0.01)
+            m = _scrape((await c.get("/metrics")).text)
+            engines.release.set()
+            await asyncio.wait_for(call, 5)
+        return m
+
+    m = asyncio.run(go())
+    assert m[("pdserve_router_requests_in_flight", ())] == 1
+
+
+def test_retries_count_only_attempts_that_were_retried():
+    """3 prefills, each answering 500: 3 attempts, i.e. 2 retries. `_attempts` increments
+    `retries_by_side` (pdserve_router_retries_total) after every failed attempt, the last one too, when
+    attempts have run out and nothing is retried (it also logs "retrying on another prefill" then)."""
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def fail(request: httpx.Request):
+            if request.method == "POST" and request.url.host.startswith("pe"):
+                return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+
+        engines.intercept = fail
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2", "http://pe3"))
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 10)
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.status_code == 502
+    assert router.retries_by_side["prefill"] == 2

@@ -91,6 +91,7 @@ class Engine:
     # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
     # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
+    down_reason: str = "stopped answering health checks"  # (what those requests are told)
 
 
 class NoEngine(Exception):
@@ -99,6 +100,13 @@ class NoEngine(Exception):
 
 class EngineDown(Exception):
     pass
+
+
+class RouterStopping(Exception):
+    pass
+
+
+STOPPING = "the router is shutting down"
 
 
 def client_gone() -> JSONResponse:
@@ -128,7 +136,7 @@ async def chunks_unless_down(e: Engine, chunks):
     try:
         while (item := await q.get()) is not _END:
             if item is _DOWN:
-                raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
+                raise EngineDown(f"{e.role} {e.url} {e.down_reason}")
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -139,22 +147,32 @@ async def chunks_unless_down(e: Engine, chunks):
 
 async def unless_down(e: Engine, awaitable):
     """`await awaitable`, unless engine `e` is declared down first (then EngineDown; it is cancelled)."""
-    if e.down.is_set():
+    return await unless_set(e.down, awaitable, lambda: EngineDown(f"{e.role} {e.url} {e.down_reason}"))
+
+
+async def unless_set(event: asyncio.Event, awaitable, error):
+    """`await awaitable`, unless `event` is set first: then it is cancelled and `error()` raised."""
+    if event.is_set():
         if asyncio.iscoroutine(awaitable):
             awaitable.close()
         elif isinstance(awaitable, asyncio.Future):
             awaitable.cancel()
-        raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
+        raise error()
     task = asyncio.ensure_future(awaitable)
-    down = asyncio.ensure_future(e.down.wait())
+    flag = asyncio.ensure_future(event.wait())
     try:
-        await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, flag}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # (our caller's cancel, e.g. the client left: the awaitable's too,
+        task.cancel()  # and its cleanup run -- a prefill wait closes the prefill's leg)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise
     finally:
-        down.cancel()
+        flag.cancel()
     if task.done():
         return task.result()
     task.cancel()
-    raise EngineDown(f"{e.role} {e.url} stopped answering health checks")
+    raise error()
 
 
 class Router:
@@ -207,8 +225,10 @@ class Router:
         self.num_held_aborts = 0  # the clients' `abort_all`s: they also end requests a weight update holds
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
+        self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`_Relay`)
         self.open = asyncio.Event()  # cleared while a weight update holds new requests
         self.open.set()
+        self.stopping = asyncio.Event()  # set by `shut_down` (Ctrl-C): everything still relayed ends
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
         # ... and the identity its engines reported (a trainer that rewrites one directory every step
@@ -221,7 +241,9 @@ class Router:
 
     def num_in_flight(self) -> int:
         """Requests this router has taken in and not yet answered to the end."""
-        return self.num_dispatching + sum(e.in_flight for e in self.decodes)
+        # (not the decodes' in-flight counts: a request in `dispatch` holds its leg's count too, so each
+        # was counted twice in the gauge and in a weight update's "N requests still in flight")
+        return self.num_dispatching + self.num_relaying
 
     async def drained(self) -> None:
         """Until every request in flight has ended (new ones are held: `open` is clear)."""
@@ -242,13 +264,36 @@ class Router:
             self.placement.abort_waiting()
         return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
 
+    async def shut_down(self) -> None:
+        """The router's Ctrl-C or SIGTERM (cli: awaited a second before the server cancels what still
+        runs): every request it still relays ends as the router means it to -- a stream with a 503
+        error event and [DONE], a whole answer, or one waiting for its prefill or its placement,
+        with a 503 body -- instead of the cancel's plain-text 500 (which the OpenAI client retries)
+        and a stream cut without [DONE]. Each one's decode leg is closed, which aborts it there; the
+        engines keep serving other routers' requests (an `/abort_request` of everything would end
+        those too)."""
+        self.stopping.set()
+        for e in self.prefills + self.decodes:
+            e.healthy = False
+            e.down_reason = f"is out of reach: {STOPPING}"
+            e.down.set()
+        if self.placement is not None:
+            self.placement.abort_waiting()  # (then no engine is healthy: a 503)
+
     async def check_health(self) -> None:
+        if self.stopping.is_set():  # (shut_down took every engine out of service for good)
+            return
+
         async def one(e: Engine) -> None:
             refused = False  # (its port closed: it stopped listening, shutting down or dead)
+            answered = False  # (it answered, and said it cannot serve: out at once, no second chance)
             try:
                 r = await self.client.get(e.url + "/pd/info", timeout=2.0)
                 info = r.json()
+                if not isinstance(info, dict):
+                    raise ValueError("not a JSON object")  # (a proxy's page; it killed the health loop)
                 ok = r.status_code == 200 and info.get("role") == e.role
+                answered = r.status_code == 200 and not ok
                 if ok:
                     e.bootstrap_url, e.model = info.get("bootstrap_url", ""), info.get("model", "")
                     e.deadline_s = float(info.get("deadline_s") or 0.0)
@@ -264,13 +309,17 @@ class Router:
                     else:
                         e.stale = self.weights_path is not None and e.model_path != self.weights_path
                     ok = not e.stale and status == "ok"
+                    answered = not ok
             except httpx.ConnectError:
                 ok, refused = False, True
             except (httpx.HTTPError, ValueError):
                 ok = False
             e.misses = 0 if ok else e.misses + 1
             was = e.healthy
-            e.healthy = ok or (e.healthy and e.misses < 2)
+            # Two missed checks (no answer) before it is out: one lost check is no outage. An engine
+            # that answers it serves other weights, lost them, died inside or has another role is out
+            # at once: after a weight update it failed, the held requests went to it otherwise.
+            e.healthy = ok or (e.healthy and e.misses < 2 and not answered)
             # Out of service: no new requests. What it still runs is cut (`down`) unless its port was
             # refused: an engine in its graceful shutdown closes its port first and ends its requests
             # itself (a Ctrl-C'd engine answers them "abort"; they were cut with a 503 the client
@@ -388,8 +437,10 @@ class Router:
             # (with none live, the 503 any request gets then)
             return await self._dispatch(path, body, http, "none", epoch)
         except PlacementError as e:
-            code = 503 if "retry" in str(e) else 400
-            return JSONResponse(error_body(str(e), code), code)
+            if e.status == 503 and self.stopping.is_set():
+                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
+            kind = "ServiceUnavailable" if e.status == 503 else "BadRequestError"
+            return JSONResponse(error_body(str(e), e.status, kind), e.status)
         except TimeoutError:
             return JSONResponse(error_body("timed out waiting for placement", 503, "ServiceUnavailable"), 503)
         pe, de = self.prefills[a.prefill_engine], self.decodes[a.decode_engine]
@@ -416,6 +467,12 @@ class Router:
                     with anyio.CancelScope(shield=True):
                         await leg.close()
 
+    def _count_retry(self, side: str, attempt: int, why: str) -> None:
+        """An attempt failed on `side`; counted and logged only when another attempt follows."""
+        if attempt + 1 < self.max_prefill_attempts:
+            self.retries_by_side[side] += 1
+            log.warning("retrying on another %s: %s", side, why)
+
     async def _attempts(self, path, body, http, read_path, epoch, first, legs: list[_Leg]):
         """(`_dispatch`'s attempts: up to `max_prefill_attempts`, each leg appended to `legs`)"""
         tried: set[str] = set()  # prefills that failed an attempt
@@ -431,7 +488,8 @@ class Router:
                     if de is None or de.url in failed_decodes:
                         de = self.pick_decode(failed_decodes)
             except NoEngine as e:
-                return JSONResponse(error_body(f"{e} ({last_error})", 503, "ServiceUnavailable"), 503)
+                why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
+                return JSONResponse(error_body(why, 503, "ServiceUnavailable"), 503)
             tried.add(pe.url)
             room = new_room()
             pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}
@@ -450,10 +508,13 @@ class Router:
             )
             decode_failed = False
             try:
-                pe_resp = await unless_gone(http, _prefill_unless_decode_fails(pe_call, leg.task))
+                waiting = _prefill_unless_decode_fails(pe_call, leg.task)
+                pe_resp = await unless_gone(http, unless_set(self.stopping, waiting, RouterStopping))
                 decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 return client_gone()
+            except RouterStopping:  # (both legs are closed on the way out: each engine aborts)
+                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             if decode_failed:  # the decode failed first (the prefill's leg is closed): try another
@@ -472,8 +533,7 @@ class Router:
                 await leg.close()
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
-                self.retries_by_side["decode"] += 1
-                log.warning("retrying on another decode: %s", last_error)
+                self._count_retry("decode", attempt, last_error)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 break
@@ -483,8 +543,12 @@ class Router:
             if pe_resp is not None:
                 last_error = f"prefill {pe.url}: HTTP {pe_resp.status_code} {pe_resp.text[:200]}"
             await leg.close()  # closing the decode's stream aborts its room
-            self.retries_by_side["prefill"] += 1
-            log.warning("retrying on another prefill: %s", last_error)
+            if not de.healthy:  # (the decode died meanwhile: its prefill waited out a deadline for it)
+                tried.discard(pe.url)
+                failed_decodes.add(de.url)
+                self._count_retry("decode", attempt, last_error)
+            else:
+                self._count_retry("prefill", attempt, last_error)
         else:
             return JSONResponse(
                 error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502
@@ -495,7 +559,7 @@ class Router:
             return failed
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
-        relay = _Relay(de, de_resp)
+        relay = _Relay(de, de_resp, self)
         if media.startswith("text/event-stream"):
             return StreamingResponse(relay, status_code=de_resp.status_code, media_type=media)
         # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
@@ -542,8 +606,9 @@ class _Relay:
     cancels it when the client leaves or a send fails), or is closed unread (`aclose`: a merged
     `n` > 1 request whose other child failed never starts reading this one; see server/fanout.py)."""
 
-    def __init__(self, de: Engine, de_resp: httpx.Response) -> None:
-        self.de, self.de_resp, self.done = de, de_resp, False
+    def __init__(self, de: Engine, de_resp: httpx.Response, router: Router) -> None:
+        self.de, self.de_resp, self.done, self.router = de, de_resp, False, router
+        router.num_relaying += 1
 
     def __aiter__(self):
         return self._relay()
@@ -552,6 +617,7 @@ class _Relay:
         if not self.done:
             self.done = True
             self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
+            self.router.num_relaying -= 1
             await self.de_resp.aclose()
 
     async def _relay(self):

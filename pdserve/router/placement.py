@@ -69,7 +69,16 @@ RECENT_READ_KEEP_S = 2.0
 
 
 class PlacementError(Exception):
-    """A request that can never be placed (bigger than every decode engine's pool)."""
+    """A request that can never be placed (bigger than every decode engine's pool): a 400."""
+
+    status = 400
+
+
+class NotPlaceableNow(PlacementError):
+    """No placement is possible now (no load report yet, or no live engine of a role): a 503, the
+    client's to retry. Waiting instead held the client until the queue timeout (10 minutes)."""
+
+    status = 503
 
 
 class PlacementAborted(Exception):
@@ -260,6 +269,14 @@ class Placement:
     def on_health(self, engine) -> None:
         if self.scheduler is not None:
             self._apply(engine)
+            try:
+                self._check_live()
+            except NotPlaceableNow as e:  # the last live engine of a role died: nobody can be placed
+                for waiting in self.queue:
+                    if not waiting.future.done():
+                        waiting.future.set_exception(NotPlaceableNow(str(e)))
+                self.queue.clear()
+                return
             self._pump()
         elif self.reports and self.ready():  # the engine everyone waited for was declared dead
             self._build()
@@ -317,7 +334,8 @@ class Placement:
             while self.scheduler is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if self.scheduler is None:
-                raise PlacementError("the router has no load report from every engine yet; retry shortly")
+                raise NotPlaceableNow("the router has no load report from every engine yet; retry shortly")
+        self._check_live()
         page_tokens = self.scheduler.config.page_tokens
         # (as the engines count: the last token sampled is never computed, so it holds no KV)
         need_pages = -(-(prompt_len + max_tokens - 1) // page_tokens)
@@ -344,6 +362,14 @@ class Placement:
             if waiting in self.queue:
                 self.queue.remove(waiting)
             raise
+
+    def _check_live(self) -> None:
+        """NotPlaceableNow unless a prefill and a decode are live (the scheduler never assigns a dead
+        engine, so a request would wait to the queue timeout; with no decode the size check below
+        blamed the client with a 400)."""
+        for role, engines in (("prefill", self.prefills), ("decode", self.decodes)):
+            if not any(e.healthy for e in engines):
+                raise NotPlaceableNow(f"no healthy {role} engine")
 
     def abort_waiting(self) -> None:
         """Every request waiting for a placement stops waiting (PlacementAborted), unplaced."""
