@@ -182,9 +182,23 @@ class StoreConnector:
             return False
         return done.wait(max(0.0, until_s - time.monotonic()))
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Flush, then stop the writer thread (PDContext.close, or a store dropped after a weight
+        update). It held this connector -- the engine and its whole KV pool -- for the process's life.
+        Bounded by `timeout_s` twice at most behind a hung disk; the thread is a daemon."""
+        self.flush(timeout_s)
+        try:
+            self._writes.put((None, None, 0, None), timeout=timeout_s)
+        except queue.Full:
+            return
+        self._writer.join(timeout_s)
+
     def _write_loop(self) -> None:
         while True:
             store, keys, b, payload = self._writes.get()
+            if keys is None and payload is None:  # close()
+                self._writes.task_done()
+                return
             try:
                 if keys is None:
                     payload.set()

@@ -149,7 +149,7 @@ class PDContext:
                 self.store = new
             except Exception:  # noqa: BLE001 - no store rather than the old weights' blocks
                 log.exception("kv store: cannot open the new weights' store; serving without one")
-                self.role.store.flush()
+                self.role.store.close()
                 self.role.store = self.store = None
                 if new is not None:
                     new.close()
@@ -208,7 +208,7 @@ class PDContext:
 
     def close(self) -> None:
         if self.store is not None:
-            self.role.store.flush()
+            self.role.store.close()
             self.store.close()
         self.agent.close()
         self.control.close()

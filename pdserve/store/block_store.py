@@ -35,6 +35,7 @@ the directory; the file format, keys and index structure are their own modules.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -367,13 +368,21 @@ class KVBlockStore:
             if rule is not None and rule.action == "corrupt" and view.size:
                 view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
             status = "truncated" if n != self.file_nbytes else self._verify(key, header, view)
-            if status == "ok" and self.touch_on_read:
-                os.utime(fd)
+            if status == "ok":
+                self.touch(fd)
         except OSError:
             status = "ioerror"
         finally:
             os.close(fd)
         return self._settle(key, status, st)
+
+    def touch(self, fd: int) -> None:
+        """Mark a block just read as recently used (its mtime orders eviction after a restart), if
+        `touch_on_read`. Best effort, as in `put`: on a read-only mount (EROFS) or a file another user
+        owns (EPERM) the verified block is still served -- it used to read as "ioerror", every time."""
+        if self.touch_on_read:
+            with contextlib.suppress(OSError):
+                os.utime(fd)
 
     @staticmethod
     def _read_fault():
@@ -414,7 +423,9 @@ class KVBlockStore:
                     self._index.remove(key)
             else:
                 self._stats.num_missing += 1
-                if status == "missing":
+                # (only if still gone: our own write-back may have stored it again since the open,
+                # and un-indexing its file left it on disk, never counted nor evicted)
+                if status == "missing" and not os.path.exists(path):
                     self._index.remove(key)
         return status
 

@@ -53,6 +53,17 @@ def _tmp_is_stale(name: str, mtime: float, stale_tmp_s: float) -> bool:
     return False
 
 
+def _entries(path) -> list[os.DirEntry]:
+    """A directory's entries; none when it is gone (another engine's `remove_files` after a weight
+    update may remove the directory while this one scans it: that raised, and killed the engine at
+    start-up or left it without a store)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def scan_block_files(
     root: Path, expected_file_nbytes: int, stale_tmp_s: float = 300.0
 ) -> tuple[list[tuple[bytes, int, float]], list[Path], list[Path]]:
@@ -64,12 +75,10 @@ def scan_block_files(
     blocks: list[tuple[bytes, int, float]] = []
     stale: list[Path] = []
     wrong_size: list[Path] = []
-    if not root.is_dir():
-        return blocks, stale, wrong_size
-    for sub in os.scandir(root):
+    for sub in _entries(root):
         if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
             continue
-        for entry in os.scandir(sub.path):
+        for entry in _entries(sub.path):
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed by a concurrent writer/evicter

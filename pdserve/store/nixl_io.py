@@ -135,8 +135,8 @@ def read_blocks_nixl(store, reader: NixlPosixReader, keys, views) -> list[str]:
                 if rule is not None and rule.action == "corrupt" and views[i].size:
                     views[i][views[i].size // 2] ^= 0xFF
             s = store._verify(keys[i], headers[i], views[i])
-            if s == "ok" and store.touch_on_read:
-                os.utime(fd)
+            if s == "ok":
+                store.touch(fd)
             return i, store._settle(keys[i], s, st)
 
         for i, s in store._io_pool.map(verify, opened):
