@@ -303,6 +303,11 @@ def load_workload(
         if not (data_dir / fname).is_file():
             raise ValueError(f"{name}: no trace file {data_dir / fname} (the repository's ../shared/data)")
         wl = mooncake_trace(data_dir / fname, limit=num_agents)
+        if wl.num_agents < num_agents:  # (it had fewer agents than asked and said nothing: an online
+            raise ValueError(  # run's arrivals just stopped, and its measured window saw no load)
+                f"{name}: the trace has {wl.num_agents} requests, {num_agents} asked for (online: "
+                "APS x horizon); ask for fewer, or a lower --aps or --horizon-s"
+            )
         return wl if timing == "trace" else replace(wl, start_s=arrivals(wl.num_agents, aps, seed))
     if name == "weka_cc":
         paths = sorted((data_dir / "weka_cc").glob("trace_*.json"))

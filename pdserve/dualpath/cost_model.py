@@ -191,7 +191,16 @@ def get_profile(name_or_path: str) -> ModelProfile:
             raise ValueError(
                 f"model config {str(path)!r} is not an HF config.json: missing or bad {e}"
             ) from None
+        except ValueError as e:  # (a size out of range, or weights too big for the GPU)
+            raise ValueError(f"model config {str(path)!r}: {e}") from None
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(PROFILES)} or a config.json path")
+
+
+def _positive(cfg: dict, key: str) -> int:
+    value = int(cfg[key])
+    if value < 1:
+        raise ValueError(f"{key} must be >= 1, got {value}")
+    return value
 
 
 def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
@@ -210,11 +219,13 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     known = ARCHITECTURES.get((cfg.get("architectures") or [""])[0])
     if known is not None:  # keys left out mean what transformers defaults them to (as the engine reads)
         cfg = dict(known.config_defaults) | cfg
-    hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
+    hidden = _positive(cfg, "hidden_size")
+    layers = _positive(cfg, "num_hidden_layers")
+    heads = _positive(cfg, "num_attention_heads")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if head_dim < 1 or kv_heads < 1:  # (a zero or negative size divided by zero, or overflowed, later)
+        raise ValueError(f"head_dim {head_dim} and num_key_value_heads {kv_heads} must be >= 1")
     dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype", "")) else 2
     mla = bool(cfg.get("kv_lora_rank"))
     if mla:
@@ -259,7 +270,13 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         ep *= 2
     weights_bytes = _gpu_weight_bytes(other_bytes, routed_bytes, ep)
     flops_per_pair = 4 * heads * head_dim * layers
-    free = max(_free_hbm_bytes(other_bytes, routed_bytes, ep), 1e9)
+    free = _free_hbm_bytes(other_bytes, routed_bytes, ep)
+    if not routed_bytes and free <= 0:  # (a MoE model's EP group is checked per cluster: hbm_kv_bytes)
+        raise ValueError(
+            f"{name}: {weights_bytes / 1e9:.0f} GB of weights leave no HBM for KV on one H200 (a dense "
+            "model runs on one GPU here): use fp8 weights or a smaller model"
+        )
+    free = max(free, 1e9)
     return replace(
         QWEN_32B,
         name=name,

@@ -75,7 +75,7 @@ def bench_workload(num_agents: int = 16, workload: str = "32k", seed: int = 0) -
 
 
 def emulated(ov, progress):
-    from pdserve.sim.scenarios import ScenarioResult, _one, _pick, record
+    from pdserve.sim.scenarios import ScenarioResult, _bar_plot, _one, _pick, record
 
     out = ScenarioResult("emulated")
     snic_mbps = _pick(ov.snic_gbps, 8 * MB_PER_S_TO_GBPS) / MB_PER_S_TO_GBPS
@@ -88,7 +88,8 @@ def emulated(ov, progress):
     )
     model: ModelProfile = CPU_DEMO
     agents = _one(ov.agents, 16, "--agents", "emulated")
-    wl = bench_workload(agents, _pick(ov.workload, "32k"), _pick(ov.seed, 0))
+    wl_name = _pick(ov.workload, "32k")
+    wl = bench_workload(agents, wl_name, _pick(ov.seed, 0))
     jct = {}
     for mode in _pick(ov.policy, ("layerwise", "dualpath")):
         progress(mode)
@@ -103,9 +104,10 @@ def emulated(ov, progress):
             window_s=5.0,
         )
         res = ClusterSim(cfg, wl).run()
-        row = record(res, agents=agents, snic_mbps=snic_mbps, cnic_mbps=cnic_mbps)
+        row = record(res, agents=agents, workload=wl_name, snic_mbps=snic_mbps, cnic_mbps=cnic_mbps)
         out.runs.append(row)
         jct[mode] = row["jct_s"]
     if "layerwise" in jct and "dualpath" in jct:
         out.checks.append(f"[INFO] simulated DualPath/Basic JCT {jct['layerwise'] / jct['dualpath']:.2f}x")
+    out.plot = lambda runs, plt: _bar_plot(runs, plt, "agents", "jct_s", "JCT (s)", "emulated")
     return out
