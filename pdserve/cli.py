@@ -63,6 +63,9 @@ GRACEFUL_SHUTDOWN_S = 5.0  # after Ctrl-C / SIGTERM, in-flight requests get this
 # and finish_reason "abort" (a cancelled handler answered a plain-text 500, which the OpenAI client
 # retried against a server going away, and logged a CancelledError traceback; a stream just broke).
 ABORT_BEFORE_CANCEL_S = 1.0
+# The router ends what it still relays (a 503) later than that: when `launch` is stopped, every engine's
+# "abort" has reached the client through it first; when the router alone is, nothing else would.
+ROUTER_SHUTDOWN_BEFORE_CANCEL_S = 0.25
 # Idle keep-alive connections are kept this long (uvicorn's default is 5 s): longer than the router's
 # own expiry of its idle connections to the engines (router/app.py KEEPALIVE_EXPIRY_S), so the router
 # always drops one before the engine does.
@@ -93,10 +96,16 @@ def _listen_or_exit_code(host: str, port: int) -> socket.socket | int:
         return 3 if e.errno == errno.EADDRINUSE else 2
 
 
-def _serve_http(app, sock: socket.socket, log_level: str, before_cancel=None) -> int:
+def _serve_http(
+    app,
+    sock: socket.socket,
+    log_level: str,
+    before_cancel=None,
+    before_cancel_s: float = ABORT_BEFORE_CANCEL_S,
+) -> int:
     """Serve `app` on the bound socket until Ctrl-C / SIGTERM (open streams are cancelled after
     GRACEFUL_SHUTDOWN_S: they held the process for as long as they ran); 3 if it did not start.
-    `before_cancel` (a coroutine function): awaited ABORT_BEFORE_CANCEL_S before that cancel, to end
+    `before_cancel` (a coroutine function): awaited `before_cancel_s` before that cancel, to end
     what still runs as the application means to (an engine: its requests' "abort"; the router: a 503
     for what it relays, its decode legs closed)."""
     import asyncio
@@ -106,7 +115,7 @@ def _serve_http(app, sock: socket.socket, log_level: str, before_cancel=None) ->
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             async def at_deadline() -> None:
-                await asyncio.sleep(max(0.0, GRACEFUL_SHUTDOWN_S - ABORT_BEFORE_CANCEL_S))
+                await asyncio.sleep(max(0.0, GRACEFUL_SHUTDOWN_S - before_cancel_s))
                 await before_cancel()
 
             timer = asyncio.ensure_future(at_deadline()) if before_cancel is not None else None
@@ -415,7 +424,13 @@ def cmd_router(a: argparse.Namespace) -> int:
         f"http://{a.host}:{sock.getsockname()[1]}",
         flush=True,
     )
-    return _serve_http(build_router_app(router), sock, a.log_level, before_cancel=router.shut_down)
+    return _serve_http(
+        build_router_app(router),
+        sock,
+        a.log_level,
+        before_cancel=router.shut_down,
+        before_cancel_s=ROUTER_SHUTDOWN_BEFORE_CANCEL_S,
+    )
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
