@@ -99,6 +99,22 @@ class Tokenizer:
                 text = " " * num_missing + text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprobs `bytes`): a token holding part of a character
+        decodes alone to U+FFFD, whose bytes never combine into the answer; its raw byte is read from
+        its piece instead -- `<0xNN>` in a byte-fallback vocabulary, byte-level BPE's one symbol per
+        byte otherwise."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        if token_id in self.byte_token_ids:
+            return bytes([int(piece[3:5], 16)])
+        try:
+            return bytes(_BYTE_OF_SYMBOL[c] for c in piece)
+        except KeyError:  # (not a byte-level piece: its text is all there is)
+            return text.encode()
+
     def chat_prompt(
         self,
         messages: list[dict],
@@ -183,6 +199,27 @@ class Tokenizer:
             return self._compiled_template().render(**(template_kwargs or {}), **fixed)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from e
+
+
+def _byte_level_symbols() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the printable character each byte is written as in a
+    piece -> the byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[chr(b)] = b
+        else:
+            symbols[chr(256 + extra)] = b
+            extra += 1
+    return symbols
+
+
+_BYTE_OF_SYMBOL = _byte_level_symbols()
 
 
 class IncrementalDetokenizer:

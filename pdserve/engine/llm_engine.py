@@ -369,8 +369,10 @@ class LLMEngine:
             if params.stop and self.tokenizer is not None:
                 # (a character whose bytes are still arriving is not min_tokens text: the token that
                 # completes it adds it, as vLLM's detokenizer never emits a partial character)
+                # (never less than before: an open byte-fallback run hides complete characters before
+                # it for a few steps, and text already min_tokens text stays so)
                 text = self._text(req).rstrip("\ufffd")
-                req.num_min_text_chars = req.num_stop_checked_chars = len(text)
+                req.num_min_text_chars = req.num_stop_checked_chars = max(req.num_min_text_chars, len(text))
             if req.num_output_tokens < params.min_tokens:
                 return RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens else None
         if token in req.eos_token_ids and not params.ignore_eos:
@@ -436,9 +438,31 @@ class LLMEngine:
         req.logprob_sum = (len(req.logprobs), total)
         return total
 
+    def _shown_text(self, req: Request) -> str:
+        """The output's text as callers see it: it only grows, so a stream never takes back what it
+        showed (vLLM's detokenizer rule). While the request runs, a trailing incomplete character
+        (U+FFFD) is held back until its bytes arrive. The decoder's text is not monotonic by itself:
+        with a byte-fallback vocabulary (Llama 2, Mistral) tokenizers' ByteFallback decoder renders an
+        open run of byte tokens as one U+FFFD per byte, characters already complete in it included,
+        until the run is valid again ("ok😀" + the first byte of "😁" decodes to "ok" + 5 x U+FFFD), and
+        for good when a later byte makes the run invalid. The first case waits until the decoder's text
+        extends what was shown again; in the second (the run is over), what the decoder adds past its
+        earlier length follows. So the finished text is the full decode unless such an invalid run
+        rewrote text already shown, where it keeps what was shown (as vLLM's does)."""
+        text = self._text(req)
+        open_run = False
+        if not req.status.finished:
+            ids = req.output_token_ids
+            open_run = text.endswith("\ufffd") or bool(ids and ids[-1] in self.tokenizer.byte_token_ids)
+            text = text.rstrip("\ufffd")
+        if text.startswith(req.text_decoded) or not open_run:
+            req.text_shown += text[len(req.text_decoded) :]
+            req.text_decoded = text
+        return req.text_shown
+
     def output(self, req: Request) -> RequestOutput:
         """The request as its caller sees it now (text with stop strings cut)."""
-        text = self._text(req)
+        text = self._shown_text(req) if self.tokenizer is not None else ""
         stop = req.sampling_params.stop
         if isinstance(req.stop_reason, str) and req.status.finished:
             cut = text.find(req.stop_reason, max(0, req.num_min_text_chars - len(req.stop_reason) + 1))

@@ -70,6 +70,10 @@ class Request:
     num_min_text_chars: int = 0  # output text length while under min_tokens: a stop match ends after it
     prompt_unique_ids: Any = None  # sorted distinct prompt ids (np.int64), for the repetition penalty
     detokenizer: Any = None  # the output's text, a few tokens per step (tokenizer.IncrementalDetokenizer)
+    # What the outputs have shown of the text (it only grows: LLMEngine._shown_text), and the decoder's
+    # text it was built from.
+    text_shown: str = ""
+    text_decoded: str = ""
     # prompt tokens the output is decoded after (Tokenizer.decode_context)
     decode_context: list[int] | None = None
     logprob_sum: tuple[int, float] = (0, 0.0)  # (logprobs summed, their sum): cumulative_logprob

@@ -347,9 +347,9 @@ def build_app(
                 {
                     "token": s,
                     "logprob": lp.logprob,
-                    "bytes": list(s.encode()),
+                    "bytes": list(tokenizer.token_bytes(lp.token_id)),
                     "top_logprobs": [
-                        {"token": token_str(t), "logprob": v, "bytes": list(token_str(t).encode())}
+                        {"token": token_str(t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
                         for t, v in lp.top
                     ],
                 }
@@ -424,7 +424,7 @@ def build_app(
                         yield sse(
                             c | {"usage": so_far(len(o.token_ids) - num_dropped_tokens)} if continuous else c
                         )
-                    sent_text, sent_tokens = upto, len(o.token_ids)
+                    sent_text, sent_tokens = max(sent_text, upto), len(o.token_ids)  # (never back)
         except InvalidRequest as e:  # the stream already started: report in-band
             yield sse(error_body(str(e), *in_band_status(e)))
             yield "data: [DONE]\n\n"

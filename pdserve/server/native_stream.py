@@ -101,7 +101,7 @@ class CumulativeChunks:
             text = text.rstrip("\ufffd")  # streams hold it (a chunk never shows a U+FFFD it takes back)
         if text.startswith(self._text):
             self._text_json += json.dumps(text[len(self._text) :])[1:-1]
-        else:  # (a finished output is the full decode; it may differ in a bad byte run)
+        else:  # (the engine's text only grows; kept for safety: a client reads the whole text anyway)
             self._text_json = json.dumps(text)[1:-1]
         self._text = text
         meta = json.dumps(meta_info(out))
