@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from pdserve.router.app import Router, build_router_app
+from pdserve.router.app import STOPPING, Router, build_router_app
 from pdserve.router.placement import completion_view, prompt_shape, requested_max_tokens
 from tests.test_router_placement import report
 
@@ -346,7 +346,7 @@ def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill
     assert r.status_code == {400: 400, 503: 503}[decode_status], r.text
     assert "decode says no" in r.json()["error"]["message"]
     assert engines.closed == ["pe"] and router.decodes[0].in_flight == 0
-    assert router.num_retries == (decode_status == 503)
+    assert router.num_retries == 0  # (one decode: a 503 is not retried, nowhere else to go)
 
 
 @pytest.mark.parametrize("num_decodes", [1, 2])
@@ -379,7 +379,8 @@ def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_o
         return r, router, engines
 
     r, router, engines = asyncio.run(go())
-    assert router.num_retries == 1 and all(d.in_flight == 0 for d in router.decodes)
+    # (a retry counts only when another attempt went out: with one decode there was none)
+    assert router.num_retries == num_decodes - 1 and all(d.in_flight == 0 for d in router.decodes)
     if num_decodes == 2:
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
         assert engines.closed == ["pe"]  # (the first attempt's prefill leg, closed at once)
@@ -1254,7 +1255,6 @@ def test_shut_down_ends_every_relayed_request_with_a_503_and_closes_its_engine_l
     waiting for its prefill, one waiting for the decode's whole answer, and a stream mid-relay get a
     503 (the stream an error event and [DONE]); every decode leg is closed, so the engines abort them,
     and no health check brings an engine back."""
-    from pdserve.router.app import STOPPING
 
     async def go():
         engines = Engines(blocking=())
@@ -1590,3 +1590,251 @@ def test_retries_count_only_attempts_that_were_retried():
     r, router = asyncio.run(go())
     assert r.status_code == 502
     assert router.retries_by_side["prefill"] == 2
+
+
+# ---- found by a second review of this session's changes -------------------------------------------
+def test_in_flight_counts_a_non_streamed_request_once_while_its_answer_is_read():
+    """`_attempts` builds the `_Relay` (num_relaying += 1) and then, for a whole answer, reads the
+    decode's body inside `dispatch` (num_dispatching still 1): one request is 2 in
+    pdserve_router_requests_in_flight and in a weight update's "N requests still in flight" for its
+    whole generation."""
+
+    async def go():
+        engines = Engines(blocking=())
+        body_gate = asyncio.Event()
+
+        class SlowJson(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                await body_gate.wait()  # (a long non-streamed generation)
+                yield json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode()
+
+        async def engine(request: httpx.Request):
+            if request.method == "POST" and request.url.host == "de":
+                engines.posts.append(("de", request.url.path))
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=SlowJson())
+            return None
+
+        engines.intercept = engine
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION))
+            for _ in range(200):
+                if router.num_relaying:
+                    break
+                await asyncio.sleep(0.01)
+            counted = router.num_in_flight()
+            body_gate.set()
+            r = await asyncio.wait_for(call, 5)
+        return counted, r
+
+    counted, r = asyncio.run(go())
+    assert r.status_code == 200
+    assert counted == 1, f"one non-streamed request counted {counted} times"
+
+
+def test_a_retry_is_not_counted_when_no_other_prefill_is_there_to_retry_on():
+    """One prefill answering 500: attempt 0 fails, `_count_retry` counts a "prefill" retry because
+    attempts remain, then attempt 1 finds no untried prefill (NoEngine) and answers 503. No retry
+    followed, yet pdserve_router_retries_total counts one and the log says "retrying on another
+    prefill" (the commit's claim: "retries count only when one follows")."""
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def fail(request: httpx.Request):
+            if request.method == "POST" and request.url.host == "pe":
+                return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+
+        engines.intercept = fail
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 10)
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.status_code == 503, r.text
+    assert router.retries_by_side == {"prefill": 0, "decode": 0}, router.retries_by_side
+
+
+def test_shut_down_ends_requests_held_by_a_weight_update_with_a_503():
+    """`Router.shut_down` ends requests waiting on their prefill, placement or decode, but one held at
+    `Router.open` (a weight update is loading) waits in `dispatch` on `open.wait()` only, which
+    shut_down does not touch: uvicorn's cancel a second later answers it with a plain-text 500 (the
+    case the commit set out to remove)."""
+
+    async def go():
+        engines = Engines(blocking=())
+        loading = asyncio.Event()
+
+        async def slow_update(request: httpx.Request):
+            if request.url.path == "/update_weights_from_disk":
+                loading.set()
+                await asyncio.sleep(3600)  # an engine reading a big checkpoint
+            return None
+
+        engines.intercept = slow_update
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            update = asyncio.ensure_future(
+                c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            )
+            await asyncio.wait_for(loading.wait(), 5)
+            held = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION))
+            await asyncio.sleep(0.2)
+            assert not held.done()
+            await router.shut_down()
+            try:
+                r = await asyncio.wait_for(held, 2)
+            except TimeoutError:
+                r = None
+            update.cancel()
+        return r
+
+    r = asyncio.run(go())
+    assert r is not None, "a request held by a weight update still waits after shut_down (uvicorn's 500 next)"
+    assert r.status_code == 503 and STOPPING in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualpath"])
+def test_a_request_only_a_down_decode_can_hold_is_a_503_not_a_400(policy):
+    """`Placement.place` sizes a request against the *live* decodes only: with the big decode out of
+    service for a moment, a request it holds is answered 400 "... the largest decode engine has N"
+    (BadRequestError: clients do not retry it), the same blame of the client for an outage the commit
+    removed for "no live decode" (`_check_live`). It should be NotPlaceableNow (503) when a decode
+    that is down could hold it."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy, decodes=("http://de", "http://de2"))
+        router.placement.on_load(
+            router.decodes[1], report("de2", "decode", num_free_pages=100000, num_total_pages=100000)
+        )
+        await _fail_health(router, engines, {"de2"})
+        body = {"prompt": [1, 2, 3], "max_tokens": 1000 * 16 + 100}  # > de's 1000 pages, < de2's
+        async with client_of(router) as c:
+            return await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
+
+    r = asyncio.run(go())
+    assert r.status_code == 503, r.text
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "dualpath"])
+def test_a_queued_request_only_a_decode_that_died_could_hold_is_refused(policy):
+    """The same rule at `Placement.on_health`: it refuses what waits only when a role's *last* engine
+    dies; a queued request too big for every decode still live (only the one that died could hold it)
+    waits to the 600 s queue timeout, as the commit's case did."""
+
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy, decodes=("http://de", "http://de2"))
+        big = report("de2", "decode", num_free_pages=0, num_total_pages=100000)  # (busy for now)
+        router.placement.on_load(router.decodes[1], big)
+        body = {"prompt": [1, 2, 3], "max_tokens": 1000 * 16 + 100}  # > de's 1000 pages, < de2's
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            for _ in range(100):
+                if router.placement.queue:
+                    break
+                await asyncio.sleep(0.01)
+            assert router.placement.queue, "the request should wait for de2's pages"
+            await _fail_health(router, engines, {"de2"})
+            try:
+                return await asyncio.wait_for(call, 3)
+            except TimeoutError:
+                return None
+
+    r = asyncio.run(go())
+    assert r is not None, "queued for the decode that died: waits to the 600 s queue timeout"
+    assert r.status_code == 503, r.text
+
+
+def test_requests_cut_from_an_engine_that_answered_it_cannot_serve_are_not_told_it_stopped_answering():
+    """The commit takes an engine out at once when its health check answers that it cannot serve
+    (status "dead" / "weights lost", other weights, another role) and cuts what it runs (`down`), but
+    `Engine.down_reason` is only ever set by `shut_down`: those requests are told "decode ... stopped
+    answering health checks", which sends an operator after a network problem that is not there."""
+    from pdserve.router.app import build_router_app
+    from tests.test_router_app import completion_scope
+
+    async def go():
+        engines = Engines(blocking=())
+
+        class Endless(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                for k in range(100000):
+                    yield f'data: {{"choices": [{{"index": 0, "text": "{k}"}}]}}\n\n'.encode()
+                    await asyncio.sleep(0.01)
+
+        async def engine(request: httpx.Request):
+            if request.method == "POST" and request.url.host == "de":
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Endless())
+            return None
+
+        engines.intercept = engine
+        router = await started_router(engines, "none")
+        app = build_router_app(router)
+        chunks: list[bytes] = []
+        sent = json.dumps(COMPLETION | {"stream": True}).encode()
+        messages = [{"type": "http.request", "body": sent, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await asyncio.Event().wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        def lines():
+            return [x for x in b"".join(chunks).decode().split("\n") if x.startswith("data: ")]
+
+        call = asyncio.ensure_future(app(completion_scope(sent), receive, send))
+        for _ in range(300):
+            if len(lines()) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        engines.statuses["de"] = "dead"  # its engine thread died; its /pd/info says so
+        await router.check_health()
+        await asyncio.wait_for(call, 5)
+        return lines()
+
+    lines = asyncio.run(go())
+    assert lines[-1] == "data: [DONE]"
+    message = json.loads(lines[-2][6:])["error"]["message"]
+    assert "stopped answering health checks" not in message, message
+
+
+def test_a_health_check_in_flight_at_shut_down_does_not_bring_the_engines_back():
+    """`check_health` returns early once `stopping` is set, but only at its start: a round already
+    awaiting the engines' /pd/info when `shut_down` runs resumes, sets `healthy = True` and replaces
+    the `down` event shut_down set with a fresh one. New requests in the last second of the grace are
+    then dispatched to the engines (and cut by uvicorn's cancel: the plain 500 shut_down exists to
+    avoid), and their legs are not closed by shut_down."""
+
+    async def go():
+        engines = Engines(blocking=())
+        gate = asyncio.Event()
+        asked = asyncio.Event()
+
+        async def slow_info(request: httpx.Request):
+            if request.url.path == "/pd/info" and not gate.is_set():
+                asked.set()
+                await gate.wait()  # (a health check that takes a moment: a busy engine, a slow link)
+            return None
+
+        router = await started_router(engines, "none")
+        engines.intercept = slow_info
+        round_ = asyncio.ensure_future(router.check_health())
+        await asyncio.wait_for(asked.wait(), 5)
+        await router.shut_down()
+        gate.set()
+        await asyncio.wait_for(round_, 5)
+        healthy = [e.url for e in router.prefills + router.decodes if e.healthy]
+        async with client_of(router) as c:
+            late = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 5)
+        return healthy, late
+
+    healthy, late = asyncio.run(go())
+    assert healthy == [], f"back in service after shut_down: {healthy}"
+    assert late.status_code == 503 and STOPPING in late.text, late.text

@@ -258,11 +258,17 @@ def test_a_dead_decode_does_not_take_its_live_node_mates_out_of_placement():
 
 
 def test_a_request_only_a_dead_decode_could_hold_is_refused_at_once():
+    """At once (it waited to the queue timeout), and as the outage it is, a 503 (a 400 blamed the
+    client); one bigger than every decode's pool, live or not, is the client's 400."""
     pl = _placement(
         [("d0", dict(num_free_pages=2000, num_total_pages=2000)), ("d1", {})], queue_timeout_s=2.0, dead=[0]
     )
-    with pytest.raises(PlacementError, match="largest decode engine has 1000"):
+    with pytest.raises(PlacementError, match="only a decode engine out of service") as e:
         asyncio.run(pl.place(list(range(100)), 100, 1500 * 16))
+    assert e.value.status == 503
+    with pytest.raises(PlacementError, match="largest decode engine has 2000") as e:
+        asyncio.run(pl.place(list(range(100)), 100, 2500 * 16))
+    assert e.value.status == 400
 
 
 def test_phase_1_skips_a_decode_group_whose_pools_could_never_hold_the_request():

@@ -194,3 +194,50 @@ def test_bandwidth_model_does_not_pass_a_check_over_no_shape():
         Overrides(agents=(1,), prefill_nodes=1, decode_nodes=1, gpus_per_node=2), lambda s: None
     )
     assert not any(c.startswith("[OK] inside") for c in res.checks), res.checks
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"intermediate_size": -11008},  # prefill_s_per_new_token < 0: compute takes negative time
+        {"n_routed_experts": 8, "num_experts_per_tok": -2},  # same, through the MoE branch
+        {"vocab_size": -1},
+    ],
+)
+def test_negative_sizes_in_an_hf_config_are_a_usage_error(tmp_path, bad):
+    """The commit made zero/negative hidden_size, num_hidden_layers, num_attention_heads, head_dim and
+    num_key_value_heads a usage error, but `profile_from_hf_config` still takes intermediate_size,
+    moe_intermediate_size, num_experts_per_tok, vocab_size (and kv_lora_rank's sign) as they come:
+    `pdserve simulate --model` exits 0 with a profile whose per-token prefill and decode costs are
+    negative."""
+    from pdserve.dualpath.cost_model import get_profile
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA, **bad}))
+    with pytest.raises(ValueError):
+        p = get_profile(str(cfg))
+        print(p.prefill_s_per_new_token, p.decode_s_per_seq)
+
+
+def test_online_search_never_reports_a_max_below_an_aps_that_passed(monkeypatch):
+    """When every trial passes up to the cap, `while trial(hi) and hi < MAX_ONLINE_APS` runs the
+    trial at hi = 768 (it passes) and then leaves with lo = 384, hi = 768; the bisection that follows
+    reports max_aps ~ 762 although the run at 768 APS met the SLO ("max_aps: highest APS tried that
+    met the SLO"), and says nothing about the search having hit its cap."""
+    from pdserve.sim import scenarios
+    from pdserve.sim.scenarios import Overrides
+
+    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s):
+        return {
+            "policy": cfg.mode,
+            "aps": aps,
+            "ttft_mean_s": 0.1,
+            "ttft_p50_s": 0.1,
+            "tpot_mean_s": 0.02,
+            "jct_s": None,
+        }
+
+    monkeypatch.setattr(scenarios, "_online_run", fake)
+    res = scenarios.online(Overrides(policy=("dualpath",)), lambda s: None)
+    passed = max(r["aps"] for r in res.runs if r["slo_ok"])
+    assert {r["max_aps"] for r in res.runs} == {passed}, (passed, {r["max_aps"] for r in res.runs})

@@ -196,8 +196,10 @@ def get_profile(name_or_path: str) -> ModelProfile:
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(PROFILES)} or a config.json path")
 
 
-def _positive(cfg: dict, key: str) -> int:
-    value = int(cfg[key])
+def _positive(cfg: dict, key: str, default: int | None = None) -> int:
+    """cfg[key] (or `default` when absent or null) as an int >= 1, else a ValueError naming it."""
+    raw = cfg.get(key)
+    value = int(cfg[key] if default is None else (default if raw is None else raw))
     if value < 1:
         raise ValueError(f"{key} must be >= 1, got {value}")
     return value
@@ -229,11 +231,11 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype", "")) else 2
     mla = bool(cfg.get("kv_lora_rank"))
     if mla:
-        kv_elems = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim", 64))
+        kv_elems = _positive(cfg, "kv_lora_rank") + _positive(cfg, "qk_rope_head_dim", 64)
     else:
         kv_elems = 2 * kv_heads * head_dim
     kv_bytes_layer = kv_elems * dtype_bytes
-    inter = int(cfg.get("intermediate_size", 4 * hidden))
+    inter = _positive(cfg, "intermediate_size", 4 * hidden)
     # DeepSeek: n_routed_experts; Qwen-MoE: num_experts; Mixtral: num_local_experts.
     n_experts = int(
         cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
@@ -241,8 +243,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     # MLP parameters per layer: on every GPU (dense MLP or shared experts), routed (spread over the EP
     # group), and activated per token.
     if n_experts:
-        moe_inter = int(cfg.get("moe_intermediate_size", inter))
-        top_k = int(cfg.get("num_experts_per_tok", 2))
+        moe_inter = _positive(cfg, "moe_intermediate_size", inter)
+        top_k = _positive(cfg, "num_experts_per_tok", 2)
         # Shared experts: DeepSeek counts them (n_shared_experts x moe size), Qwen-MoE sizes one.
         shared_inter = int(cfg.get("shared_expert_intermediate_size", 0) or 0)
         if not shared_inter:
@@ -254,7 +256,7 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         mlp_fixed = mlp_active = 3 * hidden * inter
         mlp_routed = 0
     attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-    vocab = int(cfg.get("vocab_size", 32000))
+    vocab = _positive(cfg, "vocab_size", 32000)
     active = layers * (attn_params + mlp_active) + vocab * hidden
     quant = cfg.get("quantization_config")
     quant_method = str(quant.get("quant_method", "")) if isinstance(quant, dict) else ""

@@ -77,6 +77,16 @@ class EngineRole:
         pass
 
 
+# How long a router's retry of a `/generate` with a client rid waits for its earlier attempt to end
+# on this engine (AsyncEngine.earlier_attempt_ended): a few of the handlers' disconnect polls.
+RETRY_ID_WAIT_S = 2.0
+
+
+def _room(pd) -> int | None:
+    """The room of a PD half's `Request.pd` (a prefill's room, or a decode's (room, prefill address))."""
+    return pd[0] if isinstance(pd, tuple) else pd
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -197,6 +207,28 @@ class AsyncEngine:
         """Event-loop thread: whether a caller is iterating `generate()` for this id, or holds it
         while it waits to start (`reserve`)."""
         return request_id in self._streams or request_id in self._reserved
+
+    async def earlier_attempt_ended(self, rid: str, req: Request, timeout_s: float = RETRY_ID_WAIT_S) -> bool:
+        """Event-loop thread: whether the request active under `rid` (`req`'s `/generate` rid) was an
+        earlier attempt of this one -- a PD half of the same router in another room: the router
+        retries a failed attempt with the client's body, rid included, after closing its connections
+        -- and has ended within `timeout_s` (its handler notices the closed connection within
+        CLIENT_POLL_S). The retry was refused as a duplicate id before, and the client got a 409
+        about its own request."""
+        active = self._streams.get(rid) or self._reserved.get(rid)
+        if active is None:
+            return True
+        other = active[2] if isinstance(active, tuple) else active
+        if not (req.pd_router_id and other.pd_router_id == req.pd_router_id and other.pd is not None):
+            return False
+        if _room(other.pd) == _room(req.pd):
+            return False  # (the same half twice: a real duplicate)
+        until = asyncio.get_running_loop().time() + timeout_s
+        while self.is_active(rid):
+            if asyncio.get_running_loop().time() > until:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def reserve(self, req: Request) -> None:
         """Event-loop thread: hold `req.request_id` for `req` until it is streamed (or `unreserve`), so

@@ -73,6 +73,7 @@ class Request:
     # What the outputs have shown of the text (it only grows: LLMEngine._shown_text), and the decoder's
     # text it was built from.
     text_shown: str = ""
+    pd_router_id: str = ""  # a PD half: the router that sent it (`pd.router_id`; server/api.py)
     text_decoded: str = ""
     # prompt tokens the output is decoded after (Tokenizer.decode_context)
     decode_context: list[int] | None = None

@@ -91,7 +91,8 @@ class Engine:
     # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
     # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
-    down_reason: str = "stopped answering health checks"  # (what those requests are told)
+    down_reason: str = "stopped answering health checks"  # (what those requests are told: NO_ANSWER or
+    # what its health check answered)
 
 
 class NoEngine(Exception):
@@ -107,6 +108,7 @@ class RouterStopping(Exception):
 
 
 STOPPING = "the router is shutting down"
+NO_ANSWER = "stopped answering health checks"
 
 
 def client_gone() -> JSONResponse:
@@ -287,6 +289,7 @@ class Router:
         async def one(e: Engine) -> None:
             refused = False  # (its port closed: it stopped listening, shutting down or dead)
             answered = False  # (it answered, and said it cannot serve: out at once, no second chance)
+            why = NO_ANSWER
             try:
                 r = await self.client.get(e.url + "/pd/info", timeout=2.0)
                 info = r.json()
@@ -310,10 +313,20 @@ class Router:
                         e.stale = self.weights_path is not None and e.model_path != self.weights_path
                     ok = not e.stale and status == "ok"
                     answered = not ok
+                    if status != "ok":
+                        why = f"reports status {status!r}"
+                    elif e.stale:
+                        why = "serves other weights than the cluster's last update"
+                elif r.status_code != 200:
+                    why = f"answered its health check with HTTP {r.status_code}"
+                else:
+                    why = f"answers as a {info.get('role')!r} engine, not a {e.role}"
             except httpx.ConnectError:
                 ok, refused = False, True
             except (httpx.HTTPError, ValueError):
                 ok = False
+            if self.stopping.is_set():  # (shut_down ran while this check waited: it stays out)
+                return
             e.misses = 0 if ok else e.misses + 1
             was = e.healthy
             # Two missed checks (no answer) before it is out: one lost check is no outage. An engine
@@ -326,6 +339,7 @@ class Router:
             # retries), and a dead one's connections break on their own. One that accepts but does not
             # answer (paused, wedged) or says it cannot serve is cut.
             if not e.healthy and not refused and not e.down.is_set():
+                e.down_reason = why
                 e.down.set()
             elif e.healthy and e.down.is_set():
                 e.down = asyncio.Event()
@@ -388,9 +402,11 @@ class Router:
         epoch, held_aborts = self.abort_epoch, self.num_held_aborts
         while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
             try:  # another update closed the door before this request woke up)
-                await unless_gone(http, self.open.wait())
+                await unless_gone(http, unless_set(self.stopping, self.open.wait(), RouterStopping))
             except ClientGone:
                 return client_gone()
+            except RouterStopping:
+                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
         if self.num_held_aborts == held_aborts:
             # (held through an update's own `abort_running` at most: it ends the requests running,
             # not those it held, which go on under the new weights)
@@ -467,17 +483,14 @@ class Router:
                     with anyio.CancelScope(shield=True):
                         await leg.close()
 
-    def _count_retry(self, side: str, attempt: int, why: str) -> None:
-        """An attempt failed on `side`; counted and logged only when another attempt follows."""
-        if attempt + 1 < self.max_prefill_attempts:
-            self.retries_by_side[side] += 1
-            log.warning("retrying on another %s: %s", side, why)
-
     async def _attempts(self, path, body, http, read_path, epoch, first, legs: list[_Leg]):
         """(`_dispatch`'s attempts: up to `max_prefill_attempts`, each leg appended to `legs`)"""
         tried: set[str] = set()  # prefills that failed an attempt
         failed_decodes: set[str] = set()  # decodes that did (the prefill is then tried again)
         last_error = "no attempt"
+        # (the side the last attempt failed on: a retry, counted and logged once the next attempt has
+        # its engines -- with none left to try, or no attempt left, nothing was retried)
+        failed_side: str | None = None
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
@@ -490,6 +503,9 @@ class Router:
             except NoEngine as e:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return JSONResponse(error_body(why, 503, "ServiceUnavailable"), 503)
+            if failed_side is not None:
+                self.retries_by_side[failed_side] += 1
+                log.warning("retrying on another %s: %s", failed_side, last_error)
             tried.add(pe.url)
             room = new_room()
             pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}
@@ -533,7 +549,7 @@ class Router:
                 await leg.close()
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
-                self._count_retry("decode", attempt, last_error)
+                failed_side = "decode"
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 break
@@ -546,9 +562,9 @@ class Router:
             if not de.healthy:  # (the decode died meanwhile: its prefill waited out a deadline for it)
                 tried.discard(pe.url)
                 failed_decodes.add(de.url)
-                self._count_retry("decode", attempt, last_error)
+                failed_side = "decode"
             else:
-                self._count_retry("prefill", attempt, last_error)
+                failed_side = "prefill"
         else:
             return JSONResponse(
                 error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502
@@ -559,9 +575,10 @@ class Router:
             return failed
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
-        relay = _Relay(de, de_resp, self)
-        if media.startswith("text/event-stream"):
+        if media.startswith("text/event-stream"):  # (past `dispatch`: counted as relayed from here)
+            relay = _Relay(de, de_resp, self)
             return StreamingResponse(relay, status_code=de_resp.status_code, media_type=media)
+        relay = _Relay(de, de_resp)  # (read inside `dispatch`, which counts it)
         # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
         # one that broke midway was a 200 whose body was half an answer and an SSE error event.
         try:
@@ -606,9 +623,11 @@ class _Relay:
     cancels it when the client leaves or a send fails), or is closed unread (`aclose`: a merged
     `n` > 1 request whose other child failed never starts reading this one; see server/fanout.py)."""
 
-    def __init__(self, de: Engine, de_resp: httpx.Response, router: Router) -> None:
+    def __init__(self, de: Engine, de_resp: httpx.Response, router: Router | None = None) -> None:
+        """`router`: counts this relay in its `num_relaying` while it runs (a stream, past `dispatch`)."""
         self.de, self.de_resp, self.done, self.router = de, de_resp, False, router
-        router.num_relaying += 1
+        if router is not None:
+            router.num_relaying += 1
 
     def __aiter__(self):
         return self._relay()
@@ -617,7 +636,8 @@ class _Relay:
         if not self.done:
             self.done = True
             self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
-            self.router.num_relaying -= 1
+            if self.router is not None:
+                self.router.num_relaying -= 1
             await self.de_resp.aclose()
 
     async def _relay(self):

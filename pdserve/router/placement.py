@@ -89,6 +89,7 @@ class PlacementAborted(Exception):
 class _Waiting:
     pending: PendingRequest
     future: asyncio.Future
+    num_pages: int = 0  # KV pages it needs on a decode (prompt + max_tokens - 1)
 
 
 class PrefixIndex:
@@ -277,6 +278,16 @@ class Placement:
                         waiting.future.set_exception(NotPlaceableNow(str(e)))
                 self.queue.clear()
                 return
+            biggest = self._biggest_live_decode()  # (... or the only one big enough for some)
+            for waiting in [w for w in self.queue if w.num_pages > biggest]:
+                self.queue.remove(waiting)
+                if not waiting.future.done():
+                    waiting.future.set_exception(
+                        NotPlaceableNow(
+                            f"needs {waiting.num_pages} KV pages: only a decode engine out of service has "
+                            "that many; retry shortly"
+                        )
+                    )
             self._pump()
         elif self.reports and self.ready():  # the engine everyone waited for was declared dead
             self._build()
@@ -339,12 +350,16 @@ class Placement:
         page_tokens = self.scheduler.config.page_tokens
         # (as the engines count: the last token sampled is never computed, so it holds no KV)
         need_pages = -(-(prompt_len + max_tokens - 1) // page_tokens)
-        # (the live decodes only: a request only a dead one could hold waited to the queue timeout)
-        biggest = max((self._report(e)["num_total_pages"] for e in self.decodes if e.healthy), default=0)
+        biggest = max(self._report(e)["num_total_pages"] for e in self.decodes)
         if need_pages > biggest:
             raise PlacementError(
                 f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
                 f"the largest decode engine has {biggest}"
+            )
+        if need_pages > self._biggest_live_decode():  # (it waited to the queue timeout; then a 400)
+            raise NotPlaceableNow(
+                f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages: only "
+                "a decode engine out of service has that many; retry shortly"
             )
         if prompt_ids:
             hits = self.index.hit_tokens_then_record(prompt_ids)
@@ -353,7 +368,7 @@ class Placement:
         else:
             hits = 0
         pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
-        waiting = _Waiting(pending, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), need_pages)
         self.queue.append(waiting)
         self._pump()
         try:
@@ -362,6 +377,9 @@ class Placement:
             if waiting in self.queue:
                 self.queue.remove(waiting)
             raise
+
+    def _biggest_live_decode(self) -> int:
+        return max((self._report(e)["num_total_pages"] for e in self.decodes if e.healthy), default=0)
 
     def _check_live(self) -> None:
         """NotPlaceableNow unless a prefill and a decode are live (the scheduler never assigns a dead

@@ -227,6 +227,7 @@ def build_app(
             )
         if not isinstance(router_epoch, int) or isinstance(router_epoch, bool) or router_epoch < 0:
             raise APIError("pd.router_epoch must be a non-negative integer", param="pd")
+        req.pd_router_id = router_id
         if pd_field.get("aborted"):  # an abort_all reached the router while it held the request
             req.abort_epoch = ROUTER_ABORTED_EPOCH
         elif aengine.aborted_in_transit(router_id, router_epoch):  # ... or here, before this half did
@@ -870,7 +871,7 @@ def build_app(
                 param="logprob_start_len",
             )
         if body.rid:
-            if aengine.is_active(body.rid):
+            if aengine.is_active(body.rid) and not await aengine.earlier_attempt_ended(body.rid, req):
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
             aengine.reserve(req)  # (held while its siblings are checked: a concurrent twin gets a 409)

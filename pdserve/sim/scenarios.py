@@ -383,14 +383,17 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
             # was reported as the max. Then the ceiling is tried, doubled while it passes, and the
             # bracket it leaves bisected again.
             if not any(not r["slo_ok"] for r in out.runs if r["policy"] == pol):
-                while trial(hi) and hi < MAX_ONLINE_APS:
+                while hi <= MAX_ONLINE_APS and trial(hi):
                     lo, hi = hi, hi * 2
-                for _ in range(6):
-                    mid = round((lo + hi) / 2, 4)
-                    if trial(mid):
-                        lo = mid
-                    else:
-                        hi = mid
+                if hi > MAX_ONLINE_APS:  # (every APS tried passed, the cap too: it is the max found)
+                    out.checks.append(f"[INFO] {pol}: the SLO held up to the search's cap, {lo:g} APS")
+                else:
+                    for _ in range(6):
+                        mid = round((lo + hi) / 2, 4)
+                        if trial(mid):
+                            lo = mid
+                        else:
+                            hi = mid
             best = lo
         mine = [r for r in out.runs if r["policy"] == pol]
         knee, bracket = _interpolated_knee(mine, best)
