@@ -1838,3 +1838,124 @@ def test_a_health_check_in_flight_at_shut_down_does_not_bring_the_engines_back()
     healthy, late = asyncio.run(go())
     assert healthy == [], f"back in service after shut_down: {healthy}"
     assert late.status_code == 503 and STOPPING in late.text, late.text
+
+
+def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
+    """An RL rollout manager aborts one request by its `rid` (SGLang's /abort_request) while the router
+    holds it in the DualPath placement FIFO (no decode page free yet). The router forwards the abort
+    to the engines, which do not have the request yet (it says success), and `abort_request`
+    (router/control.py) only ends what the router holds for `abort_all`: once pages free, the request
+    is placed and sent unmarked and runs to completion, as if never aborted (the very bug the
+    abort_all path fixed, see test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines)."""
+    legs: list[tuple[str, dict]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def recording(request: httpx.Request):
+            if request.url.path == "/abort_request":
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
+            if request.url.path == "/generate":
+                pd = json.loads(await request.aread())["pd"]
+                legs.append((request.url.host, pd))
+                if request.url.host == "de":
+                    finish = "abort" if pd.get("aborted") else "length"
+                    answer = {
+                        "output_ids": [1],
+                        "text": "x",
+                        "meta_info": {"finish_reason": {"type": finish}},
+                    }
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+
+        engines.intercept = recording
+        router = await started_router(engines, "dualpath")
+        router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
+        async with client_of(router) as c:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+            waiting = {
+                rid: asyncio.ensure_future(c.post("/generate", json=body | {"rid": rid}))
+                for rid in ("victim", "victim_1", "victimless")  # (a child of it; another request)
+            }
+            for _ in range(100):
+                if len(router.placement.queue) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(router.placement.queue) == 3
+            aborted = await c.post("/abort_request", json={"rid": "victim"})
+            left = [w.name for w in router.placement.queue]
+            router.placement.on_load(router.decodes[0], report("de", "decode"))  # pages free up
+            answers = {rid: await asyncio.wait_for(call, 5) for rid, call in waiting.items()}
+        return aborted, answers, left
+
+    aborted, answers, left = asyncio.run(go())
+    assert aborted.status_code == 200 and left == ["victimless"]  # (the two it names end at once)
+    finish = {rid: a.json()["meta_info"]["finish_reason"]["type"] for rid, a in answers.items()}
+    assert finish == {"victim": "abort", "victim_1": "abort", "victimless": "length"}, (finish, legs)
+    assert sum(bool(pd.get("aborted")) for _, pd in legs) == 4  # (both halves of the two it names)
+
+
+def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
+    """Plain routing: a weight update holds two requests, each with the client's `request_id`; an
+    /abort_request of one's id ends that one when the update lets them go (sent with `pd.aborted`:
+    the engines answer "abort"); the other runs under the new weights."""
+    legs: list[dict] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        loaded = asyncio.Event()
+
+        async def answering(request: httpx.Request) -> httpx.Response | None:
+            host, path = request.url.host, request.url.path
+            if path == "/update_weights_from_disk":
+                await loaded.wait()
+                engines.model_paths[host] = json.loads(await request.aread())["model_path"]
+                return httpx.Response(200, json={"success": True})
+            if path == "/abort_request":
+                return httpx.Response(200, json={"success": True})
+            if path == "/v1/completions":
+                sent = json.loads(await request.aread())
+                legs.append(sent["pd"] | {"host": host, "request_id": sent["request_id"]})
+                if host == "de":
+                    finish = "abort" if sent["pd"].get("aborted") else "length"
+                    answer = {"choices": [{"index": 0, "text": "", "finish_reason": finish}]}
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+                return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+            return None
+
+        engines.intercept = answering
+        router = await started_router(engines, "none")
+        async with client_of(router) as c:
+            updating = asyncio.ensure_future(
+                c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
+            )
+            while router.open.is_set():
+                await asyncio.sleep(0.01)
+            body = {"prompt": [1, 2, 3], "max_tokens": 4}
+            held = {
+                rid: asyncio.ensure_future(c.post("/v1/completions", json=body | {"request_id": rid}))
+                for rid in ("mine", "yours")
+            }
+            await asyncio.sleep(0.05)
+            assert legs == []  # (held)
+            assert (await c.post("/abort_request", json={"rid": "mine"})).status_code == 200
+            loaded.set()
+            answers = {rid: (await asyncio.wait_for(call, 10)).json() for rid, call in held.items()}
+            await asyncio.wait_for(updating, 10)
+        return answers
+
+    answers = asyncio.run(go())
+    assert {rid: a["choices"][0]["finish_reason"] for rid, a in answers.items()} == {
+        "mine": "abort",
+        "yours": "length",
+    }
+    assert sorted((leg["request_id"], bool(leg.get("aborted"))) for leg in legs) == [
+        ("mine", True),
+        ("mine", True),
+        ("yours", False),
+        ("yours", False),
+    ]

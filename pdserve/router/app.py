@@ -13,6 +13,7 @@ non-streamed decode), the router polls the client's connection and closes both l
 One already sent but not yet taken in by an engine when it gets the abort ends too: each half carries
 the router's id and abort count (`pd.router_id`, `pd.router_epoch`), so does the abort, and an
 engine aborts a half of an earlier count on arrival (its role tells the peer, as for any abort).
+An `/abort_request` of one `rid` ends what the router still holds of that name alike (`abort_named`).
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`, `/get_weight_version`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
@@ -31,7 +32,9 @@ import itertools
 import json
 import logging
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import anyio
 import httpx
@@ -105,6 +108,30 @@ class EngineDown(Exception):
 
 class RouterStopping(Exception):
     pass
+
+
+class Arrival(NamedTuple):
+    """What a request's dispatch remembers of its arrival: the router's `abort_all` count (`epoch`),
+    its count of named aborts, and the request's name (`client_name`)."""
+
+    epoch: int
+    named_at: int
+    name: str | None
+
+
+MAX_NAMED_ABORTS = 4096  # named aborts remembered (a request held longer than that many is not matched)
+
+
+def client_name(path: str, body: dict) -> str | None:
+    """The name a client may abort a request by before any engine answered: the `rid` it gave a
+    `/generate`, or the `request_id` it gave an OpenAI route."""
+    name = body.get("rid") if path == "/generate" else body.get("request_id")
+    return name if isinstance(name, str) and name else None
+
+
+def names_match(name: str | None, aborted: str) -> bool:
+    """As the engines match an abort's rid: the name itself, or a child of it (`<name>_...`)."""
+    return name is not None and (name == aborted or name.startswith(aborted + "_"))
 
 
 STOPPING = "the router is shutting down"
@@ -225,6 +252,10 @@ class Router:
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
         self.num_held_aborts = 0  # the clients' `abort_all`s: they also end requests a weight update holds
+        # Aborts of one request by its name (`abort_named`), numbered, the last MAX_NAMED_ABORTS: a request
+        # remembers how many there were when it came in, and one that named it since is sent aborted.
+        self.num_named_aborts = 0
+        self._named_aborts: deque[tuple[int, str]] = deque(maxlen=MAX_NAMED_ABORTS)
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`_Relay`)
@@ -265,6 +296,24 @@ class Router:
         if self.placement is not None:
             self.placement.abort_waiting()
         return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
+
+    def abort_named(self, name: str) -> None:
+        """An `/abort_request` of one `rid`: the requests of that name this router still holds end too
+        -- those waiting in placement at once, those a weight update holds when it lets them go, and
+        one between two attempts -- each sent to its engines marked `pd.aborted`, which answer "abort".
+        The engines only abort what they already run: a request held here was sent later, unmarked,
+        and ran to the end as if never aborted. (A name ends a split request's children too: theirs
+        start with it and "_", as the engines match them.)"""
+        self.num_named_aborts += 1
+        self._named_aborts.append((self.num_named_aborts, name))
+        if self.placement is not None:
+            self.placement.abort_waiting(lambda waiting_name: names_match(waiting_name, name))
+
+    def named_abort_since(self, arrival: Arrival) -> bool:
+        """Whether an `abort_named` since the request came in named it."""
+        if not arrival.name or arrival.named_at == self.num_named_aborts:
+            return False
+        return any(n > arrival.named_at and names_match(arrival.name, a) for n, a in self._named_aborts)
 
     async def shut_down(self) -> None:
         """The router's Ctrl-C or SIGTERM (cli: awaited a second before the server cancels what still
@@ -399,7 +448,7 @@ class Router:
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
         sharing). Decodes are still picked per request, to spread the n generations."""
-        epoch, held_aborts = self.abort_epoch, self.num_held_aborts
+        epoch, held_aborts, named_at = self.abort_epoch, self.num_held_aborts, self.num_named_aborts
         while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
             try:  # another update closed the door before this request woke up)
                 await unless_gone(http, unless_set(self.stopping, self.open.wait(), RouterStopping))
@@ -411,23 +460,24 @@ class Router:
             # (held through an update's own `abort_running` at most: it ends the requests running,
             # not those it held, which go on under the new weights)
             epoch = self.abort_epoch
+        arrival = Arrival(epoch, named_at, client_name(path, body))
         self.num_dispatching += 1  # (in the same step as the check: a drain that starts now counts it)
         try:
             if self.placement is not None:
-                return await self._dispatch_placed(path, body, http, epoch)
+                return await self._dispatch_placed(path, body, http, arrival)
             read_path = self.choose_read_path(body.pop("read_path", None))
             if read_path in self.reads_in_flight:
                 self.reads_in_flight[read_path] += 1
             try:
                 first = (prefill, None) if prefill is not None else None
-                return await self._dispatch(path, body, http, read_path, epoch, first=first)
+                return await self._dispatch(path, body, http, read_path, arrival, first=first)
             finally:
                 if read_path in self.reads_in_flight:
                     self.reads_in_flight[read_path] -= 1
         finally:
             self.num_dispatching -= 1
 
-    async def _dispatch_placed(self, path: str, body: dict, http: Request, epoch: int):
+    async def _dispatch_placed(self, path: str, body: dict, http: Request, arrival: Arrival):
         """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch."""
         if body.pop("read_path", None) not in (None, "auto"):
             return JSONResponse(
@@ -446,12 +496,13 @@ class Router:
             max_tokens = DEFAULT_PLACEMENT_TOKENS
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
-            a = await unless_gone(http, self.placement.place(prompt_ids, prompt_len, max_tokens, pieces))
+            placing = self.placement.place(prompt_ids, prompt_len, max_tokens, pieces, arrival.name)
+            a = await unless_gone(http, placing)
         except ClientGone:
             return client_gone()
-        except PlacementAborted:  # abort_all while it waited: any live engines answer its "abort"
-            # (with none live, the 503 any request gets then)
-            return await self._dispatch(path, body, http, "none", epoch)
+        except PlacementAborted:  # an abort named it (or all) while it waited: any live engines answer
+            # its "abort" (with none live, the 503 any request gets then)
+            return await self._dispatch(path, body, http, "none", arrival)
         except PlacementError as e:
             if e.status == 503 and self.stopping.is_set():
                 return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
@@ -465,25 +516,32 @@ class Router:
                 de = self.pick_decode()
             except NoEngine as e:
                 return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
-        return await self._dispatch(path, body, http, a.read_path, epoch, first=(pe, de))
+        return await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
 
     async def _dispatch(
-        self, path: str, body: dict, http: Request, read_path: str, epoch: int, first: tuple | None = None
+        self,
+        path: str,
+        body: dict,
+        http: Request,
+        read_path: str,
+        arrival: Arrival,
+        first: tuple | None = None,
     ):
-        """`epoch`: the router's abort epoch when the request came in (see `abort_all`). Each attempt's
+        """`arrival`: the router's abort counts when the request came in (see `abort_all`,
+        `abort_named`), and its name. Each attempt's
         decode leg is a `_Leg`: closed (the decode aborts) and its in-flight count dropped exactly once,
         on every way out that does not hand it to the relay, cancellation included (a merged request
         cancels its other children when one fails)."""
         legs: list[_Leg] = []
         try:
-            return await self._attempts(path, body, http, read_path, epoch, first, legs)
+            return await self._attempts(path, body, http, read_path, arrival, first, legs)
         finally:
             for leg in legs:
                 if not leg.done:
                     with anyio.CancelScope(shield=True):
                         await leg.close()
 
-    async def _attempts(self, path, body, http, read_path, epoch, first, legs: list[_Leg]):
+    async def _attempts(self, path, body, http, read_path, arrival, first, legs: list[_Leg]):
         """(`_dispatch`'s attempts: up to `max_prefill_attempts`, each leg appended to `legs`)"""
         tried: set[str] = set()  # prefills that failed an attempt
         failed_decodes: set[str] = set()  # decodes that did (the prefill is then tried again)
@@ -508,8 +566,9 @@ class Router:
                 log.warning("retrying on another %s: %s", failed_side, last_error)
             tried.add(pe.url)
             room = new_room()
+            epoch = arrival.epoch
             pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}
-            if epoch < self.abort_epoch:
+            if epoch < self.abort_epoch or self.named_abort_since(arrival):
                 pd["aborted"] = True
             pe_body = {**body, "stream": False, "pd": pd}
             pe_body.pop("stream_options", None)

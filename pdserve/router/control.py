@@ -105,11 +105,13 @@ def control_routes(router: Router) -> APIRouter:
         (and, for every request, those the router still holds)."""
         raw = await http.body()
         try:  # (the engines' own check: a body they refuse aborts nothing here either)
-            everything = AbortRequest.model_validate_json(raw).abort_all
+            parsed = AbortRequest.model_validate_json(raw)
         except ValueError:
-            everything = False  # (the engines say why)
-        if everything:
+            parsed = None  # (the engines say why)
+        if parsed is not None and parsed.abort_all:
             return await to_every_engine("/abort_request", http, json.loads(raw) | router.abort_all())
+        if parsed is not None and isinstance(parsed.rid, str) and parsed.rid:
+            router.abort_named(parsed.rid)  # (what the router still holds of it)
         return await to_every_engine("/abort_request", http)
 
     @routes.post("/update_weights_from_disk")

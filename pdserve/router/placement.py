@@ -90,6 +90,7 @@ class _Waiting:
     pending: PendingRequest
     future: asyncio.Future
     num_pages: int = 0  # KV pages it needs on a decode (prompt + max_tokens - 1)
+    name: str | None = None  # the client's name for it (router/app.py client_name), for named aborts
 
 
 class PrefixIndex:
@@ -337,6 +338,7 @@ class Placement:
         prompt_len: int,
         max_tokens: int,
         prompt_pieces: list[tuple[bytes, int]] | None = None,
+        name: str | None = None,
     ) -> Assignment:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
         A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate."""
@@ -368,7 +370,7 @@ class Placement:
         else:
             hits = 0
         pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
-        waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), need_pages)
+        waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), need_pages, name)
         self.queue.append(waiting)
         self._pump()
         try:
@@ -389,12 +391,15 @@ class Placement:
             if not any(e.healthy for e in engines):
                 raise NotPlaceableNow(f"no healthy {role} engine")
 
-    def abort_waiting(self) -> None:
-        """Every request waiting for a placement stops waiting (PlacementAborted), unplaced."""
-        for waiting in self.queue:
+    def abort_waiting(self, named=None) -> None:
+        """Every request waiting for a placement (or each whose name `named(name)` picks) stops
+        waiting (PlacementAborted), unplaced."""
+        for waiting in [w for w in self.queue if named is None or named(w.name)]:
+            self.queue.remove(waiting)
             if not waiting.future.done():
                 waiting.future.set_exception(PlacementAborted())
-        self.queue.clear()
+        if self.queue:
+            self._pump()  # (the ones behind may fit now)
 
     def _pump(self) -> None:
         if self.scheduler is None or not self.queue:
