@@ -1885,13 +1885,13 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
                 await asyncio.sleep(0.01)
             assert len(router.placement.queue) == 3
             aborted = await c.post("/abort_request", json={"rid": "victim"})
-            left = [w.name for w in router.placement.queue]
+            left = [w.name for w in router.placement.queue]  # (its names)
             router.placement.on_load(router.decodes[0], report("de", "decode"))  # pages free up
             answers = {rid: await asyncio.wait_for(call, 5) for rid, call in waiting.items()}
         return aborted, answers, left
 
     aborted, answers, left = asyncio.run(go())
-    assert aborted.status_code == 200 and left == ["victimless"]  # (the two it names end at once)
+    assert aborted.status_code == 200 and left == [("victimless",)]  # (the two it names end at once)
     finish = {rid: a.json()["meta_info"]["finish_reason"]["type"] for rid, a in answers.items()}
     assert finish == {"victim": "abort", "victim_1": "abort", "victimless": "length"}, (finish, legs)
     assert sum(bool(pd.get("aborted")) for _, pd in legs) == 4  # (both halves of the two it names)
@@ -1959,3 +1959,69 @@ def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
         ("yours", False),
         ("yours", False),
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "abort", "named"),
+    [
+        ("/v1/completions", {"request_id": "X"}, "X", True),
+        ("/v1/completions", {"request_id": "X"}, "cmpl-X", True),  # (the answer's id: the engines' too)
+        ("/v1/completions", {"request_id": "base_1"}, "cmpl-base", True),  # (a split request's child)
+        ("/v1/completions", {"request_id": "Xy"}, "X", False),
+        ("/generate", {"rid": "r_0"}, "r", True),
+        ("/generate", {"rid": "r"}, "cmpl-r", False),  # (a /generate answer's id is its rid)
+        ("/v1/completions", {}, "X", False),
+    ],
+)
+def test_a_named_abort_matches_a_held_request_as_the_engines_match_what_they_run(path, body, abort, named):
+    """The router's match of a held request (`client_name`, `names_match`) is the engines' `_named`:
+    an abort of "cmpl-X" (the id the client saw) ended what the engines ran but not the router's held
+    copy (a review of this session's changes)."""
+    from pdserve.router.app import Arrival, client_name
+
+    router = Router(["http://pe"], ["http://de"])
+    held = Arrival(0, router.num_named_aborts, client_name(path, body))
+    router.abort_named(abort)
+    assert router.named_abort_since(held) is named
+    later = Arrival(0, router.num_named_aborts, client_name(path, body))
+    assert not router.named_abort_since(later)  # (a request that came after the abort is not its)
+
+
+@pytest.mark.parametrize("rid", [None, "client-rid"])
+def test_a_generate_with_the_clients_rid_is_retried_on_another_decode_after_a_prefill_failure(rid):
+    """The last attempt's decode may hold the client's rid for its whole abort lease (its room waits
+    for the failed prefill's ack): a retry there was a 409 about the client's own request (a review of
+    this session's changes). With a rid the retry takes another decode; without one, any."""
+    posts: list[tuple[str, str]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answering(request: httpx.Request) -> httpx.Response | None:
+            host = request.url.host
+            if request.url.path != "/generate":
+                return None
+            posts.append((host, json.loads(await request.aread())["pd"]["room"]))
+            if host == "pe":
+                return httpx.Response(500, json={"error": {"message": "died mid-transfer", "code": 500}})
+            if host.startswith("de"):
+                answer = {"output_ids": [1], "text": "x", "meta_info": {"finish_reason": {"type": "length"}}}
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+
+        engines.intercept = answering
+        router = await started_router(
+            engines, "none", prefills=("http://pe", "http://pe2"), decodes=("http://de", "http://de2")
+        )
+        router._rr = iter([0, 0, 0])  # (round robin starts at "pe", the one that fails)
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+        async with client_of(router) as c:
+            r = await c.post("/generate", json=body | ({"rid": rid} if rid else {}))
+        return r
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    decodes = [host for host, _ in posts if host.startswith("de")]
+    assert len(decodes) == 2
+    if rid:
+        assert decodes[0] != decodes[1], posts

@@ -116,22 +116,25 @@ class Arrival(NamedTuple):
 
     epoch: int
     named_at: int
-    name: str | None
+    name: tuple[str, ...]
 
 
 MAX_NAMED_ABORTS = 4096  # named aborts remembered (a request held longer than that many is not matched)
 
 
-def client_name(path: str, body: dict) -> str | None:
-    """The name a client may abort a request by before any engine answered: the `rid` it gave a
-    `/generate`, or the `request_id` it gave an OpenAI route."""
+def client_name(path: str, body: dict) -> tuple[str, ...]:
+    """The names a client may abort a request by before any engine answered: the `rid` it gave a
+    `/generate`, or the `request_id` it gave an OpenAI route and the answer's id it makes, "cmpl-" +
+    it (as the engines' `async_engine._named`)."""
     name = body.get("rid") if path == "/generate" else body.get("request_id")
-    return name if isinstance(name, str) and name else None
+    if not isinstance(name, str) or not name:
+        return ()
+    return (name,) if path == "/generate" else (name, f"cmpl-{name}")
 
 
-def names_match(name: str | None, aborted: str) -> bool:
-    """As the engines match an abort's rid: the name itself, or a child of it (`<name>_...`)."""
-    return name is not None and (name == aborted or name.startswith(aborted + "_"))
+def names_match(names: tuple[str, ...], aborted: str) -> bool:
+    """As the engines match an abort's rid: a name itself, or a child of it (`<name>_...`)."""
+    return any(n == aborted or n.startswith(aborted + "_") for n in names)
 
 
 STOPPING = "the router is shutting down"
@@ -549,6 +552,7 @@ class Router:
         # (the side the last attempt failed on: a retry, counted and logged once the next attempt has
         # its engines -- with none left to try, or no attempt left, nothing was retried)
         failed_side: str | None = None
+        de_before = ""  # the last attempt's decode
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
@@ -556,8 +560,17 @@ class Router:
                 else:
                     pe = self.pick_prefill(tried)
                     de = first[1] if first is not None and first[1] is not None else None
-                    if de is None or de.url in failed_decodes:
-                        de = self.pick_decode(failed_decodes)
+                    # (a /generate with the client's rid: the last attempt's decode may hold that rid
+                    # until its abort lease ends (its room waits for the dead prefill's ack), so a
+                    # retry there was a 409 about the client's own request: another decode if any)
+                    keep_apart = failed_decodes | (
+                        {de_before} if path == "/generate" and arrival.name else set()
+                    )
+                    if de is None or de.url in keep_apart:
+                        try:
+                            de = self.pick_decode(keep_apart)
+                        except NoEngine:
+                            de = self.pick_decode(failed_decodes)
             except NoEngine as e:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return JSONResponse(error_body(why, 503, "ServiceUnavailable"), 503)
@@ -565,6 +578,7 @@ class Router:
                 self.retries_by_side[failed_side] += 1
                 log.warning("retrying on another %s: %s", failed_side, last_error)
             tried.add(pe.url)
+            de_before = de.url
             room = new_room()
             epoch = arrival.epoch
             pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}

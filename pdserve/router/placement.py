@@ -90,7 +90,7 @@ class _Waiting:
     pending: PendingRequest
     future: asyncio.Future
     num_pages: int = 0  # KV pages it needs on a decode (prompt + max_tokens - 1)
-    name: str | None = None  # the client's name for it (router/app.py client_name), for named aborts
+    name: tuple[str, ...] = ()  # the client's names for it (router/app.py client_name): named aborts
 
 
 class PrefixIndex:
@@ -338,7 +338,7 @@ class Placement:
         prompt_len: int,
         max_tokens: int,
         prompt_pieces: list[tuple[bytes, int]] | None = None,
-        name: str | None = None,
+        name: tuple[str, ...] = (),
     ) -> Assignment:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
         A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate."""
