@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 import pytest
@@ -132,33 +131,16 @@ def test_ctrl_c_of_the_router_alone_ends_what_it_relays_with_a_503_and_the_engin
     stream with an error event and [DONE]) and closes its decode legs, so the engines abort them."""
     import json
     import signal
-    import threading
 
     from pdserve.router.app import STOPPING
     from tests.test_pd_e2e import wait_engine_idle
+    from tests.test_serve_cli import requests_in_flight
 
     args = launch.cluster_args(demo_model_dir, num_pages=512, max_model_len=4096, served_model_name="demo")
     cluster = launch.start_cluster(args, 1, 1)
     try:
-        url, answers = cluster.router_url, {}
-        base = {"model": "demo", "max_tokens": 4000, "ignore_eos": True}
-
-        def whole() -> None:
-            answers["whole"] = httpx.post(url + "/v1/completions", json=base | {"prompt": "a"}, timeout=120)
-
-        def streamed() -> None:
-            body = base | {"prompt": "b", "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-        threads = [threading.Thread(target=f) for f in (whole, streamed)]
-        for t in threads:
-            t.start()
-        time.sleep(1.5)
         router = cluster.proc("router")
-        router.send_signal(signal.SIGINT)
-        for t in threads:
-            t.join(timeout=60)
+        answers = requests_in_flight(cluster.router_url, lambda: router.send_signal(signal.SIGINT), "demo")
         assert answers["whole"].status_code == 503, answers["whole"].text[:300]
         assert STOPPING in answers["whole"].json()["error"]["message"]
         lines = answers["lines"]

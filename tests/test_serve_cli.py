@@ -79,10 +79,9 @@ def test_ctrl_c_stops_a_colocated_server_with_a_stream_in_flight(demo_model_dir,
         assert not alive, f"still running {waited:.1f}s after SIGINT (a stream was in flight)"
 
 
-def stop_with_requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> None:
+def requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> dict:
     """Send a long non-streamed and a long streamed completion to `url`, call `stop()` `wait_s` later
-    (a Ctrl-C), wait for both answers, and check each ended with its tokens so far and finish_reason
-    "abort" (the stream with its last chunk and [DONE])."""
+    (a Ctrl-C), and wait for both answers: {"whole": the response, "lines": the stream's data lines}."""
     import threading
 
     answers: dict = {}
@@ -103,6 +102,13 @@ def stop_with_requests_in_flight(url: str, stop, model: str | None = None, wait_
     stop()
     for t in threads:
         t.join(timeout=60)
+    return answers
+
+
+def stop_with_requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> None:
+    """`requests_in_flight`, and check each ended with its tokens so far and finish_reason "abort"
+    (the stream with its last chunk and [DONE])."""
+    answers = requests_in_flight(url, stop, model, wait_s)
     assert answers["whole"].status_code == 200, answers["whole"].text[:300]
     assert answers["whole"].json()["choices"][0]["finish_reason"] == "abort"
     lines = answers["lines"]

@@ -372,13 +372,7 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
                 elif best > 0:
                     break
         else:
-            lo, hi = 0.0, 3.0  # APS; 3.0 is far past any 2P4D knee at 64K
-            for _ in range(6):
-                mid = round((lo + hi) / 2, 4)
-                if trial(mid):
-                    lo = mid
-                else:
-                    hi = mid
+            lo, hi = _bisect(0.0, 3.0, trial)  # APS; 3.0 is far past any 2P4D knee at 64K
             # A bigger cluster's knee may lie above 3 APS: every trial passed, and the search's ceiling
             # was reported as the max. Then the ceiling is tried, doubled while it passes, and the
             # bracket it leaves bisected again.
@@ -388,12 +382,7 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
                 if hi > MAX_ONLINE_APS:  # (every APS tried passed, the cap too: it is the max found)
                     out.checks.append(f"[INFO] {pol}: the SLO held up to the search's cap, {lo:g} APS")
                 else:
-                    for _ in range(6):
-                        mid = round((lo + hi) / 2, 4)
-                        if trial(mid):
-                            lo = mid
-                        else:
-                            hi = mid
+                    lo, hi = _bisect(lo, hi, trial)
             best = lo
         mine = [r for r in out.runs if r["policy"] == pol]
         knee, bracket = _interpolated_knee(mine, best)
@@ -421,6 +410,17 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
         runs, plt, "aps", "ttft_mean_s", "mean TTFT (s)", "online", hline=4.0
     )
     return out
+
+
+def _bisect(lo: float, hi: float, trial, num_steps: int = 6) -> tuple[float, float]:
+    """Narrow [lo, hi] (lo passes, hi fails or is untested) to the APS where `trial` turns false."""
+    for _ in range(num_steps):
+        mid = round((lo + hi) / 2, 4)
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
 
 
 def _interpolated_knee(runs: list[dict], best: float, ttft_slo_s: float = 4.0) -> tuple[float, tuple]:
