@@ -59,6 +59,15 @@ class Engines:
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
 
+async def queued(router: Router, num_requests: int = 1, timeout_s: float = 1.0) -> None:
+    """Until `num_requests` wait in the router's placement queue (or `timeout_s`: the test's own
+    assertions then say what is missing)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if len(router.placement.queue) >= num_requests:
+            return
+        await asyncio.sleep(0.01)
+
+
 def client_of(router: Router, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
     """A client of the router's app, in process (`raise_app_exceptions=False`: an app error is its 500)."""
     transport = httpx.ASGITransport(app=build_router_app(router), raise_app_exceptions=raise_app_exceptions)
@@ -759,10 +768,7 @@ def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines(
         async with client_of(router) as c:
             body = {"prompt": [1, 2, 3], "max_tokens": 4}
             waiting = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            for _ in range(100):
-                if router.placement.queue:
-                    break
-                await asyncio.sleep(0.01)
+            await queued(router)
             assert len(router.placement.queue) == 1 and legs == []
             for refused in ({"abort_all": True, "rid": None}, {"abort_all": "yes"}):  # (engines: 400)
                 await c.post("/abort_request", json=refused)
@@ -1406,10 +1412,7 @@ def test_requests_waiting_in_placement_when_the_last_engine_of_a_role_dies_are_r
         router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
         async with client_of(router) as c:
             call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION))
-            for _ in range(100):
-                if router.placement.queue:
-                    break
-                await asyncio.sleep(0.01)
+            await queued(router)
             assert router.placement.queue, "the request should be waiting in placement"
             await _fail_health(router, engines, {dies})
             try:
@@ -1732,10 +1735,7 @@ def test_a_queued_request_only_a_decode_that_died_could_hold_is_refused(policy):
         body = {"prompt": [1, 2, 3], "max_tokens": 1000 * 16 + 100}  # > de's 1000 pages, < de2's
         async with client_of(router) as c:
             call = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            for _ in range(100):
-                if router.placement.queue:
-                    break
-                await asyncio.sleep(0.01)
+            await queued(router)
             assert router.placement.queue, "the request should wait for de2's pages"
             await _fail_health(router, engines, {"de2"})
             try:
@@ -1879,10 +1879,7 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
                 rid: asyncio.ensure_future(c.post("/generate", json=body | {"rid": rid}))
                 for rid in ("victim", "victim_1", "victimless")  # (a child of it; another request)
             }
-            for _ in range(100):
-                if len(router.placement.queue) == 3:
-                    break
-                await asyncio.sleep(0.01)
+            await queued(router, 3)
             assert len(router.placement.queue) == 3
             aborted = await c.post("/abort_request", json={"rid": "victim"})
             left = [w.name for w in router.placement.queue]  # (its names)
