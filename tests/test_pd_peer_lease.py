@@ -16,8 +16,7 @@ import pytest
 
 from pdserve.disagg.messages import KVRequest, Register
 from pdserve.disagg.state import KVState
-from pdserve.engine.pd_common import PDConfig
-from pdserve.engine.pd_prefill import PEER_GC_INTERVAL_S
+from pdserve.engine.pd_common import PEER_GC_INTERVAL_S, PDConfig
 from tests.test_pd_roles import DEADLINE_S, Pair, prompt
 
 

@@ -30,6 +30,7 @@ MAX_DEADLINE_S = 1e5
 # A prefill's refusal of a KVRequest from a decode that registered before the prefill's weights
 # changed (Status(Failed).error): the decode registers again (refused unless its weights match too).
 STALE_REGISTRATION = "decode registered under weights this prefill no longer serves"
+PEER_GC_INTERVAL_S = 1.0  # idle peers are looked for at most this often (room clock)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,17 @@ class PDRoleBase:
         self.handoff_apart = self.kv_regions[0].device.type != "cpu"
         self.rooms = RoomTable(config.deadlines())
         self.failures: dict[str, int] = {}  # reason -> count (metrics)
+        self.num_peers_forgotten = 0  # peers dropped after `peer_idle_s` unused (metrics)
+        self._next_peer_gc_s = 0.0
+
+    def peer_gc_due(self) -> float | None:
+        """The room clock's time when idle peers are due for a look (at most every
+        PEER_GC_INTERVAL_S: a role's tick runs thousands of times a second), else None."""
+        now = self.rooms.now()
+        if now < self._next_peer_gc_s:
+            return None
+        self._next_peer_gc_s = now + PEER_GC_INTERVAL_S
+        return now
 
     def sync_device(self) -> None:
         """Wait until the engine's queued GPU work has run (nothing to wait for on the CPU).

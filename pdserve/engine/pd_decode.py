@@ -50,7 +50,6 @@ from pdserve.transfer.staging import scatter_pages
 log = logging.getLogger(__name__)
 
 STORE_LOOKUP_REFRESH_S = 1.0  # a waiting DE-path request looks the store up again this often
-PEER_GC_INTERVAL_S = 1.0  # unused prefills are looked for at most this often (room clock)
 
 
 @dataclass
@@ -124,8 +123,6 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.releasing: dict[int, DecodeRoom] = {}  # aborted after a KVRequest: wait for ack / lease
         self.by_request: dict[str, int] = {}
         self.num_handoff_mismatches = 0
-        self.num_peers_forgotten = 0  # prefills dropped after `peer_idle_s` unused
-        self._next_peer_gc_s = 0.0
 
     def _reserved_pages(self) -> int:
         """Growth reserved by requests whose KV is still arriving (they will need it at once).
@@ -208,10 +205,8 @@ class DecodeRole(PDRoleBase, EngineRole):
     def _forget_unused_peers(self) -> None:
         """Drop prefills unused for `peer_idle_s` that no room of ours names (a restarted prefill
         listens on a new control address, so its old entry would stay for good)."""
-        now = self.rooms.now()
-        if now < self._next_peer_gc_s:
+        if (now := self.peer_gc_due()) is None:
             return
-        self._next_peer_gc_s = now + PEER_GC_INTERVAL_S
         named = {d.peer_addr for d in self.prealloc}
         named.update(d.peer_addr for d in self.transfer.values())
         named.update(d.peer_addr for d in self.releasing.values())

@@ -47,8 +47,6 @@ from pdserve.transfer.staging import gather_pages
 
 log = logging.getLogger(__name__)
 
-PEER_GC_INTERVAL_S = 1.0  # idle decodes are looked for at most this often (room clock)
-
 
 @dataclass
 class DecodePeer:
@@ -130,8 +128,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
         self.num_pages_sent = 0
-        self.num_peers_forgotten = 0  # decodes dropped after `peer_idle_s` of silence
-        self._next_peer_gc_s = 0.0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
         engine.extra_page_refs.append(lambda: [p for pages in self.pinned.values() for p in pages])
@@ -213,21 +209,17 @@ class PrefillRole(PDRoleBase, EngineRole):
         one that asks after being forgotten is told "decode is not registered" as any stranger.
         Runs after the messages of the turn (a paused prefill counts what it finds on waking up as
         heard) and never while an abandoned pull may still read from a decode (it has no room)."""
-        now = self.rooms.now()
-        if now < self._next_peer_gc_s or self.abandoned_reads:
+        if self.abandoned_reads or (now := self.peer_gc_due()) is None:
             return
-        self._next_peer_gc_s = now + PEER_GC_INTERVAL_S
         in_use = {id(pr.peer) for pr in self.by_room.values() if pr.peer is not None}
         for table in (self.peers, self.stale_peers):
             for sender, peer in list(table.items()):
                 if now - peer.heard_s > self.config.peer_idle_s and id(peer) not in in_use:
                     del table[sender]
                     self.num_peers_forgotten += 1
-                    if not any(p.agent_name == peer.agent_name for p in self._all_peers()):
+                    left = (*self.peers.values(), *self.stale_peers.values())
+                    if not any(p.agent_name == peer.agent_name for p in left):
                         self.agent.remove_peer(peer.agent_name)
-
-    def _all_peers(self) -> list[DecodePeer]:
-        return [*self.peers.values(), *self.stale_peers.values()]
 
     @property
     def num_peers(self) -> int:
