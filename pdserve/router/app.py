@@ -75,6 +75,10 @@ KEEPALIVE_CONNECTIONS = 256  # idle connections to the engines kept for reuse (m
 KEEPALIVE_EXPIRY_S = 2.0
 
 
+STOPPING = "the router is shutting down"
+NO_ANSWER = "stopped answering health checks"
+
+
 @dataclass
 class Engine:
     url: str
@@ -94,8 +98,7 @@ class Engine:
     # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
     # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
-    down_reason: str = "stopped answering health checks"  # (what those requests are told: NO_ANSWER or
-    # what its health check answered)
+    down_reason: str = NO_ANSWER  # (what those requests are told; else what its health check answered)
 
 
 class NoEngine(Exception):
@@ -137,8 +140,9 @@ def names_match(names: tuple[str, ...], aborted: str) -> bool:
     return any(n == aborted or n.startswith(aborted + "_") for n in names)
 
 
-STOPPING = "the router is shutting down"
-NO_ANSWER = "stopped answering health checks"
+def unavailable(message: str) -> JSONResponse:
+    """A 503 in OpenAI's error shape: the client's to retry (no engine, or the router stopping)."""
+    return JSONResponse(error_body(message, 503, "ServiceUnavailable"), 503)
 
 
 def client_gone() -> JSONResponse:
@@ -319,13 +323,13 @@ class Router:
         return any(n > arrival.named_at and names_match(arrival.name, a) for n, a in self._named_aborts)
 
     async def shut_down(self) -> None:
-        """The router's Ctrl-C or SIGTERM (cli: awaited a second before the server cancels what still
-        runs): every request it still relays ends as the router means it to -- a stream with a 503
-        error event and [DONE], a whole answer, or one waiting for its prefill or its placement,
-        with a 503 body -- instead of the cancel's plain-text 500 (which the OpenAI client retries)
-        and a stream cut without [DONE]. Each one's decode leg is closed, which aborts it there; the
-        engines keep serving other routers' requests (an `/abort_request` of everything would end
-        those too)."""
+        """The router's Ctrl-C or SIGTERM (cli: awaited shortly before the server cancels what still
+        runs, after the engines' own aborts): every request it still relays ends as the router means
+        it to -- a stream with a 503 error event and [DONE], a whole answer, or one waiting for its
+        prefill or its placement, with a 503 body -- instead of the cancel's plain-text 500 (which the
+        OpenAI client retries) and a stream cut without [DONE]. Each one's decode leg is closed,
+        which aborts it there; the engines keep serving other routers' requests (an `/abort_request`
+        of everything would end those too)."""
         self.stopping.set()
         for e in self.prefills + self.decodes:
             e.healthy = False
@@ -458,7 +462,7 @@ class Router:
             except ClientGone:
                 return client_gone()
             except RouterStopping:
-                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
+                return unavailable(STOPPING)
         if self.num_held_aborts == held_aborts:
             # (held through an update's own `abort_running` at most: it ends the requests running,
             # not those it held, which go on under the new weights)
@@ -507,18 +511,17 @@ class Router:
             # its "abort" (with none live, the 503 any request gets then)
             return await self._dispatch(path, body, http, "none", arrival)
         except PlacementError as e:
-            if e.status == 503 and self.stopping.is_set():
-                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
-            kind = "ServiceUnavailable" if e.status == 503 else "BadRequestError"
-            return JSONResponse(error_body(str(e), e.status, kind), e.status)
+            if e.status == 503:
+                return unavailable(STOPPING if self.stopping.is_set() else str(e))
+            return JSONResponse(error_body(str(e), e.status), e.status)
         except TimeoutError:
-            return JSONResponse(error_body("timed out waiting for placement", 503, "ServiceUnavailable"), 503)
+            return unavailable("timed out waiting for placement")
         pe, de = self.prefills[a.prefill_engine], self.decodes[a.decode_engine]
         if not de.healthy:  # round robin ignores health: take a live decode instead
             try:
                 de = self.pick_decode()
             except NoEngine as e:
-                return JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+                return unavailable(str(e))
         return await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
 
     async def _dispatch(
@@ -573,7 +576,7 @@ class Router:
                             de = self.pick_decode(failed_decodes)
             except NoEngine as e:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
-                return JSONResponse(error_body(why, 503, "ServiceUnavailable"), 503)
+                return unavailable(why)
             if failed_side is not None:
                 self.retries_by_side[failed_side] += 1
                 log.warning("retrying on another %s: %s", failed_side, last_error)
@@ -603,7 +606,7 @@ class Router:
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 return client_gone()
             except RouterStopping:  # (both legs are closed on the way out: each engine aborts)
-                return JSONResponse(error_body(STOPPING, 503, "ServiceUnavailable"), 503)
+                return unavailable(STOPPING)
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             if decode_failed:  # the decode failed first (the prefill's leg is closed): try another
@@ -671,7 +674,7 @@ async def _from_decode(http: Request, de: Engine, awaitable, what: str):
     except httpx.HTTPError as e:
         return None, JSONResponse(error_body(f"{what}: {e!r}", 502, "BadGateway"), 502)
     except EngineDown as e:
-        return None, JSONResponse(error_body(str(e), 503, "ServiceUnavailable"), 503)
+        return None, unavailable(str(e))
 
 
 class _Leg:
@@ -903,14 +906,12 @@ def build_router_app(router: Router) -> FastAPI:
         first; one that died since its last health check is a 503."""
         live = [e for e in router.decodes + router.prefills if e.healthy]
         if not live:
-            return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
+            return unavailable("no healthy engine")
         body = await http.body() if http is not None else None
         try:
             r = await router.client.request(method, live[0].url + path, content=body, headers=JSON)
         except httpx.HTTPError as e:
-            return JSONResponse(
-                error_body(f"{live[0].url} unreachable: {e!r}", 503, "ServiceUnavailable"), 503
-            )
+            return unavailable(f"{live[0].url} unreachable: {e!r}")
         return Response(r.content, r.status_code, media_type="application/json")
 
     @app.get("/v1/models")

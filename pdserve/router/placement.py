@@ -81,6 +81,13 @@ class NotPlaceableNow(PlacementError):
     status = 503
 
 
+def _only_down_decodes(num_pages: int, what: str = "") -> NotPlaceableNow:
+    """A request no live decode can hold, though one out of service could: the outage's 503."""
+    return NotPlaceableNow(
+        f"{what}needs {num_pages} KV pages: only a decode engine out of service has that many; retry shortly"
+    )
+
+
 class PlacementAborted(Exception):
     """`abort_waiting` ended the wait: an `/abort_request` of everything reached the router."""
 
@@ -274,21 +281,11 @@ class Placement:
             try:
                 self._check_live()
             except NotPlaceableNow as e:  # the last live engine of a role died: nobody can be placed
-                for waiting in self.queue:
-                    if not waiting.future.done():
-                        waiting.future.set_exception(NotPlaceableNow(str(e)))
-                self.queue.clear()
+                why = str(e)
+                self._end_waiting(lambda w: True, lambda w: NotPlaceableNow(why))
                 return
             biggest = self._biggest_live_decode()  # (... or the only one big enough for some)
-            for waiting in [w for w in self.queue if w.num_pages > biggest]:
-                self.queue.remove(waiting)
-                if not waiting.future.done():
-                    waiting.future.set_exception(
-                        NotPlaceableNow(
-                            f"needs {waiting.num_pages} KV pages: only a decode engine out of service has "
-                            "that many; retry shortly"
-                        )
-                    )
+            self._end_waiting(lambda w: w.num_pages > biggest, lambda w: _only_down_decodes(w.num_pages))
             self._pump()
         elif self.reports and self.ready():  # the engine everyone waited for was declared dead
             self._build()
@@ -359,10 +356,7 @@ class Placement:
                 f"the largest decode engine has {biggest}"
             )
         if need_pages > self._biggest_live_decode():  # (it waited to the queue timeout; then a 400)
-            raise NotPlaceableNow(
-                f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages: only "
-                "a decode engine out of service has that many; retry shortly"
-            )
+            raise _only_down_decodes(need_pages, f"prompt + max_tokens = {prompt_len + max_tokens} tokens ")
         if prompt_ids:
             hits = self.index.hit_tokens_then_record(prompt_ids)
         elif prompt_pieces:
@@ -394,12 +388,18 @@ class Placement:
     def abort_waiting(self, named=None) -> None:
         """Every request waiting for a placement (or each whose name `named(name)` picks) stops
         waiting (PlacementAborted), unplaced."""
-        for waiting in [w for w in self.queue if named is None or named(w.name)]:
-            self.queue.remove(waiting)
-            if not waiting.future.done():
-                waiting.future.set_exception(PlacementAborted())
+        self._end_waiting(lambda w: named is None or named(w.name), lambda w: PlacementAborted())
         if self.queue:
             self._pump()  # (the ones behind may fit now)
+
+    def _end_waiting(self, which, error) -> None:
+        """The waiting requests `which(waiting)` picks leave the queue, each failed with `error(it)`."""
+        ended = [w for w in self.queue if which(w)]
+        if ended:
+            self.queue = [w for w in self.queue if not which(w)]
+        for waiting in ended:
+            if not waiting.future.done():
+                waiting.future.set_exception(error(waiting))
 
     def _pump(self) -> None:
         if self.scheduler is None or not self.queue:
