@@ -99,12 +99,12 @@ class Tokenizer:
                 text = " " * num_missing + text
         return text
 
-    def token_bytes(self, token_id: int) -> bytes:
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
         """One token's own bytes (OpenAI's logprobs `bytes`): a token holding part of a character
         decodes alone to U+FFFD, whose bytes never combine into the answer; its raw byte is read from
         its piece instead -- `<0xNN>` in a byte-fallback vocabulary, byte-level BPE's one symbol per
-        byte otherwise."""
-        text = self.token_text(token_id)
+        byte otherwise. `text`: its `token_text`, when the caller has it already."""
+        text = self.token_text(token_id) if text is None else text
         if "\ufffd" not in text:
             return text.encode()
         piece = self._tok.id_to_token(token_id) or ""

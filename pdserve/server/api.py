@@ -338,6 +338,10 @@ def build_app(
             "text_offset": offsets,
         }
 
+    def top_entry(token_id: int, logprob: float) -> dict:
+        text = token_str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id, text))}
+
     def chat_logprobs(lps, start: int) -> dict | None:
         if lps is None:
             return None
@@ -348,11 +352,8 @@ def build_app(
                 {
                     "token": s,
                     "logprob": lp.logprob,
-                    "bytes": list(tokenizer.token_bytes(lp.token_id)),
-                    "top_logprobs": [
-                        {"token": token_str(t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
-                        for t, v in lp.top
-                    ],
+                    "bytes": list(tokenizer.token_bytes(lp.token_id, s)),
+                    "top_logprobs": [top_entry(t, v) for t, v in lp.top],
                 }
             )
         return {"content": content}
