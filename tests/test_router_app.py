@@ -59,6 +59,14 @@ class Engines:
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
 
+async def within(awaitable, timeout_s: float):
+    """Its result, or None when it takes longer than `timeout_s` (a hang the test reports)."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        return None
+
+
 async def queued(router: Router, num_requests: int = 1, timeout_s: float = 1.0) -> None:
     """Until `num_requests` wait in the router's placement queue (or `timeout_s`: the test's own
     assertions then say what is missing)."""
@@ -1388,11 +1396,7 @@ def test_placement_with_no_live_prefill_answers_503_at_once(policy):
         router = await started_router(engines, policy)
         await _fail_health(router, engines, {"pe"})
         async with client_of(router) as c:
-            try:
-                r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 3)
-            except TimeoutError:
-                return None
-        return r
+            return await within(c.post("/v1/completions", json=COMPLETION), 3)
 
     r = asyncio.run(go())
     assert r is not None, "the request hung in the placement queue with no live prefill (600 s timeout)"
@@ -1415,11 +1419,7 @@ def test_requests_waiting_in_placement_when_the_last_engine_of_a_role_dies_are_r
             await queued(router)
             assert router.placement.queue, "the request should be waiting in placement"
             await _fail_health(router, engines, {dies})
-            try:
-                r = await asyncio.wait_for(call, 3)
-            except TimeoutError:
-                return None
-        return r
+            return await within(call, 3)
 
     r = asyncio.run(go())
     assert r is not None, "a request queued in placement hangs after the last engine of a role died"
@@ -1686,10 +1686,7 @@ def test_shut_down_ends_requests_held_by_a_weight_update_with_a_503():
             await asyncio.sleep(0.2)
             assert not held.done()
             await router.shut_down()
-            try:
-                r = await asyncio.wait_for(held, 2)
-            except TimeoutError:
-                r = None
+            r = await within(held, 2)
             update.cancel()
         return r
 
@@ -1738,10 +1735,7 @@ def test_a_queued_request_only_a_decode_that_died_could_hold_is_refused(policy):
             await queued(router)
             assert router.placement.queue, "the request should wait for de2's pages"
             await _fail_health(router, engines, {"de2"})
-            try:
-                return await asyncio.wait_for(call, 3)
-            except TimeoutError:
-                return None
+            return await within(call, 3)
 
     r = asyncio.run(go())
     assert r is not None, "queued for the decode that died: waits to the 600 s queue timeout"

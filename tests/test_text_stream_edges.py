@@ -24,6 +24,18 @@ def _enc(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+def whole_and_streamed(engine, body: dict, ids: list[int]) -> tuple[dict, str]:
+    """The completion `body` asks for (the sampler drawing `ids`), whole and streamed: the whole
+    answer's choice, and the stream's deltas joined."""
+    whole, stream = post_in_process(
+        engine,
+        [("/v1/completions", body), ("/v1/completions", body | {"stream": True})],
+        sampler=ScriptedIds(ids),
+    )
+    streamed = "".join(x["choices"][0]["text"] for x in sse(stream) if x.get("choices"))
+    return whole.json()["choices"][0], streamed
+
+
 # ---- 1 ----------------------------------------------------------------------------------------------
 def test_generate_stream_never_takes_back_text_it_showed(llama2_dir):
     """SGLang's /generate stream is cumulative: every chunk's text extends the previous one, and
@@ -70,13 +82,7 @@ def test_min_tokens_text_inside_a_byte_fallback_run_does_not_count_as_new_text(l
         "stop": ["😀"],
         "min_tokens": len(ok) + 6,  # (2 of the 4 bytes of '😁')
     }
-    r1, r2 = post_in_process(
-        engine,
-        [("/v1/completions", body), ("/v1/completions", body | {"stream": True})],
-        sampler=ScriptedIds(ids),
-    )
-    c = r1.json()["choices"][0]
-    streamed = "".join(x["choices"][0]["text"] for x in sse(r2) if x.get("choices"))
+    c, streamed = whole_and_streamed(engine, body, ids)
     assert streamed == c["text"], (streamed, c["text"])
     assert (c["finish_reason"], c["stop_reason"]) == ("length", None), c
     assert c["text"].startswith(" ok😀😁"), c["text"]
@@ -94,13 +100,8 @@ def test_completion_stream_deltas_add_up_to_the_final_text_after_an_invalid_byte
     tok = engine.tokenizer
     ids = _enc(tok, "ok") + byte_tokens(tok, "😀") + [tok.token_id("<0x80>")] + _enc(tok, " x")
     body = {"prompt": "def f", "max_tokens": len(ids), "temperature": 0, "ignore_eos": True}
-    r1, r2 = post_in_process(
-        engine,
-        [("/v1/completions", body), ("/v1/completions", body | {"stream": True})],
-        sampler=ScriptedIds(ids),
-    )
-    final = r1.json()["choices"][0]["text"]
-    streamed = "".join(x["choices"][0]["text"] for x in sse(r2) if x.get("choices"))
+    choice, streamed = whole_and_streamed(engine, body, ids)
+    final = choice["text"]
     assert streamed == final, (streamed, final)
 
 
@@ -142,13 +143,8 @@ def test_stream_holds_back_the_start_of_a_stop_string_before_a_partial_character
     tok = engine.tokenizer
     ids = _enc(tok, "héllo wörld")
     body = {"prompt": "def f", "max_tokens": len(ids), "temperature": 0, "ignore_eos": True, "stop": ["o wö"]}
-    r1, r2 = post_in_process(
-        engine,
-        [("/v1/completions", body), ("/v1/completions", body | {"stream": True})],
-        sampler=ScriptedIds(ids),
-    )
-    final = r1.json()["choices"][0]["text"]
-    streamed = "".join(x["choices"][0]["text"] for x in sse(r2) if x.get("choices"))
+    choice, streamed = whole_and_streamed(engine, body, ids)
+    final = choice["text"]
     assert final == "héll"
     assert streamed == final, (streamed, final)
 
@@ -172,13 +168,8 @@ def test_stream_with_logprobs_never_repeats_text(llama2_dir):
         "stop": ["d ✓ 中文"],
         "logprobs": 1,
     }
-    r1, r2 = post_in_process(
-        engine,
-        [("/v1/completions", body), ("/v1/completions", body | {"stream": True})],
-        sampler=ScriptedIds(ids),
-    )
-    final = r1.json()["choices"][0]["text"]
-    streamed = "".join(x["choices"][0]["text"] for x in sse(r2) if x.get("choices"))
+    choice, streamed = whole_and_streamed(engine, body, ids)
+    final = choice["text"]
     assert final == " héllo wörl"
     assert "rr" not in streamed and "dd" not in streamed, streamed
     assert streamed == final, (streamed, final)
