@@ -1301,6 +1301,38 @@ def test_status_failed_frees_a_room_whose_abort_was_lost(make_pair):
     p.assert_clean()
 
 
+def test_retry_with_the_same_rid_runs_while_the_failed_room_waits_for_its_ack(make_pair, colocated):
+    """A failed room's pages wait for the prefill's ack (or the lease); its request id does not. The
+    router retries a failed attempt with the client's rid, and with one decode that retry was refused
+    as a duplicate id (a 409 to the client) until the old room's lease ran out."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
+    lost = _lossy(p.de_control, lambda body, lost: isinstance(body, Abort))  # no ack comes back
+    room = p.submit_both(prompt(9), 4, "again")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.WaitingForInput, step_prefill=False)
+    p.de_role.abort("again")  # (as a transfer failure does: the decode fails the room after KVRequest)
+    assert lost == [(Abort, room)] and room in p.de_role.releasing
+    held = list(p.de_role.releasing[room].req.page_ids)
+    assert held and "again" not in p.de_engine.requests  # the id is free, the pages are not
+    # The prefill's half ends too (its router saw the failure); its Status(Failed), which would free
+    # the old pages, is lost as well.
+    _lossy(p.pe_control, lambda body, lost: isinstance(body, Status) and body.state == KVState.Failed)
+    p.pe_role.abort("again")
+    p.drive(lambda: not p.pe_engine.requests and room not in p.pe_role.by_room, step_prefill=False)
+
+    room2 = p.submit_both(prompt(9), 4, "again")
+    p.drive(lambda: any(o.finished for o in p.de_sink.outputs("again")))
+    ref = colocated.generate([{"prompt_token_ids": prompt(9)}], SamplingParams(temperature=0, max_tokens=4))
+    assert p.de_sink.final("again").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert room2 != room and room in p.de_role.releasing  # the old pages stayed held throughout
+    assert all(p.de_engine.kv.pool.ref_count(page) >= 1 for page in held)
+    p.de_role.abort("again")  # an abort of the finished retry does not touch the old room
+    assert room in p.de_role.releasing
+    p.de_clock.advance(LEASE_S + 0.01)
+    p.drive(lambda: p.idle())
+    assert p.de_role.aborts.num_lease_expired == 1
+    p.assert_clean()
+
+
 def test_room_that_failed_while_its_store_read_was_in_flight_never_computes(make_pair):
     """PE read path: the prefill was paused past a room's deadline while the room's store read was in
     flight. On resume the read is done too; the room must fail before the read can start the layerwise

@@ -115,6 +115,11 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.num_store_blocks_bad = 0
         engine.step_hooks.append(self._write_back)
         engine.finish_hooks.append(self._write_back_last)
+        # A releasing room's request is forgotten by the engine (its id free for a retry), but its
+        # pages stay held until the prefill's ack or the lease: the engine's integrity check counts them.
+        engine.extra_page_refs.append(
+            lambda: [p for d in list(self.releasing.values()) for p in d.req.page_ids]
+        )
         self.aborts = AbortTracker()
         self.peers: dict[str, PrefillPeer] = {}
         self._reg_ids = itertools.count(1)  # a registration's id, echoed by its RegisterAck
@@ -242,9 +247,7 @@ class DecodeRole(PDRoleBase, EngineRole):
                 self._register(peer)
 
     def abort(self, request_id: str, client_abort: bool = False) -> RequestOutput | None:
-        room = self.by_request.get(request_id)
-        if room is not None and room in self.releasing:
-            return None  # already failed; its pages wait for the prefill's ack (or the lease)
+        room = self.by_request.get(request_id)  # (never a releasing room: those ids are forgotten)
         if room is None or room not in self._all_rooms():
             return self.engine.abort(request_id)  # already running: a plain decode abort
         self._fail(room, "aborted by client", client_abort=client_abort)
@@ -582,6 +585,10 @@ class DecodeRole(PDRoleBase, EngineRole):
             peer = self.peers.get(dr.peer_addr)
             self.aborts.begin(room, max(self.config.lease_s, peer.lease_s if peer else 0.0))
             self.releasing[room] = dr
+            # Its caller has its answer: free the request id now, not at the ack or the lease. The router
+            # retries a failed attempt under the client's rid, and with one decode engine that retry
+            # comes here; the pages stay with `dr` (counted by our extra_page_refs hook).
+            self._forget_request(dr)
         else:
             # Never asked for KV, or the prefill failed the room itself: it sends Status(Failed) only
             # once none of its writes to us can still land, so the pages are free to reuse now.
@@ -594,14 +601,20 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.handoff.free(dr.handoff_slot)
         if dr.staging_offset >= 0:
             self.staging.free(dr.staging_offset)
+        self.engine.kv.free(dr.req)
+        self._forget_request(dr)
+        if dr.room in self.rooms:
+            self.rooms.remove(dr.room)
+
+    def _forget_request(self, dr: DecodeRoom) -> None:
+        """The engine and our id map stop knowing `dr`'s request; its pages are not touched. Each only
+        if it is still this room's: a retry under the same id may hold them by now."""
         req = dr.req
-        self.engine.kv.free(req)
         req.status = RequestStatus.FINISHED_ABORTED
         if self.engine.requests.get(req.request_id) is req:
             self.engine.release(req)
-        self.by_request.pop(req.request_id, None)
-        if dr.room in self.rooms:
-            self.rooms.remove(dr.room)
+        if self.by_request.get(req.request_id) == dr.room:
+            del self.by_request[req.request_id]
 
     def queue_sizes(self) -> dict[str, int]:
         return {
