@@ -229,6 +229,14 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         "--pd-deadline-s + 10 s (a lease below 3 x the deadline + 1 s is refused)",
     )
     p.add_argument(
+        "--pd-peer-idle-s",
+        type=positive,
+        default=600.0,
+        help="forget a PD peer unused this long (a restarted engine's old registration and transfer "
+        "agent entry); a decode renews its registration with a prefill after a quarter of the "
+        "lesser of both engines' values",
+    )
+    p.add_argument(
         "--pd-staging-threshold",
         type=float,
         default=0.5,
@@ -310,6 +318,7 @@ def _pd_config(a: argparse.Namespace, secret: bytes):
         bootstrap_port=a.bootstrap_port,
         deadline_s=a.pd_deadline_s,
         abort_lease_s=a.pd_abort_lease_s or None,  # 0: derived from the deadline
+        peer_idle_s=a.pd_peer_idle_s,
         staging_threshold=a.pd_staging_threshold,
         kv_store_dir=a.kv_store,
         kv_store_gib=a.kv_store_gib,

@@ -46,6 +46,8 @@ ROUTER = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
         (["serve", "--model", "m", "--max-model-len", "0"], "0 must be ≥ 1"),
         (["serve", "--model", "m", "--kv-store-gib", "-1"], "-1 must be > 0"),
         (["serve", "--model", "m", "--snic-mbps", "-5"], "-5 must be > 0"),
+        (["serve", "--model", "m", "--pd-peer-idle-s", "0"], "--pd-peer-idle-s: 0 must be > 0"),
+        (["launch", "--model", "m", "--pd-peer-idle-s", "nan"], "--pd-peer-idle-s: nan must be > 0"),
         (["serve", "--model", "m", "--transfer-backend", "fake"], "invalid choice: 'fake'"),
         (["launch", "--model", "m", "--prefill", "0"], "0 must be ≥ 1"),
         (["launch", "--model", "m", "--decode", "-1"], "-1 must be ≥ 1"),

@@ -77,6 +77,7 @@ def test_serve_refuses_flags_that_cannot_work_before_loading_the_model(
         (dict(kv_store="STORE", kv_block_size=24), "multiple of --page-size"),
         (dict(max_model_len=100000), "exceeds the model's 4096 positions"),
         (dict(pd_abort_lease_s=None), "invalid engine flags"),  # argparse's own refusal, not an exit
+        (dict(pd_peer_idle_s=float("inf")), "--pd-peer-idle-s: inf must be"),
     ],
 )
 def test_launch_refuses_what_its_engines_would_before_starting_any(
@@ -151,3 +152,13 @@ def test_ctrl_c_of_the_router_alone_ends_what_it_relays_with_a_503_and_the_engin
             wait_engine_idle(engine_url)  # (both requests aborted there; the engines serve on)
     finally:
         cluster.stop()
+
+
+def test_launch_passes_the_pd_peer_idle_time_to_its_engines(demo_model_dir):
+    """`--pd-peer-idle-s` reaches each engine's PDConfig through the flags launch starts it with."""
+    from pdserve.cli import _pd_config, build_parser
+
+    args = launch.cluster_args(demo_model_dir, pd_peer_idle_s=30.0)
+    assert launch.cluster_args(demo_model_dir).pd_peer_idle_s == 600.0  # (the default)
+    engine = build_parser().parse_args(["serve", "--model", "m", "--role", "decode", *launch.pd_flags(args)])
+    assert _pd_config(engine, b"test-secret-0123456789").peer_idle_s == 30.0

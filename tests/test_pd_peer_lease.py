@@ -104,6 +104,30 @@ def test_a_decode_silent_for_the_renewal_time_registers_before_asking(make_pair)
     p.assert_clean()
 
 
+def test_a_decode_renews_in_time_for_a_prefill_that_forgets_sooner_than_itself(make_pair):
+    """The prefill's RegisterAck says how long it keeps a silent decode (`peer_idle_s`, a flag of each
+    engine): a decode configured for longer renews within a quarter of the prefill's. Before, it went
+    by its own value only, and its first request after the prefill forgot it waited out the
+    Bootstrapping deadline (the KVRequest refused, with no one to tell)."""
+    p = make_pair(fake_clocks=True, copy_bytes=True)
+    p.pe_role.config = dataclasses.replace(p.config, peer_idle_s=40.0)  # (before the decode registers)
+    assert p.de_role.config.peer_idle_s == 600.0
+    expected = _serve(p, "s0")
+    for clock in (p.pe_clock, p.de_clock):
+        clock.advance(10.0)  # a quarter of the prefill's limit: no renewal yet
+    p.de_sent.clear()
+    assert _serve(p, "s1") == expected and Register not in [t for t, _ in p.de_sent]
+    p.pe_clock.advance(40.0 + PEER_GC_INTERVAL_S + 0.01)
+    p.pe_role.tick()
+    assert p.pe_role.num_peers == 0  # the prefill forgot the decode
+    p.de_clock.advance(10.01)
+    p.de_sent.clear()
+    assert _serve(p, "s2") == expected
+    assert [t for t, _ in p.de_sent][:2] == [Register, KVRequest], p.de_sent
+    assert p.pe_role.num_peers == 1 and p.pe_role.failures == {}
+    p.assert_clean()
+
+
 def test_a_decode_within_the_renewal_time_does_not_register_again(make_pair):
     p = make_pair(fake_clocks=True, copy_bytes=True)
     _serve(p, "n0")

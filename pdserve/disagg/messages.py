@@ -43,7 +43,7 @@ from msgspec import Meta
 # 2: Register announces its pool size (kv_num_pages), RegisterAck the prefill's room life.
 # 3: Abort and Status carry `client_abort` (the room ends because its request was aborted on purpose).
 # Peers of different versions drop each other's messages as WrongVersion (counted), never half-parse them.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: RegisterAck.peer_idle_s
 MAC_BYTES = 32
 # Largest message (all frames together) `decode` accepts unless told otherwise. ControlChannel passes its
 # own `max_msg_bytes`, which also caps each frame inside ZMQ (MAXMSGSIZE). The biggest legitimate
@@ -117,15 +117,18 @@ class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
 
 
 class RegisterAck(msgspec.Struct, tag="register_ack", forbid_unknown_fields=True):
-    """prefill -> decode, answer to Register (room 0). On ok, carries the prefill's transfer agent and
+    """prefill -> decode, answer to Register (room 0). On ok, carries the prefill's transfer agent,
     `room_life_s`, the longest a room can live on the prefill (its three state deadlines): the decode
-    holds an aborted room's pages at least that long, whatever its own deadlines."""
+    holds an aborted room's pages at least that long, whatever its own deadlines; and `peer_idle_s`,
+    how long the prefill keeps a silent decode's registration: the decode renews within a quarter of
+    it, whatever its own (0: not said, the decode goes by its own)."""
 
     ok: bool
     error: str = ""
     agent_name: ShortStr = ""
     agent_metadata: bytes = b""
     room_life_s: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
+    peer_idle_s: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
 
 
 class KVRequest(msgspec.Struct, tag="kv_request", forbid_unknown_fields=True):

@@ -62,6 +62,7 @@ class PrefillPeer:
     registered_s: float = 0.0  # when the last Register went out (it is re-sent while unanswered)
     lease_s: float = 0.0  # abort lease for this prefill's rooms: ours, or longer if its rooms live longer
     used_s: float = 0.0  # when our last Register or KVRequest went to it (room clock): renewal, forgetting
+    renew_s: float = 0.0  # renew a registration silent this long: ours, or sooner if it forgets sooner
 
 
 @dataclass
@@ -199,11 +200,12 @@ class DecodeRole(PDRoleBase, EngineRole):
         peer.used_s = self.rooms.now()
 
     def _renew_if_idle(self, peer: PrefillPeer) -> None:
-        """Register again with a ready prefill we have sent nothing to in `peer_renew_s`, before the
-        next KVRequest: the prefill forgets decodes silent for `peer_idle_s`
-        (`PrefillRole._forget_idle_peers`), and a KVRequest it no longer knows the sender of is only
-        refused, with no one to tell, so the room would wait out its Bootstrapping deadline."""
-        if peer.state == "ready" and self.rooms.now() - peer.used_s > self.config.peer_renew_s:
+        """Register again with a ready prefill we have sent nothing to in `peer.renew_s` (a quarter of
+        the lesser of its and our `peer_idle_s`), before the next KVRequest: the prefill forgets
+        decodes silent for its `peer_idle_s` (`PrefillRole._forget_idle_peers`), and a KVRequest it
+        no longer knows the sender of is only refused, with no one to tell, so the room would wait out
+        its Bootstrapping deadline."""
+        if peer.state == "ready" and self.rooms.now() - peer.used_s > peer.renew_s:
             self._forget_registration(peer)
             self._register(peer)
 
@@ -303,6 +305,9 @@ class DecodeRole(PDRoleBase, EngineRole):
                 # Abort's delivery do not shrink because the prefill's deadlines are longer).
                 margin_s = max(MIN_LEASE_MARGIN_S, self.config.lease_s - self.config.room_life_s)
                 peer.lease_s = max(self.config.lease_s, body.room_life_s + margin_s)
+                # A prefill that forgets silent decodes sooner than we would renew: renew in time for it.
+                renew_s = self.config.peer_renew_s
+                peer.renew_s = min(renew_s, body.peer_idle_s / 4) if body.peer_idle_s > 0 else renew_s
             else:
                 peer.state, peer.error = "failed", body.error
                 for dr in [d for d in self.prealloc if d.peer_addr == peer.control_addr]:

@@ -411,7 +411,12 @@ class PrefillRole(PDRoleBase, EngineRole):
             msg.staging_bytes // slot_page_bytes,
             heard_s=self.rooms.now(),
         )
-        ack = RegisterAck(ok=True, agent_name=self.agent.agent_name, room_life_s=self.config.room_life_s)
+        ack = RegisterAck(
+            ok=True,
+            agent_name=self.agent.agent_name,
+            room_life_s=self.config.room_life_s,
+            peer_idle_s=self.config.peer_idle_s,
+        )
         self.control.send(msg.reply_addr, ack, reg_id)
 
     def _register_error(self, msg: Register) -> tuple[str | None, str]:
