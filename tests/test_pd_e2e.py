@@ -731,8 +731,69 @@ def test_pd_halves_sent_before_a_routers_abort_all_that_arrive_after_it_answer_a
         pd = {"room": new_room(), "read_path": "none"} | bad
         r = httpx.post(prefill + "/v1/completions", json=body | {"pd": pd}, timeout=30)
         assert r.status_code == 400 and "pd.router_" in r.json()["error"]["message"], (bad, r.text)
-    refused = httpx.post(prefill + "/abort_request", json={"rid": "x", "router_id": router_id}, timeout=30)
-    assert refused.status_code == 400 and "abort_all" in refused.text, refused.text
+    for refused in (
+        {"rid": "x", "router_id": router_id, "router_epoch": 1},
+        {"abort_all": True, "router_id": router_id, "router_named": 1},
+    ):
+        r = httpx.post(prefill + "/abort_request", json=refused, timeout=30)
+        assert r.status_code == 400 and "comes with" in r.text, r.text
+    for url in cluster.engine_urls:
+        wait_engine_idle(url)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_pd_halves_sent_before_a_routers_abort_of_their_name_that_arrive_after_it_answer_abort(cluster, path):
+    """As for an abort of everything, for an abort of one name: the router's halves of a request race
+    its `/abort_request` of that request's `rid` to the engines. A half that reaches them after it,
+    sent at an earlier count of that router's named aborts (`pd.router_named`), is aborted on arrival
+    if the abort names it (a `/generate` rid, or an OpenAI `request_id` or "cmpl-" + it); one sent at
+    the abort's own count, of another name or of another router runs. Before, it ran to the end."""
+    if cluster.staged:
+        pytest.skip("aborted before any KV moves: the direct cluster covers it")
+    import concurrent.futures
+
+    from pdserve.engine.pd_common import new_room
+
+    prefill, decode = cluster.by_role["prefill"], cluster.by_role["decode"]
+    router_id = uuid.uuid4().hex
+    name = f"victim-{uuid.uuid4().hex[:8]}"
+    abort = {
+        "rid": name if path == "/generate" else f"cmpl-{name}",
+        "router_id": router_id,
+        "router_named": 3,
+    }
+    for url in (prefill, decode):
+        assert httpx.post(url + "/abort_request", json=abort, timeout=30).status_code == 200
+
+    def pair(request_name: str, rid: str, named: int) -> list[str]:
+        pd = {"room": new_room(), "read_path": "none", "router_id": rid, "router_named": named}
+        if path == "/generate":
+            params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+            body = {"input_ids": [5, 6, 7, 8, 9, 10], "sampling_params": params, "rid": request_name}
+        else:
+            body = {"model": "demo", "prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 6, "temperature": 0}
+            body |= {"ignore_eos": True, "request_id": request_name}
+        legs = [
+            (prefill, body | {"pd": pd}),
+            (decode, body | {"pd": pd | {"bootstrap_url": cluster.pd_info[prefill]["bootstrap_url"]}}),
+        ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda leg: httpx.post(leg[0] + path, json=leg[1], timeout=60), legs))
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        if path == "/generate":
+            return [a.json()["meta_info"]["finish_reason"]["type"] for a in answers]
+        return [a.json()["choices"][0]["finish_reason"] for a in answers]
+
+    assert pair(name, router_id, 2) == ["abort", "abort"]
+    assert pair(f"{name}_1", router_id, 0)[1] == "abort"  # (a child of the name: "<name>_<i>")
+    for other in ((name, router_id, 3), (f"other-{name}", router_id, 2), (name, uuid.uuid4().hex, 0)):
+        assert pair(*other)[1] == "length", other
+    for bad in ({"router_named": "2"}, {"router_named": -1}, {"router_named": True}):
+        pd = {"room": new_room(), "read_path": "none"} | bad
+        r = httpx.post(
+            prefill + "/v1/completions", json={"model": "demo", "prompt": [5], "pd": pd}, timeout=30
+        )
+        assert r.status_code == 400 and "pd.router_named" in r.json()["error"]["message"], (bad, r.text)
     for url in cluster.engine_urls:
         wait_engine_idle(url)
 

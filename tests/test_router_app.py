@@ -707,7 +707,8 @@ def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
 
 def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     """/abort_request, /flush_cache and /reset_prefix_cache reach every live engine with the body as
-    sent; the answer maps each engine's reply; a dead engine is skipped, an unreachable one is a 502."""
+    sent (an abort of a rid with the router's id and count of named aborts added); the answer maps each
+    engine's reply; a dead engine is skipped, an unreachable one is a 502."""
     sent: list[tuple[str, str, bytes]] = []
 
     async def go():
@@ -728,16 +729,17 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
             flush = await c.get("/flush_cache")
             router.prefills[1].healthy = True
             reset = await c.post("/reset_prefix_cache")
-        return abort, flush, reset
+        return abort, flush, reset, router.router_id
 
-    abort, flush, reset = asyncio.run(go())
+    abort, flush, reset, router_id = asyncio.run(go())
     assert abort.status_code == 200 and abort.json() == {
         "success": True,
         "engines": {u: {"success": True, "num_requests_aborted": 1} for u in ("http://pe", "http://de")},
         "unhealthy": ["http://pe2"],  # (out of service: not asked)
     }
     assert sorted((h, p) for h, p, _ in sent[:2]) == [("de", "/abort_request"), ("pe", "/abort_request")]
-    assert {b for _, _, b in sent[:2]} == {b'{"rid":"cmpl-1"}'}
+    named = {"rid": "cmpl-1", "router_id": router_id, "router_named": 1}
+    assert [json.loads(b) for _, _, b in sent[:2]] == [named, named]
     assert flush.status_code == 200 and sorted(h for h, p, _ in sent if p == "/flush_cache") == ["de", "pe"]
     assert reset.status_code == 502 and not reset.json()["success"]
     assert "unreachable" in reset.json()["engines"]["http://pe2"]["error"]
@@ -1891,8 +1893,11 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
 def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
     """Plain routing: a weight update holds two requests, each with the client's `request_id`; an
     /abort_request of one's id ends that one when the update lets them go (sent with `pd.aborted`:
-    the engines answer "abort"); the other runs under the new weights."""
+    the engines answer "abort"); the other runs under the new weights. The abort reaches the engines
+    with the router's id and count of named aborts, and each half with the count when it was sent
+    (an engine aborts a half that it names and that was sent before it)."""
     legs: list[dict] = []
+    aborts: list[tuple[str, dict]] = []
 
     async def go():
         engines = Engines(blocking=())
@@ -1905,6 +1910,7 @@ def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
                 engines.model_paths[host] = json.loads(await request.aread())["model_path"]
                 return httpx.Response(200, json={"success": True})
             if path == "/abort_request":
+                aborts.append((host, json.loads(await request.aread())))
                 return httpx.Response(200, json={"success": True})
             if path == "/v1/completions":
                 sent = json.loads(await request.aread())
@@ -1937,6 +1943,11 @@ def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
             loaded.set()
             answers = {rid: (await asyncio.wait_for(call, 10)).json() for rid, call in held.items()}
             await asyncio.wait_for(updating, 10)
+            before = {leg["router_named"] for leg in legs}
+            assert (await c.post("/v1/completions", json=body | {"request_id": "next"})).status_code == 200
+        named = {"rid": "mine", "router_id": router.router_id, "router_named": 1}
+        assert sorted(aborts, key=lambda a: a[0]) == [("de", named), ("pe", named)]
+        assert before == {1} and [leg["router_named"] for leg in legs[-2:]] == [1, 1]
         return answers
 
     answers = asyncio.run(go())
@@ -1947,6 +1958,8 @@ def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
     assert sorted((leg["request_id"], bool(leg.get("aborted"))) for leg in legs) == [
         ("mine", True),
         ("mine", True),
+        ("next", False),
+        ("next", False),
         ("yours", False),
         ("yours", False),
     ]

@@ -36,6 +36,7 @@ MAX_ROUTERS = 64  # routers whose last abort of everything an engine remembers (
 IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the engine thread's time
 MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
 MAX_ABORT_LOG = 4096  # `abort_now()` calls remembered for requests still being checked
+MAX_NAMED_ABORTS_PER_ROUTER = 4096  # a router's named aborts remembered for its halves still in transit
 
 
 class EngineDeadError(RuntimeError):
@@ -126,6 +127,9 @@ class AsyncEngine:
         # router id -> the abort count of its last abort of everything (`note_router_abort`), the last
         # MAX_ROUTERS routers (a router's id is new each time it starts: its counts start at 0 again)
         self._router_aborts: OrderedDict[str, int] = OrderedDict()
+        # router id -> its latest named aborts, (its named-abort count, the name), oldest first
+        # (`note_router_named_abort`), for the same MAX_ROUTERS routers at most
+        self._router_named: OrderedDict[str, deque[tuple[int, str]]] = OrderedDict()
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -253,10 +257,28 @@ class AsyncEngine:
         aborts of everything (the route then marks it ABORTED_IN_TRANSIT_EPOCH)."""
         return router_epoch < self._router_aborts.get(router_id, 0)
 
+    def note_router_named_abort(self, router_id: str, router_named: int, name: str) -> None:
+        """Event-loop thread (`/abort_request` of one rid, before `abort_now()`): router `router_id`
+        aborts `name`, its `router_named`-th named abort. Its halves of that request sent before then
+        (`pd.router_named` lower) may reach this engine only after the abort: `_aborted_since` tells
+        them, by the names they end up with (a `/generate` rid is set after validation)."""
+        log = self._router_named.pop(router_id, None) or deque(maxlen=MAX_NAMED_ABORTS_PER_ROUTER)
+        log.append((router_named, name))
+        self._router_named[router_id] = log
+        while len(self._router_named) > MAX_ROUTERS:
+            self._router_named.popitem(last=False)
+
+    def _named_by_router_since(self, req: Request) -> bool:
+        """Whether the router that sent PD half `req` aborted it by name after sending it."""
+        log = self._router_named.get(req.pd_router_id) if req.pd_router_id else None
+        return log is not None and any(n > req.pd_router_named and _named(req, name) for n, name in log)
+
     def _aborted_since(self, req: Request) -> bool:
         """Whether an `abort_now()` since `req` arrived named it or everything (or the router aborted
-        it: ROUTER_ABORTED_EPOCH, ABORTED_IN_TRANSIT_EPOCH)."""
+        it: ROUTER_ABORTED_EPOCH, ABORTED_IN_TRANSIT_EPOCH, or by name after it sent it)."""
         if req.abort_epoch in (ROUTER_ABORTED_EPOCH, ABORTED_IN_TRANSIT_EPOCH):
+            return True
+        if self._named_by_router_since(req):
             return True
         for number, name in reversed(self._abort_log):
             if number <= req.abort_epoch:

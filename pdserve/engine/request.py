@@ -74,6 +74,7 @@ class Request:
     # text it was built from.
     text_shown: str = ""
     pd_router_id: str = ""  # a PD half: the router that sent it (`pd.router_id`; server/api.py)
+    pd_router_named: int = 0  # ... and how many named aborts that router had taken when it sent it
     text_decoded: str = ""
     # prompt tokens the output is decoded after (Tokenizer.decode_context)
     decode_context: list[int] | None = None

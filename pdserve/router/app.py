@@ -13,7 +13,9 @@ non-streamed decode), the router polls the client's connection and closes both l
 One already sent but not yet taken in by an engine when it gets the abort ends too: each half carries
 the router's id and abort count (`pd.router_id`, `pd.router_epoch`), so does the abort, and an
 engine aborts a half of an earlier count on arrival (its role tells the peer, as for any abort).
-An `/abort_request` of one `rid` ends what the router still holds of that name alike (`abort_named`).
+An `/abort_request` of one `rid` ends what the router still holds of that name alike (`abort_named`),
+and a half of it on its way: halves and the abort carry the router's count of named aborts
+(`pd.router_named`).
 Engines are health-checked in the background; a dead one gets no new requests. What any engine
 answers alike (`/v1/models`, `/tokenize`, `/get_model_info`, `/get_weight_version`) goes to one live engine; what every engine
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
@@ -304,17 +306,20 @@ class Router:
             self.placement.abort_waiting()
         return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
 
-    def abort_named(self, name: str) -> None:
+    def abort_named(self, name: str) -> dict:
         """An `/abort_request` of one `rid`: the requests of that name this router still holds end too
         -- those waiting in placement at once, those a weight update holds when it lets them go, and
         one between two attempts -- each sent to its engines marked `pd.aborted`, which answer "abort".
         The engines only abort what they already run: a request held here was sent later, unmarked,
         and ran to the end as if never aborted. (A name ends a split request's children too: theirs
-        start with it and "_", as the engines match them.)"""
+        start with it and "_", as the engines match them.) Returns the fields the abort takes to the
+        engines (this router's id and new count of named aborts), for a half it sent earlier that
+        reaches an engine after the abort (each half carries the count when it was sent)."""
         self.num_named_aborts += 1
         self._named_aborts.append((self.num_named_aborts, name))
         if self.placement is not None:
             self.placement.abort_waiting(lambda waiting_name: names_match(waiting_name, name))
+        return {"router_id": self.router_id, "router_named": self.num_named_aborts}
 
     def named_abort_since(self, arrival: Arrival) -> bool:
         """Whether an `abort_named` since the request came in named it."""
@@ -584,7 +589,13 @@ class Router:
             de_before = de.url
             room = new_room()
             epoch = arrival.epoch
-            pd = {"room": room, "read_path": read_path, "router_id": self.router_id, "router_epoch": epoch}
+            pd = {
+                "room": room,
+                "read_path": read_path,
+                "router_id": self.router_id,
+                "router_epoch": epoch,
+                "router_named": self.num_named_aborts,  # (the ones before this are checked just below)
+            }
             if epoch < self.abort_epoch or self.named_abort_since(arrival):
                 pd["aborted"] = True
             pe_body = {**body, "stream": False, "pd": pd}

@@ -4,9 +4,10 @@ endpoints, for a whole cluster).
 Who calls them: an RL trainer's rollout manager and operators, as they would call one engine. Mounted by
 `router/app.build_router_app`.
 
-* `POST /abort_request` (SGLang's): to every engine; with `abort_all`, also what the router still holds
-  (`Router.abort_all`: its placement queue, requests not yet sent) and what it sent that has not yet
-  reached an engine (the abort carries the router's id and abort count to the engines).
+* `POST /abort_request` (SGLang's): to every engine, and what the router still holds of it
+  (`Router.abort_all`, `Router.abort_named`: its placement queue, requests not yet sent) and what it
+  sent that has not yet reached an engine (the abort carries the router's id and its count of such
+  aborts to the engines).
 * `POST /update_weights_from_disk` (SGLang's): the cluster's next checkpoint. New requests are held
   (`Router.open`), those in flight finish (or end now with `abort_running`), every engine loads the
   checkpoint, then the held ones go: no request runs across a prefill and a decode of different
@@ -111,7 +112,10 @@ def control_routes(router: Router) -> APIRouter:
         if parsed is not None and parsed.abort_all:
             return await to_every_engine("/abort_request", http, json.loads(raw) | router.abort_all())
         if parsed is not None and isinstance(parsed.rid, str) and parsed.rid:
-            router.abort_named(parsed.rid)  # (what the router still holds of it)
+            # (what the router still holds of it, and the halves of it still on their way)
+            return await to_every_engine(
+                "/abort_request", http, json.loads(raw) | router.abort_named(parsed.rid)
+            )
         return await to_every_engine("/abort_request", http)
 
     @routes.post("/update_weights_from_disk")

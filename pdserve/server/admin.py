@@ -49,8 +49,11 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
-        if body.router_id:  # (first: a router's half checked from now on is aborted on arrival)
+        # (first: a router's half checked from now on is aborted on arrival)
+        if body.router_id and body.abort_all:
             aengine.note_router_abort(body.router_id, body.router_epoch)
+        elif body.router_id:
+            aengine.note_router_named_abort(body.router_id, body.router_named, request_id_of(body.rid))
         try:  # (the id the client saw: a chat's says "chatcmpl-" for "cmpl-")
             num_aborted = await aengine.abort_now(None if body.abort_all else request_id_of(body.rid))
         except EngineDeadError as e:

@@ -225,9 +225,11 @@ def build_app(
             raise APIError(
                 f"pd.router_id must be a string of at most {MAX_ROUTER_ID_CHARS} chars", param="pd"
             )
-        if not isinstance(router_epoch, int) or isinstance(router_epoch, bool) or router_epoch < 0:
-            raise APIError("pd.router_epoch must be a non-negative integer", param="pd")
-        req.pd_router_id = router_id
+        router_named = pd_field.get("router_named", 0)
+        for key, value in (("router_epoch", router_epoch), ("router_named", router_named)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise APIError(f"pd.{key} must be a non-negative integer", param="pd")
+        req.pd_router_id, req.pd_router_named = router_id, router_named
         if pd_field.get("aborted"):  # an abort_all reached the router while it held the request
             req.abort_epoch = ROUTER_ABORTED_EPOCH
         elif aengine.aborted_in_transit(router_id, router_epoch):  # ... or here, before this half did

@@ -389,20 +389,25 @@ class AbortRequest(BaseModel):
 
     `router_id`, `router_epoch`: set by pdserve's router on an abort of everything (its id and abort
     count, `Router.abort_all`); a PD half that router sent before it (`pd.router_epoch` lower) but
-    that reaches the engine only after it is aborted on arrival (`AsyncEngine.note_router_abort`)."""
+    that reaches the engine only after it is aborted on arrival (`AsyncEngine.note_router_abort`).
+    `router_id`, `router_named`: likewise on an abort of one `rid` (its count of named aborts,
+    `Router.abort_named`; a half with a lower `pd.router_named` that it names is aborted on arrival)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     rid: str = ""
     abort_all: bool = False
     router_id: str = Field("", max_length=MAX_ROUTER_ID_CHARS)
     router_epoch: int = Field(0, ge=0)
+    router_named: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_target(self):
         if bool(self.rid) == self.abort_all:
             raise ValueError("give a rid or abort_all: true (one of them)")
-        if self.router_id and not self.abort_all:
-            raise ValueError("router_id and router_epoch come with abort_all")
+        if self.router_epoch and not self.abort_all:
+            raise ValueError("router_epoch comes with abort_all")
+        if self.router_named and not self.rid:
+            raise ValueError("router_named comes with a rid")
         return self
 
 
