@@ -2104,3 +2104,19 @@ def test_layerwise_send_slot_blocked_only_by_the_runs_own_pull_still_goes_out(ma
     role.staging = s
     p.assert_clean()
     store.close()
+
+
+def test_a_prefill_whose_pool_holds_the_prompt_takes_a_request_whose_output_would_not_fit_it(make_pair, colocated):
+    """A prefill holds only the prompt's KV (it samples one token, which takes no slot); the output
+    grows on the decode. A prefill with a smaller pool than its decodes' (they need room to grow, it
+    does not) refused, as "needs more KV pages than this engine has in total", every request whose
+    prompt + max_tokens outgrew the prefill's pool, though the pair could serve it."""
+    p = make_pair(pe_pages=4, copy_bytes=True)  # (16 tokens of KV on the prefill, 256 on the decode)
+    ids = prompt(13)  # 4 pages on the prefill; with 20 new tokens, 8 on the decode
+    p.submit_both(ids, 20, "big-output")
+    p.drive(lambda: p.idle())
+    ref = colocated.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=20))
+    assert p.de_sink.final("big-output").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    p.assert_clean()
+    with pytest.raises(InvalidRequest, match="more KV pages than this engine has in total"):
+        p.pe_engine.make_request(prompt(17), SamplingParams(max_tokens=1))  # (the prompt itself: 5 pages)

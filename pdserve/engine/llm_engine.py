@@ -91,6 +91,9 @@ class LLMEngine:
         # Page references held outside any request's page list (PD prefill write pins): each hook
         # returns the page ids it holds a reference on, one entry per reference (check_integrity).
         self.extra_page_refs: list = []
+        # A PD prefill holds only each prompt's KV (it samples one token, which takes no slot; the
+        # output grows on the decode): `make_request` checks its pool against the prompt alone.
+        self.holds_prompt_kv_only = False
         self.weights_dir = config.model  # where the served weights came from (update_weights)
         self.num_weight_updates = 0
         self.weight_version = "default"  # a trainer's label of the weights served (SGLang's; set by updates)
@@ -177,7 +180,8 @@ class LLMEngine:
                 f"length of {max_len} tokens"
             )
         # (the last token sampled is never computed, so it holds no KV: prompt + max_tokens - 1 slots)
-        if self.kv.num_pages_for(num_prompt + max_tokens - 1) > self.kv.pool.num_pages:
+        num_kv_tokens = num_prompt if self.holds_prompt_kv_only else num_prompt + max_tokens - 1
+        if self.kv.num_pages_for(num_kv_tokens) > self.kv.pool.num_pages:
             raise InvalidRequest("request needs more KV pages than this engine has in total")
         vocab = self.config.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:

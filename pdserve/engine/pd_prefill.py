@@ -106,6 +106,7 @@ class Tombstone(NamedTuple):
 class PrefillRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
+        engine.holds_prompt_kv_only = True  # (the decode checks prompt + max_tokens against its own pool)
         self.staging_slots: dict[int, int] = {}  # transfer id -> our staging slot (freed on completion)
         # Transfer id -> our KV pages a write reads, each holding one extra reference until the agent
         # reports the write done or released: a preempted (or freed) request's pages must not be
