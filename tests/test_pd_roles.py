@@ -2106,7 +2106,9 @@ def test_layerwise_send_slot_blocked_only_by_the_runs_own_pull_still_goes_out(ma
     store.close()
 
 
-def test_a_prefill_whose_pool_holds_the_prompt_takes_a_request_whose_output_would_not_fit_it(make_pair, colocated):
+def test_a_prefill_whose_pool_holds_the_prompt_takes_a_request_whose_output_would_not_fit_it(
+    make_pair, colocated
+):
     """A prefill holds only the prompt's KV (it samples one token, which takes no slot); the output
     grows on the decode. A prefill with a smaller pool than its decodes' (they need room to grow, it
     does not) refused, as "needs more KV pages than this engine has in total", every request whose
