@@ -187,6 +187,12 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, stream: bool, m
     return text, lps, None
 
 
+def test_pd_info_reports_each_engines_kv_capacity(cluster):
+    """/pd/info's `kv_capacity_tokens` (the router tries a decode of a bigger pool for a request a
+    smaller one refused): pages x page size, as configured (400 x 16)."""
+    assert [info["kv_capacity_tokens"] for info in cluster.pd_info.values()] == [400 * 16] * 2
+
+
 def test_pd_penalties_bias_and_min_tokens_equal_colocated(cluster, colocated):
     """Token 1 is sampled on the prefill, the rest on the decode: both apply the same processors."""
     ps = [warm_prompts()[0] + "    return", "import os", "x = 1 + " + "y" * 40]

@@ -32,6 +32,7 @@ class Engines:
         self.model_paths: dict[str, str] = {}  # host -> the weights it serves (default "/ckpt/a")
         self.weights_ids: dict[str, str] = {}  # host -> their identity (default: none reported)
         self.statuses: dict[str, str] = {}  # host -> its /pd/info status (default "ok")
+        self.capacities: dict[str, int] = {}  # host -> its KV pool in tokens (default: not reported)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if self.intercept is not None and (answer := await self.intercept(request)) is not None:
@@ -46,6 +47,8 @@ class Engines:
             }
             if host in self.weights_ids:
                 info["weights_id"] = self.weights_ids[host]
+            if host in self.capacities:
+                info["kv_capacity_tokens"] = self.capacities[host]
             return httpx.Response(200, json=info)
         if path == "/pd/load":
             return httpx.Response(200, json=report(host, role))
@@ -364,6 +367,59 @@ def test_a_decode_that_answers_first_with_an_error_ends_the_wait_for_its_prefill
     assert "decode says no" in r.json()["error"]["message"]
     assert engines.closed == ["pe"] and router.decodes[0].in_flight == 0
     assert router.num_retries == 0  # (one decode: a 503 is not retried, nowhere else to go)
+
+
+@pytest.mark.parametrize(
+    ("capacities", "asked"),
+    [
+        ({"de": 64, "de2": 4096, "de3": 64}, ["de", "de2"]),  # the small refuses: the big one serves
+        ({"de": 64, "de2": 4096, "de3": 8192}, ["de", "de3"]),  # (the biggest: tried once, no ladder)
+        ({"de": 64, "de2": 64, "de3": 64}, ["de"]),  # the same pools: its 400 is the answer
+        ({}, ["de"]),  # (pools not reported)
+    ],
+)
+def test_a_request_a_smaller_decode_refuses_is_tried_on_the_biggest(capacities, asked):
+    """Plain routing over decodes of unequal KV pools (`kv_capacity_tokens` in /pd/info): the decode
+    picked (fewest in flight) refused a request that outgrew its pool with a 400, which the router
+    handed to the client as the request's fault though a bigger decode could serve it. A decode's 400
+    is now tried once more on the biggest live decode, if bigger; that one's answer stands."""
+    seen: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        engines.capacities = capacities
+        served = asyncio.Event()
+
+        async def by_capacity(request: httpx.Request) -> httpx.Response | None:
+            host = request.url.host
+            if request.method != "POST":
+                return None
+            if host == "pe":  # (a prefill answers once its decode took the KV)
+                await served.wait()
+                return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            seen.append(host)
+            if capacities.get(host, 64) < 1000:
+                body = {"error": {"message": f"{host}: needs more KV pages", "code": 400}}
+                return httpx.Response(400, headers={"content-type": "application/json"}, stream=Once(body))
+            served.set()
+            answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = by_capacity
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2", "http://de3"))
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(
+                c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
+            )
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert seen == asked, seen
+    if len(asked) == 1:
+        assert r.status_code == 400 and "de: needs more KV pages" in r.json()["error"]["message"]
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
+    assert all(d.in_flight == 0 for d in router.decodes)
 
 
 @pytest.mark.parametrize("num_decodes", [1, 2])

@@ -93,6 +93,7 @@ class Engine:
     deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
     model_path: str = ""  # the weights it serves (from /pd/info)
     weights_id: str = ""  # ... and their identity (model, vocabulary, checkpoint digest; from /pd/info)
+    kv_capacity_tokens: int = 0  # its KV pool in tokens (from /pd/info; 0: not reported)
     # Answers health checks but serves other weights than the cluster's last update (it was out of
     # service then, or restarted from the launch checkpoint): taken out of service like a dead engine,
     # so no pair of stale engines serves the old weights unnoticed; the next update includes it.
@@ -363,6 +364,8 @@ class Router:
                     e.deadline_s = float(info.get("deadline_s") or 0.0)
                     e.model_path = str(info.get("model_path", ""))
                     e.weights_id = str(info.get("weights_id", ""))
+                    capacity = info.get("kv_capacity_tokens")
+                    e.kv_capacity_tokens = capacity if type(capacity) is int and capacity > 0 else 0
                     # (an engine whose thread died or whose weights were lost answers, saying so; the
                     # latter is stale: the next update is what brings it back)
                     status = info.get("status", "ok")
@@ -447,6 +450,14 @@ class Router:
         if not live:
             raise NoEngine("no healthy decode engine")
         return min(live, key=lambda e: e.in_flight)
+
+    def _biggest_decodes(self, de: Engine) -> list[Engine]:
+        """The live decodes of the biggest KV pool (as reported), if bigger than `de`'s; else none."""
+        live = [e for e in self.decodes if e.healthy and e.kv_capacity_tokens]
+        most = max((e.kv_capacity_tokens for e in live), default=0)
+        if not de.kv_capacity_tokens or most <= de.kv_capacity_tokens:
+            return []
+        return [e for e in live if e.kv_capacity_tokens == most]
 
     def choose_read_path(self, requested: str | None) -> str:
         """The request's own `read_path` wins; `auto` takes the side with fewer store reads in flight
@@ -629,10 +640,16 @@ class Router:
                         content = await de_resp.aread()
                     except httpx.HTTPError as e:  # (it died while answering)
                         content = f"(its answer broke: {e!r})".encode()
-                    if 400 <= de_resp.status_code < 500:  # a request only the decode refuses: no retry
-                        return Response(content, de_resp.status_code, media_type="application/json")
                     error = content[:200].decode(errors="replace")
                     last_error = f"decode {de.url}: HTTP {de_resp.status_code} {error}"
+                    biggest = self._biggest_decodes(de) if de_resp.status_code == 400 else []
+                    if 400 <= de_resp.status_code < 500 and not biggest:
+                        return Response(content, de_resp.status_code, media_type="application/json")
+                    if biggest:
+                        # A request only the decode refuses is the client's, unless a decode with a
+                        # bigger KV pool may take it (pools differ: the smaller refuses what outgrows
+                        # it). The biggest is tried, once: it refuses alike anything else wrong.
+                        failed_decodes.update(e.url for e in self.decodes if e not in biggest)
                 await leg.close()
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)

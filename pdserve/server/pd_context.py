@@ -170,6 +170,9 @@ class PDContext:
             "node": self.config.node,
             "deadline_s": self.config.deadline_s,  # the router bounds its wait for a prefill with it
             "weights_id": self.identity,
+            # (the most KV one request may hold here: the router tries a bigger decode for a request a
+            # smaller one refused)
+            "kv_capacity_tokens": self.engine.kv.pool.num_pages * self.engine.kv.page_size,
         }
         if self.bootstrap is not None:
             out["bootstrap_url"] = self.bootstrap.url
