@@ -2122,3 +2122,28 @@ def test_a_prefill_whose_pool_holds_the_prompt_takes_a_request_whose_output_woul
     p.assert_clean()
     with pytest.raises(InvalidRequest, match="more KV pages than this engine has in total"):
         p.pe_engine.make_request(prompt(17), SamplingParams(max_tokens=1))  # (the prompt itself: 5 pages)
+
+
+def test_retry_with_the_same_rid_on_the_prefill_runs_while_the_failed_rooms_writes_are_in_flight(
+    make_pair, colocated
+):
+    """The prefill's mirror of the decode's case: the decode failed the room (here its client aborted)
+    while the prefill's writes to it were in flight, so the prefill held the room until they settle.
+    The router retries under the client's rid (on another decode, with the same prefill): the prefill
+    refused it as a duplicate id (a 409) until the writes settled. Its pages stay pinned by those
+    writes; the request id is free once its first token was answered."""
+    p = make_pair(copy_bytes=True, pe_backend={"delay_s": 1.0})  # every write takes 1 s
+    room = p.submit_both(prompt(9), 4, "again")
+    p.drive(lambda: bool(p.pe_role.transfers) and p.pe_sink.outputs("again"))
+    p.de_role.abort("again")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Failed)
+    assert p.pe_role.by_room[room].in_flight  # (its writes still run: the room stays)
+    assert "again" not in p.pe_engine.requests and p.pe_role.pinned  # the id is free, the pages are not
+    room2 = p.submit_both(prompt(9), 4, "again")
+    p.drive(lambda: any(o.finished for o in p.de_sink.outputs("again")), timeout_s=20)
+    ref = colocated.generate([{"prompt_token_ids": prompt(9)}], SamplingParams(temperature=0, max_tokens=4))
+    assert p.de_sink.final("again").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert room2 != room
+    p.drive(lambda: p.idle(), timeout_s=20)
+    assert p.pe_role.by_request == {} and p.de_role.aborts.num_acked == 1
+    p.assert_clean()

@@ -701,6 +701,18 @@ class PrefillRole(PDRoleBase, EngineRole):
         # ("abort"), not a failure the router would retry on another prefill.
         if not pr.req.status.finished:
             self.deliver_failure(pr.req.request_id, f"prefill failed: {reason}", client_abort)
+        elif pr.store_read is None:
+            # Its first token was answered, and nothing computes for it any more: free its id now,
+            # not once its writes settle (the router retries a failed attempt under the client's rid,
+            # on another decode with this prefill: a 409 meanwhile). The writes read pinned pages.
+            self._forget_request(pr)
+
+    def _forget_request(self, pr: PrefillRoom) -> None:
+        """The engine forgets `pr`'s finished request and frees its pages but those its writes still
+        read (`pinned`); our id map drops it if the id is still this room's (a retry may hold it)."""
+        self.engine.release_held(pr.req)
+        if self.by_request.get(pr.req.request_id) == pr.room:
+            del self.by_request[pr.req.request_id]
 
     def _reap(self) -> None:
         """Free rooms that are terminal and have nothing in flight."""
@@ -710,7 +722,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 continue
             if state == KVState.Failed and not pr.req.status.finished:
                 self.engine.scheduler.finish(pr.req, RequestStatus.FINISHED_ABORTED, free_pages=False)
-            self.engine.release_held(pr.req)
+            self._forget_request(pr)
             if pr.local_slot >= 0:
                 self.handoff.free(pr.local_slot)
             if pr.abort_reply_to is not None:
@@ -720,7 +732,6 @@ class PrefillRole(PDRoleBase, EngineRole):
             elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
                 self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort, False)
             del self.by_room[room]
-            self.by_request.pop(pr.req.request_id, None)
             self.rooms.remove(room)
 
     def queue_sizes(self) -> dict[str, int]:
