@@ -94,3 +94,38 @@ def test_round_robin_and_dualpath_same_tokens_reads_spread(demo_model_dir):
     assert dual_state["placement"]["read_paths"]["de"] > 0
     assert reads["dual"]["d0"] + reads["dual"]["d1"] > 0
     assert basic_state["placement"]["queue_len"] == dual_state["placement"]["queue_len"] == 0
+
+
+def test_dualpath_placement_sends_the_choices_of_one_prompt_to_one_prefill(demo_model_dir):
+    """Two prefills, one decode, `--policy dualpath`; n = 3 seeded: the three choices equal a colocated
+    engine's (seed + i each), and one prefill took all three, computing their shared prompt once (the
+    other two shared its pages: prefix waits, hits). Placed one by one they went to both prefills."""
+    from pdserve.entrypoints.llm import LLM
+    from pdserve.launch import cluster_args, start_cluster
+    from pdserve.sampling_params import SamplingParams
+    from tests.test_pd_e2e import metrics
+
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    args = cluster_args(demo_model_dir, policy="dualpath", num_pages=400, served_model_name="demo")
+    prompt = list(range(5, 5 + 200))  # (many pages: the siblings arrive while it is computed)
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3}
+    cluster = start_cluster(args, 2, 1)
+    try:
+        r = httpx.post(cluster.router_url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=120)
+        for url in cluster.urls["prefill"] + cluster.urls["decode"]:
+            wait_engine_idle(url)
+        prompt_tokens = [metrics(u)["pdserve_prompt_tokens_total"] for u in cluster.urls["prefill"]]
+        shared = [
+            metrics(u)["pdserve_prefix_cache_hit_tokens_total"] + metrics(u)["pdserve_prefix_waits_total"]
+            for u in cluster.urls["prefill"]
+        ]
+    finally:
+        cluster.stop()
+    assert r.status_code == 200, r.text
+    llm = LLM(demo_model_dir, num_pages=400)
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6, ignore_eos=True) for i in range(3)]
+    refs = [llm.generate([{"prompt_token_ids": prompt}], p)[0].outputs[0].token_ids for p in params]
+    texts = [llm.get_tokenizer().decode(ids) for ids in refs]
+    assert [c["text"] for c in r.json()["choices"]] == texts
+    assert sorted(prompt_tokens) == [0, 3 * len(prompt)], prompt_tokens  # (one prefill took all three)
+    assert max(shared) > 0, shared

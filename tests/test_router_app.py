@@ -761,6 +761,57 @@ def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
     }
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_under_dualpath_placement_the_choices_of_one_prompt_share_its_prefill(path):
+    """DualPath placement, two prefills and two decodes, [p0, p1] with n = 3: each prompt's first
+    choice is placed, the other two follow it to its prefill and read path (which computes their shared
+    prompt once) and each takes a decode of its own. Placed one by one they went to both prefills
+    (each computing the whole prompt), and the router's prefix index took the first's prompt as the
+    others' stored hits."""
+    legs: list[tuple[str, list, str]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answers(request: httpx.Request) -> httpx.Response | None:
+            host = request.url.host
+            if request.method != "POST" or request.url.path != path:
+                return None
+            sent = json.loads(await request.aread())
+            prompt = sent["prompt"] if path == "/v1/completions" else sent["input_ids"]
+            legs.append((host, prompt, sent["pd"]["read_path"]))
+            if host.startswith("pe"):
+                return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            if path == "/generate":
+                answer = {"text": "y", "meta_info": {"id": sent["rid"], "finish_reason": {"type": "length"}}}
+            else:
+                answer = {"choices": [{"index": 0, "text": "y", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = answers
+        router = await started_router(
+            engines, "dualpath", prefills=("http://pe", "http://pe2"), decodes=("http://de", "http://de2")
+        )
+        index = router.placement.index
+        async with client_of(router) as c:
+            if path == "/generate":
+                body = {"input_ids": [[1, 2, 3, 4, 5], [6, 7, 8]], "sampling_params": {"n": 3}}
+            else:
+                body = {"prompt": [[1, 2, 3, 4, 5], [6, 7, 8]], "max_tokens": 2, "n": 3}
+            r = await c.post(path, json=body)
+        return r, router, index
+
+    r, router, index = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    assert router.placement.num_placed == 2  # (one per prompt)
+    for prompt in ([1, 2, 3, 4, 5], [6, 7, 8]):
+        prefills = {(host, read_path) for host, p, read_path in legs if p == prompt and host.startswith("pe")}
+        decodes = sorted(host for host, p, _ in legs if p == prompt and host.startswith("de"))
+        assert len(prefills) == 1, legs  # (all three on one prefill, with one read path)
+        assert decodes in (["de", "de", "de2"], ["de", "de2", "de2"]), legs  # (spread)
+    assert all(d.in_flight == 0 for d in router.decodes)
+
+
 def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     """/abort_request, /flush_cache and /reset_prefix_cache reach every live engine with the body as
     sent (an abort of a rid with the router's id and count of named aborts added); the answer maps each

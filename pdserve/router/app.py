@@ -128,6 +128,23 @@ class Arrival(NamedTuple):
 MAX_NAMED_ABORTS = 4096  # named aborts remembered (a request held longer than that many is not matched)
 
 
+class Siblings:
+    """The choices of one prompt of an `n` > 1 request under DualPath placement. The first is placed
+    (`leader`); the others wait for it and follow it to its prefill and read path, which then computes
+    their shared prompt once (the engine scheduler's in-flight prefix sharing), each to a decode of
+    its own. Placed one by one, they went to different prefills (the scheduler's least-loaded one
+    after each), each computing the whole prompt, and the router's prefix index counted the first's
+    prompt as the others' stored hits. `placed`: (prefill, read path), or None when the first was not
+    placed (each other is then placed on its own)."""
+
+    def __init__(self) -> None:
+        self.placed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def settle(self, placed: tuple | None) -> None:
+        if not self.placed.done():
+            self.placed.set_result(placed)
+
+
 def client_name(path: str, body: dict) -> tuple[str, ...]:
     """The names a client may abort a request by before any engine answered: the `rid` it gave a
     `/generate`, or the `request_id` it gave an OpenAI route and the answer's id it makes, "cmpl-" +
@@ -467,10 +484,19 @@ class Router:
             choice = "pe" if self.reads_in_flight["pe"] <= self.reads_in_flight["de"] else "de"
         return choice
 
-    async def dispatch(self, path: str, body: dict, http: Request, prefill: Engine | None = None):
+    async def dispatch(
+        self,
+        path: str,
+        body: dict,
+        http: Request,
+        prefill: Engine | None = None,
+        siblings: Siblings | None = None,
+        leader: bool = False,
+    ):
         """`prefill`: the prefill to try first (plain routing; the children of one `n` > 1 request all
         go to one, which then computes their shared prompt once: see the scheduler's in-flight prefix
-        sharing). Decodes are still picked per request, to spread the n generations."""
+        sharing). Decodes are still picked per request, to spread the n generations. `siblings`,
+        `leader`: the same under DualPath placement (`Siblings`)."""
         epoch, held_aborts, named_at = self.abort_epoch, self.num_held_aborts, self.num_named_aborts
         while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
             try:  # another update closed the door before this request woke up)
@@ -487,7 +513,12 @@ class Router:
         self.num_dispatching += 1  # (in the same step as the check: a drain that starts now counts it)
         try:
             if self.placement is not None:
-                return await self._dispatch_placed(path, body, http, arrival)
+                if leader and siblings is not None:
+                    try:
+                        return await self._dispatch_placed(path, body, http, arrival, siblings)
+                    finally:
+                        siblings.settle(None)  # (not placed: the others are placed on their own)
+                return await self._dispatch_placed(path, body, http, arrival, follow=siblings)
             read_path = self.choose_read_path(body.pop("read_path", None))
             if read_path in self.reads_in_flight:
                 self.reads_in_flight[read_path] += 1
@@ -500,8 +531,18 @@ class Router:
         finally:
             self.num_dispatching -= 1
 
-    async def _dispatch_placed(self, path: str, body: dict, http: Request, arrival: Arrival):
-        """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch."""
+    async def _dispatch_placed(
+        self,
+        path: str,
+        body: dict,
+        http: Request,
+        arrival: Arrival,
+        lead: Siblings | None = None,
+        follow: Siblings | None = None,
+    ):
+        """DualPath placement: wait in the scheduler's FIFO for (PE, DE, read path), then dispatch.
+        `lead`: tell these siblings where this request was placed; `follow`: go where their leader was
+        placed, to a decode of its own (`Siblings`)."""
         if body.pop("read_path", None) not in (None, "auto"):
             return JSONResponse(
                 error_body(
@@ -517,6 +558,17 @@ class Router:
             return JSONResponse(error_body(str(e), 400), 400)
         if max_tokens is None:
             max_tokens = DEFAULT_PLACEMENT_TOKENS
+        if follow is not None:
+            try:
+                placed = await unless_gone(http, asyncio.shield(follow.placed))
+            except ClientGone:
+                return client_gone()
+            if placed is not None and placed[0].healthy:
+                try:
+                    de = self.pick_decode()
+                except NoEngine as e:
+                    return unavailable(str(e))
+                return await self._dispatch(path, body, http, placed[1], arrival, first=(placed[0], de))
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
             placing = self.placement.place(prompt_ids, prompt_len, max_tokens, pieces, arrival.name)
@@ -538,6 +590,8 @@ class Router:
                 de = self.pick_decode()
             except NoEngine as e:
                 return unavailable(str(e))
+        if lead is not None:
+            lead.settle((pe, a.read_path))
         return await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
 
     async def _dispatch(
@@ -893,13 +947,14 @@ def build_router_app(router: Router) -> FastAPI:
         """The dispatches of a split request's children, p·n .. p·n + n - 1 being prompt p's choices."""
         out = []
         for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
-            try:  # (DualPath placement places each on its own)
+            try:  # (DualPath placement: the first is placed, the others follow it: `Siblings`)
                 prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
             except NoEngine:
                 prefill = None  # (each child then answers 503 as a single request would)
+            siblings = Siblings() if router.placement is not None and n > 1 else None
             out += [
-                router.dispatch(path, child, http, prefill)
-                for child in bodies[prompt_start : prompt_start + n]
+                router.dispatch(path, child, http, prefill, siblings, leader=i == 0)
+                for i, child in enumerate(bodies[prompt_start : prompt_start + n])
             ]
         return out
 
