@@ -212,7 +212,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-quota-ms",
         type=float,
         default=None,
-        help="DualPath compute quota per step (predicted by the prefill cost model); default off",
+        help="DualPath compute quota per step (predicted by the prefill cost model); default off. "
+        "Meant for prefill engines: it prices decodes too, so on a colocated or decode engine running "
+        "decodes that fill it keep new requests waiting",
     )
 
 
