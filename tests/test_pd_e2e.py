@@ -791,6 +791,12 @@ def test_pd_halves_sent_before_a_routers_abort_of_their_name_that_arrive_after_i
         return [a.json()["choices"][0]["finish_reason"] for a in answers]
 
     assert pair(name, router_id, 2) == ["abort", "abort"]
+    # An earlier abort of that router (another name, count 1) reaches the engines after the abort of
+    # `name` (count 3), as separate connections allow: that one still holds for a half sent at count 2.
+    late = {"rid": f"other-{name}", "router_id": router_id, "router_named": 1}
+    for url in (prefill, decode):
+        assert httpx.post(url + "/abort_request", json=late, timeout=30).status_code == 200
+    assert pair(name, router_id, 2) == ["abort", "abort"]
     assert pair(f"{name}_1", router_id, 0)[1] == "abort"  # (a child of the name: "<name>_<i>")
     for other in ((name, router_id, 3), (f"other-{name}", router_id, 2), (name, uuid.uuid4().hex, 0)):
         assert pair(*other)[1] == "length", other

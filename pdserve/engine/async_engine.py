@@ -263,15 +263,28 @@ class AsyncEngine:
         (`pd.router_named` lower) may reach this engine only after the abort: `_aborted_since` tells
         them, by the names they end up with (a `/generate` rid is set after validation)."""
         log = self._router_named.pop(router_id, None) or deque(maxlen=MAX_NAMED_ABORTS_PER_ROUTER)
-        log.append((router_named, name))
+        if len(log) == log.maxlen:
+            log.popleft()
+        # Kept in count order (`_named_by_router_since` stops at the first older one): the router sends
+        # its aborts over separate connections, so one may overtake another.
+        at = len(log)
+        while at and log[at - 1][0] > router_named:
+            at -= 1
+        log.insert(at, (router_named, name))
         self._router_named[router_id] = log
         while len(self._router_named) > MAX_ROUTERS:
             self._router_named.popitem(last=False)
 
     def _named_by_router_since(self, req: Request) -> bool:
-        """Whether the router that sent PD half `req` aborted it by name after sending it."""
-        log = self._router_named.get(req.pd_router_id) if req.pd_router_id else None
-        return log is not None and any(n > req.pd_router_named and _named(req, name) for n, name in log)
+        """Whether the router that sent PD half `req` aborted it by name after sending it. (Per request:
+        only the aborts since it was sent are read, newest first -- a router's counts only grow -- not
+        the whole log, up to MAX_NAMED_ABORTS_PER_ROUTER names, an RL manager aborting many rids.)"""
+        for number, name in reversed(self._router_named.get(req.pd_router_id, ())):
+            if number <= req.pd_router_named:
+                break
+            if _named(req, name):
+                return True
+        return False
 
     def _aborted_since(self, req: Request) -> bool:
         """Whether an `abort_now()` since `req` arrived named it or everything (or the router aborted
