@@ -848,3 +848,25 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
     # to be forgotten (PDConfig.peer_idle_s).
     assert idle[prefill_url]["pdserve_pd_peers"] == 1 and idle[decode_url]["pdserve_pd_peers"] >= 1
     assert idle[prefill_url]["pdserve_pd_peers_forgotten_total"] == 0
+
+
+def test_a_decode_whose_prefill_cannot_be_reached_answers_a_typed_503_and_holds_nothing(cluster):
+    """The router reads this 503's type as the prefill's failure (router/app.py): the decode's own
+    lookup of a dead prefill's bootstrap may answer before the router sees that prefill's death."""
+    if cluster.staged:
+        pytest.skip("no KV moves: the direct cluster covers it")
+    import socket
+
+    from pdserve.engine.pd_common import new_room
+
+    with socket.socket() as s:  # a port nothing listens on (bound, then closed: refused)
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    decode = cluster.by_role["decode"]
+    pd = {"room": new_room(), "read_path": "none", "bootstrap_url": dead}
+    body = {"model": "demo", "prompt": [5, 6, 7], "max_tokens": 4, "pd": pd}
+    r = httpx.post(decode + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "PrefillUnreachable" and dead in r.json()["error"]["message"]
+    m = wait_engine_idle(decode)
+    assert m["pdserve_kv_pages_used"] == 0 and m["pdserve_pd_rooms_held"] == 0

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.router.app import STOPPING, Router, build_router_app
 from pdserve.router.placement import completion_view, prompt_shape, requested_max_tokens
+from pdserve.server.protocol import PREFILL_UNREACHABLE
 from tests.test_router_placement import report
 
 
@@ -1628,6 +1629,169 @@ def test_a_decode_that_fails_after_accepting_is_left_for_another_decode_without_
     r, router = asyncio.run(go())
     assert r.status_code == 200 and "ok" in r.text, r.text
     assert router.retries_by_side == {"prefill": 0, "decode": 1}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["died before its headers", "streamed, died before its headers", "its whole answer broke midway",
+     "answered 503 (its room failed)", "declared down before its headers"],
+)  # fmt: skip
+def test_a_decode_that_fails_after_the_prefill_answered_is_retried_before_the_client_sees_anything(failure):
+    """1 prefill, 2 decodes. The prefill answers its token 1; the first decode then fails before any
+    of its answer can have reached the client. The router waited for that decode alone and answered
+    the client a 502 (or the decode's 503, or a 503 for one declared down): seen once in
+    test_pd_faults, where the killed decode's prefill had answered first. It is now one more attempt,
+    on the other decode (the prefill tried again: not its fault), the first leg closed."""
+    stream = failure.startswith("streamed")
+    posts: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        answered = asyncio.Event()  # the prefill's first answer is out
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            host = request.url.host
+            posts.append(host)
+            if host == "pe":
+                answered.set()
+                return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+            if host == "de2":
+                if stream:
+                    return httpx.Response(
+                        200, headers={"content-type": "text/event-stream"}, stream=_sse_ok()
+                    )
+                answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            await answered.wait()
+            await asyncio.sleep(0.05)  # (after the router read the prefill's answer)
+            if failure == "declared down before its headers":
+                await asyncio.sleep(3600)  # frozen
+            if failure == "its whole answer broke midway":
+                return httpx.Response(
+                    200, headers={"content-type": "application/json"}, stream=_BrokenStream()
+                )
+            if failure.startswith("answered 503"):
+                error = {"error": {"message": "prefill failed: transfer", "code": 503}}
+                return httpx.Response(503, headers={"content-type": "application/json"}, stream=Once(error))
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        async with client_of(router) as c:
+            call = asyncio.ensure_future(c.post("/v1/completions", json=COMPLETION | {"stream": stream}))
+            if failure == "declared down before its headers":
+                await answered.wait()
+                await asyncio.sleep(0.1)
+                router.decodes[0].healthy = False  # (check_health after two missed checks)
+                router.decodes[0].down.set()
+            r = await asyncio.wait_for(call, 10)
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.status_code == 200 and '"ok"' in r.text and "error" not in r.text, r.text
+    assert sorted(posts) == ["de", "de2", "pe", "pe"], posts  # (the prefill asked again)
+    assert router.retries_by_side == {"prefill": 0, "decode": 1}
+    assert [e.in_flight for e in router.decodes] == [0, 0] and router.num_relaying == 0
+
+
+def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_there():
+    """The same with the client's rid on /generate and one prefill: that prefill holds the rid until
+    the failed room's writes end or fail (it sees a dead decode late), so the retry there was refused
+    as a duplicate id. The router aborts the rid on it first: the abort, then the retry."""
+    calls: list[tuple[str, str, object]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        answered = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+                return None
+            host, sent = request.url.host, json.loads(await request.aread())
+            calls.append((host, request.url.path, sent.get("rid")))
+            if request.url.path == "/abort_request":
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            if host == "pe":
+                answered.set()
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+            if host == "de2":
+                answer = {
+                    "output_ids": [1, 2],
+                    "text": "ok",
+                    "meta_info": {"finish_reason": {"type": "length"}},
+                }
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            await answered.wait()
+            await asyncio.sleep(0.05)
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        async with client_of(router) as c:
+            return await c.post("/generate", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and r.json()["text"] == "ok", r.text
+    on_pe = [(path, rid) for host, path, rid in calls if host == "pe"]
+    assert on_pe == [
+        ("/generate", "client-rid"),
+        ("/abort_request", "client-rid"),
+        ("/generate", "client-rid"),
+    ]
+
+
+@pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])
+def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure(error_type):
+    """2 prefills, 1 decode; the first prefill is dead. The decode's bootstrap lookup of that prefill
+    fails fast, and its 503 may reach the router before the prefill's own connection error (seen
+    once in test_pd_faults under load): the router blamed the decode and, with no other decode,
+    answered the client 503. The decode's 503 says PrefillUnreachable: the attempt is the prefill's,
+    retried on the other prefill with the same decode. Any other 503 of the decode is still the
+    decode's failure (with one decode: the 503 it was)."""
+    posts: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        first_decode_asked = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            host = request.url.host
+            posts.append(host)
+            if host == "pe":  # dead: its connection error comes after the decode's answer
+                await first_decode_asked.wait()
+                await asyncio.sleep(0.3)
+                raise httpx.ConnectError("All connection attempts failed")
+            if host == "pe2":
+                return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+            if not first_decode_asked.is_set():
+                first_decode_asked.set()
+                error = {
+                    "error": {"message": "prefill bootstrap unreachable", "type": error_type, "code": 503}
+                }
+                return httpx.Response(503, headers={"content-type": "application/json"}, stream=Once(error))
+            answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 10)
+        return r, router
+
+    r, router = asyncio.run(go())
+    if error_type == PREFILL_UNREACHABLE:
+        assert r.status_code == 200 and '"ok"' in r.text, r.text
+        assert posts == ["de", "pe", "de", "pe2"] or posts == ["pe", "de", "de", "pe2"], posts
+        assert router.retries_by_side == {"prefill": 1, "decode": 0}
+    else:
+        assert r.status_code == 503 and "unreachable" in r.text, r.text
+        assert router.retries_by_side == {"prefill": 0, "decode": 0}
+    assert [e.in_flight for e in router.prefills + router.decodes] == [0, 0, 0]
 
 
 def test_an_engine_that_failed_a_weight_update_is_out_of_service_when_the_update_answers():

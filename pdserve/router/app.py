@@ -63,7 +63,7 @@ from pdserve.server.auth import ApiKey
 from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import error_body, http_error
+from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body, http_error
 
 log = logging.getLogger(__name__)
 
@@ -696,6 +696,13 @@ class Router:
                         content = f"(its answer broke: {e!r})".encode()
                     error = content[:200].decode(errors="replace")
                     last_error = f"decode {de.url}: HTTP {de_resp.status_code} {error}"
+                    if de_resp.status_code == 503 and _error_type(content) == PREFILL_UNREACHABLE:
+                        # The decode could not reach this prefill (it is down, before the prefill's own
+                        # connection error reached us): the prefill's failure; the decode may serve the
+                        # retry (with one decode it used to be a 503: no decode left to try).
+                        await leg.close()
+                        failed_side = "prefill"
+                        continue
                     biggest = self._biggest_decodes(de) if de_resp.status_code == 400 else []
                     if 400 <= de_resp.status_code < 500 and not biggest:
                         return Response(content, de_resp.status_code, media_type="application/json")
@@ -710,7 +717,21 @@ class Router:
                 failed_side = "decode"
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
-                break
+                answer = await self._decode_answer(http, de, leg)
+                if not isinstance(answer, str):
+                    return answer
+                # The decode failed before any of its answer could reach the client (no headers of a
+                # stream; no byte of a whole answer): another attempt, as before the prefill answered
+                # (it used to be the client's 502 when the decode died after the prefill's token 1).
+                # (the prefill may be tried again: a room failed by either side answers a 5xx there)
+                last_error = answer
+                await leg.close()
+                tried.discard(pe.url)
+                failed_decodes.add(de.url)
+                failed_side = "decode"
+                if path == "/generate" and arrival.name:
+                    await self._abort_answered_half(pe, body["rid"])
+                continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
                 return Response(pe_resp.content, pe_resp.status_code, media_type="application/json")
@@ -723,14 +744,20 @@ class Router:
                 failed_side = "decode"
             else:
                 failed_side = "prefill"
-        else:
-            return JSONResponse(
-                error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502
-            )
+        return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
 
-        de_resp, failed = await _from_decode(http, de, leg.task, f"decode {de.url}")
-        if failed is not None:
-            return failed
+    async def _decode_answer(self, http: Request, de: Engine, leg: _Leg) -> Response | str:
+        """The client's answer, from the decode of an attempt whose prefill answered; or why the
+        attempt failed (a str) while nothing of the decode's answer can have reached the client: its
+        connection broke, or it was declared down, before the headers of a stream or the whole body of
+        an answer; or that answer is a 5xx (the room failed: its transfer, or the prefill lost). Past
+        a stream's headers, an error is the relay's (in-band)."""
+        try:
+            de_resp = await unless_gone(http, unless_down(de, leg.task))
+        except ClientGone:
+            return client_gone()
+        except (httpx.HTTPError, EngineDown) as e:
+            return f"decode {de.url}: {e!r}"
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
         if media.startswith("text/event-stream"):  # (past `dispatch`: counted as relayed from here)
@@ -740,23 +767,34 @@ class Router:
         # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
         # one that broke midway was a 200 whose body was half an answer and an SSE error event.
         try:
-            content, failed = await _from_decode(http, de, de_resp.aread(), "decode answer broke")
+            content = await unless_gone(http, unless_down(de, de_resp.aread()))
+        except ClientGone:
+            return client_gone()
+        except (httpx.HTTPError, EngineDown) as e:
+            return f"decode {de.url}: its answer broke: {e!r}"
         finally:
             await relay.aclose()
-        return failed if failed is not None else Response(content, de_resp.status_code, media_type=media)
+        if de_resp.status_code >= 500:
+            error = content[:200].decode(errors="replace")
+            return f"decode {de.url}: HTTP {de_resp.status_code} {error}"
+        return Response(content, de_resp.status_code, media_type=media)
+
+    async def _abort_answered_half(self, pe: Engine, rid: str) -> None:
+        """Before a `/generate` with the client's rid is tried again: end the failed attempt's half on
+        its prefill, which holds the rid until that room's writes end or fail (a dead decode is seen
+        late: at its writes' errors, or its lease); the retry there was refused meanwhile (duplicate
+        id). The abort frees the id at once (pd_prefill `_fail`: its token 1 was answered)."""
+        with contextlib.suppress(httpx.HTTPError):
+            await self.client.post(pe.url + "/abort_request", json={"rid": rid}, timeout=5.0)
 
 
-async def _from_decode(http: Request, de: Engine, awaitable, what: str):
-    """(`awaitable`'s result, None), or (None, the answer when the client left, the decode's
-    connection broke, or the decode was declared down meanwhile)."""
+def _error_type(content: bytes) -> str | None:
+    """An engine's error body's `error.type`, or None (not such a body)."""
     try:
-        return await unless_gone(http, unless_down(de, awaitable)), None
-    except ClientGone:
-        return None, client_gone()
-    except httpx.HTTPError as e:
-        return None, JSONResponse(error_body(f"{what}: {e!r}", 502, "BadGateway"), 502)
-    except EngineDown as e:
-        return None, unavailable(str(e))
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("type") if isinstance(error, dict) else None
 
 
 class _Leg:

@@ -56,6 +56,7 @@ from pdserve.server.pd_context import PDContext
 from pdserve.server.protocol import (
     GENERATE_DEFAULT_MAX_NEW_TOKENS,
     MAX_ROUTER_ID_CHARS,
+    PREFILL_UNREACHABLE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -256,8 +257,9 @@ def build_app(
             try:
                 addr = await pd.control_address_of(bootstrap_url)
             except Exception as e:  # noqa: BLE001
+                # (its own type: the router reads it as the prefill's failure, not this decode's)
                 raise APIError(
-                    f"prefill bootstrap {bootstrap_url} unreachable: {e}", 503, "ServiceUnavailable"
+                    f"prefill bootstrap {bootstrap_url} unreachable: {e}", 503, PREFILL_UNREACHABLE
                 ) from None
             req.pd = (room, addr)
 

@@ -355,6 +355,11 @@ def describe_errors(errors: list[dict]) -> str:
     return "; ".join(parts) or "invalid request body"
 
 
+# A decode's 503 when the prefill named by its request's bootstrap URL cannot be reached: the router
+# counts the attempt as the prefill's failure (the decode is fine; with one decode it is all there is).
+PREFILL_UNREACHABLE = "PrefillUnreachable"
+
+
 def error_body(message: str, code: int, err_type: str = "BadRequestError", param: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
