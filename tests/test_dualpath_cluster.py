@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -129,3 +130,58 @@ def test_dualpath_placement_sends_the_choices_of_one_prompt_to_one_prefill(demo_
     assert [c["text"] for c in r.json()["choices"]] == texts
     assert sorted(prompt_tokens) == [0, 3 * len(prompt)], prompt_tokens  # (one prefill took all three)
     assert max(shared) > 0, shared
+
+
+def test_the_choices_of_one_stored_prompt_read_it_once_through_the_prefill_nodes_storage_nic(demo_model_dir):
+    """1P1D, Basic (every read on the prefill's side), a store behind an emulated 40 Mbit/s storage
+    NIC. A first turn stores its context; the next turn asks n = 4 choices of it: the four children
+    reach the prefill together and read the context's blocks once (three join the first's read),
+    not four times; the greedy choices are the same answer."""
+    from pdserve.launch import cluster_args, start_cluster
+    from tests.test_pd_e2e import metrics
+
+    os.environ.setdefault("UCX_MODULES", "^ib*")
+    with tempfile.TemporaryDirectory(prefix="pdserve-store-") as store:
+        args = cluster_args(
+            demo_model_dir,
+            nodes="p0:1p,d0:1d",
+            snic_mbps=40.0,
+            cnic_mbps=400.0,
+            policy="round_robin",
+            kv_store=store,
+            no_prefix_caching=True,
+            max_model_len=1024,
+            kv_cache_gib=0.1,
+            served_model_name="demo",
+        )
+        cluster = start_cluster(args, 0, 0)
+        try:
+            (pe,), (de,) = cluster.urls["prefill"], cluster.urls["decode"]
+            context = [(7 * i) % 4000 + 5 for i in range(600)]
+            body = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            first = httpx.post(
+                cluster.router_url + "/v1/completions", json=body | {"prompt": context}, timeout=120
+            )
+            assert first.status_code == 200, first.text
+            wait_engine_idle(de)
+            deadline = time.monotonic() + 30
+            while metrics(de)["pdserve_store_writes_pending"] > 0:  # (the decode's write-back)
+                assert time.monotonic() < deadline, "the first turn's blocks were never written back"
+                time.sleep(0.1)
+            before = metrics(pe)
+            turn = body | {"prompt": context + list(range(9, 29)), "n": 4}
+            r = httpx.post(cluster.router_url + "/v1/completions", json=turn, timeout=120)
+            after = wait_engine_idle(pe)
+            wait_engine_idle(de)
+        finally:
+            cluster.stop()
+    assert r.status_code == 200, r.text
+    assert len({c["text"] for c in r.json()["choices"]}) == 1  # (greedy: four equal choices)
+    read = 'pdserve_store_ops_total{op="read_ok_blocks"}'
+    num_blocks = after[read] - before[read]
+    shared = after["pdserve_store_blocks_read_shared_total"] - before.get(
+        "pdserve_store_blocks_read_shared_total", 0
+    )
+    assert num_blocks >= 600 // 64 - 1 and shared == 3 * num_blocks, (num_blocks, shared)
+    # (usage counts the prompt once for its n choices, as OpenAI's does)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] == num_blocks * 64

@@ -5,6 +5,7 @@ pool finite, and a request id used again still gets its blocks written back."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -99,6 +100,54 @@ def test_a_request_id_used_again_gets_its_blocks_written_back(hf_checkpoints, tm
         probe = p.de_engine.make_request(second, SamplingParams(max_tokens=1), "probe")
         stored = store.lookup_keys(p.de_role.store.keys_for(probe, 5))
         assert stored == 5, f"{stored} of the second prompt's 5 full blocks were written back"
+    finally:
+        store.close()
+        p.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_path, read_path):
+    """The `n` choices of one prompt reach one prefill together (router/app.Siblings), each in its own
+    room. On the PE path each read the prompt's stored blocks again (n times the bytes over the
+    node's storage NIC, the resource DualPath balances); on the DE path two requests of one prompt
+    on one decode did too. A read of blocks that a read in flight covers now joins it: one read,
+    the same buffer, every request the colocated engine's tokens, its stored tokens reported."""
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    role = p.pe_role if read_path == "pe" else p.de_role
+    try:
+        ids = pd_roles._stored_turn(p, store, "seed")  # 47 tokens: 5 stored blocks of 8
+        gate = threading.Event()
+        read_blocks = store.read_blocks
+
+        def slow_read(*args):  # (the real read, once every request has asked: they arrive together)
+            assert gate.wait(10)
+            return read_blocks(*args)
+
+        store.read_blocks = slow_read
+        before = store.stats().read_ok_blocks
+        rids = ["c0", "c1", "c2"]
+        for rid in rids:
+            _submit_read_path(p, ids, 3, rid, read_path)
+        # (the decode reads once it admitted a request: a few turns)
+        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
+        assert role.store.num_reads_in_flight == 1
+        gate.set()
+        p.drive(lambda: p.idle())
+        assert store.stats().read_ok_blocks - before == 5  # (it was 15: three reads of 5)
+        assert role.store.num_reads_in_flight == 0
+        ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
+        want = ref.generate(
+            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+        for rid in rids:
+            out = p.de_sink.final(rid)
+            assert out.outputs[0].token_ids == want[0].outputs[0].token_ids, rid
+            assert out.metrics["cached_tokens_storage"] == 40, rid
+        if read_path == "pe":
+            assert p.pe_role.layerwise.num_runs == 3
+        assert p.pe_role.num_store_blocks_bad == p.de_role.num_store_blocks_bad == 0
+        p.assert_clean()
     finally:
         store.close()
         p.close()

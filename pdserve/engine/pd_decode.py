@@ -460,8 +460,8 @@ class DecodeRole(PDRoleBase, EngineRole):
         req = dr.req
         try:
             result = pending.future.result()
-            num_ok = result.num_prefix_ok
-            self.num_store_blocks_bad += len(result.keys) - result.num_ok
+            num_ok = pending.num_prefix_ok(result)
+            self.num_store_blocks_bad += pending.num_bad(result)
         except Exception:  # noqa: BLE001 - a failed read only means the prefill computes more
             log.exception("store read failed")
             num_ok = 0

@@ -546,8 +546,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         pending, pr.store_read = pr.store_read, None
         try:
             result = pending.future.result()
-            num_ok = result.num_prefix_ok
-            self.num_store_blocks_bad += len(result.keys) - result.num_ok
+            num_ok = pending.num_prefix_ok(result)
+            self.num_store_blocks_bad += pending.num_bad(result)
         except Exception:  # noqa: BLE001 - a failed read only means recompute
             log.exception("store read failed; recomputing")
             num_ok = 0

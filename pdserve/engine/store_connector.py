@@ -3,8 +3,10 @@
 Who calls what (all on the engine thread, except the writer thread's `put`s):
 * `persist(req)` after a request's KV grew (decode write-back): every newly full block of its tokens
   is gathered from the pool into a host buffer and queued for the writer thread, off the critical path.
-* `lookup(req)` / `start_read(req, num_blocks)` / `poll_read(...)`: how many leading blocks of a prompt
-  the store holds, and an asynchronous read of them into a host buffer (the store's I/O threads).
+* `lookup(req)` / `start_read(req, num_blocks)`: how many leading blocks of a prompt the store holds,
+  and an asynchronous read of them into a host buffer (the store's I/O threads). A read of blocks
+  another read in flight covers joins it (the `n` choices of one prompt, on one engine at once): the
+  storage NIC, the bottleneck DualPath exists for, carries those blocks once.
 * `scatter_blocks(buf, num_blocks, page_ids)` copies read blocks into pool pages, layer by layer.
 
 Block payload (pdserve.store.layout): [layers, K then V of block_size tokens, token-major]; a block of
@@ -36,9 +38,21 @@ PERSIST_CHUNK_NBYTES = 64 << 20  # write-back gathers up to this much KV per dev
 
 @dataclass
 class PendingRead:
-    keys: list[bytes]
-    buffer: torch.Tensor  # uint8 [num_blocks, block_nbytes]
-    future: object  # concurrent.futures.Future[ReadResult]
+    """One request's store read. `buffer` and `future` may be another request's (`shared`): its read of
+    a chain whose first blocks are this request's; both only read the buffer once the future is done."""
+
+    keys: list[bytes]  # this request's blocks (chained keys: the last one names the whole prefix)
+    buffer: torch.Tensor  # uint8 [>= len(keys), block_nbytes]: rows [0, len(keys)) are its blocks
+    future: object  # concurrent.futures.Future[ReadResult] (of the read's own keys)
+    shared: bool = False  # joined another request's read: no I/O of its own
+
+    def num_prefix_ok(self, result) -> int:
+        """This request's leading good blocks, of a shared read's result too."""
+        return min(result.num_prefix_ok, len(self.keys))
+
+    def num_bad(self, result) -> int:
+        """Bad blocks this request's read found (a shared one: counted once, by its owner)."""
+        return 0 if self.shared else len(result.keys) - result.num_ok
 
 
 class StoreConnector:
@@ -57,6 +71,11 @@ class StoreConnector:
         # Per layer: K and V pools viewed as bytes per page [num_pages, page_bytes].
         self._k = [k.view(k.shape[0], -1).view(torch.uint8) for k in kv.k]
         self._v = [v.view(v.shape[0], -1).view(torch.uint8) for v in kv.v]
+        # Reads in flight by each of their keys (a chain key names its whole prefix): the store's I/O
+        # threads drop a read's entries when it ends, hence the lock.
+        self._reads: dict[bytes, PendingRead] = {}
+        self._reads_lock = threading.Lock()
+        self.num_blocks_read_shared = 0  # blocks a request took from another's read in flight
         self.num_blocks_written = 0
         self.num_write_failures = 0
         self._writes: queue.Queue = queue.Queue(maxsize=1024)
@@ -79,9 +98,34 @@ class StoreConnector:
         return self.store.lookup_keys(self.keys_for(req, max_blocks))
 
     def start_read(self, req: Request, num_blocks: int) -> PendingRead:
+        """Read the request's first `num_blocks` (> 0) blocks; or join a read in flight of a chain that
+        starts with them (a sibling's): the same buffer and future, no I/O."""
         keys = self.keys_for(req, num_blocks)
+        with self._reads_lock:
+            covering = self._reads.get(keys[-1])
+        if covering is not None:
+            self.num_blocks_read_shared += num_blocks
+            return PendingRead(keys, covering.buffer, covering.future, shared=True)
         buf = torch.empty((num_blocks, self.layout.block_nbytes), dtype=torch.uint8)
-        return PendingRead(keys, buf, self.store.submit_read(keys, buf))
+        read = PendingRead(keys, buf, self.store.submit_read(keys, buf))
+        with self._reads_lock:
+            for key in keys:
+                self._reads.setdefault(key, read)  # (a key an older read covers stays with it)
+        read.future.add_done_callback(lambda _: self._read_ended(read))  # (at once if it has)
+        return read
+
+    def _read_ended(self, read: PendingRead) -> None:
+        """(a store I/O thread, or the engine's if the read ended before its callback was added)"""
+        with self._reads_lock:
+            for key in read.keys:
+                if self._reads.get(key) is read:
+                    del self._reads[key]
+
+    @property
+    def num_reads_in_flight(self) -> int:
+        """Reads of this engine's own in flight (not counting the requests that joined them)."""
+        with self._reads_lock:
+            return len({id(r) for r in self._reads.values()})
 
     # ---- pool <-> blocks -----------------------------------------------------------------------
     def gather_blocks(self, page_ids: list[int], first: int, last: int) -> torch.Tensor:

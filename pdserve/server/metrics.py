@@ -190,6 +190,11 @@ class PDMetrics:
             r,
         )
         self.store_written = _Mirror("pdserve_store_blocks_written", "Blocks this engine wrote back", r)
+        self.store_shared = _Mirror(
+            "pdserve_store_blocks_read_shared",
+            "Blocks a request took from another's store read in flight (the same prompt): not read again",
+            r,
+        )
         self.store_bad = _Mirror(
             "pdserve_store_blocks_bad", "Stored blocks found corrupt, truncated or missing", r
         )
@@ -209,6 +214,7 @@ class PDMetrics:
         if store is not None:
             self.store_written.set(store.num_blocks_written)
             self.store_pending.set(store.num_writes_pending)
+            self.store_shared.set(store.num_blocks_read_shared)
 
     def update(self) -> None:
         role, agent = self.pd.role, self.pd.agent
