@@ -51,17 +51,24 @@ def test_abort_request_ends_the_named_request_then_abort_all_the_rest(demo_model
         await until(lambda: len(reqs) == 3 and all(r.num_output_tokens >= 3 for r in list(reqs.values())))
         bad = [
             await c.post("/abort_request", json=body)
-            for body in ({}, {"rid": "x", "abort_all": True}, {"rid": 5}, {"abort_all": "yes"})
-        ]
+            for body in (
+                {}, {"rid": "x", "abort_all": True}, {"rid": 5}, {"abort_all": "yes"},
+                {"rid": "x", "room": -1}, {"rid": "x", "room": 5, "router_id": "r"},
+            )
+        ]  # fmt: skip
+        # (a room names one PD half, exactly: a colocated engine has none, and ends nothing)
+        roomed = await c.post("/abort_request", json={"rid": "rollout-2", "room": 7})
         unknown = await c.post("/abort_request", json={"rid": "no-such-request", "abort_message": "x"})
         one = await c.post("/abort_request", json={"rid": "rollout-1"})
         first_answer = await first
         still_running = set(engine.requests)
         rest = await c.post("/abort_request", json={"abort_all": True})
-        return bad, unknown, one, first_answer, still_running, rest, await second, await stream
+        return bad, roomed, unknown, one, first_answer, still_running, rest, await second, await stream
 
-    bad, unknown, one, first, still_running, rest, second, chunks = run(engine, scenario)
-    assert [r.status_code for r in bad] == [400] * 4
+    bad, roomed, unknown, one, first, still_running, rest, second, chunks = run(engine, scenario)
+    assert [r.status_code for r in bad] == [400] * 6, [r.text for r in bad]
+    assert "room comes with a rid" in bad[5].json()["error"]["message"]
+    assert roomed.json() == {"success": True, "num_requests_aborted": 0}
     assert "rid or abort_all" in bad[0].json()["error"]["message"]
     assert unknown.json() == {"success": True, "num_requests_aborted": 0}
     assert one.json() == {"success": True, "num_requests_aborted": 1}

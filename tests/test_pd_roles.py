@@ -1648,7 +1648,9 @@ def test_load_report_reads_survive_the_engine_thread_changing_rooms():
         @property
         def store_read(self):
             self.reads += 1
-            return SimpleNamespace(keys=[b"k0", b"k1"]) if self.reads == 1 else None  # done meanwhile
+            if self.reads > 1:
+                return None  # done meanwhile
+            return SimpleNamespace(keys=[b"k0", b"k1"], buffer=[b"b0", b"b1"], future=object())
 
     assert _pending_read_tokens([Finishing()], block_size=64) == 128
 
@@ -2147,3 +2149,63 @@ def test_retry_with_the_same_rid_on_the_prefill_runs_while_the_failed_rooms_writ
     p.drive(lambda: p.idle(), timeout_s=20)
     assert p.pe_role.by_request == {} and p.de_role.aborts.num_acked == 1
     p.assert_clean()
+
+
+def test_the_routers_abort_of_an_answered_prefill_half_by_its_room_frees_its_rid_for_the_retry(make_pair):
+    """router/app.py `_abort_answered_half`: the prefill answered its token 1, then the decode died (no
+    Abort reaches the prefill: its writes are in flight). The router ends that half before it retries
+    under the client's rid on the same prefill. As a plain `/abort_request {"rid"}` (found by a
+    review) it ended nothing: `AsyncEngine.abort_now` ends requests being streamed, and the answered
+    half's stream had ended, so the retry was a duplicate id (the client's 409); by prefix it could
+    end others named `<rid>_...`. Named by its room (`abort_room`), that half ends and frees the id."""
+    import asyncio
+    import threading
+
+    from pdserve.engine.async_engine import AsyncEngine
+
+    p = make_pair(copy_bytes=True, pe_backend={"delay_s": 5.0})  # the failed room's writes stay in flight
+    room = new_room()
+    preq, dreq = p.requests(prompt(9), 4, "again", room)
+    p.de_role.add(dreq, None)
+    stop = threading.Event()
+
+    def decode_alive():  # the decode, until it "dies" (stops without a word to the prefill)
+        while not stop.is_set():
+            p.de_role.tick()
+            if p.de_engine.has_unfinished():
+                for out in p.de_engine.step():
+                    p.de_sink.deliver(out, out.request_id)
+            else:
+                time.sleep(0.0005)
+
+    aengine = AsyncEngine(p.pe_engine, role=p.pe_role, check_integrity_when_idle=False)
+    decode = threading.Thread(target=decode_alive, daemon=True)
+    decode.start()
+    counts = {}
+
+    async def go():
+        outs = [o async for o in aengine.generate(preq)]  # the prefill's answer: token 1
+        assert outs and outs[-1].finished
+        stop.set()
+        decode.join(5)  # the decode is dead
+        assert p.pe_role.transfers, "the failed room's writes should still be in flight"
+        counts["by rid"] = await aengine.abort_now("again")  # (nothing streams under it)
+        counts["other id"] = await aengine.abort_room(room, "again_1")  # (not that room's id)
+        counts["other room"] = await aengine.abort_room(new_room(), "again")
+        counts["by room"] = await aengine.abort_room(room, "again")
+        preq2, _ = p.requests(prompt(9), 4, "again", new_room())  # the retry: same rid, new room
+        retry = aengine.generate(preq2)
+        try:
+            await asyncio.wait_for(retry.__anext__(), 0.5)  # (accepted: it waits for its decode)
+        except TimeoutError:
+            pass
+        finally:
+            await retry.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop.set()
+        aengine.shutdown()
+    assert counts == {"by rid": 0, "other id": 0, "other room": 0, "by room": 1}
+    assert p.pe_role.failures.get("aborted by its router") == 1

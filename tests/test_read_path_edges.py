@@ -151,3 +151,38 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
     finally:
         store.close()
         p.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_joined_store_reads_count_once_in_the_engines_read_queue(hf_checkpoints, tmp_path, read_path):
+    """The load report's `read_queue_tokens` (what DualPath placement balances the storage NICs by)
+    summed every room's read, joined ones too: three requests of one prompt showed three times the
+    tokens the one read moves (found by a review)."""
+    from pdserve.engine.pd_load import load_report
+
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    role = p.pe_role if read_path == "pe" else p.de_role
+    gate = threading.Event()
+    try:
+        ids = pd_roles._stored_turn(p, store, "seed")  # 5 stored blocks of 8 tokens
+        read_blocks = store.read_blocks
+
+        def slow_read(*args):
+            assert gate.wait(10)
+            return read_blocks(*args)
+
+        store.read_blocks = slow_read
+        for rid in ["c0", "c1", "c2"]:
+            _submit_read_path(p, ids, 3, rid, read_path)
+        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
+        assert role.store.num_reads_in_flight == 1
+        assert load_report(role, "n0").read_queue_tokens == 5 * 8  # (it was 120)
+        gate.set()
+        p.drive(lambda: p.idle())
+        assert load_report(role, "n0").read_queue_tokens == 0
+        p.assert_clean()
+    finally:
+        gate.set()
+        store.close()
+        p.close()

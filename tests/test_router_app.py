@@ -1699,8 +1699,9 @@ def test_a_decode_that_fails_after_the_prefill_answered_is_retried_before_the_cl
 def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_there():
     """The same with the client's rid on /generate and one prefill: that prefill holds the rid until
     the failed room's writes end or fail (it sees a dead decode late), so the retry there was refused
-    as a duplicate id. The router aborts the rid on it first: the abort, then the retry."""
+    as a duplicate id. The router ends that half first, named by its room: the abort, then the retry."""
     calls: list[tuple[str, str, object]] = []
+    rooms: list[int] = []  # each call's room (an abort's names the first attempt's)
 
     async def go():
         engines = Engines(blocking=())
@@ -1711,6 +1712,7 @@ def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_ther
                 return None
             host, sent = request.url.host, json.loads(await request.aread())
             calls.append((host, request.url.path, sent.get("rid")))
+            rooms.append(sent["pd"]["room"] if "pd" in sent else sent.get("room"))
             if request.url.path == "/abort_request":
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
             if host == "pe":
@@ -1741,6 +1743,8 @@ def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_ther
         ("/abort_request", "client-rid"),
         ("/generate", "client-rid"),
     ]
+    on_pe_rooms = [room for (host, _, _), room in zip(calls, rooms, strict=True) if host == "pe"]
+    assert on_pe_rooms[1] == on_pe_rooms[0] != on_pe_rooms[2]  # (only the failed attempt's half)
 
 
 @pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])

@@ -331,6 +331,14 @@ class AsyncEngine:
             await self.run(abort)
         return len(ids)
 
+    async def abort_room(self, room: int, request_id: str) -> int:
+        """Event-loop thread: end the PD half of `room` if it is this engine's request `request_id`
+        (the router's, of an attempt it retries elsewhere: `role.abort_room`); 1 if there was one."""
+        abort_room = getattr(self.role, "abort_room", None)
+        if abort_room is None:
+            return 0
+        return await self.run(lambda: abort_room(room, request_id))
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread (the only thread that may touch engine state)."""
         self._send(("call", fn))

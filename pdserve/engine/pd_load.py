@@ -47,9 +47,16 @@ class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _pending_read_tokens(rooms, block_size: int) -> int:
-    # Read `store_read` once per room: the engine thread sets it to None when the read completes, so a
-    # second read of the attribute (test, then use) could see None.
-    return sum(len(read.keys) * block_size for r in rooms if (read := r.store_read) is not None)
+    """Tokens the rooms' store reads in flight read, each read once: requests that joined another's
+    read share its future and buffer (`store_connector.PendingRead`), whose rows are the blocks read
+    (the owner's, also once its room is gone)."""
+    num_blocks_by_read: dict[int, int] = {}
+    for r in rooms:
+        # Read `store_read` once per room: the engine thread sets it to None when the read completes,
+        # so a second read of the attribute (test, then use) could see None.
+        if (read := r.store_read) is not None:
+            num_blocks_by_read[id(read.future)] = len(read.buffer)
+    return sum(num_blocks_by_read.values()) * block_size
 
 
 def load_report(role, node: str, traffic=None) -> LoadReport:

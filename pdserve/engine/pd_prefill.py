@@ -179,6 +179,17 @@ class PrefillRole(PDRoleBase, EngineRole):
         self._fail(room, "aborted by client", client_abort=client_abort)
         return None
 
+    def abort_room(self, room: int, request_id: str) -> int:
+        """Engine thread (the router's `/abort_request` with a room): end that room's half if it is
+        `request_id`'s. Past its token 1 the half's id is held until its writes settle; the router
+        retries the request under that id (a client's `/generate` rid) on another decode, here too:
+        ended now, the id is free (`_fail`). 1 if there was such a room."""
+        pr = self.by_room.get(room)
+        if pr is None or pr.req.request_id != request_id:
+            return 0
+        self._fail(room, "aborted by its router: retried", client_abort=True)
+        return 1
+
     # ---- the loop (engine thread) --------------------------------------------------------------
     def tick(self) -> bool:
         # Deadlines first: a room that outlived its state (e.g. the process was paused) fails before

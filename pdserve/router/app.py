@@ -730,7 +730,7 @@ class Router:
                 failed_decodes.add(de.url)
                 failed_side = "decode"
                 if path == "/generate" and arrival.name:
-                    await self._abort_answered_half(pe, body["rid"])
+                    await self._abort_answered_half(pe, body["rid"], room)
                 continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
@@ -779,13 +779,15 @@ class Router:
             return f"decode {de.url}: HTTP {de_resp.status_code} {error}"
         return Response(content, de_resp.status_code, media_type=media)
 
-    async def _abort_answered_half(self, pe: Engine, rid: str) -> None:
+    async def _abort_answered_half(self, pe: Engine, rid: str, room: int) -> None:
         """Before a `/generate` with the client's rid is tried again: end the failed attempt's half on
         its prefill, which holds the rid until that room's writes end or fail (a dead decode is seen
         late: at its writes' errors, or its lease); the retry there was refused meanwhile (duplicate
-        id). The abort frees the id at once (pd_prefill `_fail`: its token 1 was answered)."""
+        id). Named by its room: only that half ends (a plain abort of the rid would find no request
+        streaming, and end others named `<rid>_...`), and its id is free at once (pd_prefill
+        `abort_room`)."""
         with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(pe.url + "/abort_request", json={"rid": rid}, timeout=5.0)
+            await self.client.post(pe.url + "/abort_request", json={"rid": rid, "room": room}, timeout=5.0)
 
 
 def _error_type(content: bytes) -> str | None:

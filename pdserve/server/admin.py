@@ -49,6 +49,14 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequest):
+        if body.room:  # (the router ends one PD half it retries elsewhere: that room's, that id's)
+            try:
+                return {
+                    "success": True,
+                    "num_requests_aborted": await aengine.abort_room(body.room, body.rid),
+                }
+            except EngineDeadError as e:
+                raise APIError(str(e), 503, "ServiceUnavailable") from None
         # (first: a router's half checked from now on is aborted on arrival)
         if body.router_id and body.abort_all:
             aengine.note_router_abort(body.router_id, body.router_epoch)

@@ -396,7 +396,10 @@ class AbortRequest(BaseModel):
     count, `Router.abort_all`); a PD half that router sent before it (`pd.router_epoch` lower) but
     that reaches the engine only after it is aborted on arrival (`AsyncEngine.note_router_abort`).
     `router_id`, `router_named`: likewise on an abort of one `rid` (its count of named aborts,
-    `Router.abort_named`; a half with a lower `pd.router_named` that it names is aborted on arrival)."""
+    `Router.abort_named`; a half with a lower `pd.router_named` that it names is aborted on arrival).
+    `room` (with `rid`): set by pdserve's router to end the PD half of that one room, whose id is
+    `rid` (no prefix match), on its prefill: an attempt that answered its token 1 and is retried
+    elsewhere (`Router._abort_answered_half`)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     rid: str = ""
@@ -404,6 +407,7 @@ class AbortRequest(BaseModel):
     router_id: str = Field("", max_length=MAX_ROUTER_ID_CHARS)
     router_epoch: int = Field(0, ge=0)
     router_named: int = Field(0, ge=0)
+    room: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_target(self):
@@ -413,6 +417,8 @@ class AbortRequest(BaseModel):
             raise ValueError("router_epoch comes with abort_all")
         if self.router_named and not self.rid:
             raise ValueError("router_named comes with a rid")
+        if self.room and (not self.rid or self.router_id):
+            raise ValueError("room comes with a rid and no router fields")
         return self
 
 
