@@ -151,6 +151,47 @@ def test_kill_decode_mid_transfer_frees_prefill_and_keeps_serving(make_cluster):
     wait_engine_idle(survivor)
 
 
+def test_kill_decode_after_its_prefill_answered_retries_a_generate_under_the_clients_rid(make_cluster):
+    """The prefill computes on while its writes stall and answers its token 1; then the decode dies.
+    The router used to wait on that decode alone: a broken leg was the client's 502 (seen once under
+    load in the test above). Nothing has reached the client yet, so it is one more attempt, on the
+    other decode; with the client's rid on `/generate` the prefill holds that id until the dead
+    room's writes end, so the router first ends that half by its room, and the retry runs there."""
+    c = make_cluster(1, 2)
+    pe = c.urls["prefill"][0]
+    hold_mid_transfer(pe)
+    out: dict = {}
+    payload = {
+        "text": LONG_PROMPT,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        "rid": "client-rid-7",
+    }
+
+    def run():
+        r = httpx.post(c.router_url + "/generate", json=payload, timeout=120)
+        out["status"], out["text"] = r.status_code, r.text
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    wait_mid_transfer(pe)
+    wait_until(lambda: metrics(pe)["pdserve_generation_tokens_total"] >= 1, 60, "the prefill's token 1")
+    victim = next(i for i, u in enumerate(c.urls["decode"]) if busy(u))
+    c.proc(f"decode{victim}").send_signal(signal.SIGKILL)
+    set_faults(pe, [])  # (the retry's writes go; the first room's stay stalled until it is ended)
+    th.join(90)
+    assert not th.is_alive(), "the client hung"
+    assert out.get("status") == 200, out
+    answer = json.loads(out["text"])
+    assert answer["meta_info"]["id"] == "client-rid-7" and len(answer["output_ids"]) == 8, answer
+    health = httpx.get(c.router_url + "/health").json()
+    assert health["num_retries"] >= 1
+    failures = {k: v for k, v in metrics(pe).items() if k.startswith("pdserve_pd_failures_total")}
+    assert failures.get('pdserve_pd_failures_total{reason="aborted by its router"}') == 1, failures
+    m = wait_engine_idle(pe, timeout_s=25)
+    assert m["pdserve_kv_pages_used"] == 0 and m["pdserve_pd_rooms_held"] == 0
+    wait_engine_idle(c.urls["decode"][1 - victim])
+
+
 def test_kill_prefill_mid_transfer_errors_client_and_frees_decode(make_cluster):
     c = make_cluster(1, 1)
     de = c.urls["decode"][0]
