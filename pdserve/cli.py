@@ -408,7 +408,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_router(a: argparse.Namespace) -> int:
-    from pdserve.router.app import Router, build_router_app
+    from pdserve.router.app import Router
+    from pdserve.router.routes import build_router_app
 
     _configure_logging(a.log_level)
     sock = _listen_or_exit_code(a.host, a.port)

@@ -10,7 +10,8 @@ import httpx
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.router.app import Router, build_router_app
+from pdserve.router.app import Router
+from pdserve.router.routes import build_router_app
 from pdserve.server.api import build_app
 
 KEY = "sk-test-123"

@@ -205,7 +205,7 @@ def _router_answer(decode_body: bytes, content_type: str, client_body: dict) -> 
 
 def test_router_stream_broken_mid_way_ends_with_done():
     """An engine's in-band error is followed by `data: [DONE]` (api.py's `stream`, as vLLM's); the
-    router's relay (router/app.py `_Relay._relay`) ends after its error event without it."""
+    router's relay (router/legs.py `Relay._relay`) ends after its error event without it."""
     chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
              "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}]}  # fmt: skip
     r = _router_answer(

@@ -11,8 +11,9 @@ import json
 import httpx
 import pytest
 
-from pdserve.router.app import STOPPING, Router, build_router_app
+from pdserve.router.app import STOPPING, Router
 from pdserve.router.placement import completion_view, prompt_shape, requested_max_tokens
+from pdserve.router.routes import build_router_app
 from pdserve.server.protocol import PREFILL_UNREACHABLE
 from tests.test_router_placement import report
 
@@ -1576,7 +1577,7 @@ def _sse_ok() -> httpx.AsyncByteStream:
 def test_a_decode_that_fails_after_accepting_is_left_for_another_decode_without_blaming_the_prefill(failure):
     """1 prefill, 2 decodes. The first decode accepts the request, then dies (a streamed request: its
     200 headers came at once, then the connection broke) or freezes and is declared down by the
-    health checks. `_prefill_unless_decode_fails` (router/app.py) only looks at the decode's task
+    health checks. `prefill_unless_decode_fails` (router/legs.py) only looks at the decode's task
     while it is *pending*: once the streamed headers came, and for a decode declared down, it waits
     for the prefill alone, which waits for the dead decode's KVRequest until its Bootstrapping
     deadline (30 s by default; 1.5 s here) and answers 503. The router then blames the prefill
@@ -1829,7 +1830,7 @@ def test_an_engine_that_failed_a_weight_update_is_out_of_service_when_the_update
 
 def test_requests_in_flight_gauge_counts_one_request_once():
     """`Router.num_in_flight()` = `num_dispatching` + the decodes' in-flight counts, but a request inside
-    `dispatch` also holds its decode leg's count (`_Leg.__init__`): one request waiting for its
+    `dispatch` also holds its decode leg's count (`Leg.__init__`): one request waiting for its
     prefill shows as 2 in `pdserve_router_requests_in_flight` (and in the weight update's
     "N requests still in flight")."""
 
@@ -1874,7 +1875,7 @@ def test_retries_count_only_attempts_that_were_retried():
 
 # ---- found by a second review of this session's changes -------------------------------------------
 def test_in_flight_counts_a_non_streamed_request_once_while_its_answer_is_read():
-    """`_attempts` builds the `_Relay` (num_relaying += 1) and then, for a whole answer, reads the
+    """`_attempts` builds the `Relay` (num_relaying += 1) and then, for a whole answer, reads the
     decode's body inside `dispatch` (num_dispatching still 1): one request is 2 in
     pdserve_router_requests_in_flight and in a weight update's "N requests still in flight" for its
     whole generation."""
@@ -2024,7 +2025,7 @@ def test_requests_cut_from_an_engine_that_answered_it_cannot_serve_are_not_told_
     (status "dead" / "weights lost", other weights, another role) and cuts what it runs (`down`), but
     `Engine.down_reason` is only ever set by `shut_down`: those requests are told "decode ... stopped
     answering health checks", which sends an operator after a network problem that is not there."""
-    from pdserve.router.app import build_router_app
+    from pdserve.router.routes import build_router_app
     from tests.test_router_app import completion_scope
 
     async def go():

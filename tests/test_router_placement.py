@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdserve.router.app import Engine
+from pdserve.router.engines import Engine
 from pdserve.router.placement import Placement, PlacementError, PrefixIndex, prompt_pieces, prompt_shape
 
 BPT = 4096  # KV bytes per token

@@ -445,7 +445,8 @@ def test_a_cross_site_post_is_never_read_as_json_by_the_router():
     abort its requests and load a checkpoint of its choosing (a review of weight updates; the engines
     alone refused it, by FastAPI's rule). Now a declared non-JSON type is a 415 everywhere, and a
     body without a type is a 415 on the control routes; nothing reaches an engine."""
-    from pdserve.router.app import Router, build_router_app
+    from pdserve.router.app import Router
+    from pdserve.router.routes import build_router_app
 
     asked: list[tuple[str, str]] = []
 

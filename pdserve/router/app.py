@@ -21,9 +21,11 @@ answers alike (`/v1/models`, `/tokenize`, `/get_model_info`, `/get_weight_versio
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
 all of them (``router/control.py``; a weight update holds new requests at `Router.open` meanwhile).
 
-Length (~610 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
-abort both on disconnect, hold during a weight update) and the HTTP routes that call it; DualPath
-placement lives in ``router/placement.py``, the control routes in ``router/control.py``.
+Length (~690 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+abort both on disconnect, hold during a weight update), which reads best in one place. Around it:
+``router/engines.py`` (an engine as the router sees it), ``router/legs.py`` (an attempt's legs and
+the relay), ``router/routes.py`` (the HTTP app), ``router/placement.py`` (DualPath placement),
+``router/control.py`` (the control routes).
 """
 
 from __future__ import annotations
@@ -31,23 +33,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import anyio
 import httpx
-import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.pd_common import new_room
-from pdserve.router.metrics import RequestMetrics, RouterCollector
+from pdserve.router.engines import NO_ANSWER, Engine, EngineDown, NoEngine, unless_down, unless_set
+from pdserve.router.legs import (
+    JSON,
+    Leg,
+    Relay,
+    engine_json,
+    error_type,
+    prefill_unless_decode_fails,
+)
 from pdserve.router.placement import (
     DEFAULT_PLACEMENT_TOKENS,
     Placement,
@@ -58,12 +63,8 @@ from pdserve.router.placement import (
     prompt_shape,
     requested_max_tokens,
 )
-from pdserve.server import fanout
-from pdserve.server.auth import ApiKey
-from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
-from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body, http_error
+from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +79,6 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 
 STOPPING = "the router is shutting down"
-NO_ANSWER = "stopped answering health checks"
-
-
-@dataclass
-class Engine:
-    url: str
-    role: str
-    healthy: bool = False
-    bootstrap_url: str = ""
-    model: str = ""
-    in_flight: int = 0
-    misses: int = 0
-    deadline_s: float = 0.0  # the engine's PD deadline per transfer state (from /pd/info)
-    model_path: str = ""  # the weights it serves (from /pd/info)
-    weights_id: str = ""  # ... and their identity (model, vocabulary, checkpoint digest; from /pd/info)
-    kv_capacity_tokens: int = 0  # its KV pool in tokens (from /pd/info; 0: not reported)
-    # Answers health checks but serves other weights than the cluster's last update (it was out of
-    # service then, or restarted from the launch checkpoint): taken out of service like a dead engine,
-    # so no pair of stale engines serves the old weights unnoticed; the next update includes it.
-    stale: bool = False
-    # Set when health checks declare the engine down: requests waiting on it give up (a frozen decode
-    # would otherwise hold its clients forever). Replaced by a fresh event when it comes back.
-    down: asyncio.Event = field(default_factory=asyncio.Event)
-    down_reason: str = NO_ANSWER  # (what those requests are told; else what its health check answered)
-
-
-class NoEngine(Exception):
-    pass
-
-
-class EngineDown(Exception):
-    pass
 
 
 class RouterStopping(Exception):
@@ -124,6 +93,8 @@ class Arrival(NamedTuple):
     named_at: int
     name: tuple[str, ...]
 
+
+PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
 
 MAX_NAMED_ABORTS = 4096  # named aborts remembered (a request held longer than that many is not matched)
 
@@ -168,67 +139,6 @@ def unavailable(message: str) -> JSONResponse:
 def client_gone() -> JSONResponse:
     """What a handler returns for a client that left (nobody reads it; logs and metrics do)."""
     return JSONResponse(error_body("client disconnected", 499, "ClientClosedRequest"), 499)
-
-
-_END, _DOWN = object(), object()
-
-
-async def chunks_unless_down(e: Engine, chunks):
-    """Yield `chunks` (an async iterator) until they end; raise EngineDown once `e` is declared down.
-    One reader task and one watcher per stream, not per chunk: this is the router's per-token path."""
-    q: asyncio.Queue = asyncio.Queue()  # bounded by the response itself (max_tokens)
-
-    async def read() -> None:
-        try:
-            async for chunk in chunks:
-                q.put_nowait(chunk)
-            q.put_nowait(_END)
-        except Exception as exc:  # httpx errors reach the consumer as they would have directly
-            q.put_nowait(exc)
-
-    reader = asyncio.ensure_future(read())
-    watcher = asyncio.ensure_future(e.down.wait())
-    watcher.add_done_callback(lambda f: f.cancelled() or q.put_nowait(_DOWN))
-    try:
-        while (item := await q.get()) is not _END:
-            if item is _DOWN:
-                raise EngineDown(f"{e.role} {e.url} {e.down_reason}")
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        reader.cancel()
-        watcher.cancel()
-
-
-async def unless_down(e: Engine, awaitable):
-    """`await awaitable`, unless engine `e` is declared down first (then EngineDown; it is cancelled)."""
-    return await unless_set(e.down, awaitable, lambda: EngineDown(f"{e.role} {e.url} {e.down_reason}"))
-
-
-async def unless_set(event: asyncio.Event, awaitable, error):
-    """`await awaitable`, unless `event` is set first: then it is cancelled and `error()` raised."""
-    if event.is_set():
-        if asyncio.iscoroutine(awaitable):
-            awaitable.close()
-        elif isinstance(awaitable, asyncio.Future):
-            awaitable.cancel()
-        raise error()
-    task = asyncio.ensure_future(awaitable)
-    flag = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({task, flag}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # (our caller's cancel, e.g. the client left: the awaitable's too,
-        task.cancel()  # and its cleanup run -- a prefill wait closes the prefill's leg)
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise
-    finally:
-        flag.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise error()
 
 
 class Router:
@@ -608,7 +518,7 @@ class Router:
         decode leg is a `_Leg`: closed (the decode aborts) and its in-flight count dropped exactly once,
         on every way out that does not hand it to the relay, cancellation included (a merged request
         cancels its other children when one fails)."""
-        legs: list[_Leg] = []
+        legs: list[Leg] = []
         try:
             return await self._attempts(path, body, http, read_path, arrival, first, legs)
         finally:
@@ -617,7 +527,7 @@ class Router:
                     with anyio.CancelScope(shield=True):
                         await leg.close()
 
-    async def _attempts(self, path, body, http, read_path, arrival, first, legs: list[_Leg]):
+    async def _attempts(self, path, body, http, read_path, arrival, first, legs: list[Leg]):
         """(`_dispatch`'s attempts: up to `max_prefill_attempts`, each leg appended to `legs`)"""
         tried: set[str] = set()  # prefills that failed an attempt
         failed_decodes: set[str] = set()  # decodes that did (the prefill is then tried again)
@@ -667,16 +577,19 @@ class Router:
             pe_body.pop("stream_options", None)
             de_body = {**body, "pd": {**pd, "bootstrap_url": pe.bootstrap_url}}
             de_req = self.client.build_request(
-                "POST", de.url + path, content=_json(de_body, http), headers=JSON
+                "POST", de.url + path, content=engine_json(de_body, http), headers=JSON
             )
-            leg = _Leg(de, asyncio.ensure_future(self.client.send(de_req, stream=True)))
+            leg = Leg(de, asyncio.ensure_future(self.client.send(de_req, stream=True)))
             legs.append(leg)
             pe_call = self.client.post(
-                pe.url + path, content=_json(pe_body, http), headers=JSON, timeout=self.prefill_timeout(pe)
+                pe.url + path,
+                content=engine_json(pe_body, http),
+                headers=JSON,
+                timeout=self.prefill_timeout(pe),
             )
             decode_failed = False
             try:
-                waiting = _prefill_unless_decode_fails(pe_call, leg.task)
+                waiting = prefill_unless_decode_fails(pe_call, leg.task)
                 pe_resp = await unless_gone(http, unless_set(self.stopping, waiting, RouterStopping))
                 decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
@@ -696,7 +609,7 @@ class Router:
                         content = f"(its answer broke: {e!r})".encode()
                     error = content[:200].decode(errors="replace")
                     last_error = f"decode {de.url}: HTTP {de_resp.status_code} {error}"
-                    if de_resp.status_code == 503 and _error_type(content) == PREFILL_UNREACHABLE:
+                    if de_resp.status_code == 503 and error_type(content) == PREFILL_UNREACHABLE:
                         # The decode could not reach this prefill (it is down, before the prefill's own
                         # connection error reached us): the prefill's failure; the decode may serve the
                         # retry (with one decode it used to be a 503: no decode left to try).
@@ -746,7 +659,7 @@ class Router:
                 failed_side = "prefill"
         return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
 
-    async def _decode_answer(self, http: Request, de: Engine, leg: _Leg) -> Response | str:
+    async def _decode_answer(self, http: Request, de: Engine, leg: Leg) -> Response | str:
         """The client's answer, from the decode of an attempt whose prefill answered; or why the
         attempt failed (a str) while nothing of the decode's answer can have reached the client: its
         connection broke, or it was declared down, before the headers of a stream or the whole body of
@@ -761,9 +674,9 @@ class Router:
         leg.done = True  # (the relay owns the leg and its count from here)
         media = de_resp.headers.get("content-type", "application/json")
         if media.startswith("text/event-stream"):  # (past `dispatch`: counted as relayed from here)
-            relay = _Relay(de, de_resp, self)
+            relay = Relay(de, de_resp, self)
             return StreamingResponse(relay, status_code=de_resp.status_code, media_type=media)
-        relay = _Relay(de, de_resp)  # (read inside `dispatch`, which counts it)
+        relay = Relay(de, de_resp)  # (read inside `dispatch`, which counts it)
         # A whole answer (one JSON body) is read before the client gets a status: relayed as it came,
         # one that broke midway was a 200 whose body was half an answer and an SSE error event.
         try:
@@ -788,313 +701,3 @@ class Router:
         `abort_room`)."""
         with contextlib.suppress(httpx.HTTPError):
             await self.client.post(pe.url + "/abort_request", json={"rid": rid, "room": room}, timeout=5.0)
-
-
-def _error_type(content: bytes) -> str | None:
-    """An engine's error body's `error.type`, or None (not such a body)."""
-    try:
-        error = json.loads(content).get("error")
-    except (ValueError, AttributeError):
-        return None
-    return error.get("type") if isinstance(error, dict) else None
-
-
-class _Leg:
-    """One attempt's decode leg: the task sending the decode's request (its response once headers
-    came) and the decode's in-flight count taken for it. `close()`: drop the count, then close the
-    connection (the decode aborts the request); idempotent, so every way out can call it."""
-
-    def __init__(self, de: Engine, task: asyncio.Future) -> None:
-        self.de, self.task, self.done = de, task, False
-        de.in_flight += 1
-
-    async def close(self) -> None:
-        if not self.done:
-            self.done = True
-            self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
-            await _cancel(self.task)
-
-
-class _Relay:
-    """The decode's response body, relayed. Its leg is closed (which aborts the request there) and
-    the decode's in-flight count dropped exactly once: when the relay ends, is cancelled (Starlette
-    cancels it when the client leaves or a send fails), or is closed unread (`aclose`: a merged
-    `n` > 1 request whose other child failed never starts reading this one; see server/fanout.py)."""
-
-    def __init__(self, de: Engine, de_resp: httpx.Response, router: Router | None = None) -> None:
-        """`router`: counts this relay in its `num_relaying` while it runs (a stream, past `dispatch`)."""
-        self.de, self.de_resp, self.done, self.router = de, de_resp, False, router
-        if router is not None:
-            router.num_relaying += 1
-
-    def __aiter__(self):
-        return self._relay()
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.de.in_flight -= 1  # (first: a cancelled close below must not leave it counted)
-            if self.router is not None:
-                self.router.num_relaying -= 1
-            await self.de_resp.aclose()
-
-    async def _relay(self):
-        try:
-            async with contextlib.aclosing(chunks_unless_down(self.de, self.de_resp.aiter_raw())) as chunks:
-                # No disconnect check per chunk (~23 us each): Starlette's StreamingResponse
-                # cancels this generator when the client leaves (or its next send fails), and
-                # the `finally` below closes the decode's leg, which aborts the request there.
-                async for chunk in chunks:
-                    yield chunk
-        except httpx.HTTPError as e:  # (an in-band error, then [DONE], as an engine ends its streams)
-            yield f"data: {json.dumps(error_body(f'decode stream broke: {e!r}', 502, 'BadGateway'))}\n\n"
-            yield "data: [DONE]\n\n"
-        except EngineDown as e:
-            yield f"data: {json.dumps(error_body(str(e), 503, 'ServiceUnavailable'))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await self.aclose()
-
-
-JSON = {"content-type": "application/json"}
-
-
-def _json(body: dict, http: Request) -> bytes:
-    """A body for an engine, encoded by msgspec (~0.15 ms for a 32k-token prompt; httpx's `json=`
-    took ~2.1 ms, once per leg, on the router's event loop); by the standard library if that is what
-    parsed the client's body (non-finite numbers stay what they were, for the engine to refuse; httpx's
-    `json=` refused them itself, after the decode's in-flight count was taken: a 500 and a leak)."""
-    if getattr(http.state, "stdlib_json", False):
-        return json.dumps(body).encode()
-    return msgspec.json.encode(body)
-
-
-PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
-
-
-async def _prefill_unless_decode_fails(pe_call, de_task: asyncio.Future) -> httpx.Response | None:
-    """The prefill's response; None when the decode fails first, answering an error status or not
-    reachable at all (the prefill's leg is then closed, which aborts it there). A prefill waits for the decode's KVRequest, so with a
-    decode that refused the request (e.g. `stream_options` without `stream`: the prefill's copy is not
-    streamed, so only the decode sees the conflict) it would wait to its Bootstrapping deadline, and
-    the client would get a 503 after 30 s per attempt instead of the decode's 400."""
-    pe_task = asyncio.ensure_future(pe_call)
-    try:
-        await asyncio.wait({pe_task, de_task}, return_when=asyncio.FIRST_COMPLETED)
-        while not pe_task.done():
-            if not de_task.cancelled() and (de_task.exception() or de_task.result().status_code != 200):
-                await _cancel(pe_task)  # (an error, or no connection at all: a decode that just died)
-                return None
-            await asyncio.wait({pe_task})  # (the decode's stream started: the prefill's answer decides)
-        return pe_task.result()
-    finally:
-        if not pe_task.done():  # (cancelled: the client left)
-            pe_task.cancel()
-
-
-async def _cancel(task: asyncio.Future) -> None:
-    if task.done():
-        if not task.cancelled() and task.exception() is None:
-            await task.result().aclose()
-        return
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, httpx.HTTPError):
-        pass
-
-
-def build_router_app(router: Router) -> FastAPI:
-    from pdserve.router.control import control_routes  # (it imports this module)
-
-    app = FastAPI(title="pdserve router")
-    app.add_middleware(BodySizeLimit, max_bytes=DEFAULT_MAX_BODY_BYTES)
-    app.add_middleware(JsonBodies)  # (a cross-site page's text/plain POST is never read as JSON)
-    app.add_middleware(ApiKey, key=router.api_key)
-    registry = CollectorRegistry()
-    registry.register(RouterCollector(router))
-    app.add_middleware(RequestMetrics, registry=registry)  # (last: outermost, so 401s and 413s count)
-
-    app.add_exception_handler(StarletteHTTPException, http_error)  # (404, 405: OpenAI's shape)
-    state: dict = {}
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        await router.check_health()
-        state["tasks"] = [asyncio.ensure_future(router.health_loop())]
-        if router.placement is not None:
-            state["tasks"] += [
-                asyncio.ensure_future(router.load_loop(e)) for e in router.prefills + router.decodes
-            ]
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
-        for task in state["tasks"]:
-            task.cancel()
-        await router.client.aclose()
-
-    async def body_of(http: Request) -> dict | Response:
-        raw = await http.body()
-        try:  # msgspec: a 32k-token prompt decodes in ~0.7 ms, where json.loads took ~1.7 ms
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:  # what json.loads takes and msgspec does not (1e400, NaN, lone
-            # surrogates): parsed as before; forwarded as json.dumps writes it, for the engines to refuse
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                return JSONResponse(error_body("request body is not valid JSON", 400), 400)
-            except RecursionError:
-                return JSONResponse(error_body("request body is nested too deeply", 400), 400)
-            http.state.stdlib_json = True  # forwarded as json.dumps writes it (msgspec: inf -> null)
-        except RecursionError:  # (thousands of nested arrays: a 500 before)
-            return JSONResponse(error_body("request body is nested too deeply", 400), 400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body("request body must be a JSON object", 400), 400)
-        if "pd" in body:
-            return JSONResponse(error_body("'pd' is reserved for the router", 400, param="pd"), 400)
-        if body.get("read_path", "none") not in ("none", "pe", "de", "auto"):
-            return JSONResponse(
-                error_body("read_path must be none, pe, de or auto", 400, param="read_path"), 400
-            )
-        return body
-
-    async def split(path: str, http: Request) -> Response:
-        """`n` > 1 or a prompt list: requests of one prompt and one choice, each dispatched on its
-        own, merged (server/fanout.py)."""
-        body = await body_of(http)
-        if isinstance(body, Response):
-            return body
-        try:
-            n = fanout.num_choices(body.get("n"))
-        except ValueError as e:
-            return JSONResponse(error_body(str(e), 400, param="n"), 400)
-        try:
-            prompts = fanout.batch_of(body.get("prompt")) if path == "/v1/completions" else None
-            fanout.num_children(len(prompts or [None]), n)
-        except ValueError as e:
-            return JSONResponse(error_body(str(e), 400, param="prompt"), 400)
-        if n == 1 and prompts is None:
-            return await router.dispatch(path, body, http)
-        options = body.get("stream_options")
-        include = bool(body.get("stream") and isinstance(options, dict) and options.get("include_usage"))
-        try:
-            bodies = fanout.child_bodies(body, n, prompts, uuid.uuid4().hex)
-        except ValueError as e:
-            return JSONResponse(error_body(str(e), 400, param="request_id"), 400)
-        return await fanout.merged(children(path, bodies, n, http), bool(body.get("stream")), include, n)
-
-    def children(path: str, bodies: list[dict], n: int, http: Request) -> list:
-        """The dispatches of a split request's children, p·n .. p·n + n - 1 being prompt p's choices."""
-        out = []
-        for prompt_start in range(0, len(bodies), n):  # a prompt's choices share a prefill (its cache)
-            try:  # (DualPath placement: the first is placed, the others follow it: `Siblings`)
-                prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
-            except NoEngine:
-                prefill = None  # (each child then answers 503 as a single request would)
-            siblings = Siblings() if router.placement is not None and n > 1 else None
-            out += [
-                router.dispatch(path, child, http, prefill, siblings, leader=i == 0)
-                for i, child in enumerate(bodies[prompt_start : prompt_start + n])
-            ]
-        return out
-
-    @app.post("/v1/completions")
-    async def completions(http: Request):
-        return await split("/v1/completions", http)
-
-    @app.post("/generate")
-    async def generate(http: Request):
-        """SGLang's native endpoint over PD: one prompt and sample as a completion is; a batch or
-        `sampling_params.n` > 1 split here (`fanout.generate_children`, as a colocated engine splits
-        it), each child dispatched on its own, the answers a list in child order."""
-        body = await body_of(http)
-        if isinstance(body, Response):
-            return body
-        try:
-            split = fanout.generate_children(body, f"gen-{uuid.uuid4().hex}")
-        except fanout.BadSplit as e:
-            return JSONResponse(error_body(str(e), 400, param=e.param), 400)
-        if split is None:
-            return await router.dispatch("/generate", body, http)
-        n, bodies = split
-        stream = body.get("stream") is True
-        return await fanout.merged(children("/generate", bodies, n, http), stream, False, n, native=True)
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: Request):
-        return await split("/v1/chat/completions", http)
-
-    async def to_an_engine(method: str, path: str, http: Request | None = None) -> Response:
-        """What any engine answers alike (the model list, its tokenizer): a live one answers, decodes
-        first; one that died since its last health check is a 503."""
-        live = [e for e in router.decodes + router.prefills if e.healthy]
-        if not live:
-            return unavailable("no healthy engine")
-        body = await http.body() if http is not None else None
-        try:
-            r = await router.client.request(method, live[0].url + path, content=body, headers=JSON)
-        except httpx.HTTPError as e:
-            return unavailable(f"{live[0].url} unreachable: {e!r}")
-        return Response(r.content, r.status_code, media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models():
-        return await to_an_engine("GET", "/v1/models")
-
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return await to_an_engine("GET", "/get_model_info")
-
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return await to_an_engine("GET", "/get_weight_version")
-
-    @app.post("/tokenize")
-    async def tokenize(http: Request):
-        return await to_an_engine("POST", "/tokenize", http)
-
-    @app.post("/detokenize")
-    async def detokenize(http: Request):
-        return await to_an_engine("POST", "/detokenize", http)
-
-    @app.get("/version")
-    async def version():
-        """vLLM's: the server's version (tooling checks it)."""
-        from pdserve import __version__
-
-        return {"version": __version__}
-
-    @app.get("/health")
-    async def health():
-        ok = any(e.healthy for e in router.prefills) and any(e.healthy for e in router.decodes)
-        engines = {
-            e.url: {"role": e.role, "healthy": e.healthy, "in_flight": e.in_flight}
-            for e in router.prefills + router.decodes
-        }
-        body = {"status": "ok" if ok else "degraded", "engines": engines, "num_retries": router.num_retries}
-        return JSONResponse(body, 200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/pd/cluster")
-    async def cluster():
-        """Placement state and the engines' last load reports, by node (benchmarks sample this)."""
-        if router.placement is None:
-            return JSONResponse(error_body("the router runs no placement policy", 404, "NotFound"), 404)
-        reports = router.placement.reports
-        nodes: dict[str, dict] = {}
-        for url, r in reports.items():
-            n = nodes.setdefault(r["node"], {"engines": [], "snic_bytes_served": 0, "snic_bytes_per_s": 0.0})
-            n["engines"].append(url)
-            # The node's SNIC counters are node-wide (a shared link): take the freshest engine's view.
-            if r["snic_bytes_served"] >= n["snic_bytes_served"]:
-                n["snic_bytes_served"] = r["snic_bytes_served"]
-                n["snic_read_bytes_served"] = r["snic_read_bytes_served"]
-                n["read_queue_bytes"] = r["node_read_queue_bytes"]
-            n["snic_bytes_per_s"] = r["snic_bytes_per_s"]
-        return {"placement": router.placement.snapshot(), "nodes": nodes, "engines": reports}
-
-    app.include_router(control_routes(router))
-    return app

@@ -2,7 +2,7 @@
 endpoints, for a whole cluster).
 
 Who calls them: an RL trainer's rollout manager and operators, as they would call one engine. Mounted by
-`router/app.build_router_app`.
+`router/routes.build_router_app`.
 
 * `POST /abort_request` (SGLang's): to every engine, and what the router still holds of it
   (`Router.abort_all`, `Router.abort_named`: its placement queue, requests not yet sent) and what it
@@ -27,7 +27,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pdserve.router.app import JSON, Engine, Router, client_gone
+from pdserve.router.app import Router, client_gone
+from pdserve.router.engines import Engine
+from pdserve.router.legs import JSON
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.protocol import (
     AbortRequest,

@@ -7,7 +7,7 @@ the front of a PD cluster, beside each engine's own /metrics.
 * Retries by the side that failed, requests in flight, and each engine's health and requests in
   flight: `RouterCollector`, read from the `Router` at scrape time (no second count to drift).
 
-Who calls it: `router/app.py`'s `build_router_app` wraps its app in `RequestMetrics` and registers a
+Who calls it: `router/routes.py`'s `build_router_app` wraps its app in `RequestMetrics` and registers a
 `RouterCollector`; `Router` counts its retries in `retries_by_side`. Routes outside `ROUTES` are
 counted as "other" (a scanner's random paths would otherwise make a label each).
 """

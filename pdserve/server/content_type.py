@@ -7,7 +7,7 @@ that change state (load a checkpoint, abort every request) must never read such 
 FastAPI's own rule covers the engine's pydantic bodies (CVE-2021-32677: a declared non-JSON type is
 not parsed), but the router reads raw bodies and forwarded them to its engines as JSON.
 
-Who uses it: `server/api.py build_app` and `router/app.py build_router_app` (`app.add_middleware`).
+Who uses it: `server/api.py build_app` and `router/routes.py build_router_app` (`app.add_middleware`).
 
 Per HTTP request with a body-carrying method (POST, PUT, PATCH):
   - a declared Content-Type that is not JSON (`application/json`, `application/*+json`) -> 415;

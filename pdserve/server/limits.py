@@ -1,6 +1,6 @@
 """Request body size limit for the HTTP servers (engine API and router): a pure ASGI middleware.
 
-Who uses it: `server/api.py build_app` and `router/app.py build_router_app` wrap their FastAPI app with
+Who uses it: `server/api.py build_app` and `router/routes.py build_router_app` wrap their FastAPI app with
 `app.add_middleware(BodySizeLimit, max_bytes=...)`; tests/test_security.py unit-tests it on a tiny app.
 
 What it does, per HTTP request:
