@@ -133,9 +133,9 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
         p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
         assert role.store.num_reads_in_flight == 1
         gate.set()
-        p.drive(lambda: p.idle())
+        # (the read's entries go when its future's callback ran, just after the engine saw it done)
+        p.drive(lambda: p.idle() and role.store.num_reads_in_flight == 0)
         assert store.stats().read_ok_blocks - before == 5  # (it was 15: three reads of 5)
-        assert role.store.num_reads_in_flight == 0
         ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
         want = ref.generate(
             {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
             assert out.metrics["cached_tokens_storage"] == 40, rid
         if read_path == "pe":
             assert p.pe_role.layerwise.num_runs == 3
-        assert p.pe_role.num_store_blocks_bad == p.de_role.num_store_blocks_bad == 0
+        assert p.pe_role.store.num_blocks_bad == p.de_role.store.num_blocks_bad == 0
         p.assert_clean()
     finally:
         store.close()
@@ -181,6 +181,54 @@ def test_joined_store_reads_count_once_in_the_engines_read_queue(hf_checkpoints,
         gate.set()
         p.drive(lambda: p.idle())
         assert load_report(role, "n0").read_queue_tokens == 0
+        p.assert_clean()
+    finally:
+        gate.set()
+        store.close()
+        p.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_a_bad_block_in_a_joined_read_is_counted_once_and_each_request_recomputes_from_it(
+    hf_checkpoints, tmp_path, read_path
+):
+    """Three requests of one prompt share one read whose 4th block file was truncated: each takes the
+    3 good leading blocks and recomputes the rest (the colocated engine's tokens), and the bad
+    block is counted once, by the connector when the read ends (the roles counted it per request,
+    and not at all for a read whose room was gone by then)."""
+    from pdserve.store.block_store import block_path
+
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    role = p.pe_role if read_path == "pe" else p.de_role
+    gate = threading.Event()
+    try:
+        ids = pd_roles._stored_turn(p, store, "seed")  # 5 stored blocks of 8 tokens
+        probe = p.de_engine.make_request(ids, SamplingParams(max_tokens=1), "probe")
+        with open(block_path(store.dir, role.store.keys_for(probe, 5)[3]), "r+b") as f:
+            f.truncate(100)
+        read_blocks = store.read_blocks
+
+        def slow_read(*args):
+            assert gate.wait(10)
+            return read_blocks(*args)
+
+        store.read_blocks = slow_read
+        rids = ["c0", "c1", "c2"]
+        for rid in rids:
+            _submit_read_path(p, ids, 3, rid, read_path)
+        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
+        gate.set()
+        p.drive(lambda: p.idle() and role.store.num_reads_in_flight == 0)
+        assert role.store.num_blocks_bad == 1
+        ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
+        want = ref.generate(
+            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
+        for rid in rids:
+            out = p.de_sink.final(rid)
+            assert out.outputs[0].token_ids == want[0].outputs[0].token_ids, rid
+            assert out.metrics["cached_tokens_storage"] == 3 * 8, rid
         p.assert_clean()
     finally:
         gate.set()

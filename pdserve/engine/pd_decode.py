@@ -113,7 +113,6 @@ class DecodeRole(PDRoleBase, EngineRole):
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.num_staged = 0
         self.store = None  # StoreConnector: write-back of full blocks; the DE read path
-        self.num_store_blocks_bad = 0
         engine.step_hooks.append(self._write_back)
         engine.finish_hooks.append(self._write_back_last)
         # A releasing room's request is forgotten by the engine (its id free for a retry), but its
@@ -461,7 +460,6 @@ class DecodeRole(PDRoleBase, EngineRole):
         try:
             result = pending.future.result()
             num_ok = pending.num_prefix_ok(result)
-            self.num_store_blocks_bad += pending.num_bad(result)
         except Exception:  # noqa: BLE001 - a failed read only means the prefill computes more
             log.exception("store read failed")
             num_ok = 0

@@ -119,7 +119,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.store = None  # StoreConnector when the engine has a persistent KV store (PE read path)
         self.layerwise = LayerwisePrefill(self)
         self.awaited: dict[int, object] = {}  # transfer id -> status once done (None: pending)
-        self.num_store_blocks_bad = 0
         self.num_layerwise_fallbacks = 0  # stored-KV prompts too long for the staging pool: prefilled whole
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
@@ -558,7 +557,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         try:
             result = pending.future.result()
             num_ok = pending.num_prefix_ok(result)
-            self.num_store_blocks_bad += pending.num_bad(result)
         except Exception:  # noqa: BLE001 - a failed read only means recompute
             log.exception("store read failed; recomputing")
             num_ok = 0

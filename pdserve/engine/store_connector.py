@@ -50,10 +50,6 @@ class PendingRead:
         """This request's leading good blocks, of a shared read's result too."""
         return min(result.num_prefix_ok, len(self.keys))
 
-    def num_bad(self, result) -> int:
-        """Bad blocks this request's read found (a shared one: counted once, by its owner)."""
-        return 0 if self.shared else len(result.keys) - result.num_ok
-
 
 class StoreConnector:
     def __init__(self, engine, store: KVBlockStore) -> None:
@@ -76,6 +72,9 @@ class StoreConnector:
         self._reads: dict[bytes, PendingRead] = {}
         self._reads_lock = threading.Lock()
         self.num_blocks_read_shared = 0  # blocks a request took from another's read in flight
+        # Blocks a read found corrupt, truncated or missing: counted once per read when it ends, also
+        # when no request is left to use it (its room was reaped) and however many joined it.
+        self.num_blocks_bad = 0
         self.num_blocks_written = 0
         self.num_write_failures = 0
         self._writes: queue.Queue = queue.Queue(maxsize=1024)
@@ -116,10 +115,15 @@ class StoreConnector:
 
     def _read_ended(self, read: PendingRead) -> None:
         """(a store I/O thread, or the engine's if the read ended before its callback was added)"""
+        future = read.future
+        failed = future.cancelled() or future.exception() is not None  # (its users log the error)
         with self._reads_lock:
             for key in read.keys:
                 if self._reads.get(key) is read:
                     del self._reads[key]
+            if not failed:
+                result = future.result()
+                self.num_blocks_bad += len(result.keys) - result.num_ok
 
     @property
     def num_reads_in_flight(self) -> int:

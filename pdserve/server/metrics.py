@@ -215,6 +215,7 @@ class PDMetrics:
             self.store_written.set(store.num_blocks_written)
             self.store_pending.set(store.num_writes_pending)
             self.store_shared.set(store.num_blocks_read_shared)
+            self.store_bad.set(store.num_blocks_bad)
 
     def update(self) -> None:
         role, agent = self.pd.role, self.pd.agent
@@ -235,7 +236,6 @@ class PDMetrics:
             self.layerwise.set(role.layerwise.num_runs)
             self.layerwise_fallbacks.set(role.num_layerwise_fallbacks)
         if getattr(role, "store", None) is not None:
-            self.store_bad.set(role.num_store_blocks_bad)
             for name, value in vars(role.store.store.stats()).items():
                 if name in STORE_LEVELS:
                     self.store.labels(name).set(value)
