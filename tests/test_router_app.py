@@ -1799,6 +1799,52 @@ def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure
     assert [e.in_flight for e in router.prefills + router.decodes] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("policy", ["none", "dualpath"])
+def test_a_router_that_knows_no_update_pairs_engines_of_one_weights(policy):
+    """A (re)started router knows of no weight update, so it keeps no engine out for its weights; its
+    engines may still disagree (one restarted on its launch checkpoint). A prefill and a decode of
+    different weights refuse each other (each such attempt a 503). Whatever placement or round
+    robin chose, the decode is now one of the prefill's weights; a prefill with no such decode is
+    left while another has one; with no such pair at all, a 503 that says so."""
+    pairs: list[tuple[str, str]] = []
+
+    async def go(weights: dict[str, str], num_requests: int):
+        engines = Engines(blocking=())
+        engines.weights_ids = weights
+        rooms: dict[int, list[str]] = {}
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            sent = json.loads(await request.aread())
+            rooms.setdefault(sent["pd"]["room"], []).append(request.url.host)
+            return httpx.Response(
+                200, json={"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+            )
+
+        engines.intercept = engine
+        router = await started_router(
+            engines,
+            policy,
+            prefills=("http://pe", "http://pe2", "http://pe3"),
+            decodes=("http://de", "http://de2"),
+        )
+        async with client_of(router) as c:
+            answers = [await c.post("/v1/completions", json=COMPLETION) for _ in range(num_requests)]
+        for hosts in rooms.values():
+            pairs.append((min(hosts), max(hosts)))  # ("de*", "pe*")
+        return answers
+
+    # pe and de2 on the new weights, pe2 and de on the old ones, pe3 on weights no decode serves
+    answers = asyncio.run(go({"pe": "new", "de2": "new", "pe2": "old", "de": "old", "pe3": "other"}, 12))
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    assert set(pairs) == {("de2", "pe"), ("de", "pe2")}, pairs  # (pe3 never: no decode of its weights)
+    pairs.clear()
+    answers = asyncio.run(go({"pe": "a", "pe2": "a", "pe3": "a", "de": "b", "de2": "b"}, 1))
+    assert answers[0].status_code == 503 and pairs == [], answers[0].text
+    assert "serves the weights of prefill" in answers[0].json()["error"]["message"]
+
+
 def test_an_engine_that_failed_a_weight_update_is_out_of_service_when_the_update_answers():
     """After an update the router calls `check_health` so that an engine that did not load the new
     weights is out of service (stale) before the held requests go. But the health state machine's

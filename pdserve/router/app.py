@@ -44,7 +44,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.pd_common import new_room
-from pdserve.router.engines import NO_ANSWER, Engine, EngineDown, NoEngine, unless_down, unless_set
+from pdserve.router.engines import (
+    NO_ANSWER,
+    Engine,
+    EngineDown,
+    NoEngine,
+    same_weights,
+    unless_down,
+    unless_set,
+)
 from pdserve.router.legs import (
     JSON,
     Leg,
@@ -366,16 +374,29 @@ class Router:
             return self.client.timeout
         return httpx.Timeout(600.0, connect=5.0, read=3 * pe.deadline_s + PREFILL_TIMEOUT_MARGIN_S)
 
+    # Pairs serve one weights identity. Engines on other weights than the cluster's last update are
+    # out of service (`Engine.stale`), but a router that (re)started since knows of no update: its
+    # engines may disagree (one restarted on its launch checkpoint), and a prefill and a decode of
+    # different weights refuse each other's registration (each such attempt a 503). Placement and
+    # plain picks choose as ever; the decode is then one of the prefill's weights (`like`), and a
+    # prefill without such a decode is taken only if no prefill has one.
     def pick_prefill(self, exclude: set[str]) -> Engine:
         live = [e for e in self.prefills if e.healthy and e.url not in exclude]
         if not live:
             raise NoEngine("no healthy prefill engine")
+        paired = [pe for pe in live if any(d.healthy and same_weights(pe, d) for d in self.decodes)]
+        live = paired or live
         return live[next(self._rr) % len(live)]
 
-    def pick_decode(self, exclude: set[str] = frozenset()) -> Engine:
+    def pick_decode(self, exclude: set[str] = frozenset(), like: Engine | None = None) -> Engine:
+        """The live decode with the fewest requests in flight, not in `exclude`, of `like`'s weights."""
         live = [e for e in self.decodes if e.healthy and e.url not in exclude]
         if not live:
             raise NoEngine("no healthy decode engine")
+        if like is not None:
+            live = [e for e in live if same_weights(like, e)]
+            if not live:
+                raise NoEngine(f"no healthy decode engine serves the weights of prefill {like.url}")
         return min(live, key=lambda e: e.in_flight)
 
     def _biggest_decodes(self, de: Engine) -> list[Engine]:
@@ -539,7 +560,13 @@ class Router:
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
-                    pe, de = first[0], first[1] or self.pick_decode()
+                    pe, de = first[0], first[1]
+                    if de is None or not same_weights(pe, de):
+                        try:
+                            de = self.pick_decode(like=pe)
+                        except NoEngine:  # (no decode of its weights: a prefill that has one)
+                            pe = self.pick_prefill(tried)
+                            de = self.pick_decode(like=pe)
                 else:
                     pe = self.pick_prefill(tried)
                     de = first[1] if first is not None and first[1] is not None else None
@@ -549,11 +576,11 @@ class Router:
                     keep_apart = failed_decodes | (
                         {de_before} if path == "/generate" and arrival.name else set()
                     )
-                    if de is None or de.url in keep_apart:
+                    if de is None or de.url in keep_apart or not same_weights(pe, de):
                         try:
-                            de = self.pick_decode(keep_apart)
+                            de = self.pick_decode(keep_apart, like=pe)
                         except NoEngine:
-                            de = self.pick_decode(failed_decodes)
+                            de = self.pick_decode(failed_decodes, like=pe)
             except NoEngine as e:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return unavailable(why)

@@ -38,6 +38,11 @@ class Engine:
     down_reason: str = NO_ANSWER  # (what those requests are told; else what its health check answered)
 
 
+def same_weights(a: Engine, b: Engine) -> bool:
+    """Whether `a` and `b` serve one weights identity (as far as both reported one)."""
+    return not a.weights_id or not b.weights_id or a.weights_id == b.weights_id
+
+
 class NoEngine(Exception):
     pass
 
