@@ -130,11 +130,11 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
         for rid in rids:
             _submit_read_path(p, ids, 3, rid, read_path)
         # (the decode reads once it admitted a request: a few turns)
-        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
-        assert role.store.num_reads_in_flight == 1
+        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
+        assert role.store.reads.num_in_flight == 1
         gate.set()
         # (the read's entries go when its future's callback ran, just after the engine saw it done)
-        p.drive(lambda: p.idle() and role.store.num_reads_in_flight == 0)
+        p.drive(lambda: p.idle() and role.store.reads.num_in_flight == 0)
         assert store.stats().read_ok_blocks - before == 5  # (it was 15: three reads of 5)
         ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
         want = ref.generate(
@@ -146,7 +146,7 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
             assert out.metrics["cached_tokens_storage"] == 40, rid
         if read_path == "pe":
             assert p.pe_role.layerwise.num_runs == 3
-        assert p.pe_role.store.num_blocks_bad == p.de_role.store.num_blocks_bad == 0
+        assert p.pe_role.store.reads.num_blocks_bad == p.de_role.store.reads.num_blocks_bad == 0
         p.assert_clean()
     finally:
         store.close()
@@ -175,8 +175,8 @@ def test_joined_store_reads_count_once_in_the_engines_read_queue(hf_checkpoints,
         store.read_blocks = slow_read
         for rid in ["c0", "c1", "c2"]:
             _submit_read_path(p, ids, 3, rid, read_path)
-        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
-        assert role.store.num_reads_in_flight == 1
+        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
+        assert role.store.reads.num_in_flight == 1
         assert load_report(role, "n0").read_queue_tokens == 5 * 8  # (it was 120)
         gate.set()
         p.drive(lambda: p.idle())
@@ -217,10 +217,10 @@ def test_a_bad_block_in_a_joined_read_is_counted_once_and_each_request_recompute
         rids = ["c0", "c1", "c2"]
         for rid in rids:
             _submit_read_path(p, ids, 3, rid, read_path)
-        p.drive(lambda: role.store.num_blocks_read_shared == 2 * 5, timeout_s=5)
+        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
         gate.set()
-        p.drive(lambda: p.idle() and role.store.num_reads_in_flight == 0)
-        assert role.store.num_blocks_bad == 1
+        p.drive(lambda: p.idle() and role.store.reads.num_in_flight == 0)
+        assert role.store.reads.num_blocks_bad == 1
         ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
         want = ref.generate(
             {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -11,6 +11,12 @@ directory, then read back, per repeat and alternating the order of the paths:
 Warm = page cache holds the files (one untimed pass first). Cold = `posix_fadvise(DONTNEED)` on every
 file right before each timed pass (files were fsynced after writing, so the pages can be dropped).
 Best of `repeats` passes; the store's result is checked byte for byte against the raw read.
+
+Case "joined" (`--readers` R): R requests of one prompt (the `n` choices of a rollout) each need its
+`num_blocks` stored blocks at once, cold. "each its own": R concurrent `submit_read`s into R buffers,
+what every request did before reads were joined; "joined": R `JoinedReads.read`s, the code the
+engines run (store/joined_reads.py). Reported: time until every request has its blocks, bytes read
+from the files (the store's count), and the ratio.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cases",
         nargs="+",
         default=["warm", "cold"],
-        choices=["warm", "cold"],
-        help="warm: files in the page cache; cold: dropped from it before each pass",
+        choices=["warm", "cold", "joined"],
+        help="warm: files in the page cache; cold: dropped from it before each pass; joined: --readers "
+        "requests of the same blocks, cold, each reading its own vs joining one read",
     )
+    p.add_argument("--readers", type=count, default=8, help="requests of the same blocks (case joined)")
     p.add_argument("--dir", default=None, help="parent directory of the temp store (default: $TMPDIR)")
 
 
@@ -72,6 +80,54 @@ def _raw_read(paths, out, header_scratch, num_threads: int) -> None:
     else:
         with ThreadPoolExecutor(num_threads) as ex:
             list(ex.map(one, range(len(paths))))
+
+
+def _joined(args, stores: dict, keys: list[bytes], paths: list[str], ref, hdr, block_nbytes: int) -> int:
+    """The "joined" case on each store backend; prints its rows. 1 if any bytes were wrong."""
+    import numpy as np
+
+    from pdserve.store.joined_reads import JoinedReads
+
+    n, readers = len(keys), args.readers
+    _raw_read(paths, ref, hdr, 1)  # (the reference bytes)
+
+    def alloc(num_blocks: int):
+        return np.ones((num_blocks, block_nbytes), dtype=np.uint8)
+
+    def each_its_own(st) -> list:
+        bufs = [alloc(n) for _ in range(readers)]
+        futures = [st.submit_read(keys, buf) for buf in bufs]
+        return [(buf, f.result()) for buf, f in zip(bufs, futures, strict=True)]
+
+    def joined(st) -> list:
+        reads = JoinedReads()
+        pending = [reads.read(st, keys, alloc) for _ in range(readers)]
+        return [(p.buffer, p.future.result()) for p in pending]
+
+    print(f"joined: {readers} requests of the same {n} blocks, cold (page cache dropped before each pass)")
+    print(f"{'backend':<8} {'path':<14} {'s':>8} {'MiB read':>9} {'GiB to requests/s':>18} {'speedup':>8}")
+    for be, st in stores.items():
+        best = {"each its own": (float("inf"), 0), "joined": (float("inf"), 0)}
+        for rep in range(args.repeats):
+            order = list(best) if rep % 2 == 0 else list(reversed(best))
+            for name in order:
+                _evict(paths)
+                before = st.stats().read_ok_blocks
+                t = time.perf_counter()
+                answers = (each_its_own if name == "each its own" else joined)(st)
+                dt = time.perf_counter() - t
+                num_read = st.stats().read_ok_blocks - before
+                for buf, result in answers:  # every request's blocks, byte for byte
+                    if result.num_ok != n or not np.array_equal(buf[:n], ref):
+                        print(f"{be} {name}: a request's blocks differ from the raw read")
+                        return 1
+                best[name] = min(best[name], (dt, num_read))
+        base = best["each its own"][0]
+        for name, (dt, num_read) in best.items():
+            mib_read = num_read * block_nbytes / 2**20
+            to_requests = readers * n * block_nbytes / 2**30 / dt
+            print(f"{be:<8} {name:<14} {dt:8.3f} {mib_read:9.1f} {to_requests:18.2f} {base / dt:8.2f}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         )
         rows = []
         for case in args.cases:
+            if case == "joined":
+                continue
             if case == "warm":
                 _raw_read(paths, ref, hdr, 1)
             best = {name: float("inf") for name in paths_fns}
@@ -153,9 +211,14 @@ def run(args: argparse.Namespace) -> int:
             raw = best["raw seq (1 thread)"]
             for name, dt in best.items():
                 rows.append((case, name, total_bytes / dt / 1e9, raw / dt))
-        print(f"{'case':<6} {'path':<20} {'GB/s':>7} {'vs raw seq':>10}")
+        if rows:
+            print(f"{'case':<6} {'path':<20} {'GB/s':>7} {'vs raw seq':>10}")
         for case, name, gbps, ratio in rows:
             print(f"{case:<6} {name:<20} {gbps:7.2f} {ratio:10.2f}")
+        if "joined" in args.cases:
+            failed = _joined(args, stores, keys, paths, ref, hdr, block_nbytes)
+            if failed:
+                return failed
         load_end = os.getloadavg()
         print(f"load avg (1 min) start {load_start[0]:.2f}, end {load_end[0]:.2f}; target: store >= 0.80")
         for st in stores.values():

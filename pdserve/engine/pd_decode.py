@@ -631,4 +631,6 @@ class DecodeRole(PDRoleBase, EngineRole):
         self.handoff.check_integrity()
         self.staging.check_integrity()
         self.aborts.check_integrity()
+        if self.store is not None:
+            self.store.reads.check_integrity()
         assert set(self.aborts.pending()) == set(self.releasing), "an aborted room's pages lost their lease"

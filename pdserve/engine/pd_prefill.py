@@ -761,3 +761,5 @@ class PrefillRole(PDRoleBase, EngineRole):
         assert set(self.pinned) <= set(self.transfers), "a pinned page outlived its write"
         assert not set(self.abandoned_reads) & set(self.awaited), "an abandoned read is still awaited"
         self.staging.check_integrity()
+        if self.store is not None:
+            self.store.reads.check_integrity()

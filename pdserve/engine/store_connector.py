@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,27 +27,13 @@ import torch
 from pdserve.engine.request import Request
 from pdserve.kvcache.hashing import cached_keys
 from pdserve.store.block_store import KVBlockStore
+from pdserve.store.joined_reads import JoinedReads, PendingRead
 from pdserve.store.keys import store_root_key
 from pdserve.store.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 
 PERSIST_CHUNK_NBYTES = 64 << 20  # write-back gathers up to this much KV per device-to-host copy
-
-
-@dataclass
-class PendingRead:
-    """One request's store read. `buffer` and `future` may be another request's (`shared`): its read of
-    a chain whose first blocks are this request's; both only read the buffer once the future is done."""
-
-    keys: list[bytes]  # this request's blocks (chained keys: the last one names the whole prefix)
-    buffer: torch.Tensor  # uint8 [>= len(keys), block_nbytes]: rows [0, len(keys)) are its blocks
-    future: object  # concurrent.futures.Future[ReadResult] (of the read's own keys)
-    shared: bool = False  # joined another request's read: no I/O of its own
-
-    def num_prefix_ok(self, result) -> int:
-        """This request's leading good blocks, of a shared read's result too."""
-        return min(result.num_prefix_ok, len(self.keys))
 
 
 class StoreConnector:
@@ -67,14 +52,7 @@ class StoreConnector:
         # Per layer: K and V pools viewed as bytes per page [num_pages, page_bytes].
         self._k = [k.view(k.shape[0], -1).view(torch.uint8) for k in kv.k]
         self._v = [v.view(v.shape[0], -1).view(torch.uint8) for v in kv.v]
-        # Reads in flight by each of their keys (a chain key names its whole prefix): the store's I/O
-        # threads drop a read's entries when it ends, hence the lock.
-        self._reads: dict[bytes, PendingRead] = {}
-        self._reads_lock = threading.Lock()
-        self.num_blocks_read_shared = 0  # blocks a request took from another's read in flight
-        # Blocks a read found corrupt, truncated or missing: counted once per read when it ends, also
-        # when no request is left to use it (its room was reaped) and however many joined it.
-        self.num_blocks_bad = 0
+        self.reads = JoinedReads()  # store reads in flight, joined by requests of one prefix
         self.num_blocks_written = 0
         self.num_write_failures = 0
         self._writes: queue.Queue = queue.Queue(maxsize=1024)
@@ -97,39 +75,11 @@ class StoreConnector:
         return self.store.lookup_keys(self.keys_for(req, max_blocks))
 
     def start_read(self, req: Request, num_blocks: int) -> PendingRead:
-        """Read the request's first `num_blocks` (> 0) blocks; or join a read in flight of a chain that
-        starts with them (a sibling's): the same buffer and future, no I/O."""
-        keys = self.keys_for(req, num_blocks)
-        with self._reads_lock:
-            covering = self._reads.get(keys[-1])
-        if covering is not None:
-            self.num_blocks_read_shared += num_blocks
-            return PendingRead(keys, covering.buffer, covering.future, shared=True)
-        buf = torch.empty((num_blocks, self.layout.block_nbytes), dtype=torch.uint8)
-        read = PendingRead(keys, buf, self.store.submit_read(keys, buf))
-        with self._reads_lock:
-            for key in keys:
-                self._reads.setdefault(key, read)  # (a key an older read covers stays with it)
-        read.future.add_done_callback(lambda _: self._read_ended(read))  # (at once if it has)
-        return read
-
-    def _read_ended(self, read: PendingRead) -> None:
-        """(a store I/O thread, or the engine's if the read ended before its callback was added)"""
-        future = read.future
-        failed = future.cancelled() or future.exception() is not None  # (its users log the error)
-        with self._reads_lock:
-            for key in read.keys:
-                if self._reads.get(key) is read:
-                    del self._reads[key]
-            if not failed:
-                result = future.result()
-                self.num_blocks_bad += len(result.keys) - result.num_ok
-
-    @property
-    def num_reads_in_flight(self) -> int:
-        """Reads of this engine's own in flight (not counting the requests that joined them)."""
-        with self._reads_lock:
-            return len({id(r) for r in self._reads.values()})
+        """Read the request's first `num_blocks` (> 0) blocks into host memory; or join a read in flight
+        of a chain that starts with them (a sibling's): the same buffer and future, no I/O."""
+        nbytes = self.layout.block_nbytes
+        alloc = lambda n: torch.empty((n, nbytes), dtype=torch.uint8)  # noqa: E731
+        return self.reads.read(self.store, self.keys_for(req, num_blocks), alloc)
 
     # ---- pool <-> blocks -----------------------------------------------------------------------
     def gather_blocks(self, page_ids: list[int], first: int, last: int) -> torch.Tensor:

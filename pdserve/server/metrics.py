@@ -214,8 +214,8 @@ class PDMetrics:
         if store is not None:
             self.store_written.set(store.num_blocks_written)
             self.store_pending.set(store.num_writes_pending)
-            self.store_shared.set(store.num_blocks_read_shared)
-            self.store_bad.set(store.num_blocks_bad)
+            self.store_shared.set(store.reads.num_blocks_joined)
+            self.store_bad.set(store.reads.num_blocks_bad)
 
     def update(self) -> None:
         role, agent = self.pd.role, self.pd.agent

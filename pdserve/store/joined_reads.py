@@ -1,0 +1,92 @@
+"""Store reads that requests of one prefix share: the `n` choices of one prompt reach one engine
+together, and each would read the same stored blocks again over the node's storage NIC, the
+bottleneck DualPath exists for. A read of blocks that a read in flight covers joins it instead.
+
+Who calls it: `engine/store_connector.py` (`StoreConnector.start_read`, on an engine thread) for
+every store read of a PD engine; `pdserve bench store` (its "joined" case). The store's I/O threads
+call `_ended` when a read completes.
+
+Chained keys (store/keys.py): a block's key names its whole prefix, so a read whose keys contain a
+request's last key holds that request's blocks as its own first rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pdserve.store.block_store import KVBlockStore
+
+
+@dataclass
+class PendingRead:
+    """One request's store read. `buffer` and `future` may be another request's (`shared`): its read of
+    a chain whose first blocks are this request's; both only read the buffer once the future is done."""
+
+    keys: list[bytes]  # this request's blocks (chained keys: the last one names the whole prefix)
+    buffer: object  # uint8 [>= len(keys), block_nbytes] host memory: rows [0, len(keys)) are its blocks
+    future: Future  # Future[ReadResult] of the read's own keys
+    shared: bool = False  # joined another request's read: no I/O of its own
+
+    def num_prefix_ok(self, result) -> int:
+        """This request's leading good blocks, of a shared read's result too."""
+        return min(result.num_prefix_ok, len(self.keys))
+
+
+class JoinedReads:
+    """Reads in flight, by each of their keys; requests of a prefix one covers join it.
+
+    Invariants: `_reads` holds owners' reads, each under its own keys; a read's entries go when it
+    ends (`_ended`, under the lock, with its bad-block count)."""
+
+    def __init__(self) -> None:
+        self._reads: dict[bytes, PendingRead] = {}
+        self._lock = threading.Lock()  # (the store's I/O threads end reads)
+        self.num_blocks_joined = 0  # blocks a request took from another's read in flight
+        # Blocks a read found corrupt, truncated or missing: counted once per read when it ends, also
+        # when no request is left to use it and however many joined it.
+        self.num_blocks_bad = 0
+
+    def read(self, store: KVBlockStore, keys: list[bytes], alloc: Callable[[int], object]) -> PendingRead:
+        """Read `keys` (> 0) from `store` into `alloc(len(keys))`; or join a read in flight whose keys
+        start with them: the same buffer and future, no I/O."""
+        with self._lock:
+            covering = self._reads.get(keys[-1])
+        if covering is not None:
+            self.num_blocks_joined += len(keys)
+            return PendingRead(keys, covering.buffer, covering.future, shared=True)
+        buffer = alloc(len(keys))
+        read = PendingRead(keys, buffer, store.submit_read(keys, buffer))
+        with self._lock:
+            for key in keys:
+                self._reads.setdefault(key, read)  # (a key an older read covers stays with it)
+        read.future.add_done_callback(lambda _: self._ended(read))  # (at once if it has ended)
+        return read
+
+    @property
+    def num_in_flight(self) -> int:
+        """Reads in flight (not counting the requests that joined them)."""
+        with self._lock:
+            return len({id(r) for r in self._reads.values()})
+
+    def _ended(self, read: PendingRead) -> None:
+        """(a store I/O thread, or the caller's if the read ended before its callback was added)"""
+        future = read.future
+        failed = future.cancelled() or future.exception() is not None  # (its users log the error)
+        with self._lock:
+            for key in read.keys:
+                if self._reads.get(key) is read:
+                    del self._reads[key]
+            if not failed:
+                result = future.result()
+                self.num_blocks_bad += len(result.keys) - result.num_ok
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every indexed read is an owner's, under its own keys (whether
+        it has ended is not checked: its callback may be on its way)."""
+        with self._lock:
+            for key, read in self._reads.items():
+                assert key in read.keys, "a read indexed under a key not its own"
+                assert not read.shared, "a joined read indexed"
