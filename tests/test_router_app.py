@@ -1845,6 +1845,82 @@ def test_a_router_that_knows_no_update_pairs_engines_of_one_weights(policy):
     assert "serves the weights of prefill" in answers[0].json()["error"]["message"]
 
 
+def test_a_retry_after_a_decode_failure_goes_to_a_pair_of_other_weights_not_a_503():
+    """pe, pe2 and de on weights "a"; pe3 and de2 on "b" (a router that knows no update). The first
+    attempt (pe, de) fails on its decode, a 500 before the prefill answered. Attempt 2's
+    `pick_prefill` counts pe2 as paired (de is healthy, though in `failed_decodes`), then
+    `pick_decode({de}, like=pe2)` raises NoEngine, which `_attempts` answers with a 503 at once,
+    with attempts left and pe3 + de2 able to serve (found by a review). Now `pick_prefill` leaves
+    out the decodes that failed this request: pe3 + de2 serve it."""
+
+    async def go():
+        engines = Engines(blocking=())
+        engines.weights_ids = {"pe": "a", "pe2": "a", "de": "a", "pe3": "b", "de2": "b"}
+        served = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            host = request.url.host
+            if host.startswith("pe"):  # (a prefill answers once its decode took the KV)
+                await served.wait()
+                return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            if host == "de":
+                err = {"error": {"message": "de: transfer failed", "code": 500}}
+                return httpx.Response(500, headers={"content-type": "application/json"}, stream=Once(err))
+            served.set()
+            answer = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(
+            engines,
+            "none",
+            prefills=("http://pe", "http://pe2", "http://pe3"),
+            decodes=("http://de", "http://de2"),
+        )
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(c.post("/v1/completions", json=COMPLETION), 10)
+        return r, engines
+
+    r, engines = asyncio.run(go())
+    assert r.status_code == 200, (r.text, engines.posts)
+
+
+def test_a_400_no_bigger_decode_of_its_weights_could_take_is_the_clients_400():
+    """pe and de (64-token pool) on weights "a"; de2 (4096 tokens) on "b". de refuses the request
+    with a 400 (outgrew its pool). `_biggest_decodes` ignores weights: it offers de2, so de's 400 is
+    not the answer; every decode but de2 goes into `failed_decodes`, and the retry's
+    `pick_decode(.., like=pe)` finds none: the client gets a 503 (the OpenAI client retries it)
+    for a request no decode of its prefill's weights can take, instead of de's 400 (found by a
+    review). Now only decodes of the prefill's weights are offered: de's 400 is the answer."""
+
+    async def go():
+        engines = Engines(blocking=())
+        engines.weights_ids = {"pe": "a", "de": "a", "de2": "b"}
+        engines.capacities = {"de": 64, "de2": 4096}
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            host = request.url.host
+            if host == "pe":
+                await asyncio.Event().wait()  # (waits for a decode's KVRequest: the decode decides)
+            body = {"error": {"message": f"{host}: needs more KV pages", "code": 400}}
+            return httpx.Response(400, headers={"content-type": "application/json"}, stream=Once(body))
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        async with client_of(router) as c:
+            r = await asyncio.wait_for(
+                c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}), 10
+            )
+        return r
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and "de: needs more KV pages" in r.text, r.text
+
+
 def test_an_engine_that_failed_a_weight_update_is_out_of_service_when_the_update_answers():
     """After an update the router calls `check_health` so that an engine that did not load the new
     weights is out of service (stale) before the held requests go. But the health state machine's

@@ -203,7 +203,7 @@ class Router:
         self._named_aborts: deque[tuple[int, str]] = deque(maxlen=MAX_NAMED_ABORTS)
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
-        self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`_Relay`)
+        self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`Relay`)
         self.open = asyncio.Event()  # cleared while a weight update holds new requests
         self.open.set()
         self.stopping = asyncio.Event()  # set by `shut_down` (Ctrl-C): everything still relayed ends
@@ -380,11 +380,17 @@ class Router:
     # different weights refuse each other's registration (each such attempt a 503). Placement and
     # plain picks choose as ever; the decode is then one of the prefill's weights (`like`), and a
     # prefill without such a decode is taken only if no prefill has one.
-    def pick_prefill(self, exclude: set[str]) -> Engine:
+    def pick_prefill(self, exclude: set[str], decodes_left_out: set[str] = frozenset()) -> Engine:
+        """Round robin over the live prefills not in `exclude`, those with a live decode of their
+        weights not in `decodes_left_out` (that failed this request) first."""
         live = [e for e in self.prefills if e.healthy and e.url not in exclude]
         if not live:
             raise NoEngine("no healthy prefill engine")
-        paired = [pe for pe in live if any(d.healthy and same_weights(pe, d) for d in self.decodes)]
+        paired = [
+            pe
+            for pe in live
+            if any(d.healthy and d.url not in decodes_left_out and same_weights(pe, d) for d in self.decodes)
+        ]
         live = paired or live
         return live[next(self._rr) % len(live)]
 
@@ -399,9 +405,10 @@ class Router:
                 raise NoEngine(f"no healthy decode engine serves the weights of prefill {like.url}")
         return min(live, key=lambda e: e.in_flight)
 
-    def _biggest_decodes(self, de: Engine) -> list[Engine]:
-        """The live decodes of the biggest KV pool (as reported), if bigger than `de`'s; else none."""
-        live = [e for e in self.decodes if e.healthy and e.kv_capacity_tokens]
+    def _biggest_decodes(self, de: Engine, pe: Engine) -> list[Engine]:
+        """The live decodes of `pe`'s weights with the biggest KV pool (as reported), if bigger than
+        `de`'s; else none."""
+        live = [e for e in self.decodes if e.healthy and e.kv_capacity_tokens and same_weights(pe, e)]
         most = max((e.kv_capacity_tokens for e in live), default=0)
         if not de.kv_capacity_tokens or most <= de.kv_capacity_tokens:
             return []
@@ -536,7 +543,7 @@ class Router:
     ):
         """`arrival`: the router's abort counts when the request came in (see `abort_all`,
         `abort_named`), and its name. Each attempt's
-        decode leg is a `_Leg`: closed (the decode aborts) and its in-flight count dropped exactly once,
+        decode leg is a `Leg`: closed (the decode aborts) and its in-flight count dropped exactly once,
         on every way out that does not hand it to the relay, cancellation included (a merged request
         cancels its other children when one fails)."""
         legs: list[Leg] = []
@@ -565,10 +572,10 @@ class Router:
                         try:
                             de = self.pick_decode(like=pe)
                         except NoEngine:  # (no decode of its weights: a prefill that has one)
-                            pe = self.pick_prefill(tried)
+                            pe = self.pick_prefill(tried, failed_decodes)
                             de = self.pick_decode(like=pe)
                 else:
-                    pe = self.pick_prefill(tried)
+                    pe = self.pick_prefill(tried, failed_decodes)
                     de = first[1] if first is not None and first[1] is not None else None
                     # (a /generate with the client's rid: the last attempt's decode may hold that rid
                     # until its abort lease ends (its room waits for the dead prefill's ack), so a
@@ -643,7 +650,7 @@ class Router:
                         await leg.close()
                         failed_side = "prefill"
                         continue
-                    biggest = self._biggest_decodes(de) if de_resp.status_code == 400 else []
+                    biggest = self._biggest_decodes(de, pe) if de_resp.status_code == 400 else []
                     if 400 <= de_resp.status_code < 500 and not biggest:
                         return Response(content, de_resp.status_code, media_type="application/json")
                     if biggest:
