@@ -42,6 +42,7 @@ from pdserve.engine.pd_decode import DecodeRole
 from pdserve.engine.pd_load import _pending_read_tokens
 from pdserve.engine.pd_prefill import PrefillRole
 from pdserve.server.pd_context import layout_fingerprint, model_identity
+from pdserve.store.joined_reads import JoinedReads, PendingRead
 from pdserve.transfer.agent import TransferAgent
 from pdserve.transfer.pages import RegionTable
 from tests.conftest import tiny_hf_model
@@ -1345,7 +1346,8 @@ def test_room_that_failed_while_its_store_read_was_in_flight_never_computes(make
     p.pe_role.store = SimpleNamespace(
         layout=SimpleNamespace(block_size=2 * PAGE_SIZE),
         lookup=lambda req: 2,
-        start_read=lambda req, n: SimpleNamespace(future=read, buffer=None),
+        start_read=lambda req, n: PendingRead([b"k0", b"k1"], [None, None], read),
+        reads=JoinedReads(),  # (none in flight: this read is the test's own)
     )
     room = new_room()
     preq, dreq = p.requests(prompt(20), 4, "sr", room)
@@ -1388,8 +1390,9 @@ def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair
         p.de_role.store = SimpleNamespace(
             layout=SimpleNamespace(block_size=7 * PAGE_SIZE),  # one block: 28 tokens > the 24 hit tokens
             lookup=lambda req: 1,
-            start_read=lambda req, n: SimpleNamespace(future=read, buffer=None, keys=[b"k0"]),
+            start_read=lambda req, n: PendingRead([b"k0"], [None], read),
             persist=lambda req: None,
+            reads=JoinedReads(),  # (none in flight: this read is the test's own)
         )
     room = new_room()
     preq, dreq = p.requests(ids1 + prompt(8, start=7), 8, "r3", room)
@@ -1710,8 +1713,9 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
     p.de_role.store = SimpleNamespace(  # a store that has one 7-page block of every prompt
         layout=SimpleNamespace(block_size=7 * PAGE_SIZE),
         lookup=lambda req: lookups.append(req.request_id) or 1,
-        start_read=lambda req, n: SimpleNamespace(future=Future(), buffer=None, keys=[b"k0"]),
+        start_read=lambda req, n: PendingRead([b"k0"], [None], Future()),
         persist=lambda req: None,
+        reads=JoinedReads(),  # (none in flight: this read is the test's own)
     )
     preq, dreq = p.requests(ids1 + prompt(4, start=7), 8, "r3", new_room())
     dreq.read_path = "de"
