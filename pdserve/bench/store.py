@@ -92,7 +92,7 @@ def _joined(args, stores: dict, keys: list[bytes], paths: list[str], ref, hdr, b
     _raw_read(paths, ref, hdr, 1)  # (the reference bytes)
 
     def alloc(num_blocks: int):
-        return np.ones((num_blocks, block_nbytes), dtype=np.uint8)
+        return np.empty((num_blocks, block_nbytes), dtype=np.uint8)  # (as the engines: torch.empty)
 
     def each_its_own(st) -> list:
         bufs = [alloc(n) for _ in range(readers)]
