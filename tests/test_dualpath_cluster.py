@@ -179,9 +179,9 @@ def test_the_choices_of_one_stored_prompt_read_it_once_through_the_prefill_nodes
     assert len({c["text"] for c in r.json()["choices"]}) == 1  # (greedy: four equal choices)
     read = 'pdserve_store_ops_total{op="read_ok_blocks"}'
     num_blocks = after[read] - before[read]
-    shared = after["pdserve_store_blocks_read_shared_total"] - before.get(
-        "pdserve_store_blocks_read_shared_total", 0
+    joined = after["pdserve_store_blocks_read_joined_total"] - before.get(
+        "pdserve_store_blocks_read_joined_total", 0
     )
-    assert num_blocks >= 600 // 64 - 1 and shared == 3 * num_blocks, (num_blocks, shared)
+    assert num_blocks >= 600 // 64 - 1 and joined == 3 * num_blocks, (num_blocks, joined)
     # (usage counts the prompt once for its n choices, as OpenAI's does)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_storage"] == num_blocks * 64

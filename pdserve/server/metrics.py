@@ -190,8 +190,8 @@ class PDMetrics:
             r,
         )
         self.store_written = _Mirror("pdserve_store_blocks_written", "Blocks this engine wrote back", r)
-        self.store_shared = _Mirror(
-            "pdserve_store_blocks_read_shared",
+        self.store_joined = _Mirror(
+            "pdserve_store_blocks_read_joined",
             "Blocks a request took from another's store read in flight (the same prompt): not read again",
             r,
         )
@@ -214,7 +214,7 @@ class PDMetrics:
         if store is not None:
             self.store_written.set(store.num_blocks_written)
             self.store_pending.set(store.num_writes_pending)
-            self.store_shared.set(store.reads.num_blocks_joined)
+            self.store_joined.set(store.reads.num_blocks_joined)
             self.store_bad.set(store.reads.num_blocks_bad)
 
     def update(self) -> None:
