@@ -2213,3 +2213,26 @@ def test_the_routers_abort_of_an_answered_prefill_half_by_its_room_frees_its_rid
         aengine.shutdown()
     assert counts == {"by rid": 0, "other id": 0, "other room": 0, "by room": 1}
     assert p.pe_role.failures.get("aborted by its router") == 1
+
+
+def test_a_late_failure_or_router_abort_of_a_room_that_succeeded_changes_nothing(make_pair, colocated):
+    """The prefill's room succeeded (the decode acked the last write) and waits for `_reap` (the same
+    tick, unless something else arrives first): a late Status(Failed) or the router's abort of that
+    room still counted a failure ("a few counters drift", docs/reliability.md). The first outcome
+    stands: nothing counted, the abort ends nothing, and the room is reaped as a success."""
+    p = make_pair(copy_bytes=True)
+    reap = p.pe_role._reap
+    p.pe_role._reap = lambda: None  # (held, so the succeeded room can be seen before it goes)
+    ids = prompt(13, start=5)
+    room = p.submit_both(ids, 3, "ok")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Success)
+    failures = dict(p.pe_role.failures)
+    p.pe_role._fail(room, "decode failed: late")
+    assert p.pe_role.failures == failures and p.pe_role.rooms.state(room) == KVState.Success
+    assert p.pe_role.abort_room(room, "ok") == 0
+    p.pe_role._reap = reap
+    p.drive(lambda: p.idle())
+    ref = colocated.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3))
+    assert p.de_sink.final("ok").outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert p.pe_role.failures == failures
+    p.assert_clean()

@@ -184,8 +184,8 @@ class PrefillRole(PDRoleBase, EngineRole):
         retries the request under that id (a client's `/generate` rid) on another decode, here too:
         ended now, the id is free (`_fail`). 1 if there was such a room."""
         pr = self.by_room.get(room)
-        if pr is None or pr.req.request_id != request_id:
-            return 0
+        if pr is None or pr.req.request_id != request_id or self.rooms.state(room) == KVState.Success:
+            return 0  # (a room that succeeded frees its id when it is reaped, this tick)
         self._fail(room, "aborted by its router: retried", client_abort=True)
         return 1
 
@@ -690,8 +690,8 @@ class PrefillRole(PDRoleBase, EngineRole):
     # ---- failure and release -------------------------------------------------------------------
     def _fail(self, room: int, reason: str, already_failed: bool = False, client_abort: bool = False) -> None:
         pr = self.by_room.get(room)
-        if pr is None:
-            return
+        if pr is None or self.rooms.state(room) == KVState.Success:
+            return  # (a room that succeeded, not yet reaped: the first outcome stands, nothing counted)
         if not already_failed and self.rooms.state(room) == KVState.Failed:
             # Failed before (e.g. a write's failure seen inside the layerwise lane, then the lane's own
             # error): the first outcome stands, counted and reported once; stop anything sent since.
