@@ -239,6 +239,18 @@ def run_in_process(engine, scenario, **app_kw):
         app.state.engine.shutdown()
 
 
+def assert_clear_greedy(output, min_gap: float = 1e-3) -> None:
+    """A greedy reference (a CompletionOutput asked with logprobs >= 2) has no near-tie: at every step
+    its top logprob beats the runner-up by `min_gap`. Paths that must agree to the token (PD vs one
+    engine, cached vs computed prefix) sum in different orders, so they can differ by ~1e-6 in a logit;
+    a prompt that puts two tokens that close (seen once: 7e-6 at step 3) makes equality a coin toss.
+    Fails on the reference, before the comparison, so a prompt or model change that brings one in is
+    named for what it is."""
+    gaps = [step.top[0][1] - step.top[1][1] for step in output.logprobs]
+    near = [(i, gap) for i, gap in enumerate(gaps) if gap < min_gap]
+    assert not near, f"greedy near-tie(s) (step, logprob gap) {near}: pick another prompt"
+
+
 def serve_cmd(model_dir: str, port: int, *flags: str) -> list[str]:
     """The command line of a `pdserve serve` process on 127.0.0.1:`port`."""
     return [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(port), *flags]

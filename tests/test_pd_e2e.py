@@ -21,7 +21,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
-from tests.conftest import requires_cuda
+from tests.conftest import assert_clear_greedy, requires_cuda
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -313,9 +313,11 @@ def test_pd_generate_equals_colocated_token_ids_batches_samples_and_stream(clust
     a left-out max_new_tokens is SGLang's 128 lowered to the room the prompt leaves, on both halves."""
     ref_llm = colocated(cluster.device)
     url = cluster.router_url + "/generate"
-    ids = ref_llm.engine.tokenizer.encode(warm_prompts()[2] + "    for")
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # ("    for" put two tokens 7e-6 apart at step 3: PD once answered the runner-up)
+    ids = ref_llm.engine.tokenizer.encode(warm_prompts()[2] + "    for i in")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ref = ref_llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0]
+    assert_clear_greedy(ref)
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     r = httpx.post(url, json={"input_ids": ids, "sampling_params": sp, "rid": "rollout-1"}, timeout=120)
     assert r.status_code == 200, r.text
