@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pdserve.router.app import STOPPING, Router
-from pdserve.router.placement import completion_view, prompt_shape, requested_max_tokens
+from pdserve.router.prompts import completion_view, prompt_shape, requested_max_tokens
 from pdserve.router.routes import build_router_app
 from pdserve.server.protocol import PREFILL_UNREACHABLE
 from tests.test_router_placement import report

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from pdserve.router.engines import Engine
-from pdserve.router.placement import Placement, PlacementError, PrefixIndex, prompt_pieces, prompt_shape
+from pdserve.router.placement import Placement, PlacementError
+from pdserve.router.prompts import PrefixIndex, prompt_pieces, prompt_shape
 
 BPT = 4096  # KV bytes per token
 

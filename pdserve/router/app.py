@@ -61,11 +61,9 @@ from pdserve.router.legs import (
     error_type,
     prefill_unless_decode_fails,
 )
-from pdserve.router.placement import (
+from pdserve.router.placement import Placement, PlacementAborted, PlacementError
+from pdserve.router.prompts import (
     DEFAULT_PLACEMENT_TOKENS,
-    Placement,
-    PlacementAborted,
-    PlacementError,
     completion_view,
     prompt_pieces,
     prompt_shape,

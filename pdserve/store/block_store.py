@@ -5,7 +5,7 @@ Who calls what, when:
   path); `put` never raises for I/O trouble: a read-only or full disk returns False and is counted;
 - the engines' `StoreConnector.lookup` calls `lookup_keys(keys)` (`lookup(token_ids)` is for tests
   and tools) to learn how many leading full blocks are stored; the router never reads the store (it
-  estimates hits itself, `router/placement.PrefixIndex`);
+  estimates hits itself, `router/prompts.PrefixIndex`);
 - the PE or DE read path calls `submit_read(keys, host_buffer)` (a Future; the engine thread never
   blocks on disk) or `read_blocks` (blocking) and recomputes every token of a block the `ReadResult`
   marks bad; bad files are removed and counted, so the next lookup no longer reports them.
