@@ -3,6 +3,10 @@
 Single-threaded: the offline `LLM` calls `step()` directly; the server runs it in one engine thread
 (`pdserve.engine.async_engine`). One step = schedule -> run the model -> append sampled tokens ->
 check stops -> publish full pages to the prefix cache -> release finished requests' pages.
+
+Length (~550 lines): the engine's request path end to end — validation, the step loop, stops and
+text, outputs, weight updates — shares one request object and one scheduler; the parts that stand
+alone (scheduler, KV managers, model runner, sampler, detokenizer) are their own modules.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ child requests).
   fails the request with that answer, and the other children are cancelled. A child that fails
   mid-stream has its error event passed on; the stream then ends and the other children are closed,
   which aborts them on their engines.
+
+Length (~430 lines): this docstring and the merge rules (usage, ids, stream interleaving, failure)
+that the non-streamed, streamed and native forms share.
 """
 
 from __future__ import annotations
