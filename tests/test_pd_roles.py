@@ -2219,9 +2219,11 @@ def test_a_late_failure_or_router_abort_of_a_room_that_succeeded_changes_nothing
     """The prefill's room succeeded (the decode acked the last write) and waits for `_reap` (the same
     tick, unless something else arrives first): a late Status(Failed) or the router's abort of that
     room still counted a failure ("a few counters drift", docs/reliability.md). The first outcome
-    stands: nothing counted, the abort ends nothing, and the room is reaped as a success."""
+    stands: nothing counted, and the room is reaped as a success. The router's abort still frees the
+    client's rid at once (it retries under it here): the decode's ack can come before the agent
+    reports the last write, and the id was held until then (a review: a retry refused as a duplicate)."""
     p = make_pair(copy_bytes=True)
-    reap = p.pe_role._reap
+    reap, drain = p.pe_role._reap, p.pe_role.drain_completions
     p.pe_role._reap = lambda: None  # (held, so the succeeded room can be seen before it goes)
     ids = prompt(13, start=5)
     room = p.submit_both(ids, 3, "ok")
@@ -2229,10 +2231,28 @@ def test_a_late_failure_or_router_abort_of_a_room_that_succeeded_changes_nothing
     failures = dict(p.pe_role.failures)
     p.pe_role._fail(room, "decode failed: late")
     assert p.pe_role.failures == failures and p.pe_role.rooms.state(room) == KVState.Success
-    assert p.pe_role.abort_room(room, "ok") == 0
+    assert p.pe_role.abort_room(room, "other-id") == 0 and "ok" in p.pe_engine.requests
+    assert p.pe_role.abort_room(room, "ok") == 1
+    assert "ok" not in p.pe_engine.requests and "ok" not in p.pe_role.by_request
+    assert p.pe_role.failures == failures and p.pe_role.rooms.state(room) == KVState.Success
     p.pe_role._reap = reap
     p.drive(lambda: p.idle())
     ref = colocated.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3))
     assert p.de_sink.final("ok").outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert p.pe_role.failures == failures
+    p.assert_clean()
+
+    # The ack before the agent's report of the last write (its completion held): a room that succeeded
+    # with a write in flight, so `_reap` waits; the router's abort frees the id for its retry at once.
+    p.pe_role.drain_completions = lambda: None
+    room = p.submit_both(ids, 3, "again")
+    p.drive(lambda: p.pe_role.rooms.state(room) == KVState.Success)
+    assert p.pe_role.by_room[room].in_flight
+    assert p.pe_role.abort_room(room, "again") == 1
+    retry, _ = p.requests(ids, 3, "again", new_room())
+    p.pe_role.add(retry, None)  # (was: DuplicateRequestId until the completion came)
+    p.pe_role.abort("again")  # (the retry's own room: the one failure counted)
+    p.pe_role.drain_completions = drain
+    p.drive(lambda: p.idle())
+    assert p.pe_role.failures == failures | {"aborted by client": failures.get("aborted by client", 0) + 1}
     p.assert_clean()

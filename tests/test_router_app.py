@@ -2288,6 +2288,55 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
     assert sum(bool(pd.get("aborted")) for _, pd in legs) == 4  # (both halves of the two it names)
 
 
+def test_a_clients_abort_with_a_room_is_refused_before_anything_is_aborted():
+    """`room` in /abort_request is the router's own (it ends one PD half it retries elsewhere). A
+    client's body with one passed the router's check, so the router ended what it held of the rid,
+    then the engines refused the body it forwarded (a room with router fields): the client heard 400
+    and its request was aborted all the same (a review). Now a 400 naming `room`, nothing forwarded,
+    and the request runs to its end."""
+    forwarded: list[dict] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def recording(request: httpx.Request):
+            if request.url.path == "/abort_request":
+                forwarded.append(json.loads(await request.aread()))
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
+            if request.url.path == "/generate":
+                pd = json.loads(await request.aread())["pd"]
+                if request.url.host == "de":
+                    finish = "abort" if pd.get("aborted") else "length"
+                    answer = {
+                        "output_ids": [1],
+                        "text": "x",
+                        "meta_info": {"finish_reason": {"type": finish}},
+                    }
+                    return httpx.Response(
+                        200, headers={"content-type": "application/json"}, stream=Once(answer)
+                    )
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+
+        engines.intercept = recording
+        router = await started_router(engines, "dualpath")
+        router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
+        async with client_of(router) as c:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "victim"}
+            waiting = asyncio.ensure_future(c.post("/generate", json=body))
+            await queued(router, 1)
+            refused = await c.post("/abort_request", json={"rid": "victim", "room": 7})
+            left = [w.name for w in router.placement.queue]
+            router.placement.on_load(router.decodes[0], report("de", "decode"))  # pages free up
+            answer = await asyncio.wait_for(waiting, 5)
+        return refused, left, answer
+
+    refused, left, answer = asyncio.run(go())
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "room", refused.text
+    assert refused.json()["success"] is False and "abort by rid" in refused.json()["message"]
+    assert left == [("victim",)] and forwarded == []
+    assert answer.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
     """Plain routing: a weight update holds two requests, each with the client's `request_id`; an
     /abort_request of one's id ends that one when the update lets them go (sent with `pd.aborted`:

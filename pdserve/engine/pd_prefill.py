@@ -182,11 +182,16 @@ class PrefillRole(PDRoleBase, EngineRole):
         """Engine thread (the router's `/abort_request` with a room): end that room's half if it is
         `request_id`'s. Past its token 1 the half's id is held until its writes settle; the router
         retries the request under that id (a client's `/generate` rid) on another decode, here too:
-        ended now, the id is free (`_fail`). 1 if there was such a room."""
+        ended now, the id is free (`_fail`). A room that succeeded stays a success (the decode acked its
+        last write before its reports of that write came back here), but its id is freed as well: its
+        writes still in flight read pinned pages, and `_reap` frees the rest. 1 if there was such a room."""
         pr = self.by_room.get(room)
-        if pr is None or pr.req.request_id != request_id or self.rooms.state(room) == KVState.Success:
-            return 0  # (a room that succeeded frees its id when it is reaped, this tick)
-        self._fail(room, "aborted by its router: retried", client_abort=True)
+        if pr is None or pr.req.request_id != request_id:
+            return 0
+        if self.rooms.state(room) == KVState.Success:
+            self._forget_request(pr)  # (nothing failed: nothing counted, the decode told nothing)
+        else:
+            self._fail(room, "aborted by its router: retried", client_abort=True)
         return 1
 
     # ---- the loop (engine thread) --------------------------------------------------------------

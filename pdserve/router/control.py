@@ -111,6 +111,9 @@ def control_routes(router: Router) -> APIRouter:
             parsed = AbortRequest.model_validate_json(raw)
         except ValueError:
             parsed = None  # (the engines say why)
+        if parsed is not None and parsed.room:  # (before anything is aborted: a refusal changes nothing)
+            message = "room is set by the router, for its own retries: abort by rid"
+            return JSONResponse(error_body(message, 400, param="room") | sglang_failure(message), 400)
         if parsed is not None and parsed.abort_all:
             return await to_every_engine("/abort_request", http, json.loads(raw) | router.abort_all())
         if parsed is not None and isinstance(parsed.rid, str) and parsed.rid:
