@@ -1845,6 +1845,50 @@ def test_a_router_that_knows_no_update_pairs_engines_of_one_weights(policy):
     assert "serves the weights of prefill" in answers[0].json()["error"]["message"]
 
 
+def test_the_n_choices_follow_their_leader_to_the_prefill_of_its_weights_pair():
+    """DualPath placement puts the leader of an n = 4 request on pe0, whose weights (A) no decode
+    serves. The leader moves to a prefill of the decodes' weights, but had already told its siblings
+    "pe0": each moved again on its own, by round robin, over pe1 and pe2 (the prompt computed or read
+    once per prefill; a review). The leader now settles where it goes: one prefill for all four."""
+    prefill_hosts: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        engines.weights_ids = {"pe0": "A", "pe1": "B", "pe2": "B", "de0": "B", "de1": "B"}
+
+        async def engine(request: httpx.Request):
+            if request.url.path == "/v1/completions":
+                if request.url.host.startswith("pe"):
+                    prefill_hosts.append(request.url.host)
+                    return httpx.Response(200, json={"choices": [{"text": "x", "index": 0}]})
+                answer = {
+                    "id": "c",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [{"text": "y", "index": 0, "finish_reason": "length"}],
+                }
+                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(
+            engines,
+            "dualpath",
+            prefills=("http://pe0", "http://pe1", "http://pe2"),
+            decodes=("http://de0", "http://de1"),
+        )
+        for e in router.prefills[1:]:  # (busier: placement's least loaded prefill is pe0)
+            router.placement.on_load(e, report(e.url.split("//")[1], "prefill", num_seqs=4, num_tokens=4000))
+        async with client_of(router) as c:
+            return await c.post("/v1/completions", json={"prompt": [1] * 200, "max_tokens": 2, "n": 4})
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    assert len(prefill_hosts) == 4 and len(set(prefill_hosts)) == 1 and prefill_hosts[0] != "pe0", (
+        prefill_hosts
+    )
+
+
 def test_a_retry_after_a_decode_failure_goes_to_a_pair_of_other_weights_not_a_503():
     """pe, pe2 and de on weights "a"; pe3 and de2 on "b" (a router that knows no update). The first
     attempt (pe, de) fails on its decode, a 500 before the prefill answered. Attempt 2's

@@ -403,6 +403,18 @@ class Router:
                 raise NoEngine(f"no healthy decode engine serves the weights of prefill {like.url}")
         return min(live, key=lambda e: e.in_flight)
 
+    def _paired(self, pe: Engine, de: Engine | None) -> tuple[Engine, Engine]:
+        """`pe` and `de` if they serve one weights identity; else `pe` with a decode of its weights; with
+        none, another prefill that has one (`pick_prefill`) and a decode of its weights. NoEngine when
+        there is no such pair."""
+        if de is not None and same_weights(pe, de):
+            return pe, de
+        try:
+            return pe, self.pick_decode(like=pe)
+        except NoEngine:
+            pe = self.pick_prefill(set())
+            return pe, self.pick_decode(like=pe)
+
     def _biggest_decodes(self, de: Engine, pe: Engine) -> list[Engine]:
         """The live decodes of `pe`'s weights with the biggest KV pool (as reported), if bigger than
         `de`'s; else none."""
@@ -501,9 +513,9 @@ class Router:
                 return client_gone()
             if placed is not None and placed[0].healthy:
                 try:
-                    de = self.pick_decode()
-                except NoEngine as e:
-                    return unavailable(str(e))
+                    de = self.pick_decode(like=placed[0])
+                except NoEngine:
+                    de = None  # (`_attempts` pairs it, or says why not)
                 return await self._dispatch(path, body, http, placed[1], arrival, first=(placed[0], de))
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
@@ -526,6 +538,10 @@ class Router:
                 de = self.pick_decode()
             except NoEngine as e:
                 return unavailable(str(e))
+        try:  # (before its siblings follow it: to the prefill it will really use)
+            pe, de = self._paired(pe, de)
+        except NoEngine as e:
+            return unavailable(STOPPING if self.stopping.is_set() else str(e))
         if lead is not None:
             lead.settle((pe, a.read_path))
         return await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
@@ -565,13 +581,7 @@ class Router:
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
-                    pe, de = first[0], first[1]
-                    if de is None or not same_weights(pe, de):
-                        try:
-                            de = self.pick_decode(like=pe)
-                        except NoEngine:  # (no decode of its weights: a prefill that has one)
-                            pe = self.pick_prefill(tried, failed_decodes)
-                            de = self.pick_decode(like=pe)
+                    pe, de = self._paired(first[0], first[1])
                 else:
                     pe = self.pick_prefill(tried, failed_decodes)
                     de = first[1] if first is not None and first[1] is not None else None
