@@ -1748,6 +1748,45 @@ def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_ther
     assert on_pe_rooms[1] == on_pe_rooms[0] != on_pe_rooms[2]  # (only the failed attempt's half)
 
 
+def test_a_generate_whose_decode_failed_first_ends_its_prefills_half_before_the_retry():
+    """The decode's 500 reaches the router before the prefill's answer (the router closes the prefill's
+    leg): had the prefill finished token 1 meanwhile, its half holds the client's rid until its writes
+    settle, and the retry there was refused as a duplicate (a review: a window of ~1 ms). The router
+    ends that half by its room before it retries, as when the prefill answered first."""
+    calls: list[tuple[str, str, object]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+                return None
+            host, sent = request.url.host, json.loads(await request.aread())
+            calls.append((host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")))
+            if request.url.path == "/abort_request":
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            if host == "pe" and len([c for c in calls if c[:2] == ("pe", "/generate")]) == 1:
+                await asyncio.sleep(5)  # (the first prefill leg: the decode fails before it answers)
+            if host == "pe":
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+            if host == "de":
+                return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        async with client_of(router) as c:
+            return await c.post("/generate", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and r.json()["text"] == "ok", r.text
+    on_pe = [(path, room) for host, path, room in calls if host == "pe"]
+    assert [path for path, _ in on_pe] == ["/generate", "/abort_request", "/generate"]
+    assert on_pe[1][1] == on_pe[0][1] != on_pe[2][1]  # (the failed attempt's half only)
+
+
 @pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])
 def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure(error_type):
     """2 prefills, 1 decode; the first prefill is dead. The decode's bootstrap lookup of that prefill

@@ -670,6 +670,10 @@ class Router:
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
+                if path == "/generate" and arrival.name:
+                    # Its prefill may have finished token 1 as we closed its leg (its answer on the
+                    # way): its half then holds the client's rid, and a retry there is a duplicate.
+                    await self._abort_answered_half(pe, body["rid"], room)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 answer = await self._decode_answer(http, de, leg)
