@@ -452,7 +452,7 @@ def test_property_dead_or_too_small_decodes_never_get_a_request(data, policy, nu
 def test_scheduler_does_not_import_torch():
     code = (
         "import sys; import pdserve.dualpath.scheduler, pdserve.sim, pdserve.sim.cluster, pdserve.sim.cli, "
-        "pdserve.sim.scenarios, pdserve.bench.workloads; "
+        "pdserve.sim.scenarios, pdserve.bench.workloads, pdserve.router.routes, pdserve.router.control; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -50,10 +50,17 @@ from __future__ import annotations
 import enum
 import heapq
 import math
+import secrets
 import time
 from collections.abc import Callable
 
 MAX_ROOM = 2**63 - 1
+
+
+def new_room() -> int:
+    """A random 63-bit room id (never 0: a zero room in a handoff slot means 'not landed'). Here, not
+    with the engine roles: the router makes rooms, and it never imports torch (DESIGN §7)."""
+    return secrets.randbits(63) or 1
 
 
 class KVState(enum.IntEnum):

@@ -13,7 +13,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from pdserve.disagg.state import KVState, min_lease_s
+from pdserve.disagg.state import KVState, min_lease_s, new_room  # noqa: F401 (the roles' and tests' name for it)
 from pdserve.engine.async_engine import RequestAborted
 from pdserve.transfer.pages import RegionTable
 
@@ -149,11 +149,6 @@ def decode_notif(notif: bytes) -> tuple[int, int, int] | None:
     except ValueError:
         return None
     return room, seq, total
-
-
-def new_room() -> int:
-    """A random 63-bit room id (never 0: a zero room in a handoff slot means 'not landed')."""
-    return secrets.randbits(63) or 1
 
 
 def make_staging(kv_cache, capacity_pages: int):

@@ -43,7 +43,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.pd_common import new_room
+from pdserve.disagg.state import new_room
 from pdserve.router.engines import (
     NO_ANSWER,
     Engine,
