@@ -221,6 +221,8 @@ class Pair:
             role.staging.region(),
         ]
         agent = TransferAgent("fake", name, regions, **(backend_opts or {}))
+        if clock is not None:
+            agent.clock = clock  # (expiries are set by the room clock)
         self._closers.append(agent.close)
         agent.metadata()
         role.agent = agent
@@ -229,7 +231,7 @@ class Pair:
     def _wrap_submit(self) -> None:
         submit = self.pe_agent.submit
 
-        def wrapped(peer, local, remote, notif):
+        def wrapped(peer, local, remote, notif, **kw):
             room, seq, total = decode_notif(notif)
             if self.copy_bytes:  # the fake backend as a real in-process copier
                 for (src, n), (dst, m) in zip(local, remote, strict=True):
@@ -239,17 +241,17 @@ class Pair:
                 self.on_submit(room, seq, total, local, remote)
             nbytes = sum(n for _, n in local) - (self.pe_role.handoff.slot_bytes if total else 0)
             self.submits.append((room, seq, total, nbytes // self.page_bytes))
-            return submit(peer, local, remote, notif)
+            return submit(peer, local, remote, notif, **kw)
 
         self.pe_agent.submit = wrapped
         submit_read = self.pe_agent.submit_read
 
-        def wrapped_read(peer, local, remote, notif):
+        def wrapped_read(peer, local, remote, notif, **kw):
             if self.copy_bytes:  # the DE path's pulls of the decode's pages, copied for real too
                 for (dst, n), (src, m) in zip(local, remote, strict=True):
                     assert n == m
                     ctypes.memmove(dst, src, n)
-            return submit_read(peer, local, remote, notif)
+            return submit_read(peer, local, remote, notif, **kw)
 
         self.pe_agent.submit_read = wrapped_read
 
@@ -778,6 +780,39 @@ def test_client_abort_on_decode_mid_transfer_is_two_phase(make_pair, staged):
     assert p.de_role.aborts.num_acked == 1
     assert p.pe_sink.errors("ab")[0] == "prefill failed: aborted by decode: aborted by client"  # unfinished
     assert p.de_sink.outputs("ab") == []
+    p.assert_clean()
+
+
+def test_a_stalled_prefills_writes_end_with_its_rooms_life_before_the_decodes_lease_frees_pages(make_pair):
+    """DESIGN §4: a freed page is never written by a late copy. The decode frees an aborted room's pages
+    a lease after its Abort (no AbortAck came); that is safe only if the prefill's writes of the room
+    are over by then. Its engine thread aborts them at the room's deadline, but a stalled engine thread
+    (a long step, a paused process) does not, and its transfer agent kept the writes alive: the decode
+    reused the pages a live write aimed at (a review). The agent now aborts them itself at the room's
+    end of life, which comes before the lease ends."""
+    p = make_pair(fake_clocks=True, pe_budget=8, pe_backend={"delay_s": 30.0})  # the write stays in flight
+    room = p.submit_both(prompt(30), 8, "old")
+    p.drive(lambda: len(p.submits) >= 1)
+    pr = p.pe_role.by_room[room]
+    assert pr.in_flight and p.pe_role.rooms.state(room) == KVState.Transferring
+    # From here the prefill's engine thread does not run; its agent thread does.
+    p.de_role.abort("old", client_abort=True)
+    p.de_role.tick()
+    assert room in p.de_role.releasing
+    life_s = p.config.room_life_s
+    assert life_s < p.config.lease_s  # (what makes the agent's abort come first)
+    p.pe_clock.advance(life_s + 0.01)
+    stats = p.pe_agent.stats
+    deadline = time.monotonic() + 10
+    while getattr(stats, "transfers_expired", 0) < len(pr.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.005)  # (the agent's thread: its clock says the room's life is over)
+    assert stats.transfers_done + stats.transfers_failed == stats.transfers_submitted  # nothing can land
+    assert stats.transfers_expired == len(pr.in_flight) >= 1
+    p.de_clock.advance(p.config.lease_s + 0.01)
+    p.turn(prefill=False)
+    assert room not in p.de_role.releasing  # (the lease freed the pages: no write of the room is alive)
+    p.drive(lambda: p.idle())  # the prefill's thread comes back: the room fails, nothing else happens
+    assert p.pe_role.rooms.num_expired == 1 and room not in p.pe_role.by_room
     p.assert_clean()
 
 
@@ -1609,7 +1644,7 @@ def test_timed_out_layerwise_pull_keeps_its_staging_slot_until_the_read_is_relea
     rooms.deadlines_s = {**rooms.deadlines_s, KVState.WaitingForInput: 0.05}
     rooms.create(room, KVState.WaitingForInput)
     [peer] = p.pe_role.peers.values()
-    pr = SimpleNamespace(room=room, peer=peer, in_flight=set())
+    pr = SimpleNamespace(room=room, peer=peer, in_flight=set(), created_s=rooms.now())
     start, finish = p.pe_role.layerwise.from_decode_pages(pr, [0, 1])
     start(0)
     slot_pages = p.pe_role.staging.pages_for(2, 2)  # K and V of 2 pages, packed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,6 +123,49 @@ def test_fake_agent_injected_failure_and_abort(fake_agents, fake_clock):
     a.abort(t_abort)  # after it was reported: no-op
     time.sleep(0.01)
     assert a.poll_completions() == []
+
+
+def test_a_transfer_past_its_expiry_is_aborted_by_the_agent_itself(fake_agents):
+    """`expires_s` (the prefill's room end of life): a write still in flight then is aborted by the
+    agent's own thread (the engine thread that would abort it may be stalled, and the decode frees
+    the room's pages a lease later); one already expired when the thread takes it is never started;
+    one held before it started (a stall, as one waiting for the emulated link) is dropped. Each is
+    reported FAILED once, and counted."""
+    from pdserve import faults
+
+    clock = SimpleNamespace(now_s=50.0)
+    a, b = fake_agents("exp-a", delay_s=30.0), fake_agents("exp-b")
+    a.clock = lambda: clock.now_s
+    _connect(a, b)
+    in_flight = a.submit("exp-b", [(0, 8)], [(0, 8)], b"late", expires_s=60.0)
+    fine = a.submit("exp-b", [(0, 8)], [(0, 8)], b"fine", expires_s=1e9)
+    stale = a.submit("exp-b", [(0, 8)], [(0, 8)], b"stale", expires_s=49.0)
+    assert _wait(a.poll_completions, until=lambda acc: len(acc) >= 1) == [(stale, TransferStatus.FAILED)]
+    assert a.stats.descriptors_submitted == 2  # (the stale one never reached the backend)
+    time.sleep(0.05)
+    assert a.poll_completions() == []  # (both still in flight: the backend takes 30 s)
+    clock.now_s = 60.5
+    assert _wait(a.poll_completions, until=lambda acc: len(acc) >= 1) == [(in_flight, TransferStatus.FAILED)]
+    time.sleep(0.05)
+    assert a.poll_completions() == []  # (the other has no expiry to speak of)
+    a.abort(fine)
+    assert _wait(a.poll_completions, until=lambda acc: len(acc) >= 1) == [(fine, TransferStatus.FAILED)]
+    assert a.stats.transfers_expired == 2 and a.stats.transfers_aborted == 3
+    assert b.poll_notifications() == []
+
+    c, d = fake_agents("exp-c"), fake_agents("exp-d")
+    c.clock = lambda: clock.now_s
+    _connect(c, d)
+    faults.configure([{"point": "transfer.submit", "action": "stall", "count": 1}])
+    try:  # (a stalled transfer waits, never copied, where one crossing the emulated link waits)
+        stalled = c.submit("exp-d", [(0, 8)], [(0, 8)], b"stalled", expires_s=70.0)
+        time.sleep(0.1)
+        assert c.poll_completions() == []
+        clock.now_s = 70.5
+        got = _wait(c.poll_completions, until=lambda acc: len(acc) >= 1)
+    finally:
+        faults.configure(None)
+    assert got == [(stalled, TransferStatus.FAILED)] and c.stats.transfers_expired == 1
 
 
 def test_a_submit_that_cannot_start_is_reported_failed_not_lost(fake_agents, tmp_path):

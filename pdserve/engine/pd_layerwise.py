@@ -118,7 +118,7 @@ class LayerwisePrefill:
                     local.append((base + (half * m + s) * self.page_bytes, n * self.page_bytes))
                     remote.append((pr.peer.kv.base_addrs[region] + d * self.page_bytes, n * self.page_bytes))
             role.sync_device()  # the slot's last copy-out has run before the pull lands in it
-            tid = role.agent.submit_read(pr.peer.agent_name, local, remote, b"")
+            tid = role.agent.submit_read(pr.peer.agent_name, local, remote, b"", expires_s=role.expires_s(pr))
             role.expect_transfer(tid)
             pr.in_flight.add(tid)
             pending[layer] = (tid, slot)

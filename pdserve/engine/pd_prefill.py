@@ -89,6 +89,7 @@ class PrefillRoom:
     store_hit: tuple | None = None  # (host buffer, leading good blocks) once read
     de_hit_page_ids: list[int] = field(default_factory=list)  # DE path: the decode holds these
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
+    created_s: float = 0.0  # (room clock) it lives at most `room_life_s` from here: see `expires_s`
 
 
 class Tombstone(NamedTuple):
@@ -153,7 +154,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.rooms.fail(room, "duplicate request id")
             self.rooms.remove(room)
             raise
-        pr = PrefillRoom(room, req)
+        pr = PrefillRoom(room, req, created_s=self.rooms.now())
         self.by_room[room] = pr
         self.by_request[req.request_id] = room
         if req.read_path == "pe" and self.store is not None:
@@ -311,6 +312,15 @@ class PrefillRole(PDRoleBase, EngineRole):
         """Mark `tid` as one that `wait_for_transfer` will collect (so no other loop consumes it)."""
         self.awaited.setdefault(tid, None)
 
+    def expires_s(self, pr: PrefillRoom) -> float:
+        """When the room's transfers must be over, on the agent's clock: the room's end of life (its
+        three deadlines from its creation; the sweep fails it then). The decode frees an aborted
+        room's pages a lease later (`PDConfig.lease_s` > `room_life_s`), so the agent aborting what is
+        still in flight then keeps a late write out of reused pages, even while this thread is stalled
+        and cannot sweep (DESIGN §4: a freed page is never written by a late copy)."""
+        life_left_s = pr.created_s + self.config.room_life_s - self.rooms.now()
+        return self.agent.clock() + max(0.0, life_left_s)
+
     def submit_write(
         self, pr: PrefillRoom, local, remote, last: bool, staging_slot: int = -1, src_page_ids=()
     ) -> int:
@@ -320,7 +330,11 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.engine.kv.pool.acquire(src_page_ids)
         self.sync_device()  # the pages (or the gathered slot) hold their KV before NIXL reads them
         tid = self.agent.submit(
-            pr.peer.agent_name, local, remote, encode_notif(pr.room, pr.seq, pr.seq if last else 0)
+            pr.peer.agent_name,
+            local,
+            remote,
+            encode_notif(pr.room, pr.seq, pr.seq if last else 0),
+            expires_s=self.expires_s(pr),
         )
         self.transfers[tid] = pr.room
         if src_page_ids:

@@ -11,6 +11,12 @@ All public methods are non-blocking and thread-safe, except `metadata()`, which 
 startup) until the thread has created the backend, `wait_notifications()`, which sleeps up to its
 timeout, and `close()`, which joins the thread.
 
+Expiry: a transfer submitted with `expires_s` (the agent's `clock`) is never started past it, and one
+still in flight then is aborted by this thread (reported FAILED, `stats.transfers_expired`). The prefill
+passes its room's end of life: the decode frees an aborted room's pages after a lease longer than
+that, which is safe only if no write of the room outlives it, even while the engine thread that
+would abort them is stalled (a long step, a paused process) and this thread is not.
+
 The thread loop: apply queued commands (add/remove peer, submit, abort) -> check pending transfers ->
 drain backend notifications -> wait for the next command up to `poll_interval_s`. It polls even when
 idle: with NIXL's progress thread off, notifications only arrive while someone polls. A backend
@@ -46,6 +52,7 @@ class TransferStats:
     transfers_done: int = 0
     transfers_failed: int = 0
     transfers_aborted: int = 0  # also counted in done or failed
+    transfers_expired: int = 0  # past their `expires_s`: never started, or aborted here (also failed)
     bytes_submitted: int = 0
     bytes_done: int = 0
     descriptors_submitted: int = 0
@@ -68,6 +75,7 @@ class _Pending:
     handle: int | None  # backend handle; None if write() failed
     nbytes: int
     submitted_s: float
+    expires_s: float | None = None  # (the agent's clock) aborted by the agent thread past it
 
 
 class TransferAgent:
@@ -102,6 +110,7 @@ class TransferAgent:
         # emulated compute NIC (a KV-class flow); the real copy is submitted when that flow completes,
         # so the peer sees the data (and its notification) no earlier than the emulated link allows.
         self.traffic = None
+        self.clock: Callable[[], float] = time.monotonic  # of `expires_s` (tests inject a fake one)
         self._delayed: dict[int, tuple] = {}  # transfer id -> (flow, submit command); agent thread only
         self._thread = threading.Thread(
             target=self._run,
@@ -131,28 +140,60 @@ class TransferAgent:
         self._commands.put(("remove_peer", name))
 
     def submit(
-        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
+        self,
+        peer: str,
+        local: list[tuple[int, int]],
+        remote: list[tuple[int, int]],
+        notif: bytes,
+        expires_s: float | None = None,
     ) -> int:
         """Queue a write of local[i] -> remote[i] on `peer`; `notif` reaches the peer after all bytes.
         Returns a transfer id reported exactly once by `poll_completions`. TransferError once closed
-        (no thread would report it)."""
+        (no thread would report it). `expires_s` (by `clock`): not started past it, aborted if still
+        in flight then (see the module docstring)."""
         with self._ids_lock:  # (with close(): a submit is queued before "close", or refused)
             self._check_open()
             transfer_id = next(self._ids)
             self._commands.put(
-                ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "write")
+                (
+                    "submit",
+                    transfer_id,
+                    peer,
+                    local,
+                    remote,
+                    bytes(notif),
+                    time.monotonic(),
+                    "write",
+                    expires_s,
+                )
             )
         return transfer_id
 
     def submit_read(
-        self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]], notif: bytes
+        self,
+        peer: str,
+        local: list[tuple[int, int]],
+        remote: list[tuple[int, int]],
+        notif: bytes,
+        expires_s: float | None = None,
     ) -> int:
-        """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a write."""
+        """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a
+        write, and expires like one."""
         with self._ids_lock:
             self._check_open()
             transfer_id = next(self._ids)
             self._commands.put(
-                ("submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), "read")
+                (
+                    "submit",
+                    transfer_id,
+                    peer,
+                    local,
+                    remote,
+                    bytes(notif),
+                    time.monotonic(),
+                    "read",
+                    expires_s,
+                )
             )
         return transfer_id
 
@@ -246,8 +287,12 @@ class TransferAgent:
             if cmd[0] == "close":
                 return False
             self._apply(backend, pending, cmd)
+        now = self.clock()
         for transfer_id, (flow, cmd) in list(self._delayed.items()):
-            if flow.done():
+            if _past(cmd[8], now):  # (still crossing the emulated link, or stalled: nothing copied)
+                self._expired(transfer_id)
+                self._drop_delayed(pending, transfer_id)
+            elif flow.done():
                 del self._delayed[transfer_id]
                 self._submit(backend, pending, cmd)
         self._check_pending(backend, pending)
@@ -269,7 +314,11 @@ class TransferAgent:
             # before the copy): every transfer later counted done or failed was counted here first.
             self.stats.transfers_submitted += 1
             try:
-                if self.traffic is not None:
+                if _past(cmd[8], self.clock()):  # (queued while this thread or the link was behind)
+                    self._expired(cmd[1])
+                    pending[cmd[1]] = _Pending(None, 0, cmd[6])
+                    self._finish(backend, pending, cmd[1], TransferStatus.FAILED, aborted=True)
+                elif self.traffic is not None:
                     # A full link queues the flow (it starts at a later `done()`): a real NIC queues
                     # work, so a full link delays a transfer rather than failing it.
                     flow = self.traffic.transfer_start(sum(int(n) for _, n in cmd[3]))
@@ -315,7 +364,7 @@ class TransferAgent:
         self._finish(None, pending, transfer_id, TransferStatus.FAILED, aborted=True)
 
     def _submit(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
-        _, transfer_id, peer, local, remote, notif, submitted_s, op = cmd
+        _, transfer_id, peer, local, remote, notif, submitted_s, op, expires_s = cmd
         nbytes = sum(int(n) for _, n in local)
         rule = faults.check("transfer.submit", op) if faults.ENABLED else None
         if (
@@ -335,7 +384,7 @@ class TransferAgent:
             pending[transfer_id] = _Pending(None, nbytes, submitted_s)
             self._finish(backend, pending, transfer_id, TransferStatus.FAILED)
             return
-        pending[transfer_id] = _Pending(handle, nbytes, submitted_s)
+        pending[transfer_id] = _Pending(handle, nbytes, submitted_s, expires_s)
 
     def _status(self, backend, p: _Pending) -> TransferStatus:
         if p.handle is None:
@@ -348,10 +397,22 @@ class TransferAgent:
             return TransferStatus.FAILED
 
     def _check_pending(self, backend, pending: dict[int, _Pending]) -> None:
+        now = self.clock()
         for transfer_id, p in list(pending.items()):
             status = self._status(backend, p)
-            if status != TransferStatus.PENDING:
+            if status == TransferStatus.PENDING and _past(p.expires_s, now):
+                self._expired(transfer_id)  # (released before it is reported, as an abort)
+                self._finish(backend, pending, transfer_id, TransferStatus.FAILED, aborted=True)
+            elif status != TransferStatus.PENDING:
                 self._finish(backend, pending, transfer_id, status)
+
+    def _expired(self, transfer_id: int) -> None:
+        self.stats.transfers_expired += 1
+        log.warning(
+            "transfer agent %s: transfer %d outlived its expiry (its room's life): aborted here",
+            self.agent_name,
+            transfer_id,
+        )
 
     def _finish(
         self, backend, pending: dict[int, _Pending], transfer_id: int, status: TransferStatus, aborted=False
@@ -389,6 +450,10 @@ class _NeverDone:
 
     def cancel(self) -> None:
         pass
+
+
+def _past(expires_s: float | None, now: float) -> bool:
+    return expires_s is not None and now > expires_s
 
 
 def _drain(q: queue.SimpleQueue) -> list:
