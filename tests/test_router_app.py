@@ -1787,6 +1787,53 @@ def test_a_generate_whose_decode_failed_first_ends_its_prefills_half_before_the_
     assert on_pe[1][1] == on_pe[0][1] != on_pe[2][1]  # (the failed attempt's half only)
 
 
+def test_a_retry_on_another_prefill_does_not_wait_for_the_failed_half_to_end():
+    """The failed attempt's half is ended before a retry on its prefill (above); a retry on another
+    prefill does not wait for it (a review: a paused prefill held every such retry up to 5 s). Here the
+    first prefill never answers the abort until the client has its answer."""
+    calls: list[tuple[str, str, object]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        released = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+                return None
+            host, sent = request.url.host, json.loads(await request.aread())
+            calls.append((host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")))
+            if request.url.path == "/abort_request":
+                await released.wait()  # (a paused engine)
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            if host.startswith("pe") and len(calls) <= 2:
+                await asyncio.sleep(5)  # (the first attempt's prefill: the decode fails before it)
+            if host.startswith("pe"):
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+            if host == "de":
+                return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(
+            engines, "none", prefills=("http://pe", "http://pe2"), decodes=("http://de", "http://de2")
+        )
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        async with client_of(router) as c:
+            answer = await asyncio.wait_for(c.post("/generate", json=body), 10)
+            pending = len(router._background)
+            released.set()
+            await asyncio.wait_for(asyncio.gather(*router._background), 10)
+        return answer, pending
+
+    answer, pending = asyncio.run(go())
+    assert answer.status_code == 200 and answer.json()["text"] == "ok", answer.text
+    first_pe, first_room = next((h, r) for h, path, r in calls if path == "/generate" and h.startswith("pe"))
+    retry = [(h, r) for h, path, r in calls if path == "/generate" and h.startswith("pe")][1]
+    assert retry[0] != first_pe and pending == 1  # (the abort still waited when the client had its answer)
+    assert (first_pe, "/abort_request", first_room) in calls
+
+
 @pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])
 def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure(error_type):
     """2 prefills, 1 decode; the first prefill is dead. The decode's bootstrap lookup of that prefill

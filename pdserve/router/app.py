@@ -191,6 +191,7 @@ class Router:
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
         self.retries_by_side = {"prefill": 0, "decode": 0}  # attempts retried, by the side that failed
+        self._background: set[asyncio.Task] = set()  # (fire-and-forget calls, referenced till they end)
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
@@ -578,6 +579,9 @@ class Router:
         # its engines -- with none left to try, or no attempt left, nothing was retried)
         failed_side: str | None = None
         de_before = ""  # the last attempt's decode
+        # (prefill, rid, room) of the last attempt's half that may hold the client's rid there: ended
+        # before a retry on that prefill, in the background otherwise (`_abort_answered_half`)
+        half: tuple[Engine, str, int] | None = None
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
@@ -597,8 +601,16 @@ class Router:
                         except NoEngine:
                             de = self.pick_decode(failed_decodes, like=pe)
             except NoEngine as e:
+                if half is not None:
+                    self._end_half_later(*half)
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return unavailable(why)
+            if half is not None:
+                if half[0] is pe:  # (the retry goes where that half holds the rid: ended first)
+                    await self._abort_answered_half(*half)
+                else:  # (nothing waits for it: a paused prefill cost the retry up to 5 s)
+                    self._end_half_later(*half)
+                half = None
             if failed_side is not None:
                 self.retries_by_side[failed_side] += 1
                 log.warning("retrying on another %s: %s", failed_side, last_error)
@@ -673,7 +685,7 @@ class Router:
                 if path == "/generate" and arrival.name:
                     # Its prefill may have finished token 1 as we closed its leg (its answer on the
                     # way): its half then holds the client's rid, and a retry there is a duplicate.
-                    await self._abort_answered_half(pe, body["rid"], room)
+                    half = (pe, body["rid"], room)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 answer = await self._decode_answer(http, de, leg)
@@ -689,7 +701,7 @@ class Router:
                 failed_decodes.add(de.url)
                 failed_side = "decode"
                 if path == "/generate" and arrival.name:
-                    await self._abort_answered_half(pe, body["rid"], room)
+                    half = (pe, body["rid"], room)
                 continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
@@ -703,6 +715,8 @@ class Router:
                 failed_side = "decode"
             else:
                 failed_side = "prefill"
+        if half is not None:
+            self._end_half_later(*half)
         return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
 
     async def _decode_answer(self, http: Request, de: Engine, leg: Leg) -> Response | str:
@@ -738,6 +752,12 @@ class Router:
             return f"decode {de.url}: HTTP {de_resp.status_code} {error}"
         return Response(content, de_resp.status_code, media_type=media)
 
+    def _end_half_later(self, pe: Engine, rid: str, room: int) -> None:
+        """`_abort_answered_half` in the background (no retry goes to `pe` now)."""
+        task = asyncio.ensure_future(self._abort_answered_half(pe, rid, room))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _abort_answered_half(self, pe: Engine, rid: str, room: int) -> None:
         """Before a `/generate` with the client's rid is tried again: end the failed attempt's half on
         its prefill, which holds the rid until that room's writes end or fail (a dead decode is seen
@@ -745,5 +765,5 @@ class Router:
         id). Named by its room: only that half ends (a plain abort of the rid would find no request
         streaming, and end others named `<rid>_...`), and its id is free at once (pd_prefill
         `abort_room`)."""
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError, RuntimeError):  # (RuntimeError: the client closed)
             await self.client.post(pe.url + "/abort_request", json={"rid": rid, "room": room}, timeout=5.0)
