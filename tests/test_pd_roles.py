@@ -40,7 +40,7 @@ from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import LEASE_MARGIN_S, MIN_LEASE_MARGIN_S, PDConfig, decode_notif
 from pdserve.engine.pd_decode import DecodeRole
 from pdserve.engine.pd_load import _pending_read_tokens
-from pdserve.engine.pd_prefill import PrefillRole
+from pdserve.engine.pd_prefill import PrefillRole, Tombstone
 from pdserve.server.pd_context import layout_fingerprint, model_identity
 from pdserve.store.joined_reads import JoinedReads, PendingRead
 from pdserve.transfer.agent import TransferAgent
@@ -859,6 +859,44 @@ def test_router_request_after_acked_abort_never_writes_into_freed_decode_pages(m
     p.settle(0.1)
     assert p.submits == []
     assert room not in p.pe_role.early
+
+
+def test_early_kv_requests_and_tombstones_are_kept_for_their_bound_and_no_longer(make_pair):
+    """DESIGN §8 says no room is left in any table after a request ends. The prefill keeps two on
+    purpose: a KVRequest that beat the router's request (for one deadline) and a tombstone of a room
+    that ended before one side knew it (for the abort lease). Neither was checked: a prune that stopped
+    working would grow them by one entry per such room, unseen. Each goes at its bound (room clock),
+    and `check_integrity` holds that none outlived its bound at the last prune."""
+    p = make_pair(fake_clocks=True)
+    parked, aborted = new_room(), new_room()
+    _, dreq = p.requests(prompt(9), 4, "parked", parked)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: parked in p.pe_role.early)  # (the router's request never comes)
+    preq, _ = p.requests(prompt(9, start=40), 4, "gone", aborted)
+    p.pe_role.add(preq, None)
+    p.pe_role.abort("gone")
+    p.settle(0.02, decode=False)
+    assert aborted in p.pe_role.tombstones and parked in p.pe_role.early
+    p.pe_clock.advance(p.config.deadline_s - 0.01)
+    p.turn(decode=False)
+    assert parked in p.pe_role.early  # (within its bound)
+    p.pe_role.check_integrity()
+    p.pe_clock.advance(0.02)
+    p.turn(decode=False)
+    assert parked not in p.pe_role.early and aborted in p.pe_role.tombstones
+    p.pe_role.check_integrity()
+    p.pe_clock.advance(p.config.lease_s)
+    p.turn(decode=False)
+    assert p.pe_role.tombstones == {} and p.pe_role.early == {}
+    p.pe_role.check_integrity()
+    old = p.pe_role.pruned_at_s - p.config.lease_s - 1  # (one a broken prune would have left)
+    p.pe_role.tombstones[aborted] = Tombstone(old, "test", False, False)
+    with pytest.raises(AssertionError):
+        p.pe_role.check_integrity()
+    del p.pe_role.tombstones[aborted]
+    p.de_role.abort("parked")
+    p.drive(lambda: p.idle())
+    p.assert_clean()
 
 
 @pytest.mark.parametrize("client_abort", [True, False], ids=["abort_request", "other_failure"])

@@ -28,6 +28,7 @@ their own modules; what remains here is the protocol, which reads best in one pl
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -128,6 +129,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
+        self.pruned_at_s = -math.inf  # (room clock) when `tick` last dropped old early and tombstones
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
         engine.pre_step_hooks.append(self._after_step)
@@ -207,13 +209,14 @@ class PrefillRole(PDRoleBase, EngineRole):
         for pr in list(self.by_room.values()):
             if pr.store_read is not None and pr.store_read.future.done():
                 self._on_store_read_done(pr)
-        now = time.monotonic()
+        now = self.rooms.now()
         for room, (t, _, _) in list(self.early.items()):
             if now - t > self.config.deadline_s:
                 del self.early[room]
         for room, tomb in list(self.tombstones.items()):
             if now - tomb.t_s > self.config.lease_s:  # the decode has long forgotten the room
                 del self.tombstones[room]
+        self.pruned_at_s = now
         self._reap()
         self._forget_idle_peers()
         return bool(self.transfers) or bool(self.by_room)
@@ -363,7 +366,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             elif room in self.tombstones:  # it ended here before the decode asked: say so now
                 self._tell_ended(room, env.sender)
             else:  # the decode was faster than the router's POST to us: keep it for a while
-                self.early[room] = (time.monotonic(), env.sender, body)
+                self.early[room] = (self.rooms.now(), env.sender, body)
         elif isinstance(body, Status):
             if body.state == KVState.Success and room in self.by_room:
                 # The decode's ack of the last write. Before that write went out, a Success (a confused
@@ -384,7 +387,7 @@ class PrefillRole(PDRoleBase, EngineRole):
                 # Not (yet) ours: remember the abort so a late router request or a parked KVRequest
                 # can never write into pages the decode is about to free, then ack at once.
                 self.early.pop(room, None)
-                self.tombstones[room] = Tombstone(time.monotonic(), body.reason, body.client_abort, True)
+                self.tombstones[room] = Tombstone(self.rooms.now(), body.reason, body.client_abort, True)
                 if sender is not None:
                     self.control.send(sender.reply_addr, AbortAck(), room)
                 return
@@ -758,7 +761,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             elif state == KVState.Failed and pr.peer is not None:
                 self._tell_failed(pr.peer, room, pr.fail_reason, pr.client_abort)
             elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
-                self.tombstones[room] = Tombstone(time.monotonic(), pr.fail_reason, pr.client_abort, False)
+                self.tombstones[room] = Tombstone(self.rooms.now(), pr.fail_reason, pr.client_abort, False)
             del self.by_room[room]
             self.rooms.remove(room)
 
@@ -776,6 +779,10 @@ class PrefillRole(PDRoleBase, EngineRole):
         assert all(room in self.rooms for room in self.by_room), "a room is tracked but not in the table"
         assert set(self.transfers.values()) <= set(self.by_room), "a transfer outlived its room"
         assert not set(self.tombstones) & set(self.by_room), "a room is both live and ended"
+        # Kept on purpose for a while (a late KVRequest is told the room ended; a KVRequest that beat
+        # the router's request waits for it), and no longer: none outlived its bound at the last prune.
+        assert all(self.pruned_at_s - t <= self.config.deadline_s for t, _, _ in self.early.values())
+        assert all(self.pruned_at_s - tomb.t_s <= self.config.lease_s for tomb in self.tombstones.values())
         assert set(self.staging_slots) <= set(self.transfers), "a staging slot outlived its transfer"
         assert set(self.pinned) <= set(self.transfers), "a pinned page outlived its write"
         assert not set(self.abandoned_reads) & set(self.awaited), "an abandoned read is still awaited"
