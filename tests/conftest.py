@@ -246,6 +246,9 @@ def assert_clear_greedy(output, min_gap: float = 1e-3) -> None:
     a prompt that puts two tokens that close (seen once: 7e-6 at step 3) makes equality a coin toss.
     Fails on the reference, before the comparison, so a prompt or model change that brings one in is
     named for what it is."""
+    assert output.logprobs and all(len(step.top) >= 2 for step in output.logprobs), (
+        "ask the reference with logprobs >= 2"
+    )
     gaps = [step.top[0][1] - step.top[1][1] for step in output.logprobs]
     near = [(i, gap) for i, gap in enumerate(gaps) if gap < min_gap]
     assert not near, f"greedy near-tie(s) (step, logprob gap) {near}: pick another prompt"
