@@ -1834,6 +1834,62 @@ def test_a_retry_on_another_prefill_does_not_wait_for_the_failed_half_to_end():
     assert (first_pe, "/abort_request", first_room) in calls
 
 
+def test_a_retry_back_on_a_prefill_waits_for_the_end_of_any_earlier_half_of_its_rid_there():
+    """Attempt 1 fails on its decode with its half on pe (the abort goes out in the background, and
+    pe takes a while to act on it), attempt 2 on pe2 fails too, attempt 3 goes back to pe: only the
+    last attempt's half was compared with the retry's prefill, so attempt 3 reached pe before pe had
+    ended attempt 1's half, and the client heard 409 about its own rid (a review). Each (prefill, rid)
+    being ended is waited for by any request of that rid sent there."""
+    calls: list[tuple[str, str, object]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        held: dict[str, int] = {}  # prefill -> the room whose half holds "client-rid"
+
+        async def engine(request: httpx.Request):
+            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+                return None
+            host, sent = request.url.host, json.loads(await request.aread())
+            room = sent["pd"]["room"] if "pd" in sent else sent.get("room")
+            calls.append((host, request.url.path, room))
+            if request.url.path == "/abort_request":
+                if host == "pe":
+                    await asyncio.sleep(0.3)  # (slow to act on it)
+                if held.get(host) == room:
+                    del held[host]
+                calls.append((host, "ended", room))
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            if host.startswith("pe"):
+                if host in held:  # (as an engine's DuplicateRequestId)
+                    error = {"message": "request id 'client-rid' is already active", "code": 409}
+                    return httpx.Response(409, json={"error": error})
+                held[host] = room
+                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+            if host in ("de", "de2"):
+                return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = engine
+        router = await started_router(
+            engines,
+            "none",
+            prefills=("http://pe", "http://pe2"),
+            decodes=("http://de", "http://de2", "http://de3"),
+        )
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        async with client_of(router) as c:
+            answer = await asyncio.wait_for(c.post("/generate", json=body), 10)
+            await asyncio.wait_for(asyncio.gather(*router._background), 10)
+        return answer
+
+    answer = asyncio.run(go())
+    assert answer.status_code == 200 and answer.json()["text"] == "ok", (answer.text, calls)
+    on_pe = [(path, room) for host, path, room in calls if host == "pe"]
+    assert [path for path, _ in on_pe] == ["/generate", "/abort_request", "ended", "/generate"], calls
+    assert on_pe[0][1] == on_pe[1][1] == on_pe[2][1] != on_pe[3][1]
+
+
 @pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])
 def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure(error_type):
     """2 prefills, 1 decode; the first prefill is dead. The decode's bootstrap lookup of that prefill

@@ -192,6 +192,9 @@ class Router:
         )
         self.retries_by_side = {"prefill": 0, "decode": 0}  # attempts retried, by the side that failed
         self._background: set[asyncio.Task] = set()  # (fire-and-forget calls, referenced till they end)
+        # (prefill url, client rid) -> the abort ending a failed half there that may hold that rid: a
+        # request with the rid waits for it before it is sent to that prefill (else a duplicate id)
+        self._halves_ending: dict[tuple[str, str], asyncio.Task] = {}
         self.read_path = read_path  # DualPath: none | pe | de | auto (per request, by reads in flight)
         self.reads_in_flight = {"pe": 0, "de": 0}
         self.abort_epoch = 0  # `abort_all`s so far: a request that came in before the last one is aborted
@@ -580,7 +583,7 @@ class Router:
         failed_side: str | None = None
         de_before = ""  # the last attempt's decode
         # (prefill, rid, room) of the last attempt's half that may hold the client's rid there: ended
-        # before a retry on that prefill, in the background otherwise (`_abort_answered_half`)
+        # in the background (`_end_half_later`); a retry on that prefill waits for it
         half: tuple[Engine, str, int] | None = None
         for attempt in range(self.max_prefill_attempts):
             try:
@@ -606,11 +609,15 @@ class Router:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return unavailable(why)
             if half is not None:
-                if half[0] is pe:  # (the retry goes where that half holds the rid: ended first)
-                    await self._abort_answered_half(*half)
-                else:  # (nothing waits for it: a paused prefill cost the retry up to 5 s)
-                    self._end_half_later(*half)
+                self._end_half_later(*half)
                 half = None
+            if path == "/generate" and arrival.name:
+                # A half of this rid still being ended there (this request's earlier attempt, or an
+                # earlier request's): it ends first. Elsewhere nothing waits for it (a paused prefill
+                # held every retry up to 5 s).
+                ending = self._halves_ending.get((pe.url, body["rid"]))
+                if ending is not None:
+                    await asyncio.shield(ending)
             if failed_side is not None:
                 self.retries_by_side[failed_side] += 1
                 log.warning("retrying on another %s: %s", failed_side, last_error)
@@ -753,10 +760,19 @@ class Router:
         return Response(content, de_resp.status_code, media_type=media)
 
     def _end_half_later(self, pe: Engine, rid: str, room: int) -> None:
-        """`_abort_answered_half` in the background (no retry goes to `pe` now)."""
+        """`_abort_answered_half` in the background; a request of `rid` sent to `pe` meanwhile waits
+        for it (`_halves_ending`)."""
         task = asyncio.ensure_future(self._abort_answered_half(pe, rid, room))
+        key = (pe.url, rid)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._halves_ending[key] = task  # (an earlier one for the key has ended: the rid was sent since)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if self._halves_ending.get(key) is t:
+                del self._halves_ending[key]
+
+        task.add_done_callback(done)
 
     async def _abort_answered_half(self, pe: Engine, rid: str, room: int) -> None:
         """Before a `/generate` with the client's rid is tried again: end the failed attempt's half on

@@ -15,7 +15,10 @@ Expiry: a transfer submitted with `expires_s` (the agent's `clock`) is never sta
 still in flight then is aborted by this thread (reported FAILED, `stats.transfers_expired`). The prefill
 passes its room's end of life: the decode frees an aborted room's pages after a lease longer than
 that, which is safe only if no write of the room outlives it, even while the engine thread that
-would abort them is stalled (a long step, a paused process) and this thread is not.
+would abort them is stalled (a long step, a weight load) and this thread is not; after a paused
+process resumes, this thread drops what it had not started rather than start it. Limits: one slow
+`release` (NIXL waits up to 30 s for a copy it could not cancel) delays the others' expiry, and a
+copy the hardware already took may still land (as for any abort).
 
 The thread loop: apply queued commands (add/remove peer, submit, abort) -> check pending transfers ->
 drain backend notifications -> wait for the next command up to `poll_interval_s`. It polls even when
@@ -52,7 +55,8 @@ class TransferStats:
     transfers_done: int = 0
     transfers_failed: int = 0
     transfers_aborted: int = 0  # also counted in done or failed
-    transfers_expired: int = 0  # past their `expires_s`: never started, or aborted here (also failed)
+    transfers_expired: int = 0  # past their `expires_s`: never started, or aborted here (also counted
+    # aborted, and failed)
     bytes_submitted: int = 0
     bytes_done: int = 0
     descriptors_submitted: int = 0
