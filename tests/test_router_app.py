@@ -2608,6 +2608,11 @@ def test_an_abort_of_one_request_id_ends_it_while_a_weight_update_holds_it():
         ("/generate", {"rid": "r_0"}, "r", True),
         ("/generate", {"rid": "r"}, "cmpl-r", False),  # (a /generate answer's id is its rid)
         ("/v1/completions", {}, "X", False),
+        # (a chat answer's id, "chatcmpl-X", names the request "cmpl-X" for the engines, request_id_of:
+        # a chat held in placement ran to its end when aborted by it, a review)
+        ("/v1/chat/completions", {"request_id": "X"}, "chatcmpl-X", True),
+        ("/v1/chat/completions", {"request_id": "X_2"}, "chatcmpl-X", True),
+        ("/v1/chat/completions", {"request_id": "X"}, "chatcmpl-Y", False),
     ],
 )
 def test_a_named_abort_matches_a_held_request_as_the_engines_match_what_they_run(path, body, abort, named):

@@ -70,7 +70,7 @@ from pdserve.router.prompts import (
     requested_max_tokens,
 )
 from pdserve.server.disconnect import ClientGone, unless_gone
-from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body
+from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body, request_id_of
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,9 @@ def client_name(path: str, body: dict) -> tuple[str, ...]:
 
 
 def names_match(names: tuple[str, ...], aborted: str) -> bool:
-    """As the engines match an abort's rid: a name itself, or a child of it (`<name>_...`)."""
+    """As the engines match an abort's rid: a name itself, or a child of it (`<name>_...`), a chat
+    answer's id ("chatcmpl-<x>") naming its request ("cmpl-<x>", `request_id_of`)."""
+    aborted = request_id_of(aborted)
     return any(n == aborted or n.startswith(aborted + "_") for n in names)
 
 
