@@ -854,6 +854,40 @@ def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     assert "unreachable" in reset.json()["engines"]["http://pe2"]["error"]
 
 
+def test_an_abort_does_not_wait_for_or_fail_on_an_engine_out_of_reach():
+    """An RL rollout manager's /abort_request while one engine is paused or just died: the router
+    waited 30 s for it, then answered 502 "success": false though the abort worked everywhere else (a
+    review). It waits ABORT_TIMEOUT_S at most, lists that engine as unreachable and says success; an
+    abort no engine could take is still a 502, and a cache reset still fails on it."""
+    from pdserve.router import control
+
+    async def go():
+        engines = Engines(blocking=())
+        reachable = {"pe", "de"}
+
+        async def answering(request: httpx.Request) -> httpx.Response:
+            if request.url.path in ("/abort_request", "/reset_prefix_cache"):
+                if request.url.host not in reachable:
+                    raise httpx.ReadTimeout("paused")  # (as after ABORT_TIMEOUT_S)
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+
+        engines.intercept = answering
+        router = await started_router(engines, "none", prefills=("http://pe", "http://pe2"))
+        async with client_of(router) as c:
+            abort = await c.post("/abort_request", json={"rid": "r"})
+            reset = await c.post("/reset_prefix_cache")
+            reachable.clear()
+            none = await c.post("/abort_request", json={"abort_all": True})
+        return abort, reset, none
+
+    assert control.ABORT_TIMEOUT_S <= 5.0 < control.CONTROL_TIMEOUT_S
+    abort, reset, none = asyncio.run(go())
+    assert abort.status_code == 200 and abort.json()["success"] is True, abort.text
+    assert abort.json()["unreachable"] == ["http://pe2"]
+    assert reset.status_code == 502 and "unreachable" not in reset.json()
+    assert none.status_code == 502 and none.json()["success"] is False
+
+
 def test_abort_all_ends_the_requests_waiting_in_placement_through_their_engines():
     """DualPath: a request waits in placement (no decode has a free page) when an /abort_request of
     everything comes. It stops waiting and goes to the engines marked `pd.aborted` (both answer

@@ -39,7 +39,10 @@ from pdserve.server.protocol import (
     sglang_failure,
 )
 
-CONTROL_TIMEOUT_S = 30.0  # an engine's answer to /abort_request or a cache reset (its engine thread takes ms)
+CONTROL_TIMEOUT_S = 30.0  # an engine's answer to a cache reset (its engine thread takes ms)
+# An engine's answer to /abort_request: one that does not answer by then (paused, dying) is listed as
+# unreachable, not waited for (an RL rollout manager's abort call hung 30 s, a review).
+ABORT_TIMEOUT_S = 5.0
 WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
 BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
 
@@ -61,7 +64,7 @@ def control_routes(router: Router) -> APIRouter:
                     engine.url + path, content=content, headers=JSON, timeout=timeout_s
                 )
             except httpx.HTTPError as e:
-                return 502, {"error": f"{engine.url} unreachable: {e!r}"}
+                return 502, {"error": f"{engine.url} unreachable: {e!r}", "unreachable": True}
             try:
                 return r.status_code, r.json()
             except ValueError:
@@ -78,29 +81,42 @@ def control_routes(router: Router) -> APIRouter:
             await asyncio.sleep(BUSY_RETRY_S)  # (e.g. a prefill's room awaiting the decode's last ack)
         return live, answers
 
-    def summary(live: list[Engine], answers: dict[str, tuple[int, object]], every_engine: bool) -> Response:
+    def summary(
+        live: list[Engine], answers: dict[str, tuple[int, object]], every_engine: bool, unreachable_ok=False
+    ) -> Response:
         """200 with each engine's answer by URL, or 502 (the same map) when any engine failed or
         refused (a bad body is refused by all alike: that engine's answer, as is). Engines out of
         service are listed as `unhealthy` (not asked: they may not answer); with `every_engine` they
-        fail it too (a weight update they missed would leave them serving the old weights)."""
+        fail it too (a weight update they missed would leave them serving the old weights). With
+        `unreachable_ok` (aborts), engines that could not be reached are listed as `unreachable` and
+        do not fail it: a dead one runs nothing, a paused one's rooms end by their deadlines (the
+        abort of the others worked: it was a 502 "success": false)."""
         if not live:
             return JSONResponse(error_body("no healthy engine", 503, "ServiceUnavailable"), 503)
         down = [e.url for e in router.prefills + router.decodes if e not in live]
-        statuses = {status for status, _ in answers.values()}
+        unreachable = [url for url, (_, a) in answers.items() if isinstance(a, dict) and a.get("unreachable")]
+        counted = {
+            url: status for url, (status, _) in answers.items() if not (unreachable_ok and url in unreachable)
+        }
+        statuses = set(counted.values())
         if statuses == {400}:  # (the body itself is bad: every engine says why)
-            return JSONResponse(answers[live[0].url][1], 400)
-        ok = statuses == {200} and not (every_engine and down)
+            return JSONResponse(answers[next(iter(counted))][1], 400)
+        ok = bool(counted) and statuses <= {200} and not (every_engine and down)
         out = {"success": ok, "engines": {url: a for url, (_, a) in answers.items()}}
         if down:
             out["unhealthy"] = down
+        if unreachable_ok and unreachable:
+            out["unreachable"] = unreachable
         return JSONResponse(out, 200 if ok else 502)
 
     async def to_every_engine(path: str, http: Request, body: dict | None = None) -> Response:
         """What every engine must do (abort requests, drop cached pages): the client's body (or
         `body`) to each live engine, answered as `summary` says."""
         content = await http.body() if body is None else json.dumps(body).encode()
-        live, answers = await ask_every_engine(path, content, CONTROL_TIMEOUT_S, 0.0, include_stale=False)
-        return summary(live, answers, every_engine=False)
+        abort = path == "/abort_request"
+        timeout_s = ABORT_TIMEOUT_S if abort else CONTROL_TIMEOUT_S
+        live, answers = await ask_every_engine(path, content, timeout_s, 0.0, include_stale=False)
+        return summary(live, answers, every_engine=False, unreachable_ok=abort)
 
     @routes.post("/abort_request")
     async def abort_request(http: Request):
