@@ -1924,6 +1924,64 @@ def test_a_retry_back_on_a_prefill_waits_for_the_end_of_any_earlier_half_of_its_
     assert on_pe[0][1] == on_pe[1][1] == on_pe[2][1] != on_pe[3][1]
 
 
+class Silent(httpx.AsyncByteStream):
+    """A stream whose headers came and whose body never does (a decode killed mid-transfer)."""
+
+    async def __aiter__(self):
+        await asyncio.Event().wait()
+        yield b""
+
+
+def test_a_decode_killed_mid_transfer_of_a_stream_is_the_decodes_failure_not_the_prefills():
+    """1P2D, streamed: the decode answered its stream's headers, then died while the prefill wrote to
+    it; the prefill's 5xx says its transfer failed, before the health loop has seen the decode go.
+    The attempt was laid on the prefill, which left no prefill to try: a 503 though a live decode was
+    left (an end-to-end review). A transfer failure now looks at the decode at once: it does not
+    answer, so the prefill is tried again with the other decode."""
+    posts: list[str] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        dead: set[str] = set()
+
+        async def engine(request: httpx.Request):
+            host, path = request.url.host, request.url.path
+            if path == "/pd/info" and host in dead:
+                raise httpx.ConnectError("refused")
+            if path != "/v1/completions":
+                return None
+            posts.append(host)
+            if host == "de" and not dead:
+                dead.add("de")
+                return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Silent())
+            if host == "pe" and len(posts) <= 2:
+                await asyncio.sleep(0.05)
+                error = {
+                    "message": "prefill failed: transfer failed",
+                    "type": "ServiceUnavailable",
+                    "code": 503,
+                }
+                return httpx.Response(503, json={"error": error})
+            if host == "pe":
+                return httpx.Response(200, json={"choices": [{"text": "x", "index": 0}]})
+            chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m"}
+            chunk["choices"] = [{"text": "y", "index": 0, "finish_reason": "length"}]
+            sse = Once({})
+            sse.data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=sse)
+
+        engines.intercept = engine
+        router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
+        router.decodes[0].in_flight = -1  # (the first attempt takes "de")
+        async with client_of(router) as c:
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True}
+            return await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and '"text": "y"' in r.text and "[DONE]" in r.text, r.text
+    assert sorted(posts) == ["de", "de2", "pe", "pe"], posts
+
+
 @pytest.mark.parametrize("error_type", [PREFILL_UNREACHABLE, "ServiceUnavailable"])
 def test_a_decode_that_cannot_reach_a_dead_prefill_first_is_the_prefills_failure(error_type):
     """2 prefills, 1 decode; the first prefill is dead. The decode's bootstrap lookup of that prefill

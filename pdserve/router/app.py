@@ -718,7 +718,11 @@ class Router:
             if pe_resp is not None:
                 last_error = f"prefill {pe.url}: HTTP {pe_resp.status_code} {pe_resp.text[:200]}"
             await leg.close()  # closing the decode's stream aborts its room
-            if not de.healthy:  # (the decode died meanwhile: its prefill waited out a deadline for it)
+            # The decode died meanwhile: its prefill waited out a deadline for it, or its writes there
+            # failed (a decode killed mid-transfer, before the health check saw it: the prefill was
+            # blamed, and with one prefill the client got a 503 though a live decode was left).
+            transfer_failed = pe_resp is not None and b"prefill failed: transfer failed" in pe_resp.content
+            if not de.healthy or (transfer_failed and not await self._answers(de)):
                 tried.discard(pe.url)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
@@ -760,6 +764,14 @@ class Router:
             error = content[:200].decode(errors="replace")
             return f"decode {de.url}: HTTP {de_resp.status_code} {error}"
         return Response(content, de_resp.status_code, media_type=media)
+
+    async def _answers(self, e: Engine) -> bool:
+        """Whether `e` answers its health route now (1 s at most): a quick look at an engine an
+        attempt's failure may be about, before the health loop's next round."""
+        try:
+            return (await self.client.get(e.url + "/pd/info", timeout=1.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _end_half_later(self, pe: Engine, rid: str, room: int) -> None:
         """`_abort_answered_half` in the background; a request of `rid` sent to `pe` meanwhile waits
