@@ -208,6 +208,61 @@ def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_d
     assert json.loads(out.read_text())["outputs_identical"] is not True
 
 
+def test_first_divergences_name_each_agents_first_differing_token():
+    from pdserve.bench.agentic import AgentPlan, TurnPlan
+    from pdserve.bench.divergence import first_divergences
+
+    plans = [AgentPlan(a, 0.0, [TurnPlan([a, 1], 3, 0.0), TurnPlan([2], 3, 0.0)]) for a in range(3)]
+    a = {0: [[5, 6, 7], [8, 9, 10]], 1: [[5, 6, 7], [8, 9, 10]], 2: [[5, 6, 7], [8, 9]]}
+    b = {0: [[5, 6, 7], [8, 4, 11]], 1: [[5, 6, 7], [8, 9, 10]], 2: [[5, 6, 7], [8, 9, 3]]}
+    got = [
+        (d.agent, d.turn, d.token_index, d.token_a, d.token_b, d.prompt_ids)
+        for d in first_divergences(plans, a, b)
+    ]
+    # (agent 0: turn 1's prompt is turn 0's prompt + its output + turn 1's append, then A's [8])
+    assert got == [(0, 1, 1, 9, 4, (0, 1, 5, 6, 7, 2, 8)), (2, 1, 2, -1, 3, (2, 1, 5, 6, 7, 2, 8, 9))]
+
+
+def test_a_divergence_is_judged_a_near_tie_only_at_one(demo_model_dir):
+    """The demo model's greedy step 3 after this prompt puts 2661 and 2833 7e-6 apart in logprob (the
+    one-off PD mismatch of tests/test_pd_e2e.py): a flip there is rounding. Elsewhere, or to a token
+    that is not the runner-up, it is a real mismatch."""
+    from pdserve import LLM
+    from pdserve.bench.divergence import NEAR_TIE_LOGPROB, Divergence, judge
+    from tests.test_pd_e2e import warm_prompts
+
+    llm = LLM(demo_model_dir, dtype="float32", device="cpu", max_model_len=1024)
+    ids = llm.engine.tokenizer.encode(warm_prompts()[2] + "    for") + [470, 2402, 647]
+    tie = judge(llm, Divergence(0, 0, 3, 2661, 2833, tuple(ids)))
+    assert tie.near_tie and tie.gap < NEAR_TIE_LOGPROB
+    assert not judge(llm, Divergence(0, 0, 3, 2661, 7, tuple(ids))).near_tie  # (not the runner-up)
+    clear = judge(llm, Divergence(0, 0, 2, 647, 1788, tuple(ids[:-1])))  # (its gap: 0.014)
+    assert not clear.near_tie and clear.gap > 10 * NEAR_TIE_LOGPROB
+
+
+def test_bench_dualpath_fails_on_a_real_mismatch_and_names_it(demo_model_dir, monkeypatch, tmp_path):
+    """Outputs that differ between policies: the first differing token of each agent is judged on a
+    colocated engine; a difference that is not at a near-tie fails the run (exit 1) and is named in the
+    JSON (a real mismatch: wrong KV somewhere). `make demo` once reported "not identical" with nothing
+    to tell rounding from a bug."""
+    from pdserve.bench import dualpath_compare
+
+    def fake(a, model_dir, policy, agents, online):
+        outputs = {p.agent: [[7] * t.gen_tokens for t in p.turns] for p in agents}
+        if policy == "dualpath":
+            outputs[agents[0].agent][0] = [7, 9] + [7] * (agents[0].turns[0].gen_tokens - 2)
+        return _fake_run(policy, policy, 0) | {"outputs": outputs}
+
+    monkeypatch.setattr(dualpath_compare, "run_policy", fake)
+    out = tmp_path / "dp.json"
+    rc = _main(["bench", "dualpath", "--model", demo_model_dir, "--num-agents", "2", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert rc == 1 and got["outputs_identical"] is False
+    [d] = got["outputs_divergences"]
+    assert (d["agent"], d["turn"], d["token_index"], d["token_a"], d["token_b"]) == (0, 0, 1, 7, 9)
+    assert d["near_tie"] is False and d["policies"] == ["round_robin", "dualpath"]
+
+
 # ---- bench soak ------------------------------------------------------------------------------------
 
 

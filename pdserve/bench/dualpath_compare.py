@@ -5,7 +5,9 @@ node spec (`pdserve launch --nodes ...`: engines on their nodes, the nodes' stor
 rate-limited and shared through `pdserve.netem`), with an empty KV store, replays the agents with
 `pdserve.bench.agentic`, and stops the cluster. One run prints the side-by-side table: offline JCT and
 its ratio, storage-NIC balance (max/avg over `--sample-s` windows, 5 s by default), cache hits, and whether the greedy outputs
-of the policies are identical (they must be: placement changes where KV is read, never the tokens).
+of the policies are identical (they must be: placement changes where KV is read, never the tokens; when
+they differ, each agent's first differing token is judged on a colocated engine, and only a difference
+that is not at a float near-tie fails the run: `bench/divergence.py`).
 Online mode sweeps agent arrival rates and reports each policy's highest rate meeting the SLO.
 
 Engines run without a prefix cache (`--no-prefix-caching`): in the paper's setting thousands of
@@ -109,6 +111,7 @@ def run_policy(a, model_dir: str, policy: str, agents, online: bool) -> dict:
         "outputs_sha256": result.outputs_sha256(),
         "storage_hit_tokens": sum(r.cached_tokens_storage or 0 for r in result.records if r.ok),
         "records": result.records,
+        "outputs": result.outputs,
     }
 
 
@@ -179,13 +182,37 @@ def run(a: argparse.Namespace) -> int:
     # Greedy outputs compared over the runs that lost no turn; None when fewer than two are left.
     complete = [r["outputs_sha256"] for r in runs if not r["summary"].get("turns_failed")]
     out["outputs_identical"] = len(set(complete)) == 1 if a.mode == "offline" and len(complete) >= 2 else None
+    mismatch = out["outputs_identical"] is False
+    if mismatch:  # (where, and whether only float rounding at near-ties: see bench/divergence.py)
+        divergences = _divergences(
+            model_dir, agents, [r for r in runs if not r["summary"].get("turns_failed")], a
+        )
+        if divergences is not None:
+            out["outputs_divergences"] = divergences
+            mismatch = not all(d["near_tie"] for d in divergences)
     _print(out)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
     if a.plot:
         _plot(runs, a.plot)
     failed = any(r["summary"].get("turns_failed") for r in runs)
-    return 1 if failed or out["outputs_identical"] is False else 0
+    return 1 if failed or mismatch else 0
+
+
+def _divergences(model_dir: str, agents, runs: list[dict], a: argparse.Namespace) -> list[dict] | None:
+    """Each agent's first token where a run's greedy outputs differ from the first run's, judged on a
+    colocated engine (None when the runs kept no outputs)."""
+    from pdserve import LLM
+    from pdserve.bench.divergence import first_divergences, judge
+
+    if any(r.get("outputs") is None for r in runs):
+        return None
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=max(4096, a.max_context_tokens + 16))
+    found = []
+    for other in runs[1:]:
+        for d in first_divergences(agents, runs[0]["outputs"], other["outputs"]):
+            found.append(judge(llm, d).summary() | {"policies": [runs[0]["policy"], other["policy"]]})
+    return found
 
 
 def _print(out: dict) -> None:
@@ -205,6 +232,12 @@ def _print(out: dict) -> None:
         print(f"max APS under the SLO, last policy / first: {out['max_aps_ratio_last_vs_first']:.2f}x")
     if out.get("outputs_identical") is not None:
         print(f"greedy outputs identical across policies: {out['outputs_identical']}")
+    for d in out.get("outputs_divergences") or []:
+        what = "a float near-tie (rounding)" if d["near_tie"] else "NOT a near-tie: a real mismatch"
+        print(
+            f"  agent {d['agent']} turn {d['turn']} token {d['token_index']}: {d['token_a']} vs {d['token_b']}"
+            f" ({' vs '.join(d['policies'])}); colocated top-two gap {d['gap']:.2g}: {what}"
+        )
 
 
 def _fmt(v) -> str:
