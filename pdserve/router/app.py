@@ -523,6 +523,10 @@ class Router:
                 except NoEngine:
                     de = None  # (`_attempts` pairs it, or says why not)
                 return await self._dispatch(path, body, http, placed[1], arrival, first=(placed[0], de))
+            if arrival.epoch < self.abort_epoch or self.named_abort_since(arrival):
+                # (its leader's wait in placement was aborted, which names it too: it answers "abort"
+                # at once, as its leader did, not after a wait of its own in the queue)
+                return await self._dispatch(path, body, http, "none", arrival)
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
             placing = self.placement.place(prompt_ids, prompt_len, max_tokens, pieces, arrival.name)
