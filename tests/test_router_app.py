@@ -722,6 +722,17 @@ class Once(httpx.AsyncByteStream):
         yield self.data
 
 
+def decode_answer(finish: str = "length", output_ids: tuple | list = (1,), text: str = "x") -> httpx.Response:
+    """A decode's whole /generate answer (SGLang's shape), as a body the router can relay."""
+    answer = {"output_ids": list(output_ids), "text": text, "meta_info": {"finish_reason": {"type": finish}}}
+    return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+
+def prefill_answer() -> httpx.Response:
+    """A prefill's answer to its half of a /generate (token 1; the decode answers the client)."""
+    return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+
+
 def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
     """The decodes' answers to [p0, p1] with n = 2, merged by the router: choice p*2 + j is prompt p's
     answer; usage adds each prompt's tokens once (and its cached tokens), every completion's tokens."""
@@ -1752,14 +1763,9 @@ def test_a_generate_retried_after_its_prefill_answered_first_aborts_its_rid_ther
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
             if host == "pe":
                 answered.set()
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                return prefill_answer()
             if host == "de2":
-                answer = {
-                    "output_ids": [1, 2],
-                    "text": "ok",
-                    "meta_info": {"finish_reason": {"type": "length"}},
-                }
-                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+                return decode_answer("length", [1, 2], "ok")
             await answered.wait()
             await asyncio.sleep(0.05)
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
@@ -1802,11 +1808,10 @@ def test_a_generate_whose_decode_failed_first_ends_its_prefills_half_before_the_
             if host == "pe" and len([c for c in calls if c[:2] == ("pe", "/generate")]) == 1:
                 await asyncio.sleep(5)  # (the first prefill leg: the decode fails before it answers)
             if host == "pe":
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                return prefill_answer()
             if host == "de":
                 return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
-            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
-            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return decode_answer("length", [1, 2], "ok")
 
         engines.intercept = engine
         router = await started_router(engines, "none", decodes=("http://de", "http://de2"))
@@ -1842,11 +1847,10 @@ def test_a_retry_on_another_prefill_does_not_wait_for_the_failed_half_to_end():
             if host.startswith("pe") and len(calls) <= 2:
                 await asyncio.sleep(5)  # (the first attempt's prefill: the decode fails before it)
             if host.startswith("pe"):
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                return prefill_answer()
             if host == "de":
                 return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
-            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
-            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return decode_answer("length", [1, 2], "ok")
 
         engines.intercept = engine
         router = await started_router(
@@ -1898,11 +1902,10 @@ def test_a_retry_back_on_a_prefill_waits_for_the_end_of_any_earlier_half_of_its_
                     error = {"message": "request id 'client-rid' is already active", "code": 409}
                     return httpx.Response(409, json={"error": error})
                 held[host] = room
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                return prefill_answer()
             if host in ("de", "de2"):
                 return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
-            answer = {"output_ids": [1, 2], "text": "ok", "meta_info": {"finish_reason": {"type": "length"}}}
-            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+            return decode_answer("length", [1, 2], "ok")
 
         engines.intercept = engine
         router = await started_router(
@@ -2530,11 +2533,8 @@ def test_an_aborted_n_request_waiting_in_placement_ends_all_its_choices_at_once(
                 legs.append(pd)
                 if request.url.host == "de":
                     finish = "abort" if pd.get("aborted") else "length"
-                    answer = {"output_ids": [], "text": "", "meta_info": {"finish_reason": {"type": finish}}}
-                    return httpx.Response(
-                        200, headers={"content-type": "application/json"}, stream=Once(answer)
-                    )
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                    return decode_answer(finish, [], "")
+                return prefill_answer()
 
         engines.intercept = recording
         router = await started_router(engines, "dualpath")
@@ -2573,15 +2573,8 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
                 legs.append((request.url.host, pd))
                 if request.url.host == "de":
                     finish = "abort" if pd.get("aborted") else "length"
-                    answer = {
-                        "output_ids": [1],
-                        "text": "x",
-                        "meta_info": {"finish_reason": {"type": finish}},
-                    }
-                    return httpx.Response(
-                        200, headers={"content-type": "application/json"}, stream=Once(answer)
-                    )
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                    return decode_answer(finish)
+                return prefill_answer()
 
         engines.intercept = recording
         router = await started_router(engines, "dualpath")
@@ -2626,15 +2619,8 @@ def test_a_clients_abort_with_a_room_is_refused_before_anything_is_aborted():
                 pd = json.loads(await request.aread())["pd"]
                 if request.url.host == "de":
                     finish = "abort" if pd.get("aborted") else "length"
-                    answer = {
-                        "output_ids": [1],
-                        "text": "x",
-                        "meta_info": {"finish_reason": {"type": finish}},
-                    }
-                    return httpx.Response(
-                        200, headers={"content-type": "application/json"}, stream=Once(answer)
-                    )
-                return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                    return decode_answer(finish)
+                return prefill_answer()
 
         engines.intercept = recording
         router = await started_router(engines, "dualpath")
@@ -2780,9 +2766,8 @@ def test_a_generate_with_the_clients_rid_is_retried_on_another_decode_after_a_pr
             if host == "pe":
                 return httpx.Response(500, json={"error": {"message": "died mid-transfer", "code": 500}})
             if host.startswith("de"):
-                answer = {"output_ids": [1], "text": "x", "meta_info": {"finish_reason": {"type": "length"}}}
-                return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
-            return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
+                return decode_answer()
+            return prefill_answer()
 
         engines.intercept = answering
         router = await started_router(
