@@ -105,6 +105,39 @@ def test_a_request_id_used_again_gets_its_blocks_written_back(hf_checkpoints, tm
         p.close()
 
 
+def _hold_reads(store, gate: threading.Event) -> None:
+    """The store's reads wait for `gate`: the requests of one prompt all ask before the first read
+    ends, as the n choices that arrive together do."""
+    read_blocks = store.read_blocks
+
+    def slow_read(*args):  # (the real read, once the gate opens)
+        assert gate.wait(10)
+        return read_blocks(*args)
+
+    store.read_blocks = slow_read
+
+
+def _submit_joined(p, role, ids, read_path, rids=("c0", "c1", "c2")) -> list[str]:
+    """`rids` for the stored prompt `ids` (5 blocks), until all but the first joined the first's read
+    (the decode reads once it admitted a request: a few turns)."""
+    for rid in rids:
+        _submit_read_path(p, ids, 3, rid, read_path)
+    p.drive(lambda: role.store.reads.num_blocks_joined == (len(rids) - 1) * 5, timeout_s=5)
+    return list(rids)
+
+
+def _assert_colocated_tokens(p, hf_checkpoints, ids, rids, cached_tokens_storage: int) -> None:
+    """Each of `rids` answered the colocated engine's greedy tokens, with that many stored tokens."""
+    ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
+    want = ref.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
+    for rid in rids:
+        out = p.de_sink.final(rid)
+        assert out.outputs[0].token_ids == want[0].outputs[0].token_ids, rid
+        assert out.metrics["cached_tokens_storage"] == cached_tokens_storage, rid
+
+
 @pytest.mark.parametrize("read_path", ["pe", "de"])
 def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_path, read_path):
     """The `n` choices of one prompt reach one prefill together (router/app.Siblings), each in its own
@@ -118,32 +151,15 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
     try:
         ids = pd_roles._stored_turn(p, store, "seed")  # 47 tokens: 5 stored blocks of 8
         gate = threading.Event()
-        read_blocks = store.read_blocks
-
-        def slow_read(*args):  # (the real read, once every request has asked: they arrive together)
-            assert gate.wait(10)
-            return read_blocks(*args)
-
-        store.read_blocks = slow_read
+        _hold_reads(store, gate)
         before = store.stats().read_ok_blocks
-        rids = ["c0", "c1", "c2"]
-        for rid in rids:
-            _submit_read_path(p, ids, 3, rid, read_path)
-        # (the decode reads once it admitted a request: a few turns)
-        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
+        rids = _submit_joined(p, role, ids, read_path)
         assert role.store.reads.num_in_flight == 1
         gate.set()
         # (the read's entries go when its future's callback ran, just after the engine saw it done)
         p.drive(lambda: p.idle() and role.store.reads.num_in_flight == 0)
         assert store.stats().read_ok_blocks - before == 5  # (it was 15: three reads of 5)
-        ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
-        want = ref.generate(
-            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        )
-        for rid in rids:
-            out = p.de_sink.final(rid)
-            assert out.outputs[0].token_ids == want[0].outputs[0].token_ids, rid
-            assert out.metrics["cached_tokens_storage"] == 40, rid
+        _assert_colocated_tokens(p, hf_checkpoints, ids, rids, cached_tokens_storage=40)
         if read_path == "pe":
             assert p.pe_role.layerwise.num_runs == 3
         assert p.pe_role.store.reads.num_blocks_bad == p.de_role.store.reads.num_blocks_bad == 0
@@ -166,16 +182,8 @@ def test_joined_store_reads_count_once_in_the_engines_read_queue(hf_checkpoints,
     gate = threading.Event()
     try:
         ids = pd_roles._stored_turn(p, store, "seed")  # 5 stored blocks of 8 tokens
-        read_blocks = store.read_blocks
-
-        def slow_read(*args):
-            assert gate.wait(10)
-            return read_blocks(*args)
-
-        store.read_blocks = slow_read
-        for rid in ["c0", "c1", "c2"]:
-            _submit_read_path(p, ids, 3, rid, read_path)
-        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
+        _hold_reads(store, gate)
+        _submit_joined(p, role, ids, read_path)
         assert role.store.reads.num_in_flight == 1
         assert load_report(role, "n0").read_queue_tokens == 5 * 8  # (it was 120)
         gate.set()
@@ -207,28 +215,12 @@ def test_a_bad_block_in_a_joined_read_is_counted_once_and_each_request_recompute
         probe = p.de_engine.make_request(ids, SamplingParams(max_tokens=1), "probe")
         with open(block_path(store.dir, role.store.keys_for(probe, 5)[3]), "r+b") as f:
             f.truncate(100)
-        read_blocks = store.read_blocks
-
-        def slow_read(*args):
-            assert gate.wait(10)
-            return read_blocks(*args)
-
-        store.read_blocks = slow_read
-        rids = ["c0", "c1", "c2"]
-        for rid in rids:
-            _submit_read_path(p, ids, 3, rid, read_path)
-        p.drive(lambda: role.store.reads.num_blocks_joined == 2 * 5, timeout_s=5)
+        _hold_reads(store, gate)
+        rids = _submit_joined(p, role, ids, read_path)
         gate.set()
         p.drive(lambda: p.idle() and role.store.reads.num_in_flight == 0)
         assert role.store.reads.num_blocks_bad == 1
-        ref = LLM(hf_checkpoints["llama"][0], dtype="float32", page_size=pd_roles.PAGE_SIZE, num_pages=64)
-        want = ref.generate(
-            {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        )
-        for rid in rids:
-            out = p.de_sink.final(rid)
-            assert out.outputs[0].token_ids == want[0].outputs[0].token_ids, rid
-            assert out.metrics["cached_tokens_storage"] == 3 * 8, rid
+        _assert_colocated_tokens(p, hf_checkpoints, ids, rids, cached_tokens_storage=3 * 8)
         p.assert_clean()
     finally:
         gate.set()
