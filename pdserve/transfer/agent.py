@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve import faults
 from pdserve.transfer.base import TransferError, TransferStatus, create_backend
@@ -72,6 +73,20 @@ class TransferStats:
         out = {k: v for k, v in self.__dict__.items() if k != "latencies_s"}
         out["latencies_s"] = list(self.latencies_s)
         return out
+
+
+class _Submit(NamedTuple):
+    """A submit on the command queue (`kind` first, as every command: ("abort", id), ...)."""
+
+    kind: str  # "submit"
+    transfer_id: int
+    peer: str
+    local: list  # (addr, nbytes) per descriptor
+    remote: list
+    notif: bytes
+    submitted_s: float  # time.monotonic() when queued (latency)
+    op: str  # "write" or "read"
+    expires_s: float | None  # (the agent's `clock`) see the module docstring
 
 
 @dataclass
@@ -155,23 +170,7 @@ class TransferAgent:
         Returns a transfer id reported exactly once by `poll_completions`. TransferError once closed
         (no thread would report it). `expires_s` (by `clock`): not started past it, aborted if still
         in flight then (see the module docstring)."""
-        with self._ids_lock:  # (with close(): a submit is queued before "close", or refused)
-            self._check_open()
-            transfer_id = next(self._ids)
-            self._commands.put(
-                (
-                    "submit",
-                    transfer_id,
-                    peer,
-                    local,
-                    remote,
-                    bytes(notif),
-                    time.monotonic(),
-                    "write",
-                    expires_s,
-                )
-            )
-        return transfer_id
+        return self._queue("write", peer, local, remote, notif, expires_s)
 
     def submit_read(
         self,
@@ -183,20 +182,15 @@ class TransferAgent:
     ) -> int:
         """Queue a read of the peer's remote[i] into local[i]; reported by `poll_completions` like a
         write, and expires like one."""
-        with self._ids_lock:
+        return self._queue("read", peer, local, remote, notif, expires_s)
+
+    def _queue(self, op: str, peer: str, local, remote, notif: bytes, expires_s: float | None) -> int:
+        with self._ids_lock:  # (with close(): a submit is queued before "close", or refused)
             self._check_open()
             transfer_id = next(self._ids)
             self._commands.put(
-                (
-                    "submit",
-                    transfer_id,
-                    peer,
-                    local,
-                    remote,
-                    bytes(notif),
-                    time.monotonic(),
-                    "read",
-                    expires_s,
+                _Submit(
+                    "submit", transfer_id, peer, local, remote, bytes(notif), time.monotonic(), op, expires_s
                 )
             )
         return transfer_id
@@ -293,7 +287,7 @@ class TransferAgent:
             self._apply(backend, pending, cmd)
         now = self.clock()
         for transfer_id, (flow, cmd) in list(self._delayed.items()):
-            if _past(cmd[8], now):  # (still crossing the emulated link, or stalled: nothing copied)
+            if _past(cmd.expires_s, now):  # (still crossing the emulated link, or stalled: nothing copied)
                 self._expired(transfer_id)
                 self._drop_delayed(pending, transfer_id)
             elif flow.done():
@@ -318,26 +312,26 @@ class TransferAgent:
             # before the copy): every transfer later counted done or failed was counted here first.
             self.stats.transfers_submitted += 1
             try:
-                if _past(cmd[8], self.clock()):  # (queued while this thread or the link was behind)
-                    self._expired(cmd[1])
-                    pending[cmd[1]] = _Pending(None, 0, cmd[6])
-                    self._finish(backend, pending, cmd[1], TransferStatus.FAILED, aborted=True)
+                if _past(cmd.expires_s, self.clock()):  # (queued while this thread or the link was behind)
+                    self._expired(cmd.transfer_id)
+                    pending[cmd.transfer_id] = _Pending(None, 0, cmd.submitted_s)
+                    self._finish(backend, pending, cmd.transfer_id, TransferStatus.FAILED, aborted=True)
                 elif self.traffic is not None:
                     # A full link queues the flow (it starts at a later `done()`): a real NIC queues
                     # work, so a full link delays a transfer rather than failing it.
-                    flow = self.traffic.transfer_start(sum(int(n) for _, n in cmd[3]))
+                    flow = self.traffic.transfer_start(sum(int(n) for _, n in cmd.local))
                     if flow.flow_id is None:
                         self.stats.link_waits += 1
-                    self._delayed[cmd[1]] = (flow, cmd)
+                    self._delayed[cmd.transfer_id] = (flow, cmd)
                 else:
                     self._submit(backend, pending, cmd)
             except Exception as e:  # a malformed descriptor list: fail this one
                 # The command left the queue: unless reported here, its id would never be reported, and
                 # a caller waiting for it (the layerwise lane) would wait out its deadline.
                 self.stats.backend_errors += 1
-                log.warning("transfer agent %s: submit %d failed: %r", self.agent_name, cmd[1], e)
-                pending[cmd[1]] = _Pending(None, 0, cmd[6])
-                self._finish(backend, pending, cmd[1], TransferStatus.FAILED)
+                log.warning("transfer agent %s: submit %d failed: %r", self.agent_name, cmd.transfer_id, e)
+                pending[cmd.transfer_id] = _Pending(None, 0, cmd.submitted_s)
+                self._finish(backend, pending, cmd.transfer_id, TransferStatus.FAILED)
         elif kind == "abort":
             transfer_id = cmd[1]
             if transfer_id in self._delayed:
@@ -364,11 +358,11 @@ class TransferAgent:
         """Abort a transfer still crossing the emulated link: nothing was copied; report it failed."""
         flow, cmd = self._delayed.pop(transfer_id)
         flow.cancel()
-        pending[transfer_id] = _Pending(None, sum(int(n) for _, n in cmd[3]), cmd[6])
+        pending[transfer_id] = _Pending(None, sum(int(n) for _, n in cmd.local), cmd.submitted_s)
         self._finish(None, pending, transfer_id, TransferStatus.FAILED, aborted=True)
 
     def _submit(self, backend, pending: dict[int, _Pending], cmd: tuple) -> None:
-        _, transfer_id, peer, local, remote, notif, submitted_s, op, expires_s = cmd
+        _, transfer_id, peer, local, remote, notif, submitted_s, op, expires_s = cmd  # (a _Submit)
         nbytes = sum(int(n) for _, n in local)
         rule = faults.check("transfer.submit", op) if faults.ENABLED else None
         if (
