@@ -180,16 +180,13 @@ def run(a: argparse.Namespace) -> int:
             out["max_aps_ratio_last_vs_first"] = maxima[-1] / maxima[0]
         out["runs"] = rows
     # Greedy outputs compared over the runs that lost no turn; None when fewer than two are left.
-    complete = [r["outputs_sha256"] for r in runs if not r["summary"].get("turns_failed")]
-    out["outputs_identical"] = len(set(complete)) == 1 if a.mode == "offline" and len(complete) >= 2 else None
+    comparable = [r for r in runs if not r["summary"].get("turns_failed")]
+    shas = {r["outputs_sha256"] for r in comparable}
+    out["outputs_identical"] = len(shas) == 1 if a.mode == "offline" and len(comparable) >= 2 else None
     mismatch = out["outputs_identical"] is False
     if mismatch:  # (where, and whether only float rounding at near-ties: see bench/divergence.py)
-        divergences = _divergences(
-            model_dir, agents, [r for r in runs if not r["summary"].get("turns_failed")], a
-        )
-        if divergences is not None:
-            out["outputs_divergences"] = divergences
-            mismatch = not all(d["near_tie"] for d in divergences)
+        divergences = out["outputs_divergences"] = _divergences(model_dir, agents, comparable, a)
+        mismatch = not divergences or not all(d["near_tie"] for d in divergences)  # (none found: unexplained)
     _print(out)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2, default=str))
@@ -199,14 +196,12 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failed or mismatch else 0
 
 
-def _divergences(model_dir: str, agents, runs: list[dict], a: argparse.Namespace) -> list[dict] | None:
+def _divergences(model_dir: str, agents, runs: list[dict], a: argparse.Namespace) -> list[dict]:
     """Each agent's first token where a run's greedy outputs differ from the first run's, judged on a
-    colocated engine (None when the runs kept no outputs)."""
+    colocated engine."""
     from pdserve import LLM
     from pdserve.bench.divergence import first_divergences, judge
 
-    if any(r.get("outputs") is None for r in runs):
-        return None
     llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=max(4096, a.max_context_tokens + 16))
     found = []
     for other in runs[1:]:

@@ -57,6 +57,11 @@ from collections.abc import Callable
 MAX_ROOM = 2**63 - 1
 
 
+# A prefill room's failure reason when a write to its decode failed; the prefill's answer to the router
+# then says "prefill failed: transfer failed", and the router looks at the decode (`Router._attempts`).
+TRANSFER_FAILED = "transfer failed"
+
+
 def new_room() -> int:
     """A random 63-bit room id (never 0: a zero room in a handoff slot means 'not landed'). Here, not
     with the engine roles: the router makes rooms, and it never imports torch (DESIGN §7)."""

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from pdserve.disagg.handoff import HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
-from pdserve.disagg.state import DuplicateRoom, KVState
+from pdserve.disagg.state import TRANSFER_FAILED, DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole, RequestAborted
 from pdserve.engine.llm_engine import InvalidRequest, LLMEngine
 from pdserve.engine.pd_common import STALE_REGISTRATION, PDConfig, PDRoleBase, encode_notif
@@ -265,7 +265,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             return
         pr.in_flight.discard(tid)
         if status == TransferStatus.FAILED and self.rooms.state(room) != KVState.Failed:
-            self._fail(room, "transfer failed")  # (writes we aborted ourselves are not news)
+            self._fail(room, TRANSFER_FAILED)  # (writes we aborted ourselves are not news)
 
     def wait_for_transfer(self, tid: int, staging_slot: int, timeout_s: float | None = None) -> bool:
         """Block (engine thread) until read `tid` into our `staging_slot` completes; other completions

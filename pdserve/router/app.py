@@ -43,7 +43,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.disagg.state import new_room
+from pdserve.disagg.state import TRANSFER_FAILED, new_room
 from pdserve.router.engines import (
     NO_ANSWER,
     Engine,
@@ -588,9 +588,6 @@ class Router:
         # its engines -- with none left to try, or no attempt left, nothing was retried)
         failed_side: str | None = None
         de_before = ""  # the last attempt's decode
-        # (prefill, rid, room) of the last attempt's half that may hold the client's rid there: ended
-        # in the background (`_end_half_later`); a retry on that prefill waits for it
-        half: tuple[Engine, str, int] | None = None
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
@@ -610,13 +607,8 @@ class Router:
                         except NoEngine:
                             de = self.pick_decode(failed_decodes, like=pe)
             except NoEngine as e:
-                if half is not None:
-                    self._end_half_later(*half)
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return unavailable(why)
-            if half is not None:
-                self._end_half_later(*half)
-                half = None
             if path == "/generate" and arrival.name:
                 # A half of this rid still being ended there (this request's earlier attempt, or an
                 # earlier request's): it ends first. Elsewhere nothing waits for it (a paused prefill
@@ -698,7 +690,7 @@ class Router:
                 if path == "/generate" and arrival.name:
                     # Its prefill may have finished token 1 as we closed its leg (its answer on the
                     # way): its half then holds the client's rid, and a retry there is a duplicate.
-                    half = (pe, body["rid"], room)
+                    self._end_half_later(pe, body["rid"], room)
                 continue
             if pe_resp is not None and pe_resp.status_code == 200:
                 answer = await self._decode_answer(http, de, leg)
@@ -714,7 +706,7 @@ class Router:
                 failed_decodes.add(de.url)
                 failed_side = "decode"
                 if path == "/generate" and arrival.name:
-                    half = (pe, body["rid"], room)
+                    self._end_half_later(pe, body["rid"], room)
                 continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
@@ -725,15 +717,15 @@ class Router:
             # The decode died meanwhile: its prefill waited out a deadline for it, or its writes there
             # failed (a decode killed mid-transfer, before the health check saw it: the prefill was
             # blamed, and with one prefill the client got a 503 though a live decode was left).
-            transfer_failed = pe_resp is not None and b"prefill failed: transfer failed" in pe_resp.content
+            transfer_failed = (
+                pe_resp is not None and f"prefill failed: {TRANSFER_FAILED}".encode() in pe_resp.content
+            )
             if not de.healthy or (transfer_failed and not await self._answers(de)):
                 tried.discard(pe.url)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
             else:
                 failed_side = "prefill"
-        if half is not None:
-            self._end_half_later(*half)
         return JSONResponse(error_body(f"all prefill attempts failed: {last_error}", 502, "BadGateway"), 502)
 
     async def _decode_answer(self, http: Request, de: Engine, leg: Leg) -> Response | str:

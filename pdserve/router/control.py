@@ -109,14 +109,19 @@ def control_routes(router: Router) -> APIRouter:
             out["unreachable"] = unreachable
         return JSONResponse(out, 200 if ok else 502)
 
-    async def to_every_engine(path: str, http: Request, body: dict | None = None) -> Response:
-        """What every engine must do (abort requests, drop cached pages): the client's body (or
+    async def to_every_engine(
+        path: str, http: Request, body: dict | None = None, timeout_s=CONTROL_TIMEOUT_S, unreachable_ok=False
+    ) -> Response:
+        """What every engine must do (drop cached pages, abort requests): the client's body (or
         `body`) to each live engine, answered as `summary` says."""
         content = await http.body() if body is None else json.dumps(body).encode()
-        abort = path == "/abort_request"
-        timeout_s = ABORT_TIMEOUT_S if abort else CONTROL_TIMEOUT_S
         live, answers = await ask_every_engine(path, content, timeout_s, 0.0, include_stale=False)
-        return summary(live, answers, every_engine=False, unreachable_ok=abort)
+        return summary(live, answers, every_engine=False, unreachable_ok=unreachable_ok)
+
+    async def abort_on_every_engine(http: Request, body: dict | None = None) -> Response:
+        """`/abort_request` on every live engine: one out of reach is waited for ABORT_TIMEOUT_S at
+        most and listed, not a failure."""
+        return await to_every_engine("/abort_request", http, body, ABORT_TIMEOUT_S, unreachable_ok=True)
 
     @routes.post("/abort_request")
     async def abort_request(http: Request):
@@ -131,13 +136,11 @@ def control_routes(router: Router) -> APIRouter:
             message = "room is set by the router, for its own retries: abort by rid"
             return JSONResponse(error_body(message, 400, param="room") | sglang_failure(message), 400)
         if parsed is not None and parsed.abort_all:
-            return await to_every_engine("/abort_request", http, json.loads(raw) | router.abort_all())
+            return await abort_on_every_engine(http, json.loads(raw) | router.abort_all())
         if parsed is not None and isinstance(parsed.rid, str) and parsed.rid:
             # (what the router still holds of it, and the halves of it still on their way)
-            return await to_every_engine(
-                "/abort_request", http, json.loads(raw) | router.abort_named(parsed.rid)
-            )
-        return await to_every_engine("/abort_request", http)
+            return await abort_on_every_engine(http, json.loads(raw) | router.abort_named(parsed.rid))
+        return await abort_on_every_engine(http)
 
     @routes.post("/update_weights_from_disk")
     async def update_weights_from_disk(http: Request):
@@ -157,7 +160,7 @@ def control_routes(router: Router) -> APIRouter:
             try:
                 if body.abort_running:
                     everything = {"abort_all": True} | router.abort_all(held_too=False)
-                    aborted = await to_every_engine("/abort_request", http, everything)
+                    aborted = await abort_on_every_engine(http, everything)
                     if aborted.status_code != 200:
                         return aborted
                 drain_s = CONTROL_TIMEOUT_S if body.abort_running else WEIGHTS_TIMEOUT_S
