@@ -48,7 +48,7 @@ class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
 
 def _pending_read_tokens(rooms, block_size: int) -> int:
     """Tokens the rooms' store reads in flight read, each read once: requests that joined another's
-    read share its future and buffer (`store_connector.PendingRead`), whose rows are the blocks read
+    read share its future and buffer (`store/joined_reads.PendingRead`), whose rows are the blocks read
     (the owner's, also once its room is gone)."""
     num_blocks_by_read: dict[int, int] = {}
     for r in rooms:

@@ -20,6 +20,9 @@ process resumes, this thread drops what it had not started rather than start it.
 `release` (NIXL waits up to 30 s for a copy it could not cancel) delays the others' expiry, and a
 copy the hardware already took may still land (as for any abort).
 
+Length (~460 lines, a third of it docstrings): one thread's loop and the commands it takes; the
+backends (`fake`, `nixl`) and the emulated links (`pdserve.netem`) live in their own modules.
+
 The thread loop: apply queued commands (add/remove peer, submit, abort) -> check pending transfers ->
 drain backend notifications -> wait for the next command up to `poll_interval_s`. It polls even when
 idle: with NIXL's progress thread off, notifications only arrive while someone polls. A backend
