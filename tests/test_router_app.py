@@ -733,6 +733,15 @@ def prefill_answer() -> httpx.Response:
     return httpx.Response(200, json={"output_ids": [1], "text": "x", "meta_info": {}})
 
 
+async def generate_or_abort(request: httpx.Request) -> tuple[str, str, int | None] | None:
+    """(host, path, room) of a POST /generate (its half's room) or /abort_request (the room it ends,
+    if any); None for anything else (the mock answers it)."""
+    if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+        return None
+    sent = json.loads(await request.aread())
+    return request.url.host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")
+
+
 def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
     """The decodes' answers to [p0, p1] with n = 2, merged by the router: choice p*2 + j is prompt p's
     answer; usage adds each prompt's tokens once (and its cached tokens), every completion's tokens."""
@@ -1799,10 +1808,10 @@ def test_a_generate_whose_decode_failed_first_ends_its_prefills_half_before_the_
         engines = Engines(blocking=())
 
         async def engine(request: httpx.Request):
-            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+            if (call := await generate_or_abort(request)) is None:
                 return None
-            host, sent = request.url.host, json.loads(await request.aread())
-            calls.append((host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")))
+            calls.append(call)
+            host = call[0]
             if request.url.path == "/abort_request":
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
             if host == "pe" and len([c for c in calls if c[:2] == ("pe", "/generate")]) == 1:
@@ -1837,10 +1846,10 @@ def test_a_retry_on_another_prefill_does_not_wait_for_the_failed_half_to_end():
         released = asyncio.Event()
 
         async def engine(request: httpx.Request):
-            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+            if (call := await generate_or_abort(request)) is None:
                 return None
-            host, sent = request.url.host, json.loads(await request.aread())
-            calls.append((host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")))
+            calls.append(call)
+            host = call[0]
             if request.url.path == "/abort_request":
                 await released.wait()  # (a paused engine)
                 return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
@@ -1885,11 +1894,10 @@ def test_a_retry_back_on_a_prefill_waits_for_the_end_of_any_earlier_half_of_its_
         held: dict[str, int] = {}  # prefill -> the room whose half holds "client-rid"
 
         async def engine(request: httpx.Request):
-            if request.method != "POST" or request.url.path not in ("/generate", "/abort_request"):
+            if (call := await generate_or_abort(request)) is None:
                 return None
-            host, sent = request.url.host, json.loads(await request.aread())
-            room = sent["pd"]["room"] if "pd" in sent else sent.get("room")
-            calls.append((host, request.url.path, room))
+            calls.append(call)
+            host, _, room = call
             if request.url.path == "/abort_request":
                 if host == "pe":
                     await asyncio.sleep(0.3)  # (slow to act on it)
