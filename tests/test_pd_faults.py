@@ -192,6 +192,48 @@ def test_kill_decode_after_its_prefill_answered_retries_a_generate_under_the_cli
     wait_engine_idle(c.urls["decode"][1 - victim])
 
 
+def test_an_abort_while_the_prefill_is_paused_ends_the_request_at_once_and_frees_everything(make_cluster):
+    """A client aborts a request (SGLang's /abort_request by rid) while its prefill is paused mid-
+    transfer. The decode ends its half and answers "abort"; the router used to wait for the paused
+    prefill's answer up to its timeout (3 x 8 s + 5 s here), then count a prefill failure (the
+    end-to-end review's F4). The client gets its abort at once; once the prefill runs again both
+    engines end the room and hold nothing."""
+    c = make_cluster(1, 1)
+    pe, de = c.urls["prefill"][0], c.urls["decode"][0]
+    hold_mid_transfer(pe)
+    payload = {
+        "text": LONG_PROMPT,
+        "sampling_params": {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True},
+        "rid": "paused-rid",
+    }
+    out: dict = {}
+
+    def run():
+        r = httpx.post(c.router_url + "/generate", json=payload, timeout=120)
+        out["status"], out["text"], out["done_at"] = r.status_code, r.text, time.monotonic()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    wait_mid_transfer(pe)
+    prefill = c.proc("prefill0")
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        aborted_at = time.monotonic()
+        aborted = httpx.post(c.router_url + "/abort_request", json={"rid": "paused-rid"}, timeout=30)
+        th.join(20)
+        assert not th.is_alive(), "the client waited for the paused prefill"
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert aborted.status_code == 200, aborted.text
+    assert out["status"] == 200, out
+    assert json.loads(out["text"])["meta_info"]["finish_reason"]["type"] == "abort", out
+    assert out["done_at"] - aborted_at < 10, out["done_at"] - aborted_at  # (the prefill's timeout: 29 s)
+    set_faults(pe, [])
+    for url in (pe, de):
+        m = wait_engine_idle(url, timeout_s=LEASE_S + 20)
+        assert m["pdserve_kv_pages_used"] == 0 and m["pdserve_pd_rooms_held"] == 0
+
+
 def test_kill_prefill_mid_transfer_errors_client_and_frees_decode(make_cluster):
     c = make_cluster(1, 1)
     de = c.urls["decode"][0]

@@ -2793,3 +2793,148 @@ def test_a_generate_with_the_clients_rid_is_retried_on_another_decode_after_a_pr
     assert len(decodes) == 2
     if rid:
         assert decodes[0] != decodes[1], posts
+
+
+class _AbortedStream(httpx.AsyncByteStream):
+    """A decode's SSE stream that sends nothing until `aborted` is set, then its "abort" chunk."""
+
+    def __init__(self, aborted: asyncio.Event) -> None:
+        self.aborted = aborted
+
+    async def __aiter__(self):
+        await self.aborted.wait()
+        yield b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("abort", [{"rid": "client-rid"}, {"abort_all": True}])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_an_aborted_request_whose_prefill_is_paused_ends_with_the_decodes_abort_at_once(
+    path, abort, monkeypatch
+):
+    """A client aborts a request whose prefill is paused (SIGSTOP, a long stall): the decode ends its
+    half and answers "abort", the prefill answers nothing. The router waited for the prefill up to its
+    timeout (3 x its deadline + 5 s), then counted a prefill failure: the client got its abort late, or
+    a 503 (the end-to-end review's F4). An abort that names a request while its prefill has not
+    answered ends that wait: the client gets the decode's answer at once. The prefill's leg is left
+    to answer for ABORT_TIMEOUT_S, then closed (a live prefill whose leg closes fails the room, which
+    the decode could hear before the client's abort); a /generate's half there is also ended by its
+    room in the background, as after any failed attempt that may hold the client's rid."""
+    from pdserve.router import legs
+
+    monkeypatch.setattr(legs, "ABORT_TIMEOUT_S", 0.3)
+    calls: list[tuple[str, str, int | None]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        decode_aborted = asyncio.Event()
+        prefill_closed = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            host = request.url.host
+            if request.url.path == "/v1/completions":
+                calls.append((host, request.url.path, json.loads(await request.aread())["pd"]["room"]))
+            elif (seen := await generate_or_abort(request)) is not None:
+                calls.append(seen)
+            else:
+                return None
+            if request.url.path == "/abort_request":
+                if host == "pe":
+                    raise httpx.ReadTimeout("paused")  # (as after ABORT_TIMEOUT_S)
+                decode_aborted.set()
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 1})
+            if host == "pe":  # paused: no answer, until the router closes the connection
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    prefill_closed.set()
+            if path == "/v1/completions":
+                return httpx.Response(
+                    200, headers={"content-type": "text/event-stream"}, stream=_AbortedStream(decode_aborted)
+                )
+            await decode_aborted.wait()
+            return decode_answer("abort", [], "")
+
+        engines.intercept = engine
+        router = await started_router(engines, "none")
+        router.prefills[0].deadline_s = 30.0  # (the prefill's answer would be waited for 95 s)
+        if path == "/generate":
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        else:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "request_id": "client-rid"}
+        async with client_of(router) as c:
+            request = asyncio.ensure_future(c.post(path, json=body))
+            for _ in range(100):  # (both halves sent)
+                if len(calls) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            aborted = await c.post("/abort_request", json=abort)
+            answer = await within(request, 5.0)
+            open_at_answer = not prefill_closed.is_set()
+            closed = await within(prefill_closed.wait(), 2.0)
+        return aborted, answer, open_at_answer, closed, router
+
+    aborted, answer, open_at_answer, closed, router = asyncio.run(go())
+    assert aborted.status_code == 200 and aborted.json()["unreachable"] == ["http://pe"], aborted.text
+    assert answer is not None, "the client waited for the paused prefill"
+    assert answer.status_code == 200, answer.text
+    if path == "/generate":
+        assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    else:
+        assert '"finish_reason": "abort"' in answer.text and answer.text.endswith("data: [DONE]\n\n")
+    assert open_at_answer and closed is not None, (open_at_answer, closed)
+    room = calls[0][2]
+    sent = sorted(calls[:2])
+    assert sent == sorted([("pe", path, room), ("de", path, room)])
+    by_room = [c for c in calls[2:] if c[2] is not None]  # (the aborts the client asked for carry none)
+    assert by_room == ([("pe", "/abort_request", room)] if path == "/generate" else [])
+    assert router.decodes[0].in_flight == 0 and router.num_in_flight() == 0
+
+
+def test_a_request_aborted_in_placement_does_not_wait_for_a_paused_prefills_answer(monkeypatch):
+    """The same for a request an abort ends while it waits in DualPath placement: it is sent to its
+    engines marked aborted, each answers "abort" at once with nothing computed, but a paused prefill
+    answers nothing, and the client waited for it up to its timeout. The decode's answer is the
+    client's; the prefill's leg is closed ABORT_TIMEOUT_S later."""
+    from pdserve.router import legs
+
+    monkeypatch.setattr(legs, "ABORT_TIMEOUT_S", 0.3)
+    sent: list[tuple[str, bool]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+        prefill_closed = asyncio.Event()
+
+        async def engine(request: httpx.Request):
+            if request.url.path == "/abort_request":
+                if request.url.host == "pe":
+                    raise httpx.ReadTimeout("paused")  # (as after ABORT_TIMEOUT_S)
+                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
+            if request.url.path != "/generate":
+                return None
+            sent.append((request.url.host, json.loads(await request.aread())["pd"].get("aborted", False)))
+            if request.url.host == "pe":
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    prefill_closed.set()
+            return decode_answer("abort", [], "")
+
+        engines.intercept = engine
+        router = await started_router(engines, "dualpath")
+        router.prefills[0].deadline_s = 30.0
+        router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "client-rid"}
+        async with client_of(router) as c:
+            request = asyncio.ensure_future(c.post("/generate", json=body))
+            await queued(router)
+            aborted = await c.post("/abort_request", json={"rid": "client-rid"})
+            answer = await within(request, 5.0)
+            closed = await within(prefill_closed.wait(), 2.0)
+        return aborted, answer, closed, router
+
+    aborted, answer, closed, router = asyncio.run(go())
+    assert aborted.status_code == 200, aborted.text
+    assert answer is not None, "the client waited for the paused prefill"
+    assert answer.status_code == 200 and answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sorted(sent) == [("de", True), ("pe", True)] and closed is not None
+    assert router.decodes[0].in_flight == 0 and router.num_in_flight() == 0

@@ -56,7 +56,9 @@ from pdserve.router.engines import (
 from pdserve.router.legs import (
     JSON,
     Leg,
+    PrefillWaitAborted,
     Relay,
+    end_prefill_call_later,
     engine_json,
     error_type,
     prefill_unless_decode_fails,
@@ -205,6 +207,9 @@ class Router:
         # remembers how many there were when it came in, and one that named it since is sent aborted.
         self.num_named_aborts = 0
         self._named_aborts: deque[tuple[int, str]] = deque(maxlen=MAX_NAMED_ABORTS)
+        # The attempts waiting for their prefill's answer: each one's event is set by an abort that
+        # names it, which ends that wait (a paused prefill would answer only at its timeout).
+        self._abort_watch: dict[asyncio.Event, Arrival] = {}
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`Relay`)
@@ -242,6 +247,8 @@ class Router:
         engine after the abort."""
         self.abort_epoch += 1
         self.num_held_aborts += held_too
+        for event in self._abort_watch:
+            event.set()
         if self.placement is not None:
             self.placement.abort_waiting()
         return {"router_id": self.router_id, "router_epoch": self.abort_epoch}
@@ -257,6 +264,9 @@ class Router:
         reaches an engine after the abort (each half carries the count when it was sent)."""
         self.num_named_aborts += 1
         self._named_aborts.append((self.num_named_aborts, name))
+        for event, arrival in self._abort_watch.items():
+            if names_match(arrival.name, name):
+                event.set()
         if self.placement is not None:
             self.placement.abort_waiting(lambda waiting_name: names_match(waiting_name, name))
         return {"router_id": self.router_id, "router_named": self.num_named_aborts}
@@ -646,17 +656,26 @@ class Router:
                 headers=JSON,
                 timeout=self.prefill_timeout(pe),
             )
-            decode_failed = False
+            decode_failed = aborted = False
+            abort_named = asyncio.Event()  # (sent aborted: its decode answers at once; the prefill may not)
+            if pd.get("aborted"):
+                abort_named.set()
+            self._abort_watch[abort_named] = arrival
             try:
-                waiting = prefill_unless_decode_fails(pe_call, leg.task)
+                waiting = prefill_unless_decode_fails(pe_call, leg.task, abort_named)
                 pe_resp = await unless_gone(http, unless_set(self.stopping, waiting, RouterStopping))
                 decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 return client_gone()
             except RouterStopping:  # (both legs are closed on the way out: each engine aborts)
                 return unavailable(STOPPING)
+            except PrefillWaitAborted as e:
+                pe_resp, aborted = None, True
+                self._in_background(end_prefill_call_later(e.prefill_call))
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
+            finally:
+                del self._abort_watch[abort_named]
             if decode_failed:  # the decode failed first (the prefill's leg is closed): try another
                 if leg.task.exception() is not None:  # unreachable (e.g. it died since its last check)
                     last_error = f"decode {de.url}: {leg.task.exception()!r}"
@@ -692,7 +711,12 @@ class Router:
                     # way): its half then holds the client's rid, and a retry there is a duplicate.
                     self._end_half_later(pe, body["rid"], room)
                 continue
-            if pe_resp is not None and pe_resp.status_code == 200:
+            if aborted and path == "/generate" and arrival.name and not pd.get("aborted"):
+                self._end_half_later(pe, body["rid"], room)  # (it may hold the client's rid: as below)
+            if aborted or (pe_resp is not None and pe_resp.status_code == 200):
+                # Aborted before its prefill answered (one paused, or wedged, would answer at its
+                # timeout: the client got its abort that late, or a 503): the decode, told of the abort
+                # too, answers "abort" without it.
                 answer = await self._decode_answer(http, de, leg)
                 if not isinstance(answer, str):
                     return answer
@@ -705,7 +729,7 @@ class Router:
                 tried.discard(pe.url)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
-                if path == "/generate" and arrival.name:
+                if path == "/generate" and arrival.name and not aborted:
                     self._end_half_later(pe, body["rid"], room)
                 continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
@@ -769,16 +793,21 @@ class Router:
         except httpx.HTTPError:
             return False
 
+    def _in_background(self, call) -> asyncio.Task:
+        """`call` run to its end in the background (referenced until then)."""
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     def _end_half_later(self, pe: Engine, rid: str, room: int) -> None:
         """`_abort_answered_half` in the background; a request of `rid` sent to `pe` meanwhile waits
         for it (`_halves_ending`)."""
-        task = asyncio.ensure_future(self._abort_answered_half(pe, rid, room))
+        task = self._in_background(self._abort_answered_half(pe, rid, room))
         key = (pe.url, rid)
-        self._background.add(task)
         self._halves_ending[key] = task  # (an earlier one for the key has ended: the rid was sent since)
 
         def done(t: asyncio.Task) -> None:
-            self._background.discard(t)
             if self._halves_ending.get(key) is t:
                 del self._halves_ending[key]
 

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from pdserve.router.app import Router, client_gone
 from pdserve.router.engines import Engine
-from pdserve.router.legs import JSON
+from pdserve.router.legs import ABORT_TIMEOUT_S, JSON
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.protocol import (
     AbortRequest,
@@ -40,9 +40,6 @@ from pdserve.server.protocol import (
 )
 
 CONTROL_TIMEOUT_S = 30.0  # an engine's answer to a cache reset (its engine thread takes ms)
-# An engine's answer to /abort_request: one that does not answer by then (paused, dying) is listed as
-# unreachable, not waited for (an RL rollout manager's abort call hung 30 s, a review).
-ABORT_TIMEOUT_S = 5.0
 WEIGHTS_TIMEOUT_S = 600.0  # an engine's answer to /update_weights_from_disk (it reads a checkpoint)
 BUSY_RETRY_S = 0.05  # an engine that answered 409 is asked again this often
 

@@ -103,23 +103,72 @@ def engine_json(body: dict, http: Request) -> bytes:
     return msgspec.json.encode(body)
 
 
-async def prefill_unless_decode_fails(pe_call, de_task: asyncio.Future) -> httpx.Response | None:
+# How long an engine that does not answer an abort is waited for: the router's `/abort_request` on
+# every engine (one that does not answer by then, paused or dying, is listed as unreachable: an RL
+# rollout manager's abort call hung 30 s, a review), and the prefill call of an aborted attempt.
+ABORT_TIMEOUT_S = 5.0
+
+
+class PrefillWaitAborted(Exception):
+    """An abort named the request while its attempt waited for the prefill's answer.
+    `prefill_call`: that call, still running: the caller lets it end (`end_prefill_call_later`)."""
+
+    def __init__(self, prefill_call: asyncio.Future) -> None:
+        super().__init__("aborted while its prefill had not answered")
+        self.prefill_call = prefill_call
+
+
+async def end_prefill_call_later(call: asyncio.Future) -> None:
+    """An aborted attempt's prefill call: its answer (the abort, from a live prefill) is waited for
+    ABORT_TIMEOUT_S at most, then its connection is closed (a paused prefill ends its half when it
+    runs again). Not closed at once: a live prefill whose leg closes fails the room, and the decode
+    could hear that before the client's abort: the client's "abort" would have been an error."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        response = await asyncio.wait_for(call, ABORT_TIMEOUT_S)
+        await response.aclose()
+
+
+async def prefill_unless_decode_fails(
+    pe_call, de_task: asyncio.Future, aborted: asyncio.Event | None = None
+) -> httpx.Response | None:
     """The prefill's response; None when the decode fails first, answering an error status or not
-    reachable at all (the prefill's leg is then closed, which aborts it there). A prefill waits for the decode's KVRequest, so with a
-    decode that refused the request (e.g. `stream_options` without `stream`: the prefill's copy is not
-    streamed, so only the decode sees the conflict) it would wait to its Bootstrapping deadline, and
-    the client would get a 503 after 30 s per attempt instead of the decode's 400."""
+    reachable at all (the prefill's leg is then closed, which aborts it there). A prefill waits for
+    the decode's KVRequest, so with a decode that refused the request (e.g. `stream_options` without
+    `stream`: the prefill's copy is not streamed, so only the decode sees the conflict) it would wait
+    to its Bootstrapping deadline, and the client would get a 503 after 30 s per attempt instead of
+    the decode's 400.
+
+    `aborted` (set by an abort that names the request, or before the attempt for one sent aborted):
+    once it is set and the decode has answered (its headers, or its whole "abort"), the prefill's
+    answer is not waited for: PrefillWaitAborted is raised with the prefill's call. A paused or wedged
+    prefill answers only at its timeout (3 x its deadline + 5 s): the client got its abort that
+    late, or a 503 once the attempt counted as the prefill's failure."""
     pe_task = asyncio.ensure_future(pe_call)
+    flag = asyncio.ensure_future(aborted.wait()) if aborted is not None else None
+    waits: set[asyncio.Future] = {pe_task, de_task} | ({flag} if flag is not None else set())
+    handed_over = False
     try:
-        await asyncio.wait({pe_task, de_task}, return_when=asyncio.FIRST_COMPLETED)
         while not pe_task.done():
-            if not de_task.cancelled() and (de_task.exception() or de_task.result().status_code != 200):
-                await cancel_request(pe_task)  # (an error, or no connection at all: a decode that just died)
-                return None
-            await asyncio.wait({pe_task})  # (the decode's stream started: the prefill's answer decides)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if pe_task.done():
+                break
+            if de_task.done() and de_task in waits:
+                if not de_task.cancelled() and (de_task.exception() or de_task.result().status_code != 200):
+                    # (an error, or no connection at all: a decode that just died)
+                    await cancel_request(pe_task)
+                    return None
+                waits.discard(de_task)  # (the decode's stream started: the prefill's answer decides ...)
+            if flag is not None and flag.done():
+                waits.discard(flag)
+                if de_task.done():  # (... unless the request was aborted)
+                    handed_over = True
+                    raise PrefillWaitAborted(pe_task)
+                waits.add(de_task)  # (aborted before the decode answered: wait for its answer too)
         return pe_task.result()
     finally:
-        if not pe_task.done():  # (cancelled: the client left)
+        if flag is not None:
+            flag.cancel()
+        if not pe_task.done() and not handed_over:  # (cancelled: the client left)
             pe_task.cancel()
 
 
