@@ -6,6 +6,7 @@ gets both engine legs closed and its placement withdrawn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -2938,3 +2939,49 @@ def test_a_request_aborted_in_placement_does_not_wait_for_a_paused_prefills_answ
     assert answer.status_code == 200 and answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert sorted(sent) == [("de", True), ("pe", True)] and closed is not None
     assert router.decodes[0].in_flight == 0 and router.num_in_flight() == 0
+
+
+def test_an_aborted_wait_cancelled_in_the_same_step_still_ends_its_prefills_call(monkeypatch):
+    """The abort ends the wait for a paused prefill's answer while the request's handler is cancelled
+    (its client left, a merged request's sibling failed, the server stops) in the same event-loop step:
+    the cancel's cleanup drops the wait's exception, and the prefill's call, handed over with it, was
+    left open until the prefill's timeout (a review). The wait hands the call to the background
+    itself: it is closed ABORT_TIMEOUT_S later, whatever happens to the exception."""
+    from pdserve.router import legs
+    from pdserve.router.app import RouterStopping
+    from pdserve.router.engines import unless_set
+
+    monkeypatch.setattr(legs, "ABORT_TIMEOUT_S", 0.1)
+    out: dict = {}
+
+    async def go():
+        closed = asyncio.Event()
+        background: set[asyncio.Task] = set()
+
+        async def paused_prefill():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                closed.set()
+
+        decode = asyncio.get_running_loop().create_future()
+        decode.set_result(httpx.Response(200))  # (a stream's headers: the decode answered)
+        aborted = asyncio.Event()
+        wait = legs.prefill_unless_decode_fails(
+            paused_prefill(), decode, aborted, lambda call: background.add(asyncio.ensure_future(call))
+        )
+        handler = asyncio.ensure_future(unless_set(asyncio.Event(), wait, RouterStopping))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        aborted.set()
+        for _ in range(3):  # (the wait raises; its handler has not resumed yet)
+            await asyncio.sleep(0)
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        out["closed"] = await within(closed.wait(), 2.0) is not None
+        await asyncio.gather(*background)
+        out["pending"] = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    asyncio.run(go())
+    assert out == {"closed": True, "pending": []}, out

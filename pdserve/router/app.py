@@ -54,11 +54,11 @@ from pdserve.router.engines import (
     unless_set,
 )
 from pdserve.router.legs import (
+    ABORT_TIMEOUT_S,
     JSON,
     Leg,
     PrefillWaitAborted,
     Relay,
-    end_prefill_call_later,
     engine_json,
     error_type,
     prefill_unless_decode_fails,
@@ -662,16 +662,15 @@ class Router:
                 abort_named.set()
             self._abort_watch[abort_named] = arrival
             try:
-                waiting = prefill_unless_decode_fails(pe_call, leg.task, abort_named)
+                waiting = prefill_unless_decode_fails(pe_call, leg.task, abort_named, self._in_background)
                 pe_resp = await unless_gone(http, unless_set(self.stopping, waiting, RouterStopping))
                 decode_failed = pe_resp is None
             except ClientGone:  # the prefill's connection is closed (it aborts); close the decode's too
                 return client_gone()
             except RouterStopping:  # (both legs are closed on the way out: each engine aborts)
                 return unavailable(STOPPING)
-            except PrefillWaitAborted as e:
+            except PrefillWaitAborted:  # (its prefill's call ends in the background)
                 pe_resp, aborted = None, True
-                self._in_background(end_prefill_call_later(e.prefill_call))
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             finally:
@@ -821,4 +820,6 @@ class Router:
         streaming, and end others named `<rid>_...`), and its id is free at once (pd_prefill
         `abort_room`)."""
         with contextlib.suppress(httpx.HTTPError, RuntimeError):  # (RuntimeError: the client closed)
-            await self.client.post(pe.url + "/abort_request", json={"rid": rid, "room": room}, timeout=5.0)
+            await self.client.post(
+                pe.url + "/abort_request", json={"rid": rid, "room": room}, timeout=ABORT_TIMEOUT_S
+            )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING
 
 import httpx
@@ -110,12 +111,7 @@ ABORT_TIMEOUT_S = 5.0
 
 
 class PrefillWaitAborted(Exception):
-    """An abort named the request while its attempt waited for the prefill's answer.
-    `prefill_call`: that call, still running: the caller lets it end (`end_prefill_call_later`)."""
-
-    def __init__(self, prefill_call: asyncio.Future) -> None:
-        super().__init__("aborted while its prefill had not answered")
-        self.prefill_call = prefill_call
+    """An abort named the request while its attempt waited for the prefill's answer."""
 
 
 async def end_prefill_call_later(call: asyncio.Future) -> None:
@@ -123,13 +119,16 @@ async def end_prefill_call_later(call: asyncio.Future) -> None:
     ABORT_TIMEOUT_S at most, then its connection is closed (a paused prefill ends its half when it
     runs again). Not closed at once: a live prefill whose leg closes fails the room, and the decode
     could hear that before the client's abort: the client's "abort" would have been an error."""
-    with contextlib.suppress(Exception, asyncio.CancelledError):
+    with contextlib.suppress(Exception):  # (its error, or the timeout: the call is closed either way)
         response = await asyncio.wait_for(call, ABORT_TIMEOUT_S)
         await response.aclose()
 
 
 async def prefill_unless_decode_fails(
-    pe_call, de_task: asyncio.Future, aborted: asyncio.Event | None = None
+    pe_call,
+    de_task: asyncio.Future,
+    aborted: asyncio.Event | None = None,
+    background: Callable[[Coroutine], object] | None = None,
 ) -> httpx.Response | None:
     """The prefill's response; None when the decode fails first, answering an error status or not
     reachable at all (the prefill's leg is then closed, which aborts it there). A prefill waits for
@@ -140,9 +139,12 @@ async def prefill_unless_decode_fails(
 
     `aborted` (set by an abort that names the request, or before the attempt for one sent aborted):
     once it is set and the decode has answered (its headers, or its whole "abort"), the prefill's
-    answer is not waited for: PrefillWaitAborted is raised with the prefill's call. A paused or wedged
-    prefill answers only at its timeout (3 x its deadline + 5 s): the client got its abort that
-    late, or a 503 once the attempt counted as the prefill's failure."""
+    answer is not waited for: PrefillWaitAborted is raised, and the prefill's call is handed to
+    `background` (`end_prefill_call_later`; closed at once without one) before the exception leaves,
+    so that it ends even when a caller's wrapper drops the exception (the client left, or a cancel,
+    in the same step). A paused or wedged prefill answers only at its timeout (3 x its deadline +
+    5 s): the client got its abort that late, or a 503 once the attempt counted as the prefill's
+    failure."""
     pe_task = asyncio.ensure_future(pe_call)
     flag = asyncio.ensure_future(aborted.wait()) if aborted is not None else None
     waits: set[asyncio.Future] = {pe_task, de_task} | ({flag} if flag is not None else set())
@@ -161,8 +163,10 @@ async def prefill_unless_decode_fails(
             if flag is not None and flag.done():
                 waits.discard(flag)
                 if de_task.done():  # (... unless the request was aborted)
-                    handed_over = True
-                    raise PrefillWaitAborted(pe_task)
+                    if background is not None:
+                        background(end_prefill_call_later(pe_task))
+                        handed_over = True
+                    raise PrefillWaitAborted
                 waits.add(de_task)  # (aborted before the decode answered: wait for its answer too)
         return pe_task.result()
     finally:
