@@ -16,7 +16,7 @@ from pdserve.router.app import STOPPING, Router
 from pdserve.router.prompts import completion_view, prompt_shape, requested_max_tokens
 from pdserve.router.routes import build_router_app
 from pdserve.server.protocol import PREFILL_UNREACHABLE
-from tests.test_router_placement import report
+from tests.test_router_placement import BPT, report
 
 
 class Engines:
@@ -2985,3 +2985,62 @@ def test_an_aborted_wait_cancelled_in_the_same_step_still_ends_its_prefills_call
 
     asyncio.run(go())
     assert out == {"closed": True, "pending": []}, out
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_the_choices_of_a_stored_prompt_read_it_on_the_prefills_side_whatever_the_queues(path):
+    """DualPath placement, the prefill node's storage NIC busy: one request of a stored prompt reads it
+    on the decode's side (the shorter queue). Its n = 3 choices went there too, each to a decode of its
+    own, and each decode read the whole hit from its own store: three reads of one prompt over the
+    storage NICs, the resource DualPath balances. Sent to one prefill on the PE path, their reads of
+    the same blocks join there: one read. So the first choice is placed with `num_choices` = 3 and
+    all three go with the PE path, counted once in the placement's read queues."""
+    legs: list[tuple[str, str]] = []
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answers(request: httpx.Request) -> httpx.Response | None:
+            if request.method != "POST" or request.url.path != path:
+                return None
+            sent = json.loads(await request.aread())
+            legs.append((request.url.host, sent["pd"]["read_path"]))
+            if request.url.host == "pe":
+                return prefill_answer() if path == "/generate" else httpx.Response(200, json={"choices": []})
+            if path == "/generate":
+                return decode_answer()
+            answer = {"choices": [{"index": 0, "text": "y", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = answers
+        router = await started_router(engines, "dualpath", decodes=("http://de", "http://de2"))
+        placement = router.placement
+        stored = list(range(1, 257))  # (four 64-token blocks, recorded by the first request)
+        if path == "/generate":
+            body = {"input_ids": stored, "sampling_params": {"max_new_tokens": 2}}
+        else:
+            body = {"prompt": stored, "max_tokens": 2}
+        async with client_of(router) as c:
+            assert (await c.post(path, json=body)).status_code == 200
+            placement.on_load(router.prefills[0], report("pe", "prefill", node_read_queue_bytes=25_000 * BPT))
+            legs.clear()
+            one = await c.post(path, json=body)
+            single = list(legs)
+            legs.clear()
+            queued_before = dict(placement.snapshot()["read_queue_tokens"])
+            if path == "/generate":
+                several = body | {"sampling_params": {"max_new_tokens": 2, "n": 3}}
+            else:
+                several = body | {"n": 3}
+            three = await c.post(path, json=several)
+            queued_after = placement.snapshot()["read_queue_tokens"]
+        return one, single, three, list(legs), queued_before, queued_after
+
+    one, single, three, legs_of_three, before, after = asyncio.run(go())
+    assert one.status_code == 200 and three.status_code == 200, (one.text, three.text)
+    assert {read_path for _, read_path in single} == {"de"} and len(single) == 2, single  # (one choice)
+    hosts = sorted(host for host, _ in legs_of_three)
+    assert hosts[3:] == ["pe"] * 3 and hosts[:3] in (["de", "de", "de2"], ["de", "de2", "de2"]), hosts
+    assert {read_path for _, read_path in legs_of_three} == {"pe"}, legs_of_three
+    # (three whole blocks, read once: the prompt's last token is computed, never a hit)
+    assert after["pe"] - before["pe"] == 192 and after["de"] == before["de"] and after["de2"] == before["de2"]

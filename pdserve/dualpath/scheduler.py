@@ -128,6 +128,10 @@ class PendingRequest(NamedTuple):
 
     num_hit_tokens: prompt tokens whose KV is in the store (to be read); num_new_tokens: the rest (to be
     computed by the PE); num_decode_tokens: the DE's token load (prompt + expected output), i.e. len(r).
+    num_choices: how many decodes this prompt's KV goes to (the router's `n` choices of one prompt,
+    placed once, each choice to a decode of its own): on the DE path each of them would read the hit
+    from its own node's store, so such a request reads on the PE side, where the choices share one
+    prefill and its reads of the same blocks join (one read).
     Immutable value types here are NamedTuples: a simulated 1,000-GPU run creates millions of them and a
     tuple is ~5x cheaper to build than a frozen dataclass.
     """
@@ -136,6 +140,7 @@ class PendingRequest(NamedTuple):
     num_hit_tokens: int
     num_new_tokens: int
     num_decode_tokens: int
+    num_choices: int = 1
 
     def num_decode_pages(self, page_tokens: int) -> int:
         return -(-self.num_decode_tokens // page_tokens)
@@ -550,7 +555,7 @@ class DualPathScheduler:
     def _choose_read_path(self, req: PendingRequest, pe_node: int, de_node: int) -> tuple[str, int, int]:
         hit = req.num_hit_tokens
         mode = self.config.read_path
-        if hit == 0 or mode == READ_PE:
+        if hit == 0 or mode == READ_PE or req.num_choices > 1:  # (n choices: one joined read, PE side)
             return PATH_PE, hit, 0
         if mode == READ_ALTERNATE:
             self._alternate += 1

@@ -114,9 +114,11 @@ class Siblings:
     its own. Placed one by one, they went to different prefills (the scheduler's least-loaded one
     after each), each computing the whole prompt, and the router's prefix index counted the first's
     prompt as the others' stored hits. `placed`: (prefill, read path), or None when the first was not
-    placed (each other is then placed on its own)."""
+    placed (each other is then placed on its own). `num_choices`: how many there are (the first's
+    placement reads the stored prompt on the PE side, once for all: `PendingRequest.num_choices`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_choices: int) -> None:
+        self.num_choices = num_choices
         self.placed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def settle(self, placed: tuple | None) -> None:
@@ -539,7 +541,10 @@ class Router:
                 return await self._dispatch(path, body, http, "none", arrival)
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
-            placing = self.placement.place(prompt_ids, prompt_len, max_tokens, pieces, arrival.name)
+            num_choices = lead.num_choices if lead is not None else 1
+            placing = self.placement.place(
+                prompt_ids, prompt_len, max_tokens, pieces, arrival.name, num_choices
+            )
             a = await unless_gone(http, placing)
         except ClientGone:
             return client_gone()

@@ -260,9 +260,11 @@ class Placement:
         max_tokens: int,
         prompt_pieces: list[tuple[bytes, int]] | None = None,
         name: tuple[str, ...] = (),
+        num_choices: int = 1,
     ) -> Assignment:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
-        A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate."""
+        A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate.
+        `num_choices` > 1: the first of that many choices of one prompt (`PendingRequest.num_choices`)."""
         if self.scheduler is None:  # (just started: the first reports are a poll or two away)
             deadline = time.monotonic() + FIRST_REPORTS_WAIT_S
             while self.scheduler is None and time.monotonic() < deadline:
@@ -287,7 +289,9 @@ class Placement:
             hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len)
         else:
             hits = 0
-        pending = PendingRequest(next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens)
+        pending = PendingRequest(
+            next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens, num_choices
+        )
         waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), need_pages, name)
         self.queue.append(waiting)
         self._pump()

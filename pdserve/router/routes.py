@@ -117,7 +117,7 @@ def build_router_app(router: Router) -> FastAPI:
                 prefill = router.pick_prefill(set()) if router.placement is None and n > 1 else None
             except NoEngine:
                 prefill = None  # (each child then answers 503 as a single request would)
-            siblings = Siblings() if router.placement is not None and n > 1 else None
+            siblings = Siblings(n) if router.placement is not None and n > 1 else None
             out += [
                 router.dispatch(path, child, http, prefill, siblings, leader=i == 0)
                 for i, child in enumerate(bodies[prompt_start : prompt_start + n])
