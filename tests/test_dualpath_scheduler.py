@@ -257,22 +257,36 @@ def test_read_path_split_water_fills_in_blocks():
     assert s.read_queue_tokens[:2] == [960, 960]
 
 
-@pytest.mark.parametrize("read_path", ["shorter_queue", "alternate", "split"])
-def test_the_n_choices_of_one_prompt_read_it_on_the_pe_side_where_their_reads_join(read_path):
+@pytest.mark.parametrize(
+    ("read_path", "pe_queue", "expected"),
+    [
+        ("shorter_queue", 1_000, (PATH_PE, 640, 0)),  # DE with all four reads: 2,560 > 1,640
+        ("shorter_queue", 10_000, (PATH_DE, 0, 640)),  # 2,560 < 10,640: the idle decode side
+        ("alternate", 10_000, (PATH_PE, 640, 0)),
+        ("split", 10_000, (PATH_PE, 640, 0)),
+    ],
+)
+def test_the_n_choices_of_one_prompt_weigh_one_joined_pe_read_against_n_de_reads(
+    read_path, pe_queue, expected
+):
     """A request whose prompt feeds several decodes (the `n` choices of one prompt, each to a decode of
-    its own): on the DE path each of those decodes reads the stored hit itself, n reads over the
+    its own): on the DE path each of those decodes reads the stored hit itself, up to n reads over the
     storage NICs; on the PE path the choices share one prefill, whose reads of the same blocks join:
-    one read. So it takes the PE path whatever the queues say, counted once on the PE node; a
-    request of one choice is placed as before (the DE side, its queue being shorter)."""
+    one read. Under the shorter-queue rule it takes the DE path only where that side's queue with all
+    n reads is still the shorter (counted once there, on the first choice's decode node); under the
+    ablation's alternation and split, the PE path. A request of one choice is placed as before: the
+    DE side, its queue being shorter (alternate: its first request with a hit reads on the PE side)."""
     s = make(cfg(read_path=read_path), pe_nodes=[0], de_nodes=[1])
-    s.report_read_queue(0, 10_000)
-    several = PendingRequest(1, 640, 100, 750, num_choices=4)
-    a = s.assign([several])[0]
-    assert (a.read_path, a.num_pe_read_tokens, a.num_de_read_tokens) == (PATH_PE, 640, 0)
-    assert s.read_queue_tokens[:2] == [10_640, 0] and s.read_tokens_total[:2] == [640, 0]
-    b = s.assign([req(2, hit=640)])[0]  # (alternate: its first request with a hit reads on the PE side)
-    expected = (PATH_PE, 640, 0) if read_path == "alternate" else (PATH_DE, 0, 640)
-    assert (b.read_path, b.num_pe_read_tokens, b.num_de_read_tokens) == expected
+    s.report_read_queue(0, pe_queue)
+    a = s.assign([PendingRequest(1, 640, 100, 750, num_choices=4)])[0]
+    assert (a.read_path, a.num_pe_read_tokens, a.num_de_read_tokens) == expected
+    pe_read, de_read = expected[1:]
+    assert s.read_queue_tokens[:2] == [pe_queue + pe_read, de_read]
+    assert s.read_tokens_total[:2] == [pe_read, de_read]
+    s.report_read_queue(1, 0)
+    b = s.assign([req(2, hit=640)])[0]
+    one = (PATH_PE, 640, 0) if read_path == "alternate" else (PATH_DE, 0, 640)
+    assert (b.read_path, b.num_pe_read_tokens, b.num_de_read_tokens) == one
     assert req(3) == PendingRequest(3, 0, 100, 110, num_choices=1)  # (one choice: the default)
 
 

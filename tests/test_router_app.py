@@ -2988,13 +2988,14 @@ def test_an_aborted_wait_cancelled_in_the_same_step_still_ends_its_prefills_call
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
-def test_the_choices_of_a_stored_prompt_read_it_on_the_prefills_side_whatever_the_queues(path):
-    """DualPath placement, the prefill node's storage NIC busy: one request of a stored prompt reads it
-    on the decode's side (the shorter queue). Its n = 3 choices went there too, each to a decode of its
-    own, and each decode read the whole hit from its own store: three reads of one prompt over the
-    storage NICs, the resource DualPath balances. Sent to one prefill on the PE path, their reads of
-    the same blocks join there: one read. So the first choice is placed with `num_choices` = 3 and
-    all three go with the PE path, counted once in the placement's read queues."""
+def test_the_choices_of_a_stored_prompt_read_it_once_on_the_prefills_side(path):
+    """DualPath placement, the prefill node's storage NIC a little busier (300 tokens queued): one
+    request of a stored prompt (192 hit tokens) reads it on the decode's side, the shorter queue. Its
+    n = 3 choices went there too, each to a decode of its own, and each decode read the whole hit from
+    its own store: three reads of one prompt over the storage NICs, the resource DualPath balances.
+    Sent to one prefill on the PE path, their reads of the same blocks join there: one read (300 + 192
+    tokens queued there against 3 x 192 on the decode side). So the first choice is placed with
+    `num_choices` = 3 and all three go with the PE path, counted once in the placement's read queues."""
     legs: list[tuple[str, str]] = []
 
     async def go():
@@ -3022,7 +3023,7 @@ def test_the_choices_of_a_stored_prompt_read_it_on_the_prefills_side_whatever_th
             body = {"prompt": stored, "max_tokens": 2}
         async with client_of(router) as c:
             assert (await c.post(path, json=body)).status_code == 200
-            placement.on_load(router.prefills[0], report("pe", "prefill", node_read_queue_bytes=25_000 * BPT))
+            placement.on_load(router.prefills[0], report("pe", "prefill", node_read_queue_bytes=300 * BPT))
             legs.clear()
             one = await c.post(path, json=body)
             single = list(legs)

@@ -129,9 +129,9 @@ class PendingRequest(NamedTuple):
     num_hit_tokens: prompt tokens whose KV is in the store (to be read); num_new_tokens: the rest (to be
     computed by the PE); num_decode_tokens: the DE's token load (prompt + expected output), i.e. len(r).
     num_choices: how many decodes this prompt's KV goes to (the router's `n` choices of one prompt,
-    placed once, each choice to a decode of its own): on the DE path each of them would read the hit
-    from its own node's store, so such a request reads on the PE side, where the choices share one
-    prefill and its reads of the same blocks join (one read).
+    placed once, each choice to a decode of its own): on the DE path each of those decodes reads the
+    hit from its own node's store (up to n reads), on the PE path the choices share one prefill, whose
+    reads of the same blocks join (one read); the read-path choice weighs that (`_choose_read_path`).
     Immutable value types here are NamedTuples: a simulated 1,000-GPU run creates millions of them and a
     tuple is ~5x cheaper to build than a frozen dataclass.
     """
@@ -555,7 +555,15 @@ class DualPathScheduler:
     def _choose_read_path(self, req: PendingRequest, pe_node: int, de_node: int) -> tuple[str, int, int]:
         hit = req.num_hit_tokens
         mode = self.config.read_path
-        if hit == 0 or mode == READ_PE or req.num_choices > 1:  # (n choices: one joined read, PE side)
+        if hit == 0 or mode == READ_PE:
+            return PATH_PE, hit, 0
+        if req.num_choices > 1:
+            # n choices of one prompt: one joined read on the PE side, up to n on the DE side. The DE
+            # side only where its queue with all n reads is still shorter (an idle decode SNIC beside
+            # a loaded prefill one); elsewhere (the ablation's alternation, split) the PE side.
+            q_pe, q_de = self.read_queue_tokens[pe_node], self.read_queue_tokens[de_node]
+            if mode == READ_SHORTER_QUEUE and q_de + req.num_choices * hit < q_pe + hit:
+                return PATH_DE, 0, hit  # (counted once, on the first choice's decode node)
             return PATH_PE, hit, 0
         if mode == READ_ALTERNATE:
             self._alternate += 1
