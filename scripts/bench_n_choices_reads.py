@@ -19,22 +19,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import tempfile
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-READ_BLOCKS = 'pdserve_store_ops_total{op="read_ok_blocks"}'
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """An engine's /metrics: (sample name, its labels sorted) -> value."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+0-9.eE]+|NaN)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
+def blocks_read(url: str) -> float:
+    return metrics(url).get(("pdserve_store_ops_total", (("op", "read_ok_blocks"),)), 0.0)
 
 
 def settle(urls: list[str], timeout_s: float = 60.0) -> None:
@@ -42,10 +45,8 @@ def settle(urls: list[str], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         ms = [metrics(u) for u in urls]
-        if all(
-            m["pdserve_num_requests_running"] == 0 and m.get("pdserve_store_writes_pending", 0) == 0
-            for m in ms
-        ):
+        running = sum(m[("pdserve_num_requests_running", ())] for m in ms)
+        if running == 0 and sum(m.get(("pdserve_store_writes_pending", ()), 0) for m in ms) == 0:
             return
         if time.monotonic() > deadline:
             raise TimeoutError("the engines did not settle")
@@ -92,7 +93,7 @@ def main() -> None:
                 )
                 r.raise_for_status()
             settle(urls)
-            before = {u: metrics(u).get(READ_BLOCKS, 0) for u in urls}
+            before = {u: blocks_read(u) for u in urls}
             t = time.monotonic()
             for turn in range(1, args.turns + 1):
                 for context in contexts:
@@ -101,7 +102,7 @@ def main() -> None:
                     r.raise_for_status()
                 settle(urls)
             wall_s = time.monotonic() - t
-            read = {u: metrics(u).get(READ_BLOCKS, 0) - before[u] for u in urls}
+            read = {u: blocks_read(u) - before[u] for u in urls}
             read_paths = httpx.get(cluster.router_url + "/pd/cluster").json()["placement"]["read_paths"]
         finally:
             cluster.stop()
