@@ -59,9 +59,59 @@ def test_reads_of_a_prefix_in_flight_join_it_and_longer_ones_read_their_own(stor
     assert [int(row[0]) for row in prefix.buffer[:2]] == [1, 2]  # (its blocks: the owner's first rows)
     assert store.stats().read_ok_blocks == 3 + NUM_BLOCKS  # (the joined ones read nothing)
     _until(lambda: reads.num_in_flight == 0)
+    del owner  # (its request is done with it: the ended read is no longer joined)
     again = reads.read(store, chain[:3], alloc)  # (nothing in flight: a read of its own)
     assert not again.shared and again.future.result(10).num_ok == 3
     assert reads.num_blocks_bad == 0
+
+
+def test_an_ended_read_is_joined_while_its_owner_holds_it_then_forgotten_and_freed_at_once(store):
+    """The `n` choices of one prompt reach the engine thread between its steps; during a long step the
+    first choice's read can end before the others ask (the engine thread takes requests before it
+    looks at ended reads): they read the blocks again, although the first still held them. An ended
+    read is joined while its owner's request holds it. Once the owner drops it, it is forgotten, and
+    it and its buffer are freed at once: its future's callback referred to it, a cycle that kept
+    every ended read's buffer until the cyclic GC's next pass (host memory the size of the hits)."""
+    import gc
+    import weakref
+
+    reads = JoinedReads()
+    chain = store.chain
+    store.gate.set()
+    owner = reads.read(store, chain[:3], alloc)
+    assert owner.future.result(10).num_ok == 3
+    _until(lambda: reads.num_in_flight == 0)
+    late = reads.read(store, chain[:3], alloc)
+    prefix = reads.read(store, chain[:2], alloc)
+    assert (late.shared, prefix.shared) and late.buffer is owner.buffer and prefix.future is owner.future
+    assert store.stats().read_ok_blocks == 3 and reads.num_blocks_joined == 3 + 2
+    was_enabled = gc.isenabled()
+    gc.disable()  # (freed by reference counts alone, not by a collection)
+    try:
+        dropped, buffer = weakref.ref(owner), weakref.ref(owner.buffer)
+        del owner, late, prefix
+        assert dropped() is None and buffer() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+    again = reads.read(store, chain[:3], alloc)
+    assert not again.shared and again.future.result(10).num_ok == 3
+    assert store.stats().read_ok_blocks == 6
+    reads.check_integrity()
+
+
+def test_an_ended_read_that_found_a_bad_block_is_not_joined(store):
+    """A read that found a block corrupt (or missing) is not joined once it ended: the next request
+    reads anew (in flight it is joined, as in the test below: its readers recompute from there)."""
+    with open(store.path_for(store.chain[1]), "r+b") as f:
+        f.truncate(100)
+    reads = JoinedReads()
+    store.gate.set()
+    owner = reads.read(store, store.chain[:3], alloc)
+    assert owner.future.result(10).status == ["ok", "truncated", "ok"]
+    _until(lambda: reads.num_in_flight == 0)
+    late = reads.read(store, store.chain[:3], alloc)
+    assert not late.shared and late.buffer is not owner.buffer
 
 
 def test_a_bad_block_is_counted_once_and_a_failed_read_not_at_all(store):

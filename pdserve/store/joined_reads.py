@@ -1,6 +1,8 @@
 """Store reads that requests of one prefix share: the `n` choices of one prompt reach one engine
 together, and each would read the same stored blocks again over the node's storage NIC, the
-bottleneck DualPath exists for. A read of blocks that a read in flight covers joins it instead.
+bottleneck DualPath exists for. A read of blocks that a read in flight covers joins it instead; so
+does one that a read which has ended covers while its owner still holds it (a choice whose request
+reached the engine thread only after a long step, during which the first choice's read ended).
 
 Who calls it: `engine/store_connector.py` (`StoreConnector.start_read`, on an engine thread) for
 every store read of a PD engine; `pdserve bench store` (its "joined" case). The store's I/O threads
@@ -13,6 +15,7 @@ request's last key holds that request's blocks as its own first rows.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,10 +42,15 @@ class JoinedReads:
     """Reads in flight, by each of their keys; requests of a prefix one covers join it.
 
     Invariants: `_reads` holds owners' reads, each under its own keys; a read's entries go when it
-    ends (`_ended`, under the lock, with its bad-block count)."""
+    ends (`_ended`, under the lock, with its bad-block count), to `_ended_reads` if it read every
+    block, which holds them weakly: joinable while the owner's request holds its read, and no
+    longer (it never keeps a buffer alive). Nothing else refers to an owner's read (its future's
+    callback holds a weak reference): when its request drops it, it and its buffer are freed at once,
+    not at the cyclic GC's next pass."""
 
     def __init__(self) -> None:
         self._reads: dict[bytes, PendingRead] = {}
+        self._ended_reads: weakref.WeakValueDictionary[bytes, PendingRead] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # (the store's I/O threads end reads)
         self.num_blocks_joined = 0  # blocks a request took from another's read in flight
         # Blocks a read found corrupt, truncated or missing: counted once per read when it ends, also
@@ -53,7 +61,7 @@ class JoinedReads:
         """Read `keys` (> 0) from `store` into `alloc(len(keys))`; or join a read in flight whose keys
         start with them: the same buffer and future, no I/O."""
         with self._lock:
-            covering = self._reads.get(keys[-1])
+            covering = self._reads.get(keys[-1]) or self._ended_reads.get(keys[-1])
         if covering is not None:
             self.num_blocks_joined += len(keys)
             return PendingRead(keys, covering.buffer, covering.future, shared=True)
@@ -62,7 +70,8 @@ class JoinedReads:
         with self._lock:
             for key in keys:
                 self._reads.setdefault(key, read)  # (a key an older read covers stays with it)
-        read.future.add_done_callback(lambda _: self._ended(read))  # (at once if it has ended)
+        # (at once if it has ended; weakly: the future refers to the read no more than the read to it)
+        read.future.add_done_callback(lambda _, ref=weakref.ref(read): self._ended(ref()))
         return read
 
     @property
@@ -71,16 +80,22 @@ class JoinedReads:
         with self._lock:
             return len({id(r) for r in self._reads.values()})
 
-    def _ended(self, read: PendingRead) -> None:
-        """(a store I/O thread, or the caller's if the read ended before its callback was added)"""
+    def _ended(self, read: PendingRead | None) -> None:
+        """(a store I/O thread, or the caller's if the read ended before its callback was added; `read`
+        is None only if nothing held it any more, which `_reads` does until this runs)"""
+        if read is None:
+            return
         future = read.future
         failed = future.cancelled() or future.exception() is not None  # (its users log the error)
         with self._lock:
+            result = None if failed else future.result()
+            complete = result is not None and result.num_ok == len(read.keys)
             for key in read.keys:
                 if self._reads.get(key) is read:
                     del self._reads[key]
-            if not failed:
-                result = future.result()
+                    if complete:  # (one that found a bad block is read anew by the next request)
+                        self._ended_reads[key] = read
+            if result is not None:
                 self.num_blocks_bad += len(result.keys) - result.num_ok
 
     def check_integrity(self) -> None:
