@@ -13,6 +13,7 @@ import torch
 import tests.test_pd_roles as pd_roles
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.disagg.state import new_room
 from pdserve.engine.llm_engine import LLMEngine
 from tests.test_hf_equivalence import _overflowing_checkpoint
 from tests.test_pd_roles import Pair, _submit_read_path, _with_store
@@ -163,6 +164,39 @@ def test_requests_of_one_prompt_read_its_stored_blocks_once(hf_checkpoints, tmp_
         if read_path == "pe":
             assert p.pe_role.layerwise.num_runs == 3
         assert p.pe_role.store.reads.num_blocks_bad == p.de_role.store.reads.num_blocks_bad == 0
+        p.assert_clean()
+    finally:
+        store.close()
+        p.close()
+
+
+def test_a_choice_that_arrives_after_the_first_choices_read_ended_joins_it(hf_checkpoints, tmp_path):
+    """PE path: the prefill starts a request's store read when the request arrives, before the decode's
+    KVRequest; the read can end, and the first choice wait for that KVRequest, before the other
+    choices of its prompt reach the engine thread (after a long step). They read the stored blocks
+    again: the ended read had left the index, and the first choice kept only its buffer. It keeps
+    its read until its layerwise run takes the buffer, and a later choice joins it: one read, the
+    colocated engine's tokens for both, each with its stored tokens."""
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True)
+    store = _with_store(p, tmp_path)
+    try:
+        ids = pd_roles._stored_turn(p, store, "seed")  # 47 tokens: 5 stored blocks of 8
+        before = store.stats().read_ok_blocks
+        rooms = {rid: new_room() for rid in ("c0", "c1")}
+        halves = {rid: p.requests(ids, 3, rid, room) for rid, room in rooms.items()}
+        for preq, dreq in halves.values():
+            preq.read_path = dreq.read_path = "pe"
+        p.pe_role.add(halves["c0"][0], None)  # (its decode half waits: no KVRequest yet)
+        first = p.pe_role.by_room[rooms["c0"]]
+        p.drive(lambda: first.store_hit is not None, decode=False)  # (its read ended, and was seen)
+        assert p.pe_role.store.reads.num_in_flight == 0
+        p.pe_role.add(halves["c1"][0], None)
+        assert p.pe_role.store.reads.num_blocks_joined == 5
+        for _, dreq in halves.values():
+            p.de_role.add(dreq, None)
+        p.drive(lambda: p.idle())
+        assert store.stats().read_ok_blocks - before == 5  # (it was 10: the second read them again)
+        _assert_colocated_tokens(p, hf_checkpoints, ids, ["c0", "c1"], cached_tokens_storage=40)
         p.assert_clean()
     finally:
         store.close()

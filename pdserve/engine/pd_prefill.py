@@ -87,7 +87,9 @@ class PrefillRoom:
     # KVRequest arrived and neither is pending.
     kv_request_seen: bool = False
     store_read: object = None  # PendingRead in flight
-    store_hit: tuple | None = None  # (host buffer, leading good blocks) once read
+    # (its PendingRead, leading good blocks) once read; the read, not only its buffer, until the
+    # layerwise run takes it: other requests of the prompt join it meanwhile (store/joined_reads.py)
+    store_hit: tuple | None = None
     de_hit_page_ids: list[int] = field(default_factory=list)  # DE path: the decode holds these
     staging_offset: int = -1  # the decode's staging slot (we write there, it scatters), or -1
     created_s: float = 0.0  # (room clock) it lives at most `room_life_s` from here: see `expires_s`
@@ -553,8 +555,8 @@ class PrefillRole(PDRoleBase, EngineRole):
             log.warning("room %d: prompt too long for layerwise staging; prefilling it whole", pr.room)
             stored, pr.store_hit = False, None
         if stored and pr.store_hit is not None:
-            buffer, num_blocks = pr.store_hit
-            pr.store_hit = None
+            read, num_blocks = pr.store_hit
+            buffer, pr.store_hit = read.buffer, None
             hit_tokens = num_blocks * self.store.layout.block_size
             load = self.layerwise.from_host_buffer(buffer, num_blocks, self.store.layout)
             self._run_layerwise(pr, hit_tokens, load, storage=hit_tokens)
@@ -583,7 +585,7 @@ class PrefillRole(PDRoleBase, EngineRole):
             log.exception("store read failed; recomputing")
             num_ok = 0
         if num_ok:  # bad or missing blocks from the first one on are simply recomputed
-            pr.store_hit = (pending.buffer, num_ok)
+            pr.store_hit = (pending, num_ok)
         self._maybe_schedule(pr)
 
     def _run_layerwise(self, pr: PrefillRoom, hit_tokens: int, load, storage: int) -> None:

@@ -2,7 +2,9 @@
 together, and each would read the same stored blocks again over the node's storage NIC, the
 bottleneck DualPath exists for. A read of blocks that a read in flight covers joins it instead; so
 does one that a read which has ended covers while its owner still holds it (a choice whose request
-reached the engine thread only after a long step, during which the first choice's read ended).
+reached the engine thread only after a long step, during which the first choice's read ended; the
+prefill holds its read until its layerwise run takes the buffer, the decode until it has copied the
+blocks into its pages).
 
 Who calls it: `engine/store_connector.py` (`StoreConnector.start_read`, on an engine thread) for
 every store read of a PD engine; `pdserve bench store` (its "joined" case). The store's I/O threads
@@ -52,7 +54,7 @@ class JoinedReads:
         self._reads: dict[bytes, PendingRead] = {}
         self._ended_reads: weakref.WeakValueDictionary[bytes, PendingRead] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # (the store's I/O threads end reads)
-        self.num_blocks_joined = 0  # blocks a request took from another's read in flight
+        self.num_blocks_joined = 0  # blocks a request took from another's read (in flight or held)
         # Blocks a read found corrupt, truncated or missing: counted once per read when it ends, also
         # when no request is left to use it and however many joined it.
         self.num_blocks_bad = 0
@@ -82,7 +84,9 @@ class JoinedReads:
 
     def _ended(self, read: PendingRead | None) -> None:
         """(a store I/O thread, or the caller's if the read ended before its callback was added; `read`
-        is None only if nothing held it any more, which `_reads` does until this runs)"""
+        is None only if nothing held it any more: `_reads` does until this runs, unless two threads
+        read the same keys at once and the second's read was never indexed: the engines read from
+        one thread each)"""
         if read is None:
             return
         future = read.future
@@ -100,8 +104,14 @@ class JoinedReads:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every indexed read is an owner's, under its own keys (whether
-        it has ended is not checked: its callback may be on its way)."""
+        it has ended is not checked: its callback may be on its way), and every ended one kept is an
+        owner's that read all its blocks, under its own keys."""
         with self._lock:
+            for key, read in list(self._ended_reads.items()):
+                assert key in read.keys and not read.shared, "an ended read indexed wrongly"
+                assert read.future.done() and read.future.result().num_ok == len(read.keys), (
+                    "an ended read kept that did not read every block"
+                )
             for key, read in self._reads.items():
                 assert key in read.keys, "a read indexed under a key not its own"
                 assert not read.shared, "a joined read indexed"
