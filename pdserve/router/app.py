@@ -603,6 +603,9 @@ class Router:
         # its engines -- with none left to try, or no attempt left, nothing was retried)
         failed_side: str | None = None
         de_before = ""  # the last attempt's decode
+        # (a /generate under the client's own rid: a failed attempt's half may hold that rid on its
+        # prefill until it is ended there, by its room)
+        client_rid: str | None = body["rid"] if path == "/generate" and arrival.name else None
         for attempt in range(self.max_prefill_attempts):
             try:
                 if attempt == 0 and first is not None and first[0] is not None and first[0].healthy:
@@ -613,9 +616,7 @@ class Router:
                     # (a /generate with the client's rid: the last attempt's decode may hold that rid
                     # until its abort lease ends (its room waits for the dead prefill's ack), so a
                     # retry there was a 409 about the client's own request: another decode if any)
-                    keep_apart = failed_decodes | (
-                        {de_before} if path == "/generate" and arrival.name else set()
-                    )
+                    keep_apart = failed_decodes | ({de_before} if client_rid is not None else set())
                     if de is None or de.url in keep_apart or not same_weights(pe, de):
                         try:
                             de = self.pick_decode(keep_apart, like=pe)
@@ -624,11 +625,11 @@ class Router:
             except NoEngine as e:
                 why = STOPPING if self.stopping.is_set() else f"{e} ({last_error})"
                 return unavailable(why)
-            if path == "/generate" and arrival.name:
+            if client_rid is not None:
                 # A half of this rid still being ended there (this request's earlier attempt, or an
                 # earlier request's): it ends first. Elsewhere nothing waits for it (a paused prefill
                 # held every retry up to 5 s).
-                ending = self._halves_ending.get((pe.url, body["rid"]))
+                ending = self._halves_ending.get((pe.url, client_rid))
                 if ending is not None:
                     await asyncio.shield(ending)
             if failed_side is not None:
@@ -676,6 +677,8 @@ class Router:
                 return unavailable(STOPPING)
             except PrefillWaitAborted:  # (its prefill's call ends in the background)
                 pe_resp, aborted = None, True
+                if client_rid is not None and not pd.get("aborted"):  # (sent aborted, it holds nothing)
+                    self._end_half_later(pe, client_rid, room)  # (it may hold the client's rid, as below)
             except httpx.HTTPError as e:
                 pe_resp, last_error = None, f"prefill {pe.url}: {e!r}"
             finally:
@@ -710,13 +713,11 @@ class Router:
                 tried.discard(pe.url)  # (not the prefill's fault)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
-                if path == "/generate" and arrival.name:
+                if client_rid is not None:
                     # Its prefill may have finished token 1 as we closed its leg (its answer on the
                     # way): its half then holds the client's rid, and a retry there is a duplicate.
-                    self._end_half_later(pe, body["rid"], room)
+                    self._end_half_later(pe, client_rid, room)
                 continue
-            if aborted and path == "/generate" and arrival.name and not pd.get("aborted"):
-                self._end_half_later(pe, body["rid"], room)  # (it may hold the client's rid: as below)
             if aborted or (pe_resp is not None and pe_resp.status_code == 200):
                 # Aborted before its prefill answered (one paused, or wedged, would answer at its
                 # timeout: the client got its abort that late, or a 503): the decode, told of the abort
@@ -733,8 +734,8 @@ class Router:
                 tried.discard(pe.url)
                 failed_decodes.add(de.url)
                 failed_side = "decode"
-                if path == "/generate" and arrival.name and not aborted:
-                    self._end_half_later(pe, body["rid"], room)
+                if client_rid is not None and not aborted:  # (an aborted one's is being ended)
+                    self._end_half_later(pe, client_rid, room)
                 continue
             if pe_resp is not None and 400 <= pe_resp.status_code < 500:
                 # The request itself is bad (both engines validate the same way): no retry.
