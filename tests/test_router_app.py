@@ -743,6 +743,25 @@ async def generate_or_abort(request: httpx.Request) -> tuple[str, str, int | Non
     return request.url.host, request.url.path, sent["pd"]["room"] if "pd" in sent else sent.get("room")
 
 
+def answering_as_marked(legs: list[tuple[str, dict]]):
+    """A mock engine's /generate and /abort_request (an `Engines.intercept`): each /generate half's
+    (host, pd) appended to `legs`; the decode answers "abort" for a half sent marked aborted (as the
+    engines do), else "length"; the prefill its token 1; an abort says it worked."""
+
+    async def answer(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path == "/abort_request":
+            return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
+        if request.url.path != "/generate":
+            return None
+        pd = json.loads(await request.aread())["pd"]
+        legs.append((request.url.host, pd))
+        if request.url.host == "de":
+            return decode_answer("abort" if pd.get("aborted") else "length")
+        return prefill_answer()
+
+    return answer
+
+
 def test_a_prompt_lists_answers_merge_in_order_counting_each_prompt_once():
     """The decodes' answers to [p0, p1] with n = 2, merged by the router: choice p*2 + j is prompt p's
     answer; usage adds each prompt's tokens once (and its cached tokens), every completion's tokens."""
@@ -2529,23 +2548,11 @@ def test_an_aborted_n_request_waiting_in_placement_ends_all_its_choices_at_once(
     waiting for the leader's place) when an abort of its rid comes. The leader answered "abort" at
     once; the other two then queued on their own and answered only when pages freed (an end-to-end
     review: 3.4 s behind other requests). All three now answer "abort" at once, pages or not."""
-    legs: list[dict] = []
+    legs: list[tuple[str, dict]] = []
 
     async def go():
         engines = Engines(blocking=())
-
-        async def recording(request: httpx.Request):
-            if request.url.path == "/abort_request":
-                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
-            if request.url.path == "/generate":
-                pd = json.loads(await request.aread())["pd"]
-                legs.append(pd)
-                if request.url.host == "de":
-                    finish = "abort" if pd.get("aborted") else "length"
-                    return decode_answer(finish, [], "")
-                return prefill_answer()
-
-        engines.intercept = recording
+        engines.intercept = answering_as_marked(legs)
         router = await started_router(engines, "dualpath")
         router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
         async with client_of(router) as c:
@@ -2559,7 +2566,7 @@ def test_an_aborted_n_request_waiting_in_placement_ends_all_its_choices_at_once(
     aborted, answer = asyncio.run(go())
     assert aborted.status_code == 200 and answer.status_code == 200, answer.text
     assert [a["meta_info"]["finish_reason"]["type"] for a in answer.json()] == ["abort"] * 3
-    assert len(legs) == 6 and all(pd.get("aborted") for pd in legs)
+    assert len(legs) == 6 and all(pd.get("aborted") for _, pd in legs)
 
 
 def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
@@ -2573,19 +2580,7 @@ def test_abort_of_one_rid_ends_the_request_waiting_in_placement():
 
     async def go():
         engines = Engines(blocking=())
-
-        async def recording(request: httpx.Request):
-            if request.url.path == "/abort_request":
-                return httpx.Response(200, json={"success": True, "num_requests_aborted": 0})
-            if request.url.path == "/generate":
-                pd = json.loads(await request.aread())["pd"]
-                legs.append((request.url.host, pd))
-                if request.url.host == "de":
-                    finish = "abort" if pd.get("aborted") else "length"
-                    return decode_answer(finish)
-                return prefill_answer()
-
-        engines.intercept = recording
+        engines.intercept = answering_as_marked(legs)
         router = await started_router(engines, "dualpath")
         router.placement.on_load(router.decodes[0], report("de", "decode", num_free_pages=0))
         async with client_of(router) as c:
