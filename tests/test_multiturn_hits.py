@@ -43,7 +43,7 @@ def store_cluster(demo_model_dir, tmp_path_factory):
 
 
 def _turn(
-    c, prompt: list[int], read_path: str, max_tokens: int, router_url: str = ""
+    c, prompt: list[int], read_path: str, max_tokens: int, router_url: str = "", **extra
 ) -> tuple[list[int], dict]:
     r = httpx.post(
         (router_url or c.router_url) + "/v1/completions",
@@ -55,6 +55,7 @@ def _turn(
             "ignore_eos": True,
             "return_token_ids": True,
             "read_path": read_path,
+            **extra,
         },
         timeout=120,
     )
@@ -90,6 +91,24 @@ def test_next_turn_reads_the_previous_turns_whole_context_from_the_store(store_c
         assert (details["cached_tokens"], details["cached_tokens_storage"]) == (own, 0), details
     else:
         assert details["cached_tokens_storage"] == stored, details
+
+
+def test_another_salts_turn_reads_nothing_of_the_store_or_either_engines_cache(store_cluster):
+    """`cache_salt` (vLLM's) through the router, both engines and the store: turn 2 of a conversation
+    under another salt finds none of turn 1's KV -- not in the prefill's or the decode's prefix cache,
+    not in the store (its block keys are salted) -- while the same salt reads it all from the store.
+    Before the fix the salt was ignored and the other tenant's turn read turn 1's 448 stored tokens."""
+    c = store_cluster
+    rng = random.Random(9)
+    prompt = [rng.randrange(10, 4000) for _ in range(301)]
+    gen, _ = _turn(c, prompt, "pe", 200, cache_salt="alice")
+    _wait_write_back(c.urls["decode"][0])
+    prompt2 = prompt + gen + [rng.randrange(10, 4000) for _ in range(30)]
+    stored = (len(prompt) + len(gen) - 1) // BLOCK * BLOCK  # 448
+    _, other = _turn(c, prompt2, "pe", 8, cache_salt="bob")
+    assert (other["cached_tokens"], other["cached_tokens_storage"]) == (0, 0), other
+    _, same = _turn(c, prompt2, "pe", 8, cache_salt="alice")
+    assert same["cached_tokens"] >= stored and same["cached_tokens_storage"] == stored, same
 
 
 @pytest.fixture(scope="module")

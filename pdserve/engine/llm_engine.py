@@ -106,10 +106,10 @@ class LLMEngine:
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
             if unknown:  # (e.g. multi_modal_data: generating from the text alone would be a wrong answer)
                 raise InvalidRequest(
-                    f"prompt fields {unknown} are not supported (only prompt, prompt_token_ids)"
+                    f"prompt fields {unknown} are not supported (only prompt, prompt_token_ids, cache_salt)"
                 )
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -143,7 +143,8 @@ class LLMEngine:
         """Validate and build a request without queueing it; raises InvalidRequest. Read-only, so the
         server calls it on its own thread and answers 400 before the engine thread sees anything.
 
-        `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids`;
+        `prompt` is a string, a list of token ids or a dict with `prompt` / `prompt_token_ids` (and vLLM's
+        `cache_salt`: the request's KV keys are salted with it, `hashing.salted_root`);
         `tokenized` (from `tokenize_prompt`) skips tokenizing it again. `params.max_tokens` None means
         up to the context length, or `default_max_tokens` (an API's default the client did not set,
         e.g. SGLang's 128; raised to `min_tokens`) lowered to the room the prompt leaves: a default
@@ -199,6 +200,11 @@ class LLMEngine:
         # (the model's EOS ids even under ignore_eos, which only keeps them from stopping it: min_tokens
         # still bans them, as vLLM does)
         req = Request(request_id, ids, params, max_tokens, self.eos_token_ids)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            salt = prompt["cache_salt"]
+            if not isinstance(salt, str) or not salt:
+                raise InvalidRequest(f"cache_salt must be a non-empty string, got {salt!r}")
+            req.cache_salt = salt
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise InvalidRequest("structured outputs need a tokenizer; this model has none")

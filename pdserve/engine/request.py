@@ -93,8 +93,11 @@ class Request:
     num_storage_tokens: int = 0  # prompt tokens whose KV came from the persistent store
     # Chained keys of the full pages / store blocks of all_token_ids, computed once: the token list
     # only ever grows, so a key, once computed, never changes (see hashing.cached_keys).
+    # Their chains start at the engine's roots salted with `cache_salt` (vLLM's field: set before the
+    # request is queued, never after; see hashing.salted_root).
     page_key_cache: list = field(default_factory=list)
     block_key_cache: list = field(default_factory=list)
+    cache_salt: str | None = None
     # Full store blocks of this request already queued for write-back (on the request, not a table by
     # id: an id used again by a later request must not inherit the count).
     num_blocks_persisted: int = 0

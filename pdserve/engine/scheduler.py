@@ -147,7 +147,7 @@ class Scheduler:
         for r in running:
             first, end = r.num_computed_tokens // ps, r.num_prompt_tokens // ps  # its unpublished full pages
             if first <= h < end and r.num_computed_tokens < r.num_prompt_tokens:
-                if cached_keys(r.page_key_cache, r.all_token_ids, ps, self.kv.root, end)[h] == key:
+                if cached_keys(r.page_key_cache, r.all_token_ids, ps, self.kv.root_for(r), end)[h] == key:
                     return True
         return False
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.kvcache.hashing import cached_keys
+from pdserve.kvcache.hashing import cached_keys, salted_root
 from pdserve.store.block_store import KVBlockStore
 from pdserve.store.joined_reads import JoinedReads, PendingRead
 from pdserve.store.keys import store_root_key
@@ -63,9 +63,8 @@ class StoreConnector:
     def keys_for(self, req: Request, num_blocks: int) -> list[bytes]:
         """Keys of the request's first `num_blocks` full blocks (cached on the request, extended as it
         grows: write-back asks again at every block boundary)."""
-        return cached_keys(
-            req.block_key_cache, req.all_token_ids, self.layout.block_size, self.root, num_blocks
-        )
+        root = salted_root(self.root, req.cache_salt)
+        return cached_keys(req.block_key_cache, req.all_token_ids, self.layout.block_size, root, num_blocks)
 
     def lookup(self, req: Request) -> int:
         """Leading blocks of the prompt in the store, leaving at least one token to compute."""

@@ -19,6 +19,17 @@ def root_key(namespace: str = "") -> PageKey:
     return hashlib.blake2b(b"pdserve-root\0" + namespace.encode(), digest_size=16).digest()
 
 
+def salted_root(root: PageKey, cache_salt: str | None) -> PageKey:
+    """The root of a request's chain under its `cache_salt` (vLLM's field; None: `root` itself). Every
+    key of a salted request commits to its salt, so requests of other salts (tenants) share none of its
+    pages or store blocks: nobody can learn from a cache hit's timing that another tenant sent a prompt."""
+    if not cache_salt:
+        return root
+    return hashlib.blake2b(
+        root + b"\0cache-salt\0" + cache_salt.encode(errors="surrogatepass"), digest_size=16
+    ).digest()
+
+
 def chain_key(parent: PageKey, token_ids: Sequence[int]) -> PageKey:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

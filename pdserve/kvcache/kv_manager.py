@@ -11,7 +11,7 @@ model step, by the engine (`cache_computed_pages`). A request's KV index ranges:
 from __future__ import annotations
 
 from pdserve.engine.request import Request
-from pdserve.kvcache.hashing import PageKey, cached_keys, root_key
+from pdserve.kvcache.hashing import PageKey, cached_keys, root_key, salted_root
 from pdserve.kvcache.page_pool import PagePool
 
 
@@ -27,6 +27,10 @@ class KVManager:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
+    def root_for(self, req: Request) -> PageKey:
+        """The parent of the request's first page: the engine's root under the request's salt."""
+        return salted_root(self.root, req.cache_salt)
+
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -39,7 +43,9 @@ class KVManager:
         if not self.enable_prefix_caching:
             return [], []
         max_pages = (req.num_tokens - 1) // self.page_size
-        keys = cached_keys(req.page_key_cache, req.all_token_ids, self.page_size, self.root, max_pages)
+        keys = cached_keys(
+            req.page_key_cache, req.all_token_ids, self.page_size, self.root_for(req), max_pages
+        )
         hits: list[int] = []
         for key in keys:
             page = self.pool.lookup(key)
@@ -89,7 +95,9 @@ class KVManager:
         start = len(req.page_keys)
         if num_full <= start:
             return
-        keys = cached_keys(req.page_key_cache, req.all_token_ids, self.page_size, self.root, num_full)
+        keys = cached_keys(
+            req.page_key_cache, req.all_token_ids, self.page_size, self.root_for(req), num_full
+        )
         for i, key in enumerate(keys[start:], start=start):
             if self.enable_prefix_caching:
                 self.pool.register(req.page_ids[i], key)

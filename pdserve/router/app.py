@@ -542,8 +542,15 @@ class Router:
         try:
             pieces = prompt_pieces(view) if prompt_ids is None else None
             num_choices = lead.num_choices if lead is not None else 1
+            salt = body.get("cache_salt")  # (a bad one is the engines' 400)
             placing = self.placement.place(
-                prompt_ids, prompt_len, max_tokens, pieces, arrival.name, num_choices
+                prompt_ids,
+                prompt_len,
+                max_tokens,
+                pieces,
+                arrival.name,
+                num_choices,
+                salt if isinstance(salt, str) else None,
             )
             a = await unless_gone(http, placing)
         except ClientGone:

@@ -261,9 +261,11 @@ class Placement:
         prompt_pieces: list[tuple[bytes, int]] | None = None,
         name: tuple[str, ...] = (),
         num_choices: int = 1,
+        cache_salt: str | None = None,
     ) -> Assignment:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
-        A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate.
+        A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate; hits
+        are estimated among the prompts of the same `cache_salt` only (the engines' keys are salted).
         `num_choices` > 1: the first of that many choices of one prompt (`PendingRequest.num_choices`)."""
         if self.scheduler is None:  # (just started: the first reports are a poll or two away)
             deadline = time.monotonic() + FIRST_REPORTS_WAIT_S
@@ -284,9 +286,9 @@ class Placement:
         if need_pages > self._biggest_live_decode():  # (it waited to the queue timeout; then a 400)
             raise _only_down_decodes(need_pages, f"prompt + max_tokens = {prompt_len + max_tokens} tokens ")
         if prompt_ids:
-            hits = self.index.hit_tokens_then_record(prompt_ids)
+            hits = self.index.hit_tokens_then_record(prompt_ids, cache_salt)
         elif prompt_pieces:
-            hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len)
+            hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len, cache_salt)
         else:
             hits = 0
         pending = PendingRequest(

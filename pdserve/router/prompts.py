@@ -20,7 +20,7 @@ import hashlib
 import json
 from collections import OrderedDict
 
-from pdserve.kvcache.hashing import page_keys, root_key
+from pdserve.kvcache.hashing import page_keys, root_key, salted_root
 
 CHARS_PER_TOKEN = 4  # text and chat prompts: the router's estimate of their tokens (it has no tokenizer)
 TEXT_CHUNK_CHARS = 256  # a text prompt's pieces for prefix hits (~64 tokens: one store block or less)
@@ -39,27 +39,31 @@ class PrefixIndex:
         self.text_root = root_key("router-text")  # (text and chat pieces: never equal to a block's key)
         self._keys: OrderedDict[bytes, None] = OrderedDict()
 
-    def hit_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of `token_ids` in whole blocks seen before (at least one token left)."""
+    def hit_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Leading tokens of `token_ids` in whole blocks seen before (at least one token left), under
+        the request's `cache_salt` (as the engines key its blocks: only its own salt's prompts hit)."""
         max_blocks = (len(token_ids) - 1) // self.block_tokens
-        keys = page_keys(token_ids[: max_blocks * self.block_tokens], self.block_tokens, self.root)
+        root = salted_root(self.root, cache_salt)
+        keys = page_keys(token_ids[: max_blocks * self.block_tokens], self.block_tokens, root)
         return self._hits(keys, max_blocks)
 
-    def record(self, token_ids: list[int]) -> None:
-        self._record(page_keys(token_ids, self.block_tokens, self.root))
+    def record(self, token_ids: list[int], cache_salt: str | None = None) -> None:
+        self._record(page_keys(token_ids, self.block_tokens, salted_root(self.root, cache_salt)))
 
-    def hit_tokens_then_record(self, token_ids: list[int]) -> int:
+    def hit_tokens_then_record(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """`hit_tokens`, then `record`, hashing the prompt once (a 32k-token prompt: ~1 ms each)."""
-        keys = page_keys(token_ids, self.block_tokens, self.root)
+        keys = page_keys(token_ids, self.block_tokens, salted_root(self.root, cache_salt))
         hits = self._hits(keys, (len(token_ids) - 1) // self.block_tokens)
         self._record(keys)
         return hits
 
-    def estimated_hits_then_record(self, pieces: list[tuple[bytes, int]], num_tokens: int) -> int:
+    def estimated_hits_then_record(
+        self, pieces: list[tuple[bytes, int]], num_tokens: int, cache_salt: str | None = None
+    ) -> int:
         """Text and chat prompts: `pieces` are the prompt's pieces in order, (bytes, characters), from
         `prompt_pieces`. The leading pieces seen before count as hits, at CHARS_PER_TOKEN, in whole
         blocks, at least one token left of the estimated `num_tokens`; then all are recorded."""
-        keys, parent = [], self.text_root
+        keys, parent = [], salted_root(self.text_root, cache_salt)
         for data, _ in pieces:
             parent = hashlib.blake2b(parent + data, digest_size=16).digest()
             keys.append(parent)

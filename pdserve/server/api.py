@@ -166,17 +166,22 @@ def build_app(
         if name is not None and name != model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
-    async def validate(make_prompt, make_params, pd_field=None, request_id: str | None = None):
+    async def validate(
+        make_prompt, make_params, pd_field=None, request_id: str | None = None, cache_salt: str | None = None
+    ):
         """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
         of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py).
         With `request_id` (vLLM's field), the client knows the request as "cmpl-" + it (`client_id`)."""
-        req, text = await validate_one(make_prompt, make_params, pd_field, request_id)
+        req, text = await validate_one(make_prompt, make_params, pd_field, request_id, cache_salt=cache_salt)
         await fanout.validated()
         return req, text
 
-    async def validate_one(make_prompt, make_params, pd_field, request_id, default_max_tokens=None):
+    async def validate_one(
+        make_prompt, make_params, pd_field, request_id, default_max_tokens=None, cache_salt=None
+    ):
         """(validate's checks, for one request; `default_max_tokens`: `LLMEngine.make_request`'s; the
-        abort count is the one its route read on arrival, `ARRIVAL_EPOCH`)
+        abort count is the one its route read on arrival, `ARRIVAL_EPOCH`; `cache_salt` is set on the
+        request before anything computes its keys)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
         stalled every stream this engine serves meanwhile.
@@ -196,6 +201,7 @@ def build_app(
             raise APIError("request nested too deeply") from None
         except WeightsLost as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
+        req.cache_salt = cache_salt
         if request_id is not None:
             req.client_id = f"cmpl-{request_id}"
         if role_name == "colocated":
@@ -563,6 +569,7 @@ def build_app(
             lambda: body.sampling_params(1 if scoring else body.max_tokens, body.logprobs, sampling_defaults),
             pd_field,
             body.request_id,
+            body.cache_salt,
         )
         created, rid = int(time.time()), req.client_id or req.request_id
         want_ids = bool(body.return_token_ids)
@@ -709,7 +716,9 @@ def build_app(
                 sp = dataclasses.replace(sp, skip_special_tokens=False)
             return sp
 
-        req, _ = await validate(lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id)
+        req, _ = await validate(
+            lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id, body.cache_salt
+        )
         created, rid = int(time.time()), chat_id(req.client_id or req.request_id)
         max_calls = 1 if body.parallel_tool_calls is False else None
         named = isinstance(body.tool_choice, dict)

@@ -27,6 +27,7 @@ def request_id_of(answer_id: str) -> str:
 
 
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id (a split request's children add "_<i>" to it)
+MAX_CACHE_SALT_CHARS = 1024  # a client's cache_salt (hashed once per request)
 MAX_ROUTER_ID_CHARS = 64  # a router's id (`pd.router_id`, AbortRequest.router_id): 32 hex chars
 
 
@@ -116,6 +117,9 @@ class _SamplingFields(BaseModel):
     # vLLM's: the request's id is "cmpl-" + this (chat answers say "chatcmpl-"); it names the request
     # for /abort_request, and the choices of one request are its children "<id>_<i>".
     request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    # vLLM's: the request's prefix-cache and store keys are salted with it (a tenant's own), so only
+    # requests of the same salt share KV (hashing.salted_root).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
