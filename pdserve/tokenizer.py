@@ -121,10 +121,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat template applied to `messages` and its token ids. The template writes the BOS
         itself, so the text is encoded without special tokens (the chat route and `LLM.chat`)."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, documents)
         return prompt, self.encode(prompt, add_special_tokens=False)
 
     def incremental(
@@ -178,9 +179,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """`tools`: OpenAI tool objects, shown to the model by the template as it sees fit (HF's
-        `tools` argument; a template that ignores them ignores them). `template_kwargs`: more variables
+        `tools` argument; a template that ignores them ignores them); `documents` likewise (HF's, for
+        retrieval-augmented templates). `template_kwargs`: more variables
         for the template (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); they
         cannot replace the ones above (TokenizerError)."""
         if not self.chat_template:
@@ -192,6 +195,8 @@ class Tokenizer:
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
         }
+        if documents is not None:  # (else chat_template_kwargs may give them, as they could before)
+            fixed["documents"] = documents
         taken = sorted(set(template_kwargs or {}) & set(fixed))
         if taken:
             raise TokenizerError(f"chat_template_kwargs may not set {taken}: give them as request fields")

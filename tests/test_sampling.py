@@ -219,7 +219,7 @@ def test_bad_requests_change_no_state(llm):
     before = (engine.kv.pool.num_free_pages, engine.kv.pool.num_cached_pages, len(engine.requests))
     with pytest.raises(InvalidRequest, match="maximum context length"):
         llm.generate({"prompt_token_ids": [1] * 600})
-    with pytest.raises(InvalidRequest, match="exceeds"):  # (a max_tokens alone is capped offline)
+    with pytest.raises(InvalidRequest, match="too large: 100"):  # (a max_tokens alone is capped offline)
         llm.generate({"prompt_token_ids": [1] * 500}, SamplingParams(max_tokens=100, min_tokens=50))
     with pytest.raises(InvalidRequest, match="empty"):
         llm.generate("")

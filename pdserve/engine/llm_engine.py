@@ -180,9 +180,11 @@ class LLMEngine:
         if cap_max_tokens and num_prompt + max_tokens > max_len and params.min_tokens <= max_len - num_prompt:
             max_tokens = max_len - num_prompt
         if num_prompt + max_tokens > max_len:
+            # (worded so that the figures read as in vLLM's and OpenAI's refusals: agent clients parse
+            # "too large: N" and "maximum context length is N" to shrink max_tokens and retry)
             raise InvalidRequest(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
-                f"length of {max_len} tokens"
+                f"max_tokens is too large: {max_tokens}. This model's maximum context length is {max_len} "
+                f"tokens and the prompt has {num_prompt} tokens ({max_tokens} > {max_len} - {num_prompt})"
             )
         # (the last token sampled is never computed, so it holds no KV: prompt + max_tokens - 1 slots)
         num_kv_tokens = num_prompt if self.holds_prompt_kv_only else num_prompt + max_tokens - 1

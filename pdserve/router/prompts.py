@@ -146,7 +146,7 @@ def prompt_pieces(body: dict) -> list[tuple[bytes, int]] | None:
     if not isinstance(messages, list):
         return None
     # The first piece: what else shapes the rendered prompt before the first message.
-    head = {k: body.get(k) for k in ("tools", "chat_template", "chat_template_kwargs")}
+    head = {k: body.get(k) for k in ("tools", "documents", "chat_template", "chat_template_kwargs")}
     try:
         pieces = [(_canonical(head), len(str(body.get("tools") or "")))]
         for m in messages[: MAX_PROMPT_PIECES - 1]:

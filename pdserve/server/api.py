@@ -681,6 +681,7 @@ def build_app(
                 body.add_generation_prompt,
                 tools,
                 body.chat_template_kwargs,
+                body.documents,
             )
         except TokenizerError as e:  # (the template refused the chat)
             raise APIError(str(e)) from None
@@ -738,7 +739,8 @@ def build_app(
             out: list[dict] = []
             for kind, text in pieces:
                 if kind == "reasoning":
-                    out.append({"reasoning_content": text})
+                    if body.include_reasoning:
+                        out.append({"reasoning_content": text})
                 elif calls_stream is not None:
                     out += calls_stream.feed(text, False)
                 else:
@@ -795,7 +797,11 @@ def build_app(
         finish = o.finish_reason
         if thinking is not None:
             thought, answer = thinking.split(o.text, thought_state)
-            message = {"role": "assistant", "content": answer, "reasoning_content": thought}
+            message = {
+                "role": "assistant",
+                "content": answer,
+                "reasoning_content": thought if body.include_reasoning else None,
+            }
         if parse_calls and message["content"] is not None:
             content, calls = tool_parser.parse(message["content"])
             if calls:

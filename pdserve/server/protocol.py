@@ -33,7 +33,9 @@ MAX_ROUTER_ID_CHARS = 64  # a router's id (`pd.router_id`, AbortRequest.router_i
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
-    include_usage: bool = False
+    # (on by default when stream_options is given, as in vLLM: `{"continuous_usage_stats": true}` alone
+    # asks for usage; without stream_options there is none)
+    include_usage: bool | None = True
     continuous_usage_stats: bool | None = False  # (vLLM's: with include_usage, the usage in every chunk)
 
 
@@ -203,7 +205,7 @@ class _SamplingFields(BaseModel):
             top_k=pick("top_k", self.top_k),
             min_p=pick("min_p", self.min_p),
             seed=self.seed,
-            stop=self.stop or [],
+            stop=[] if self.stop is None else self.stop,  # ("" is refused, as in a list)
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -288,6 +290,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # More variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Retrieved documents for a RAG template (HF's and vLLM's `documents`: Command-R, Granite, ...).
+    documents: list[dict[str, Any]] | None = None
+    # vLLM's: false drops the thinking a --reasoning-parser splits off (no reasoning_content).
+    include_reasoning: bool = True
     # Tool calling (server/tool_calls.py): needs an engine started with --tool-call-parser.
     tools: list | None = None
     tool_choice: str | dict | None = None  # "auto" (default with tools) | "none"

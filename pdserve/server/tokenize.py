@@ -27,12 +27,13 @@ def render_chat(
     add_generation_prompt: bool,
     tools: list[dict] | None,
     template_kwargs: dict | None = None,
+    documents: list[dict] | None = None,
 ) -> tuple[str, list[int]]:
     """The chat template applied to `messages` (and `tools`, and the request's chat_template_kwargs),
     and its token ids (`Tokenizer.chat_prompt`). ValueError for a malformed message, TokenizerError
     for a template that refuses it."""
     return tokenizer.chat_prompt(
-        tool_calls.template_messages(messages), add_generation_prompt, tools, template_kwargs
+        tool_calls.template_messages(messages), add_generation_prompt, tools, template_kwargs, documents
     )
 
 
@@ -47,6 +48,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     tools: list | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # (as the chat route takes them)
+    documents: list[dict[str, Any]] | None = None  # (likewise)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -89,6 +91,7 @@ def tokenize_routes(
                     body.add_generation_prompt,
                     tools,
                     body.chat_template_kwargs,
+                    body.documents,
                 )
             else:
                 ids = await asyncio.to_thread(tok.encode, body.prompt, body.add_special_tokens)
