@@ -107,3 +107,36 @@ def test_include_reasoning_false_drops_the_thinking_whole_and_streamed(demo_engi
     assert not any(d.get("reasoning_content") for d in deltas), deltas
     assert "".join(d.get("content") or "" for d in deltas) == "Sure."
     assert kept.json()["choices"][0]["message"]["reasoning_content"] == "list src first"
+
+
+def test_generation_configs_max_new_tokens_is_the_routes_default_max_tokens(demo_model_dir, tmp_path):
+    """vLLM takes the checkpoint's generation_config.json max_new_tokens as the default max_tokens of
+    the OpenAI routes too (pdserve did offline only: a chat client that leaves max_tokens out ran to
+    EOS or the context; a completion's OpenAI default of 16 is lowered to it); a request's own
+    max_tokens still decides, and the default never refuses a prompt (it is lowered to the room the
+    prompt leaves)."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from tests.test_offline_api import variant
+
+    d = variant(demo_model_dir, tmp_path, generation={"max_new_tokens": 5})
+    engine = LLMEngine(EngineConfig.create(d, num_pages=64, max_model_len=256))
+    prompt = {"prompt": "def f(x):", "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
+    # (null: up to the context, so the default, lowered to the 3 tokens the prompt leaves)
+    long_prompt = {"prompt": [7] * 253, "max_tokens": None, "temperature": 0, "ignore_eos": True}
+    left_out, own, chat_left_out, chat_own, near_the_end = post_in_process(
+        engine,
+        [
+            ("/v1/completions", prompt),
+            ("/v1/completions", prompt | {"max_tokens": 8}),
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", chat | {"max_completion_tokens": 7}),
+            ("/v1/completions", long_prompt),
+        ],
+    )
+    tokens = [
+        r.json()["usage"]["completion_tokens"] for r in (left_out, own, chat_left_out, chat_own, near_the_end)
+    ]
+    assert tokens == [5, 8, 5, 7, 3], tokens
+    assert left_out.json()["choices"][0]["finish_reason"] == "length"

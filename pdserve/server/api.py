@@ -130,9 +130,11 @@ def build_app(
     role_name = pd.role_name if pd else "colocated"
     metrics.on_step(engine, [])
     model_name = engine.config.model_name
-    # (the generation config's sampling values, for fields a request leaves out; its max_new_tokens
-    # is the offline API's default only: a route keeps OpenAI's / the context's)
-    sampling_defaults = {k: v for k, v in engine.config.model_config.sampling_defaults if k != "max_tokens"}
+    # (the generation config's sampling values, for fields a request leaves out; its max_new_tokens is
+    # the OpenAI routes' default max_tokens, as in vLLM, lowered to the room the prompt leaves: without
+    # one a request left without max_tokens runs up to the context)
+    sampling_defaults = dict(engine.config.model_config.sampling_defaults)
+    default_max_tokens = sampling_defaults.pop("max_tokens", None)
     tokenizer = engine.tokenizer
     vocab_size = engine.config.model_config.vocab_size
     app = FastAPI(title="pdserve", default_response_class=JSONResponse)
@@ -167,12 +169,19 @@ def build_app(
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     async def validate(
-        make_prompt, make_params, pd_field=None, request_id: str | None = None, cache_salt: str | None = None
+        make_prompt,
+        make_params,
+        pd_field=None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        default_max_tokens: int | None = None,
     ):
         """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
         of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py).
         With `request_id` (vLLM's field), the client knows the request as "cmpl-" + it (`client_id`)."""
-        req, text = await validate_one(make_prompt, make_params, pd_field, request_id, cache_salt=cache_salt)
+        req, text = await validate_one(
+            make_prompt, make_params, pd_field, request_id, default_max_tokens, cache_salt
+        )
         await fanout.validated()
         return req, text
 
@@ -564,12 +573,16 @@ def build_app(
         # echo with max_tokens 0 (OpenAI's and vLLM's scoring form; lm-eval's loglikelihood): the prompt
         # alone, with its logprobs. The engine runs one token to finish the prompt; it is dropped.
         scoring = bool(body.echo) and body.max_tokens == 0
+        max_tokens = 1 if scoring else body.max_tokens
+        if default_max_tokens is not None and "max_tokens" not in body.model_fields_set:
+            max_tokens = min(max_tokens, default_max_tokens)  # (OpenAI's 16 left out: the model's, if less)
         req, text = await validate(
             body.single_prompt,
-            lambda: body.sampling_params(1 if scoring else body.max_tokens, body.logprobs, sampling_defaults),
+            lambda: body.sampling_params(max_tokens, body.logprobs, sampling_defaults),
             pd_field,
             body.request_id,
             body.cache_salt,
+            default_max_tokens,
         )
         created, rid = int(time.time()), req.client_id or req.request_id
         want_ids = bool(body.return_token_ids)
@@ -718,7 +731,12 @@ def build_app(
             return sp
 
         req, _ = await validate(
-            lambda: {"prompt_token_ids": prompt_ids}, params, pd_field, body.request_id, body.cache_salt
+            lambda: {"prompt_token_ids": prompt_ids},
+            params,
+            pd_field,
+            body.request_id,
+            body.cache_salt,
+            default_max_tokens,
         )
         created, rid = int(time.time()), chat_id(req.client_id or req.request_id)
         max_calls = 1 if body.parallel_tool_calls is False else None
