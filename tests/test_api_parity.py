@@ -140,3 +140,26 @@ def test_generation_configs_max_new_tokens_is_the_routes_default_max_tokens(demo
     ]
     assert tokens == [5, 8, 5, 7, 3], tokens
     assert left_out.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_integral_floats_are_integers_and_prompt_embeds_is_refused(demo_engine):
+    """vLLM's lax parsing takes `"max_tokens": 4.0` (a budget computed in float arithmetic); pdserve's
+    strict one refused it. Non-integral floats, strings and booleans stay 400s. `prompt_embeds` beside
+    a prompt was ignored (the answer was the text's); now a 400."""
+    body = {"prompt": "def f(x):", "temperature": 0, "ignore_eos": True}
+    as_float, as_int, half, text, embeds = post_in_process(
+        demo_engine,
+        [
+            ("/v1/completions", body | {"max_tokens": 4.0, "top_k": 1.0, "seed": 3.0, "n": 1.0}),
+            ("/v1/completions", body | {"max_tokens": 4, "top_k": 1, "seed": 3}),
+            ("/v1/completions", body | {"max_tokens": 4.5}),
+            ("/v1/completions", body | {"max_tokens": "4"}),
+            ("/v1/completions", body | {"max_tokens": 4, "prompt_embeds": "AAAA"}),
+        ],
+    )
+    assert as_float.status_code == 200, as_float.text
+    assert as_float.json()["choices"][0]["text"] == as_int.json()["choices"][0]["text"]
+    assert as_float.json()["usage"]["completion_tokens"] == 4
+    for r in (half, text, embeds):
+        assert r.status_code == 400, r.text
+    assert "prompt_embeds" in embeds.text

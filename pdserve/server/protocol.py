@@ -67,6 +67,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "priority": (0,),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
+    "prompt_embeds": (),  # (beside a prompt it was ignored: the answer was the text's, not the embeddings')
 }
 # The same for one route only: vLLM's defaults differ (a completion's prompt gets the tokenizer's
 # special tokens, a chat's rendered template does not); a chat's final assistant message continued
@@ -77,6 +78,14 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple] = {
     "continue_final_message": (False,),
     "return_token_ids": (False,),  # (a completion's only, here)
 }
+
+
+# Integer fields that take a float of integral value (2048.0: a client's budget computed in float
+# arithmetic, which vLLM's lax parsing accepts); 2048.5, "2048" and true stay 400s.
+INTEGRAL_FLOAT_FIELDS = frozenset(
+    {"max_tokens", "max_completion_tokens", "top_k", "seed", "n", "min_tokens", "logprobs",
+     "top_logprobs", "prompt_logprobs"}
+)  # fmt: skip
 
 
 NULL_MEANS_DEFAULT = frozenset(
@@ -96,9 +105,14 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _null_means_default(cls, data):
         """OpenAI types these "or null" (the openai SDK sends an explicit None as null): null is the
-        field's default, as in vLLM (a strict non-null field made `temperature=None` a 400)."""
+        field's default, as in vLLM (a strict non-null field made `temperature=None` a 400). And an
+        integer field's integral float is that integer (INTEGRAL_FLOAT_FIELDS)."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+            return {
+                k: int(v) if type(v) is float and k in INTEGRAL_FLOAT_FIELDS and v.is_integer() else v
+                for k, v in data.items()
+                if not (v is None and k in NULL_MEANS_DEFAULT)
+            }
         return data
 
     @model_validator(mode="after")
