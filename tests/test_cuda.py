@@ -142,6 +142,7 @@ def test_store_write_back_and_read_round_trip_on_cuda(demo_model_dir, tmp_path, 
         num_prompt_tokens=len(tokens),
         page_ids=src_pages,
         block_key_cache=[],
+        cache_salt=None,
         all_token_ids=tokens,
         prompt_token_ids=tokens,
     )

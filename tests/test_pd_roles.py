@@ -1939,6 +1939,7 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
             num_computed_tokens=num_blocks * page * ppb,
             page_ids=[j % 512 for j in range(num_blocks * ppb)],
             block_key_cache=[],
+            cache_salt=None,
             num_blocks_persisted=0,
             all_token_ids=tokens,
         )

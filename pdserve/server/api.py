@@ -99,6 +99,45 @@ def stop_reason_of(o, finish: str | None) -> str | int | None:
     return o.stop_reason if o is not None and finish == "stop" else None
 
 
+class StreamThen(StreamingResponse):
+    """A streamed response that calls `then()` (idempotent) once it has ended, however it ended: also
+    when its body never started -- its client left before the headers went out, or a merged request
+    (server/fanout.py) closed it unread -- where the body's own `finally` never runs."""
+
+    def __init__(self, content: AsyncIterator, then, **kwargs) -> None:
+        super().__init__(_IterThen(content, then), **kwargs)
+        self._then = then
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._then()
+
+
+class _IterThen:
+    """`body`, iterated; `then()` once it ends, fails or is closed (`aclose`), started or not."""
+
+    def __init__(self, body: AsyncIterator, then) -> None:
+        self._body, self._then = body, then
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self._body.__anext__()
+        except BaseException:
+            self._then()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._then()
+
+
 def build_app(
     engine: LLMEngine,
     pd: PDContext | None = None,
@@ -912,11 +951,24 @@ def build_app(
             if aengine.is_active(body.rid) and not await aengine.earlier_attempt_ended(body.rid, req):
                 raise APIError(f"request id {body.rid!r} is already active", 409, "Conflict")
             req.request_id = body.rid
-            aengine.reserve(req)  # (held while its siblings are checked: a concurrent twin gets a 409)
+            # Held until `generate()` takes the id over (a concurrent twin gets a 409 meanwhile): while
+            # its siblings are checked, a PD half looks up its peer, and a stream's headers go out. Let
+            # go before that, a twin could take the id in the gap, and this stream, already a 200,
+            # failed in-band: its prefill waited out its deadline for a KV request never sent, and the
+            # client got a 503 "no healthy prefill" (an audit of duplicate rids, 2026-12-03).
+            aengine.reserve(req)
+        stream_lets_go = False
         try:
-            await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
+            response = await generate_reserved(body, req, text, input_start, http)
+            stream_lets_go = isinstance(response, StreamThen)
+            return response
         finally:
-            aengine.unreserve(req)
+            if not stream_lets_go:  # (a no-op once `generate()` took the id)
+                aengine.unreserve(req)
+
+    async def generate_reserved(body: GenerateRequest, req, text, input_start, http: Request):
+        """(`generate_one` past its checks, `req`'s rid reserved)"""
+        await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
         token_text = token_str if body.return_text_in_logprobs else None
         if req.prompt_logprobs is None and not body.return_logprob:
             input_start = None
@@ -948,7 +1000,9 @@ def build_app(
                     yield sse(error_body(str(e), 503, "ServiceUnavailable"))
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            # (the id is let go when the stream ends, also one whose body never started: its client left
+            # before the headers went out; `generate()` takes it over as it starts)
+            return StreamThen(events(), lambda: aengine.unreserve(req), media_type="text/event-stream")
         return native(await run_to_end(req, text, http))
 
     app.include_router(admin_routes(aengine, engine, enable_weight_updates, pd))
