@@ -465,6 +465,9 @@ def test_a_decode_that_died_since_its_last_health_check_is_left_for_another_at_o
         assert r.status_code == 503, r.text
         message = r.json()["error"]["message"]
         assert "no healthy decode engine" in message and "decode http://de: ConnectError" in message
+        # (the decode was in service, and failed this request: not "no healthy" alone, which named an
+        # outage when engines were up, e.g. attempts that waited out their deadlines under overload)
+        assert "left to try (each healthy one failed this request)" in message, message
 
 
 def _scrape(text: str) -> dict[tuple, float]:
@@ -1586,6 +1589,7 @@ def test_placement_with_no_live_prefill_answers_503_at_once(policy):
     r = asyncio.run(go())
     assert r is not None, "the request hung in the placement queue with no live prefill (600 s timeout)"
     assert r.status_code == 503, r.text
+    assert "left to try" not in r.text, r.text  # (an outage: none was in service to fail it)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "dualpath"])

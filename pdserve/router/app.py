@@ -77,6 +77,9 @@ from pdserve.server.protocol import PREFILL_UNREACHABLE, error_body, request_id_
 log = logging.getLogger(__name__)
 
 
+# (a 503's reason when the engines are healthy but each one failed this request: e.g. its attempts'
+# deadlines ran out waiting for pages under overload, which "no healthy prefill engine" alone misnamed)
+_LEFT_TO_TRY = " left to try (each healthy one failed this request)"
 KEEPALIVE_CONNECTIONS = 256  # idle connections to the engines kept for reuse (more are closed)
 # An idle connection is dropped this long after its last use, well before an engine's server closes it
 # (uvicorn: 5 s, cli.SERVER_KEEP_ALIVE_S: 15 s). At equal times (httpx's default is uvicorn's 5 s) a
@@ -401,7 +404,7 @@ class Router:
         weights not in `decodes_left_out` (that failed this request) first."""
         live = [e for e in self.prefills if e.healthy and e.url not in exclude]
         if not live:
-            raise NoEngine("no healthy prefill engine")
+            raise NoEngine("no healthy prefill engine" + _LEFT_TO_TRY * any(e.healthy for e in self.prefills))
         paired = [
             pe
             for pe in live
@@ -414,7 +417,7 @@ class Router:
         """The live decode with the fewest requests in flight, not in `exclude`, of `like`'s weights."""
         live = [e for e in self.decodes if e.healthy and e.url not in exclude]
         if not live:
-            raise NoEngine("no healthy decode engine")
+            raise NoEngine("no healthy decode engine" + _LEFT_TO_TRY * any(e.healthy for e in self.decodes))
         if like is not None:
             live = [e for e in live if same_weights(like, e)]
             if not live:
