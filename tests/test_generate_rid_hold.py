@@ -12,23 +12,7 @@ import asyncio
 import json
 
 from pdserve.server.api import StreamThen, build_app
-
-
-def _scope(path: str) -> dict:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"t")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+from tests.test_router_app import completion_scope
 
 
 async def _call(app, body: dict, on_start=None) -> tuple[int, bytes]:
@@ -55,7 +39,7 @@ async def _call(app, body: dict, on_start=None) -> tuple[int, bytes]:
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
-    await app(_scope("/generate"), receive, send)
+    await app(completion_scope(json.dumps(body).encode(), "/generate"), receive, send)
     return status, b"".join(chunks)
 
 

@@ -88,17 +88,17 @@ def client_of(router: Router, raise_app_exceptions: bool = True) -> httpx.AsyncC
     return httpx.AsyncClient(transport=transport, base_url="http://router")
 
 
-def completion_scope(body: bytes) -> dict:
-    """The ASGI scope of a client's POST /v1/completions of `body` (driven by hand: the test plays
-    the server, so it decides when the client disconnects)."""
+def completion_scope(body: bytes, path: str = "/v1/completions") -> dict:
+    """The ASGI scope of a client's POST `path` of `body` (driven by hand: the test plays the server,
+    so it decides when the client disconnects)."""
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         "client": ("127.0.0.1", 1),
