@@ -100,9 +100,11 @@ def test_an_ended_read_is_joined_while_its_owner_holds_it_then_forgotten_and_fre
     reads.check_integrity()
 
 
-def test_an_ended_read_that_found_a_bad_block_is_not_joined(store):
-    """A read that found a block corrupt (or missing) is not joined once it ended: the next request
-    reads anew (in flight it is joined, as in the test below: its readers recompute from there)."""
+def test_an_ended_read_that_found_a_bad_block_is_joined_only_before_it(store):
+    """A read that found a block corrupt (or missing) is joined, once it ended, only by a request whose
+    blocks all come before the first bad one; one that needs that block reads anew (in flight it is
+    joined, as in the test below: its readers recompute from there). The good leading blocks used to
+    be read again too."""
     with open(store.path_for(store.chain[1]), "r+b") as f:
         f.truncate(100)
     reads = JoinedReads()
@@ -110,8 +112,16 @@ def test_an_ended_read_that_found_a_bad_block_is_not_joined(store):
     owner = reads.read(store, store.chain[:3], alloc)
     assert owner.future.result(10).status == ["ok", "truncated", "ok"]
     _until(lambda: reads.num_in_flight == 0)
+    reads.check_integrity()
+    before = store.stats().read_ok_blocks
+    good = reads.read(store, store.chain[:1], alloc)
+    assert good.shared and good.buffer is owner.buffer and good.num_prefix_ok(good.future.result(10)) == 1
+    assert store.stats().read_ok_blocks == before  # (no I/O)
     late = reads.read(store, store.chain[:3], alloc)
     assert not late.shared and late.buffer is not owner.buffer
+    late.future.result(10)
+    _until(lambda: reads.num_in_flight == 0)
+    reads.check_integrity()
 
 
 def test_a_bad_block_is_counted_once_and_a_failed_read_not_at_all(store):
@@ -130,7 +140,7 @@ def test_a_bad_block_is_counted_once_and_a_failed_read_not_at_all(store):
         raise OSError("disk gone")
 
     store.read_blocks = broken
-    failed = reads.read(store, store.chain[:2], alloc)
+    failed = reads.read(store, store.chain[:4], alloc)  # (past the owner's good blocks: its own read)
     with pytest.raises(OSError):
         failed.future.result(10)
     _until(lambda: reads.num_in_flight == 0)

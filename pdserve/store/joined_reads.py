@@ -44,8 +44,8 @@ class JoinedReads:
     """Reads in flight, by each of their keys; requests of a prefix one covers join it.
 
     Invariants: `_reads` holds owners' reads, each under its own keys; a read's entries go when it
-    ends (`_ended`, under the lock, with its bad-block count), to `_ended_reads` if it read every
-    block, which holds them weakly: joinable while the owner's request holds its read, and no
+    ends (`_ended`, under the lock, with its bad-block count), those of its leading good blocks to
+    `_ended_reads` (all of them if it read every block), which holds them weakly: joinable while the owner's request holds its read, and no
     longer (it never keeps a buffer alive). Nothing else refers to an owner's read (its future's
     callback holds a weak reference): when its request drops it, it and its buffer are freed at once,
     not at the cyclic GC's next pass."""
@@ -93,11 +93,13 @@ class JoinedReads:
         failed = future.cancelled() or future.exception() is not None  # (its users log the error)
         with self._lock:
             result = None if failed else future.result()
-            complete = result is not None and result.num_ok == len(read.keys)
-            for key in read.keys:
+            # (a request whose blocks end before the first bad one joins; one that needs that block
+            # reads anew: it may have been written since, or come back from another replica)
+            num_good = 0 if result is None else result.num_prefix_ok
+            for i, key in enumerate(read.keys):
                 if self._reads.get(key) is read:
                     del self._reads[key]
-                    if complete:  # (one that found a bad block is read anew by the next request)
+                    if i < num_good:
                         self._ended_reads[key] = read
             if result is not None:
                 self.num_blocks_bad += len(result.keys) - result.num_ok
@@ -105,12 +107,12 @@ class JoinedReads:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every indexed read is an owner's, under its own keys (whether
         it has ended is not checked: its callback may be on its way), and every ended one kept is an
-        owner's that read all its blocks, under its own keys."""
+        owner's, under its own keys of its leading good blocks only."""
         with self._lock:
             for key, read in list(self._ended_reads.items()):
                 assert key in read.keys and not read.shared, "an ended read indexed wrongly"
-                assert read.future.done() and read.future.result().num_ok == len(read.keys), (
-                    "an ended read kept that did not read every block"
+                assert read.future.done() and read.keys.index(key) < read.future.result().num_prefix_ok, (
+                    "an ended read kept under a block it did not read well"
                 )
             for key, read in self._reads.items():
                 assert key in read.keys, "a read indexed under a key not its own"
