@@ -302,14 +302,17 @@ def build_app(
             req.pd = (pd_field["room"], pd_field["bootstrap_url"])
         return req, text
 
-    async def resolve_pd(req) -> None:
+    async def resolve_pd(req, http: Request) -> None:
         """Decode: turn the prefill's bootstrap URL into its control address (cached; off the engine
         thread, so a slow or dead prefill never stalls the scheduler). Not for a half the router
-        aborted: it answers "abort" without its prefill."""
+        aborted: it answers "abort" without its prefill. A lookup outlived by its client (the router
+        closed a failed attempt's leg) ends with it: a `/generate` rid it holds is free for the retry."""
         if role_name == "decode" and req.abort_epoch != ROUTER_ABORTED_EPOCH:
             room, bootstrap_url = req.pd
             try:
-                addr = await pd.control_address_of(bootstrap_url)
+                addr = await unless_gone(http, pd.control_address_of(bootstrap_url))
+            except ClientGone:
+                raise APIError("client disconnected", 499, "ClientClosedRequest") from None
             except Exception as e:  # noqa: BLE001
                 # (its own type: the router reads it as the prefill's failure, not this decode's)
                 raise APIError(
@@ -425,7 +428,7 @@ def build_app(
                 final = out
             return final
 
-        await resolve_pd(req)
+        await resolve_pd(req, http)
         try:
             return await unless_gone(http, consume())  # cancelled: the generator's `finally` aborts
         except ClientGone:
@@ -660,7 +663,7 @@ def build_app(
 
         num_dropped = int(scoring)
         if body.stream and role_name != "prefill":
-            await resolve_pd(req)
+            await resolve_pd(req, http)
             events = stream(
                 req, text, chunk, body.stream_options, every_token=want_ids, num_dropped_tokens=num_dropped
             )
@@ -842,7 +845,7 @@ def build_app(
             ]
 
         if body.stream and role_name != "prefill":
-            await resolve_pd(req)
+            await resolve_pd(req, http)
             head = chunk("", None, 0, None)
             head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             return StreamingResponse(
@@ -986,7 +989,7 @@ def build_app(
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream and role_name != "prefill":
-            await resolve_pd(req)
+            await resolve_pd(req, http)
 
             async def events():
                 # (the same bytes as sse(native(out)), O(new tokens))
