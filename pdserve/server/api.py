@@ -911,7 +911,12 @@ def build_app(
     async def generate_one(body: GenerateRequest, http: Request):
         """One prompt, one sample (`sampling_params` a dict)."""
         prompt = body.text if body.text is not None else {"prompt_token_ids": body.input_ids}
-        sp = dict(body.sampling_params)
+        # (null is the default, as in SGLang, except max_new_tokens', which means up to the context)
+        sp = {
+            k: v
+            for k, v in body.sampling_params.items()
+            if v is not None or k in ("max_new_tokens", "max_tokens")
+        }
         for sglang_name, ours in SGLANG_SAMPLING_NAMES.items():  # (SGLang's names for ours)
             if sglang_name in sp:
                 if ours in sp:
@@ -941,7 +946,7 @@ def build_app(
             sp["max_tokens"], default_max_tokens = None, GENERATE_DEFAULT_MAX_NEW_TOKENS
         # (PD roles: the router's half, as for a completion; the prefill runs it for one token)
         req, text = await validate_one(
-            lambda: prompt, lambda: SamplingParams(**sp), body.pd, None, default_max_tokens
+            lambda: prompt, lambda: SamplingParams(**sp), body.pd, None, default_max_tokens, body.cache_salt
         )
         # The meta_info's input logprobs: from this position; None when no logprob was asked for.
         input_start = max(0, body.logprob_start_len)
@@ -973,12 +978,13 @@ def build_app(
         """(`generate_one` past its checks, `req`'s rid reserved)"""
         await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
         token_text = token_str if body.return_text_in_logprobs else None
+        weight_version = engine.weight_version  # (the weights this request runs on: updates wait for it)
         if req.prompt_logprobs is None and not body.return_logprob:
             input_start = None
 
         def native(out: RequestOutput) -> dict:
             o = out.outputs[0]
-            meta = meta_info(out)
+            meta = meta_info(out, weight_version)
             if o.logprobs is not None:  # (SGLang's [logprob, token id, text or null] entries)
                 meta["output_token_logprobs"] = [
                     logprob_entry(lp.logprob, lp.token_id, token_text) for lp in o.logprobs
@@ -993,7 +999,7 @@ def build_app(
 
             async def events():
                 # (the same bytes as sse(native(out)), O(new tokens))
-                chunks = CumulativeChunks(token_text, input_start)
+                chunks = CumulativeChunks(token_text, input_start, weight_version)
                 try:
                     async for out in aengine.generate(req, text):
                         yield f"data: {chunks.encode(out)}\n\n"

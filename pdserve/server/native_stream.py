@@ -63,21 +63,29 @@ def input_logprobs(out: RequestOutput, start: int, token_text: TokenText) -> dic
     }
 
 
-def meta_info(out: RequestOutput) -> dict:
-    """A `/generate` answer's `meta_info` before its logprobs (which come last, when asked for)."""
+def meta_info(out: RequestOutput, weight_version: str | None = None) -> dict:
+    """A `/generate` answer's `meta_info` before its logprobs (which come last, when asked for);
+    `weight_version`: the engine's label of its weights (SGLang's, in every meta_info: RL frameworks
+    record which weights produced each sample)."""
     o = out.outputs[0]
-    return {
+    meta = {
         "id": out.request_id,
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(o.token_ids),
         "cached_tokens": out.num_cached_tokens,
         "finish_reason": finish_reason(o),
     }
+    if weight_version is not None:
+        meta["weight_version"] = weight_version
+    return meta
 
 
 class CumulativeChunks:
-    def __init__(self, token_text: TokenText = None, input_start: int | None = None) -> None:
+    def __init__(
+        self, token_text: TokenText = None, input_start: int | None = None, weight_version: str | None = None
+    ) -> None:
         self._token_text = token_text
+        self._weight_version = weight_version
         self._input_start = input_start  # (`input_logprobs` from this position; None: not asked for)
         self._inputs = ""  # their `"input_token_logprobs": ..., "input_top_logprobs": ...`, once known
         self._num_ids = 0
@@ -104,7 +112,7 @@ class CumulativeChunks:
         else:  # (the engine's text only grows; kept for safety: a client reads the whole text anyway)
             self._text_json = json.dumps(text)[1:-1]
         self._text = text
-        meta = json.dumps(meta_info(out))
+        meta = json.dumps(meta_info(out, self._weight_version))
         if o.logprobs is not None:
             new = o.logprobs[self._num_logprobs :]
             if new:

@@ -326,6 +326,18 @@ class ChatCompletionRequest(_SamplingFields):
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 
 
+# SGLang's GenerateReqInput fields not implemented here (multimodal inputs, LoRA, extra outputs, ...).
+UNSUPPORTED_GENERATE_FIELDS = frozenset(
+    {"image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+     "return_hidden_states", "return_routed_experts", "return_entropy", "token_ids_logprob",
+     "custom_logit_processor", "session_params", "extra_key"}
+)  # fmt: skip
+GENERATE_NULL_MEANS_DEFAULT = frozenset(
+    {"sampling_params", "stream", "return_logprob", "top_logprobs_num", "logprob_start_len",
+     "return_text_in_logprobs"}
+)  # fmt: skip
+
+
 class GenerateRequest(BaseModel):
     """Native endpoint (SGLang-like): token ids in, token ids out. A batch (a list of texts or of
     token-id lists) or `sampling_params.n` > 1 is one child request per prompt and sample, answered
@@ -345,8 +357,24 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(default=0, ge=0)
     logprob_start_len: int = Field(default=-1, ge=-1)
     return_text_in_logprobs: bool = False
+    # SGLang's (and vLLM's): the request's KV keys are salted with it (see _SamplingFields.cache_salt)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # pdserve's router: a PD half's room etc. (as a completion body's `pd`; refused on a colocated engine)
     pd: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default_and_refuse_unsupported(cls, data):
+        """SGLang's optional fields given as null take their default (a strict field refused null).
+        SGLang fields this server does not implement are a 400 unless off: they were ignored, and an
+        answer from the text alone (`image_data`), the base model (`lora_path`) or without the asked
+        extras (`return_routed_experts`, ...) was a silent wrong answer."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in UNSUPPORTED_GENERATE_FIELDS and value not in (None, False, [], {}, ""):
+                raise ValueError(f"{name} is not supported by this server")
+        return {k: v for k, v in data.items() if not (v is None and k in GENERATE_NULL_MEANS_DEFAULT)}
 
 
 class JSONResponse(_StarletteJSONResponse):
