@@ -266,11 +266,22 @@ def test_sglangs_own_update_fields_are_taken_as_sglang_means_them(checkpoints):
             "abort_all_requests": True,
             "load_format": "auto",
             "weight_version": "step-7",
+            # (SGLang's own, at what SGLang clients send: each was a 400, "extra inputs")
+            "is_async": False,
+            "keep_pause": False,
+            "torch_empty_cache": True,
+            "recapture_cuda_graph": True,
         }
         updated = await c.post("/update_weights_from_disk", json=body)
         refused = [
             await c.post("/update_weights_from_disk", json={"model_path": a} | extra)
-            for extra in ({"load_format": "pt"}, {"flush_cache": False}, {"weight_version": ""})
+            for extra in (
+                {"load_format": "pt"},
+                {"flush_cache": False},
+                {"weight_version": ""},
+                {"is_async": True},
+                {"keep_pause": True},
+            )
         ]
         missing = await c.post(
             "/update_weights_from_disk", json={"model_path": "/no/such/dir", "load_format": None}
@@ -290,7 +301,8 @@ def test_sglangs_own_update_fields_are_taken_as_sglang_means_them(checkpoints):
     assert updated.status_code == 200, updated.text
     assert updated.json()["num_requests_aborted"] == 1 and updated.json()["weight_version"] == "step-7"
     assert long.json()["choices"][0]["finish_reason"] == "abort"
-    assert [r.status_code for r in refused] == [400, 400, 400]
+    assert [r.status_code for r in refused] == [400] * 5
+    assert "is_async" in refused[3].text and "keep_pause" in refused[4].text
     assert "load_format 'pt'" in refused[0].text and "flush_cache" in refused[1].text
     assert missing.status_code == 400 and missing.json()["success"] is False
     assert missing.json()["message"] == missing.json()["error"]["message"]

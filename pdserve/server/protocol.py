@@ -487,7 +487,9 @@ class UpdateWeightsRequest(BaseModel):
     SGLang's own fields, as RL frameworks built on it send them: `abort_all_requests` (our
     `abort_running`: either aborts), `load_format` (safetensors is what we read: null, "auto" or
     "safetensors"), `weight_version` (a label the engine reports from then on), `flush_cache` (the
-    prefix cache computed with the old weights is always dropped: false is refused). Others: 400."""
+    prefix cache computed with the old weights is always dropped: false is refused), `is_async` and
+    `keep_pause` (false only: the load is synchronous and there is no pause), `torch_empty_cache` and
+    `recapture_cuda_graph` (hints about the GPU's memory and graphs: either value). Others: 400."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model_path: str = Field(min_length=1)
@@ -496,9 +498,16 @@ class UpdateWeightsRequest(BaseModel):
     load_format: str | None = None
     weight_version: str | None = Field(None, min_length=1, max_length=256)
     flush_cache: bool = True
+    is_async: bool = False
+    keep_pause: bool = False
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
 
     @model_validator(mode="after")
     def _sglang_fields(self):
+        for name in ("is_async", "keep_pause"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: true is not supported")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported (safetensors checkpoints)")
         if not self.flush_cache:
