@@ -91,3 +91,30 @@ def test_unimplemented_sglang_fields_are_refused_unless_off(demo_engine, field):
     on, off = post_in_process(demo_engine, [("/generate", BASE | field), ("/generate", BASE | {name: None})])
     assert on.status_code == 400 and name in on.text, on.text  # (was a 200, answered without it)
     assert off.status_code == 200, off.text
+
+
+def test_max_new_tokens_zero_answers_the_prompts_logprobs_alone(demo_engine):
+    """slime's on-policy distillation: `max_new_tokens` 0 with `return_logprob` and
+    `logprob_start_len` 0 reads `meta_info.input_token_logprobs` (SGLang allows 0; it was a 400)."""
+    body = {
+        "input_ids": IDS[:20],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    zero, one, streamed = post_in_process(
+        demo_engine,
+        [
+            ("/generate", body),
+            ("/generate", body | {"sampling_params": {"max_new_tokens": 1, "temperature": 0}}),
+            ("/generate", body | {"stream": True}),
+        ],
+    )
+    assert zero.status_code == 200, zero.text
+    z, o = zero.json(), one.json()
+    assert (z["output_ids"], z["text"]) == ([], "")
+    assert z["meta_info"]["completion_tokens"] == 0 and z["meta_info"]["output_token_logprobs"] == []
+    assert z["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert z["meta_info"]["input_token_logprobs"] == o["meta_info"]["input_token_logprobs"]
+    assert len(z["meta_info"]["input_token_logprobs"]) == 20
+    assert streamed.status_code == 400 and "max_new_tokens" in streamed.text

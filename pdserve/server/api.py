@@ -941,6 +941,13 @@ def build_app(
             sp["logprobs"] = body.top_logprobs_num
             if body.logprob_start_len >= 0:  # (-1, SGLang's default: no prompt logprobs, empty lists)
                 sp["prompt_logprobs"] = body.top_logprobs_num
+        # max_new_tokens 0 (SGLang's; e.g. slime's on-policy distillation): the prompt's logprobs alone.
+        # The engine runs one token to finish the prompt; the answer drops it.
+        scoring = sp.get("max_tokens") == 0
+        if scoring:
+            if body.stream:
+                raise APIError("max_new_tokens 0 (the prompt alone) is not streamed", param="max_new_tokens")
+            sp["max_tokens"] = 1
         default_max_tokens = None
         if "max_tokens" not in sp:  # (SGLang's default, within the context; null: up to the context)
             sp["max_tokens"], default_max_tokens = None, GENERATE_DEFAULT_MAX_NEW_TOKENS
@@ -967,14 +974,14 @@ def build_app(
             aengine.reserve(req)
         stream_lets_go = False
         try:
-            response = await generate_reserved(body, req, text, input_start, http)
+            response = await generate_reserved(body, req, text, input_start, http, scoring)
             stream_lets_go = isinstance(response, StreamThen)
             return response
         finally:
             if not stream_lets_go:  # (a no-op once `generate()` took the id)
                 aengine.unreserve(req)
 
-    async def generate_reserved(body: GenerateRequest, req, text, input_start, http: Request):
+    async def generate_reserved(body: GenerateRequest, req, text, input_start, http: Request, scoring: bool):
         """(`generate_one` past its checks, `req`'s rid reserved)"""
         await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
         token_text = token_str if body.return_text_in_logprobs else None
@@ -992,6 +999,11 @@ def build_app(
                 meta["output_top_logprobs"] = [top_entries(lp.top, token_text) for lp in o.logprobs]
             if input_start is not None:
                 meta |= input_logprobs(out, input_start, token_text)
+            if scoring:  # (the one token run to finish the prompt is not the client's)
+                meta |= {"completion_tokens": 0, "finish_reason": {"type": "length", "length": 0}}
+                if o.logprobs is not None:
+                    meta |= {"output_token_logprobs": [], "output_top_logprobs": []}
+                return {"output_ids": [], "text": "", "meta_info": meta}
             return {"output_ids": list(o.token_ids), "text": o.text, "meta_info": meta}
 
         if body.stream and role_name != "prefill":
