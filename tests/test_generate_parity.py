@@ -118,3 +118,22 @@ def test_max_new_tokens_zero_answers_the_prompts_logprobs_alone(demo_engine):
     assert z["meta_info"]["input_token_logprobs"] == o["meta_info"]["input_token_logprobs"]
     assert len(z["meta_info"]["input_token_logprobs"]) == 20
     assert streamed.status_code == 400 and "max_new_tokens" in streamed.text
+
+
+def test_sglangs_sampling_seed_is_the_seed_and_stream_interval_is_taken(demo_engine):
+    """slime's deterministic mode sends `sampling_seed`; `stream_interval` only groups a stream's
+    chunks. Both were 400s ("unknown sampling params")."""
+    sample = {"max_new_tokens": 6, "temperature": 1.0}
+    ours, theirs, other, interval = post_in_process(
+        demo_engine,
+        [
+            ("/generate", {"input_ids": IDS, "sampling_params": sample | {"seed": 11}}),
+            ("/generate", {"input_ids": IDS, "sampling_params": sample | {"sampling_seed": 11}}),
+            ("/generate", {"input_ids": IDS, "sampling_params": sample | {"sampling_seed": 12}}),
+            ("/generate", {"input_ids": IDS, "sampling_params": sample | {"seed": 11, "stream_interval": 4}}),
+        ],
+    )
+    for r in (theirs, other, interval):
+        assert r.status_code == 200, r.text
+    assert theirs.json()["output_ids"] == ours.json()["output_ids"] == interval.json()["output_ids"]
+    assert other.json()["output_ids"] != ours.json()["output_ids"]

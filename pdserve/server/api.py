@@ -90,6 +90,7 @@ SGLANG_SAMPLING_NAMES = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
     "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",  # (SGLang's deterministic sampling; slime's deterministic mode sends it)
 }
 
 
@@ -922,6 +923,10 @@ def build_app(
                 if ours in sp:
                     raise APIError(f"give {sglang_name} or {ours}, not both")
                 sp[ours] = sp.pop(sglang_name)
+        # SGLang's `stream_interval` only groups a stream's chunks (every chunk here is cumulative:
+        # the same answer, one chunk per step).
+        if type(sp.pop("stream_interval", 1)) is not int:
+            raise APIError("stream_interval must be an integer")
         # SGLang's `spaces_between_special_tokens` acts in slow tokenizers only; ours are fast ones.
         if type(sp.pop("spaces_between_special_tokens", True)) is not bool:
             raise APIError("spaces_between_special_tokens must be a boolean")
