@@ -213,8 +213,8 @@ def build_app(
         make_params,
         pd_field=None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
         default_max_tokens: int | None = None,
+        cache_salt: str | None = None,
     ):
         """Build and check everything; any bad value becomes a 400 before the engine sees it (a child
         of an `n` > 1 or prompt-list request then waits for its siblings' checks: server/fanout.py).
@@ -229,8 +229,8 @@ def build_app(
         make_prompt, make_params, pd_field, request_id, default_max_tokens=None, cache_salt=None
     ):
         """(validate's checks, for one request; `default_max_tokens`: `LLMEngine.make_request`'s; the
-        abort count is the one its route read on arrival, `ARRIVAL_EPOCH`; `cache_salt` is set on the
-        request before anything computes its keys)
+        abort count is the one its route read on arrival, `ARRIVAL_EPOCH`; `cache_salt` goes with the
+        prompt, as in an offline prompt dict)
 
         Tokenizing runs on a worker thread (a 50k-token prompt takes ~0.1 s): on the event loop it
         stalled every stream this engine serves meanwhile.
@@ -241,6 +241,10 @@ def build_app(
         try:
             params: SamplingParams = make_params()
             prompt, rid = make_prompt(), f"cmpl-{uuid.uuid4().hex}"
+            if cache_salt is not None:  # (as an offline prompt dict's: `make_request` salts its keys)
+                if not isinstance(prompt, dict):
+                    prompt = {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt}
+                prompt = {**prompt, "cache_salt": cache_salt}
             req, text = await asyncio.to_thread(
                 aengine.validate, prompt, params, rid, default_max_tokens, ARRIVAL_EPOCH.get()
             )
@@ -250,7 +254,6 @@ def build_app(
             raise APIError("request nested too deeply") from None
         except WeightsLost as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
-        req.cache_salt = cache_salt
         if request_id is not None:
             req.client_id = f"cmpl-{request_id}"
         if role_name == "colocated":
@@ -624,8 +627,8 @@ def build_app(
             lambda: body.sampling_params(max_tokens, body.logprobs, sampling_defaults),
             pd_field,
             body.request_id,
-            body.cache_salt,
             default_max_tokens,
+            body.cache_salt,
         )
         created, rid = int(time.time()), req.client_id or req.request_id
         want_ids = bool(body.return_token_ids)
@@ -778,8 +781,8 @@ def build_app(
             params,
             pd_field,
             body.request_id,
-            body.cache_salt,
             default_max_tokens,
+            body.cache_salt,
         )
         created, rid = int(time.time()), chat_id(req.client_id or req.request_id)
         max_calls = 1 if body.parallel_tool_calls is False else None
