@@ -5,11 +5,10 @@ field's default, and SGLang fields this server does not implement are a 400 inst
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.conftest import post_in_process
+from tests.test_tool_calls import sse_chunks
 
 IDS = list(range(10, 91))  # 81 tokens: 5 full pages of 16
 BASE = {"input_ids": IDS, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -40,7 +39,7 @@ def test_meta_info_carries_the_weight_version_whole_and_streamed(demo_engine):
     finally:
         demo_engine.weight_version = old
     assert whole.json()["meta_info"]["weight_version"] == "v7", whole.json()
-    events = [json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: {")]
+    events = sse_chunks(streamed)
     assert events and all(e["meta_info"]["weight_version"] == "v7" for e in events)
 
 
