@@ -42,6 +42,12 @@ IDLE_CHECK_SHARE = 0.01  # idle integrity checks take at most this share of the 
 MAX_IDLE_CHECK_DEFER_S = 5.0  # ... and the next one waits no longer than this
 MAX_ABORT_LOG = 4096  # `abort_now()` calls remembered for requests still being checked
 MAX_NAMED_ABORTS_PER_ROUTER = 4096  # a router's named aborts remembered for its halves still in transit
+# `pause()` modes: SGLang's /pause_generation (abort, in_place, retract) and vLLM's /pause (abort,
+# wait, and keep = in_place). New requests wait in every mode until `resume()`; they differ in what
+# happens to those in flight: ended now as aborts; frozen with their pages (in_place); their pages
+# freed and put back in the queue, to be recomputed (mostly from the prefix cache) on resume
+# (retract); or left to finish (wait).
+PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
 
 class EngineDeadError(RuntimeError):
@@ -135,6 +141,11 @@ class AsyncEngine:
         # router id -> its latest named aborts, (its named-abort count, the name), oldest first
         # (`note_router_named_abort`), for the same MAX_ROUTERS routers at most
         self._router_named: OrderedDict[str, deque[tuple[int, str]]] = OrderedDict()
+        # Pausing (`pause`, `resume`; event-loop thread): the mode, or None; and the event new requests
+        # wait on meanwhile (set by `resume`).
+        self.pause_mode: str | None = None
+        self._resumed: asyncio.Event | None = None
+        self._hold_steps = False  # (read by the engine thread: no step while set; in_place, retract)
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -166,7 +177,14 @@ class AsyncEngine:
         return req, tokenized[0]
 
     async def generate(self, req: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating."""
+        """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating.
+        While the engine is paused (`pause`) the request waits here, before the engine sees it."""
+        while self.pause_mode is not None:
+            try:
+                await self._resumed.wait()
+            except BaseException:  # (its caller left while it waited: nobody takes its id over now)
+                self.unreserve(req)
+                raise
         if not self.alive:
             raise EngineDeadError("engine is not running")
         if req.request_id in self._streams or self._reserved.get(req.request_id, req) is not req:
@@ -211,6 +229,54 @@ class AsyncEngine:
             self._aborting.discard(req.request_id)
             if not finished:
                 self._send(("abort", req.request_id, False))
+
+    async def pause(self, mode: str = "abort") -> int:
+        """Event-loop thread (the pause routes of server/admin.py, for an RL trainer's weight update):
+        from now on new requests wait in `generate()` until `resume()`; those in flight, by `mode`
+        (PAUSE_MODES): "abort" ends each now (finish_reason "abort", as `abort_now()` does, also those
+        still being checked); "in_place" stops the steps, so each keeps its pages and goes on where it
+        was on resume; "retract" stops them too and frees each running request's pages, putting it
+        back at the head of the queue with its tokens so far (recomputed on resume; weights loaded
+        meanwhile compute it); "wait" returns once every one has finished. Pausing a paused engine
+        applies the new mode to what is in flight. Returns how many were aborted or retracted."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        if self.pause_mode is None:
+            self._resumed = asyncio.Event()
+        self.pause_mode = mode
+        if mode == "wait":  # (one paused in place before lets its requests run to their end)
+            await self.run(lambda: self._set_hold(False))
+            while self._streams and self.pause_mode == "wait":
+                await asyncio.sleep(0.01)
+            return 0
+        if mode == "abort":
+            num_aborted = await self.abort_now(None)
+            await self.run(lambda: self._set_hold(True))
+            return num_aborted
+
+        def hold() -> int:  # (engine thread, between two steps: none runs after `pause` returns)
+            self._set_hold(True)
+            return self.engine.retract_running() if mode == "retract" else 0
+
+        return await self.run(hold)
+
+    def resume(self) -> None:
+        """Event-loop thread: end a pause; the requests it held go on, the waiting ones start."""
+        if self.pause_mode is None:
+            return
+        self.pause_mode = None
+        self._set_hold(False)
+        self._resumed.set()
+
+    def release_held(self) -> None:
+        """Event-loop thread (a weight update without SGLang's `keep_pause`): the requests a pause froze
+        or retracted go on; new ones still wait for `resume()`."""
+        if self.pause_mode is not None:
+            self._set_hold(False)
+
+    def _set_hold(self, hold: bool) -> None:
+        self._hold_steps = hold
+        self._wake.set()
 
     def is_active(self, request_id: str) -> bool:
         """Event-loop thread: whether a caller is iterating `generate()` for this id, or holds it
@@ -460,7 +526,7 @@ class AsyncEngine:
                     elif cmd[0] == "call":  # run a function on the engine thread (role plumbing)
                         cmd[1]()
                 role_busy = role.tick() if role is not None else False
-                if engine.has_unfinished():
+                if engine.has_unfinished() and not self._hold_steps:
                     outputs = engine.step()
                     for out in outputs:
                         self._deliver(out, out.request_id)

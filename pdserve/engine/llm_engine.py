@@ -310,7 +310,19 @@ class LLMEngine:
         self.kv.free(req)
         self.release(req)
 
-    def update_weights(self, model_dir: str, abort_running: bool = False, on_abort=None, abort=None) -> int:
+    def retract_running(self) -> int:
+        """Engine thread (a pause's "retract"): free the pages of every running request and queue it
+        again (Scheduler.retract_all); returns how many."""
+        return len(self.scheduler.retract_all())
+
+    def update_weights(
+        self,
+        model_dir: str,
+        abort_running: bool = False,
+        on_abort=None,
+        abort=None,
+        keep_running: bool = False,
+    ) -> int:
         """Engine thread: serve the weights of `model_dir` from now on (an RL trainer's new
         checkpoint; same architecture and shapes). Cached prefix pages were computed with the old
         weights, so the prefix cache is dropped. With requests in flight: EngineBusy, or with
@@ -319,7 +331,11 @@ class LLMEngine:
         changes or any request is aborted. If copying fails midway (the files changed meanwhile), the
         previous weights are loaded back (CheckpointError); if that fails too, WeightsLost and the
         engine refuses requests (`weights_lost`) until an update succeeds. Returns the cached pages dropped. `abort` (request id ->
-        its final output or None) replaces `self.abort` for that (a PD role ends its rooms with it)."""
+        its final output or None) replaces `self.abort` for that (a PD role ends its rooms with it).
+        `keep_running` (the engine is paused in place or retracted, AsyncEngine.pause): the requests in
+        flight stay, to go on under the new weights on resume (SGLang's in-place update): a retracted
+        one is recomputed by them; one paused in place keeps the pages the old ones computed, and the
+        pages it completes later (their KV computed by both) are never offered to other requests."""
         current = self.config.model_config
         try:
             new = ModelConfig.from_dir(model_dir)
@@ -329,12 +345,17 @@ class LLMEngine:
         if dataclasses.replace(new, bos_token_id=current.bos_token_id, **same) != current:
             raise InvalidRequest(f"{model_dir} is not the same model shape as the one served")
         loader.check_checkpoint(self.runner.model, model_dir, current)
-        if self.requests and not abort_running:
+        if self.requests and not abort_running and not keep_running:
             raise EngineBusy(f"{len(self.requests)} requests are in flight (abort_running: true aborts them)")
-        for rid in list(self.requests):
+        for rid in list(self.requests) if not keep_running else ():
             out = (abort or self.abort)(rid)
             if out is not None and on_abort is not None:
                 on_abort(out)
+        for req in self.requests.values():  # (kept: `keep_running`)
+            if req.page_ids:
+                req.publish_pages = False
+            else:  # (queued or retracted: its keys start again from the new root when it is admitted)
+                req.page_key_cache.clear()
         dropped = self.kv.pool.reset_prefix_cache()  # (before any copy: no page may outlive its weights)
         # Pages still referenced (a PD room aborted but not yet released: its writes in flight, its
         # decode's ack awaited) keep their keys and return to the cache when freed: keys computed from

@@ -98,6 +98,9 @@ class Request:
     page_key_cache: list = field(default_factory=list)
     block_key_cache: list = field(default_factory=list)
     cache_salt: str | None = None
+    # False once weights changed under it while it kept its pages (a pause in place): its KV mixes two
+    # weights' computations, so the pages it completes from then on are never offered to other requests.
+    publish_pages: bool = True
     # Full store blocks of this request already queued for write-back (on the request, not a table by
     # id: an id used again by a later request must not inherit the count).
     num_blocks_persisted: int = 0

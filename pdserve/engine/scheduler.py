@@ -196,6 +196,15 @@ class Scheduler:
         )
         return sum(it.num_new_tokens for it in plan.items) + (plan.chunk.num_new_tokens if plan.chunk else 0)
 
+    def retract_all(self) -> list[Request]:
+        """Preempt every running request (a pause's "retract", AsyncEngine.pause): its pages freed, it
+        goes back to the head of the waiting queue, the running ones in admission order ahead of those
+        that waited already. Returns them."""
+        victims, self.running = self.running, []
+        for req in reversed(victims):
+            self._preempt(req)
+        return victims
+
     def _preempt(self, req: Request) -> None:
         # Safe for a PD prefill request with page writes in flight: each write holds its own reference
         # on the pages it reads until the transfer is reported (PrefillRole.pinned), so these pages are

@@ -99,7 +99,7 @@ class KVManager:
             req.page_key_cache, req.all_token_ids, self.page_size, self.root_for(req), num_full
         )
         for i, key in enumerate(keys[start:], start=start):
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and req.publish_pages:
                 self.pool.register(req.page_ids[i], key)
             req.page_keys.append(key)
 

@@ -24,11 +24,20 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   store follow the new weights (`PDContext.on_new_weights`), and `abort_running` ends its rooms as
   aborts on both halves; the router updates every engine of a cluster at once.
 * `GET /get_model_info` (SGLang's): the served checkpoint (after weight updates: the latest one).
+* `POST /pause_generation` `{"mode": "abort" | "in_place" | "retract"}` and `POST
+  /continue_generation` (SGLang's), `POST /pause?mode=abort|wait|keep&clear_cache=` , `POST /resume`
+  and `GET /is_paused` (vLLM's): an RL trainer pauses generation around a weight update. New requests
+  wait until the pause ends; those in flight end as aborts, freeze with their pages, give their pages
+  back to be recomputed, or (vLLM's "wait") finish first (AsyncEngine.pause). A weight update while
+  requests are frozen or retracted keeps them (they go on under the new weights; `keep_pause`).
+  A PD engine refuses them: a cluster is paused through its router (router/control.py).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import json
+
+from fastapi import APIRouter, Request
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
@@ -37,7 +46,9 @@ from pdserve.server.pd_context import model_identity
 from pdserve.server.protocol import (
     AbortRequest,
     APIError,
+    PauseGenerationRequest,
     UpdateWeightsRequest,
+    describe_errors,
     request_id_of,
     sglang_failure,
 )
@@ -107,6 +118,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                 "weight updates are off: start the engine with --enable-weight-updates", 403, "Forbidden"
             )
         aborted: list = []  # final outputs of the requests the update aborted
+        kept: list[int] = []  # ... and how many requests a pause holds across it
         rooms_ended: list[str] = []  # ... and the PD requests it ended through their role
 
         def update() -> int:  # (engine thread)
@@ -114,8 +126,11 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                 aborted.append(out)
                 aengine.finish_aborted(out)
 
-            if pd is None:
-                return engine.update_weights(body.model_path, body.abort_running, ended)
+            if pd is None:  # (a pause in place or a retract keeps its requests: they go on later)
+                keep = aengine.pause_mode in ("in_place", "retract") and not body.abort_running
+                dropped = engine.update_weights(body.model_path, body.abort_running, ended, keep_running=keep)
+                kept.append(len(engine.requests))
+                return dropped
 
             def end(rid: str):  # a PD request ends through its role: its room fails on purpose, and
                 out = pd.role.abort(rid, True)  # its peer's half answers "abort" too
@@ -145,13 +160,74 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             raise failed(str(e), 503, "ServiceUnavailable") from None
         if body.weight_version is not None:
             engine.weight_version = body.weight_version
+        if not body.keep_pause:  # (SGLang's: the requests a pause froze go on; new ones still wait)
+            aengine.release_held()
         return {
             "success": True,
             "message": f"serving the weights of {body.model_path}",
             "num_cached_pages_dropped": dropped,
             "num_requests_aborted": len(aborted) + len(rooms_ended),
+            "num_paused_requests": kept[0] if kept and aengine.pause_mode is not None else 0,
             "num_weight_updates": engine.num_weight_updates,
             "weight_version": engine.weight_version,
         } | ({"weights_id": pd.identity} if pd is not None else {})
+
+    def colocated_only() -> None:
+        if pd is not None:
+            raise APIError(
+                f"a {pd.role_name} engine is paused through its router (its /pause_generation "
+                "pauses the whole cluster)",
+                400,
+                param="mode",
+            )
+
+    async def pause(mode: str) -> int:
+        colocated_only()
+        try:
+            return await aengine.pause(mode)
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+
+    @router.post("/pause_generation")
+    async def pause_generation(http: Request):
+        """SGLang's: `mode` "abort" (its default), "in_place" or "retract" (module docstring)."""
+        raw = await http.body()
+        try:
+            body = PauseGenerationRequest.model_validate(json.loads(raw) if raw.strip() else {})
+        except ValueError as e:
+            errors = getattr(e, "errors", None)
+            message = describe_errors(errors()) if errors else "request body is not valid JSON"
+            raise APIError(f"invalid body: {message}", param="mode") from None
+        num = await pause(body.mode)
+        out = {"message": "Generation paused successfully.", "status": "ok"}
+        return out | {"num_requests_aborted" if body.mode == "abort" else "num_requests_retracted": num}
+
+    @router.post("/continue_generation")
+    async def continue_generation():
+        """SGLang's (its body, `{}`, says nothing): the pause ends."""
+        aengine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @router.post("/pause")
+    async def pause_vllm(mode: str = "abort", clear_cache: bool = True):
+        """vLLM's: `mode` "abort" (its default), "wait" (those in flight finish first) or "keep" (frozen
+        in place); `clear_cache` (vLLM's default true) drops the prefix cache once nothing runs
+        (not with "keep": frozen requests hold their pages)."""
+        ours = {"abort": "abort", "wait": "wait", "keep": "in_place"}.get(mode)
+        if ours is None:
+            raise APIError(f"mode must be abort, wait or keep, not {mode!r}", param="mode")
+        await pause(ours)
+        if clear_cache and ours != "in_place":
+            await reset_prefix_cache()
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume():
+        aengine.resume()
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": aengine.pause_mode is not None}
 
     return router

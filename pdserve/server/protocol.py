@@ -478,6 +478,14 @@ class AbortRequest(BaseModel):
         return self
 
 
+class PauseGenerationRequest(BaseModel):
+    """POST /pause_generation (SGLang's; an empty body is `{}`): what happens to the requests in flight
+    (AsyncEngine.pause); new ones wait until `/continue_generation` in every mode."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
 LOAD_FORMATS = (None, "auto", "safetensors")  # (what the engines read; SGLang's field names more)
 
 
@@ -488,8 +496,11 @@ class UpdateWeightsRequest(BaseModel):
     `abort_running`: either aborts), `load_format` (safetensors is what we read: null, "auto" or
     "safetensors"), `weight_version` (a label the engine reports from then on), `flush_cache` (the
     prefix cache computed with the old weights is always dropped: false is refused), `is_async` and
-    `keep_pause` (false only: the load is synchronous and there is no pause), `torch_empty_cache` and
-    `recapture_cuda_graph` (hints about the GPU's memory and graphs: either value). Others: 400."""
+    `keep_pause` (on an engine paused in place or retracted, `/pause_generation`: true keeps its
+    requests frozen after the load; false, SGLang's default, lets them go on under the new weights, new
+    requests waiting still until `/continue_generation`), `is_async` (false only: the load is
+    synchronous), `torch_empty_cache` and `recapture_cuda_graph` (hints about the GPU's memory and
+    graphs: either value). Others: 400."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model_path: str = Field(min_length=1)
@@ -505,9 +516,8 @@ class UpdateWeightsRequest(BaseModel):
 
     @model_validator(mode="after")
     def _sglang_fields(self):
-        for name in ("is_async", "keep_pause"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: true is not supported")
+        if self.is_async:
+            raise ValueError("is_async: true is not supported")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not supported (safetensors checkpoints)")
         if not self.flush_cache:
