@@ -181,3 +181,73 @@ def test_a_prefill_and_a_decode_of_different_weights_refuse_each_others_requests
         assert served.status_code == 200 and served.json()["choices"][0]["text"] == greedy(refs["b"], ids)
     finally:
         assert update(cluster.router_url, a).status_code == 200
+
+
+def until_decoding(cluster, answer: concurrent.futures.Future) -> None:
+    """Until the cluster's decode runs a request (or `answer` is done)."""
+    decode, deadline = cluster.urls["decode"][0], time.monotonic() + 60
+    while not answer.done() and time.monotonic() < deadline:
+        engines = httpx.get(cluster.router_url + "/health", timeout=5).json()["engines"]
+        if engines[decode]["in_flight"]:
+            return
+        time.sleep(0.01)
+
+
+def test_a_paused_cluster_aborts_what_runs_holds_new_requests_across_an_update(cluster, checkpoints, refs):
+    """AReaL's and slime's update: `/pause_generation` (abort), the update, `/continue_generation`.
+    The request held meanwhile is answered by the new weights, exactly; the update does not end the
+    pause. An engine of the cluster refuses to be paused on its own, and the router refuses the
+    modes that would freeze a request's two halves."""
+    a, b = checkpoints
+    ids, url = prompt(refs, "pause"), cluster.router_url
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(complete, url, ids, max_tokens=500)
+            until_decoding(cluster, long)
+            paused = httpx.post(url + "/pause_generation", json={}, timeout=60)
+            aborted = long.result()
+            held = pool.submit(complete, url, ids)
+            time.sleep(0.5)
+            waiting = (held.done(), httpx.get(url + "/is_paused", timeout=5).json())
+            alone = httpx.post(cluster.urls["decode"][0] + "/pause_generation", json={}, timeout=10)
+            frozen = httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=10)
+            keep = httpx.post(url + "/pause", params={"mode": "keep"}, timeout=10)
+            updated = update(url, b)
+            time.sleep(0.3)
+            still = held.done()
+            resumed = httpx.post(url + "/continue_generation", json={}, timeout=10)
+            answer = held.result()
+        assert paused.status_code == 200, paused.text
+        assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        assert aborted.json()["choices"][0]["finish_reason"] == "abort"
+        assert waiting == (False, {"is_paused": True})
+        assert alone.status_code == 400 and "through its router" in alone.json()["error"]["message"]
+        assert frozen.status_code == 400 and keep.status_code == 400 and "router" in frozen.text
+        assert updated.status_code == 200 and updated.json()["success"], updated.text
+        assert still is False and resumed.status_code == 200
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy(refs["b"], ids)
+        assert httpx.get(url + "/is_paused", timeout=5).json() == {"is_paused": False}
+    finally:
+        httpx.post(url + "/continue_generation", timeout=10)
+        assert update(url, a).status_code == 200
+
+
+def test_vllm_pause_wait_lets_the_cluster_finish_what_runs(cluster, refs):
+    ids, url = prompt(refs, "wait"), cluster.router_url
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, url, ids, max_tokens=40)
+            until_decoding(cluster, running)
+            paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
+            finished_first = running.done()
+            held = pool.submit(complete, url, ids)
+            time.sleep(0.5)
+            waiting = held.done()
+            resumed = httpx.post(url + "/resume", timeout=10)
+            answer = held.result()
+        assert paused.json() == {"status": "paused"} and finished_first
+        assert running.result().json()["choices"][0]["finish_reason"] == "length"
+        assert waiting is False and resumed.json() == {"status": "resumed"}
+        assert answer.json()["choices"][0]["text"] == greedy(refs["a"], ids)
+    finally:
+        httpx.post(url + "/resume", timeout=10)

@@ -218,14 +218,21 @@ class Router:
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`Relay`)
-        self.open = asyncio.Event()  # cleared while a weight update holds new requests
+        self.open = asyncio.Event()  # cleared while a weight update or a pause holds new requests
         self.open.set()
+        self.pause_mode: str | None = None  # a client's pause (router/control.py), until it ends it
         self.stopping = asyncio.Event()  # set by `shut_down` (Ctrl-C): everything still relayed ends
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
         # ... and the identity its engines reported (a trainer that rewrites one directory every step
         # keeps the path: an engine that missed an update is told by this)
         self.weights_id: str | None = None
+
+    def reopen(self, update_ending: bool = False) -> None:
+        """Let held requests go: at the end of a weight update (`update_ending`; unless the cluster is
+        paused), or of a pause (unless an update is still on: it reopens when it ends)."""
+        if self.pause_mode is None and (update_ending or not self.update_lock.locked()):
+            self.open.set()
 
     @property
     def num_retries(self) -> int:

@@ -14,6 +14,12 @@ Who calls them: an RL trainer's rollout manager and operators, as they would cal
   weights (the engines' fingerprints would refuse it anyway: a 503). An engine that serves other
   weights than the last update's (it missed it) is out of service (`Engine.stale`) until one reaches it.
 * `POST /reset_prefix_cache`, `GET|POST /flush_cache`: to every engine.
+* `POST /pause_generation` (SGLang's) and `POST /pause` (vLLM's), `POST /continue_generation`,
+  `POST /resume`, `GET /is_paused`: an RL trainer pauses the cluster around a weight update. New
+  requests are held here (`Router.open`, as during an update, which no longer ends the pause) until
+  the pause ends; those in flight end as aborts on every engine ("abort"), or finish first (vLLM's
+  "wait"). Freezing requests in place or retracting them is refused through the router: a frozen
+  request's prefill and decode halves would each wait on the other past their deadlines.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pdserve.router.legs import ABORT_TIMEOUT_S, JSON
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.protocol import (
     AbortRequest,
+    PauseGenerationRequest,
     UpdateWeightsRequest,
     describe_errors,
     error_body,
@@ -189,7 +196,7 @@ def control_routes(router: Router) -> APIRouter:
                     await router.check_health()
                 return summary(live, answers, every_engine=True)
             finally:
-                router.open.set()
+                router.reopen(update_ending=True)  # (unless paused: then `/continue_generation` does)
 
     @routes.post("/reset_prefix_cache")
     async def reset_prefix_cache(http: Request):
@@ -198,5 +205,76 @@ def control_routes(router: Router) -> APIRouter:
     @routes.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(http: Request):
         return await to_every_engine("/flush_cache", http)
+
+    async def pause(http: Request, mode: str, clear_cache: bool = False) -> Response | None:
+        """Hold new requests; end those in flight ("abort") or wait for them ("wait"). None when done,
+        else the answer that says what failed (the cluster stays paused: new requests wait)."""
+        if mode not in ("abort", "wait"):
+            message = (
+                f"mode {mode!r} is not available through the PD router (a frozen request's prefill "
+                "and decode halves would wait on each other past their deadlines): use abort, or "
+                "vLLM's /pause?mode=wait"
+            )
+            return JSONResponse(error_body(message, 400, param="mode"), 400)
+        router.pause_mode = mode
+        router.open.clear()
+        if mode == "abort":  # (not those held here: they came after the pause, and wait for its end)
+            everything = {"abort_all": True} | router.abort_all(held_too=False)
+            aborted = await abort_on_every_engine(http, everything)
+            if aborted.status_code != 200:
+                return aborted
+        try:
+            drain_s = CONTROL_TIMEOUT_S if mode == "abort" else None
+            await unless_gone(http, asyncio.wait_for(router.drained(), drain_s))
+        except ClientGone:
+            return client_gone()
+        except TimeoutError:  # (a client that stopped reading its aborted stream: its engines ended it)
+            pass
+        if clear_cache:
+            cleared = await to_every_engine("/reset_prefix_cache", http, {})
+            if cleared.status_code != 200:
+                return cleared
+        return None
+
+    @routes.post("/pause_generation")
+    async def pause_generation(http: Request):
+        """SGLang's, for the whole cluster: `mode` "abort" (its default); "in_place" and "retract" are
+        refused (module docstring)."""
+        raw = await http.body()
+        try:
+            body = PauseGenerationRequest.model_validate(json.loads(raw) if raw.strip() else {})
+        except ValidationError as e:
+            message = f"invalid body: {describe_errors(e.errors())}"
+            return JSONResponse(error_body(message, 400, param="mode"), 400)
+        except ValueError:
+            return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+        failed = await pause(http, body.mode)
+        return failed or {"message": "Generation paused successfully.", "status": "ok"}
+
+    @routes.post("/pause")
+    async def pause_vllm(http: Request, mode: str = "abort", clear_cache: bool = True):
+        """vLLM's: `mode` "abort" (its default) or "wait"; "keep" is refused; `clear_cache` drops every
+        engine's prefix cache once nothing runs."""
+        if mode not in ("abort", "wait", "keep"):
+            message = f"mode must be abort, wait or keep, not {mode!r}"
+            return JSONResponse(error_body(message, 400, param="mode"), 400)
+        failed = await pause(http, "in_place" if mode == "keep" else mode, clear_cache)
+        return failed or {"status": "paused"}
+
+    @routes.post("/continue_generation")
+    async def continue_generation():
+        router.pause_mode = None
+        router.reopen()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @routes.post("/resume")
+    async def resume():
+        router.pause_mode = None
+        router.reopen()
+        return {"status": "resumed"}
+
+    @routes.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": router.pause_mode is not None}
 
     return routes
