@@ -251,3 +251,43 @@ def test_vllm_pause_wait_lets_the_cluster_finish_what_runs(cluster, refs):
         assert answer.json()["choices"][0]["text"] == greedy(refs["a"], ids)
     finally:
         httpx.post(url + "/resume", timeout=10)
+
+
+def test_the_router_reports_the_cluster_load_info_and_health(cluster, refs):
+    """slime's view of a cluster through its router: `/health_generate` generates one token through a
+    prefill and a decode; `/v1/loads` lists both engines and the router, counts a running request on
+    each and falls to zero after an abort of everything; `/get_server_info` is an engine's, with the
+    cluster's shape."""
+    from tests.test_engine_status import num_requests
+
+    ids, url = prompt(refs, "loads"), cluster.router_url
+    healthy = httpx.get(url + "/health_generate", timeout=60)
+    assert healthy.status_code == 200, healthy.text
+    info = httpx.get(url + "/get_server_info", timeout=10).json()
+    assert info["disaggregation_mode"] == "router" and info["max_total_num_tokens"] == 400 * 16
+    assert info["pd_cluster"]["prefill_urls"] == cluster.urls["prefill"]
+    idle = httpx.get(url + "/v1/loads", timeout=10).json()
+    assert [e["role"] for e in idle["loads"]] == ["prefill", "decode", "router"]
+    assert [e["dp_rank"] for e in idle["loads"]] == [0, 1, 2] and num_requests(idle) == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(complete, url, ids, max_tokens=500)
+        until_decoding(cluster, long)
+        busy = httpx.get(url + "/v1/loads", params={"include": "core,disagg"}, timeout=10).json()
+        httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+        assert long.result().json()["choices"][0]["finish_reason"] == "abort"
+    decode, router_entry = busy["loads"][1], busy["loads"][2]
+    assert decode["num_total_reqs"] == 1 and decode["disaggregation"]["mode"] == "decode"
+    assert router_entry["num_total_reqs"] == 1
+    wait_engine_idle(cluster.urls["prefill"][0])
+    wait_engine_idle(cluster.urls["decode"][0])
+    after = httpx.get(url + "/v1/loads", params={"include": "core,disagg,queues"}, timeout=10).json()
+    assert num_requests(after) == 0, after
+    bad = httpx.get(url + "/v1/loads", params={"include": "gpu"}, timeout=10)
+    assert bad.status_code == 400
+    try:
+        assert httpx.post(url + "/pause_generation", json={}, timeout=60).status_code == 200
+        paused = httpx.get(url + "/health_generate", timeout=10)
+        assert paused.status_code == 503 and paused.json() == {"status": "paused"}
+    finally:
+        httpx.post(url + "/continue_generation", timeout=10)
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 200

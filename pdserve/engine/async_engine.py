@@ -153,6 +153,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def num_streams(self) -> int:
+        """Requests being streamed to their callers now (their engine has them)."""
+        return len(self._streams)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 

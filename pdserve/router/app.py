@@ -218,6 +218,7 @@ class Router:
         self.router_id = uuid.uuid4().hex  # (new at each start: the engines keep each router's count)
         self.num_dispatching = 0  # requests inside `dispatch` (placement, the prefill's answer, ...)
         self.num_relaying = 0  # ... and past it: the decode's answer being relayed (`Relay`)
+        self.num_held = 0  # ... and before it: held while a weight update or a pause is on
         self.open = asyncio.Event()  # cleared while a weight update or a pause holds new requests
         self.open.set()
         self.pause_mode: str | None = None  # a client's pause (router/control.py), until it ends it
@@ -474,13 +475,16 @@ class Router:
         sharing). Decodes are still picked per request, to spread the n generations. `siblings`,
         `leader`: the same under DualPath placement (`Siblings`)."""
         epoch, held_aborts, named_at = self.abort_epoch, self.num_held_aborts, self.num_named_aborts
-        while not self.open.is_set():  # a weight update is on: wait for the new weights (again, if
-            try:  # another update closed the door before this request woke up)
+        while not self.open.is_set():  # a weight update or a pause is on: wait for its end (again, if
+            self.num_held += 1  # another update closed the door before this request woke up)
+            try:
                 await unless_gone(http, unless_set(self.stopping, self.open.wait(), RouterStopping))
             except ClientGone:
                 return client_gone()
             except RouterStopping:
                 return unavailable(STOPPING)
+            finally:
+                self.num_held -= 1
         if self.num_held_aborts == held_aborts:
             # (held through an update's own `abort_running` at most: it ends the requests running,
             # not those it held, which go on under the new weights)

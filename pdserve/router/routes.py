@@ -1,7 +1,8 @@
 """The router's HTTP app: the OpenAI and SGLang routes over `Router.dispatch` (a request of `n` > 1
 choices or a prompt list split into children, server/fanout.py), what any engine answers alike
 (forwarded to one live engine), the router's own `/health`, `/version`, `/metrics` and `/pd/cluster`,
-and the control routes of `router/control.py`.
+`/v1/loads`, `/get_server_info` and `/health_generate` for the cluster, and the control routes of
+`router/control.py`.
 
 Who calls it: `pdserve router` (cli.py) serves `build_router_app(router)` with uvicorn; tests drive
 it in process (httpx's ASGI transport).
@@ -29,7 +30,7 @@ from pdserve.server import fanout
 from pdserve.server.auth import ApiKey
 from pdserve.server.content_type import JsonBodies
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import error_body, http_error
+from pdserve.server.protocol import error_body, http_error, now_iso
 
 
 def build_router_app(router: Router) -> FastAPI:
@@ -182,6 +183,82 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(http: Request):
         return await to_an_engine("POST", "/detokenize", http)
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        """An engine's (decodes first: the cluster's configuration is theirs alike), with the router's
+        view of the cluster under `pd_cluster`."""
+        answer = await to_an_engine("GET", "/get_server_info")
+        if answer.status_code != 200:
+            return answer
+        cluster = {
+            "prefill_urls": [e.url for e in router.prefills],
+            "decode_urls": [e.url for e in router.decodes],
+            "policy": router.policy,
+            "is_paused": router.pause_mode is not None,
+        }
+        return json.loads(answer.body) | {"disaggregation_mode": "router", "pd_cluster": cluster}
+
+    @app.get("/v1/loads")
+    async def loads(http: Request):
+        """SGLang's, for the cluster: each live engine's ranks (its query passed on), numbered across
+        the cluster and marked with the engine's `url` and `role`, then the router's own entry: the
+        requests it holds (a pause or a weight update) and those it dispatches or relays. A request
+        counts on its prefill, its decode and the router: an idle cluster is all zeros (slime's
+        idle check sums the entries)."""
+        query = f"?{http.url.query}" if http.url.query else ""
+        live = [e for e in router.prefills + router.decodes if e.healthy]
+
+        async def one(e) -> tuple[int, object]:
+            try:
+                r = await router.client.get(e.url + "/v1/loads" + query, timeout=10.0)
+                return r.status_code, r.json()
+            except (httpx.HTTPError, ValueError) as err:
+                return 502, repr(err)
+
+        answers = await asyncio.gather(*(one(e) for e in live))
+        entries, unreachable = [], []
+        for e, (status, answer) in zip(live, answers, strict=True):
+            if status == 400:  # (a bad query: every engine says why)
+                return JSONResponse(answer, 400)
+            if status != 200:
+                unreachable.append(e.url)
+                continue
+            for entry in answer["loads"]:
+                entries.append(entry | {"dp_rank": len(entries), "url": e.url, "role": e.role})
+        from pdserve import __version__
+
+        held, in_flight = router.num_held, router.num_in_flight()
+        entries.append(
+            {
+                "dp_rank": len(entries),
+                "role": "router",
+                "timestamp": now_iso(),
+                "num_running_reqs": in_flight,
+                "num_waiting_reqs": held,
+                "num_total_reqs": in_flight + held,
+            }
+        )
+        out = {"timestamp": now_iso(), "version": __version__, "loads": entries}
+        if unreachable:
+            out["unreachable"] = unreachable
+        return out
+
+    @app.get("/health_generate")
+    async def health_generate(http: Request):
+        """SGLang's: one token generated through a prefill and a decode (the whole PD path), 200; else
+        503 (also at once while the cluster is paused: it generates nothing until resumed)."""
+        if router.pause_mode is not None:
+            return JSONResponse({"status": "paused"}, 503)
+        body = {
+            "input_ids": [0],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+            "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        }
+        answer = await router.dispatch("/generate", body, http)
+        if answer.status_code == 200:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unhealthy", "answer": answer.body.decode(errors="replace")}, 503)
 
     @app.get("/version")
     async def version():

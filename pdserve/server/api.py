@@ -1,6 +1,7 @@
 """HTTP API of one engine: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, native
 `/generate`, `/health`, `/metrics`, (server/tokenize.py) `/tokenize`, `/detokenize`, and
-(server/admin.py) the control endpoints: `/abort_request`, cache resets, weight updates.
+(server/admin.py) the control endpoints: `/abort_request`, cache resets, weight updates, pauses, and
+(server/engine_status.py) `/v1/loads`, `/get_server_info`, `/health_generate`.
 
 Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
 request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
@@ -43,6 +44,7 @@ from pdserve.server.admin import admin_routes
 from pdserve.server.auth import ApiKey
 from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
+from pdserve.server.engine_status import status_routes
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.native_stream import (
@@ -1035,6 +1037,7 @@ def build_app(
         return native(await run_to_end(req, text, http))
 
     app.include_router(admin_routes(aengine, engine, enable_weight_updates, pd))
+    app.include_router(status_routes(aengine, engine, pd))
     app.include_router(
         tokenize_routes(tokenizer, engine.config.scheduler.max_model_len, vocab_size, check_model)
     )

@@ -7,6 +7,7 @@ updates, with the validators each field needs; they share the sampling fields an
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from typing import Any, ClassVar, Literal
 
@@ -476,6 +477,11 @@ class AbortRequest(BaseModel):
         if self.room and (not self.rid or self.router_id):
             raise ValueError("room comes with a rid and no router fields")
         return self
+
+
+def now_iso() -> str:
+    """The time now, as SGLang's load reports write it (ISO 8601, UTC)."""
+    return datetime.datetime.now(datetime.UTC).isoformat()
 
 
 class PauseGenerationRequest(BaseModel):

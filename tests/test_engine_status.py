@@ -1,0 +1,97 @@
+"""What one engine reports about itself, under SGLang's names, through its app in process:
+`/v1/loads` (slime's idle check after an abort: every count is zero once nothing runs),
+`/get_server_info` and `/health_generate` (one token generated; 503 while paused)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.conftest import run_in_process, until
+
+PROMPT = "def handler(request, context):\n    return process(request.body)\n" * 3
+
+
+def num_requests(load: dict) -> int:
+    """slime's reading of a load report: per rank, `num_total_reqs` if it is there, else running +
+    waiting; plus (its newer versions) every positive count in the sections it asked for."""
+    total = 0
+    for rank in load["loads"]:
+        total += rank.get("num_total_reqs", rank.get("num_running_reqs", 0) + rank.get("num_waiting_reqs", 0))
+        for name in ("queues", "disaggregation"):
+            total += sum(v for v in rank.get(name, {}).values() if isinstance(v, int) and v > 0)
+    return total
+
+
+def long_completion(c, n: int = 400):
+    body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    return c.post("/v1/completions", json=body)
+
+
+def test_loads_count_what_runs_and_fall_to_zero_after_an_abort(demo_engine):
+    engine = demo_engine
+
+    async def scenario(c):
+        idle = (await c.get("/v1/loads")).json()
+        long = asyncio.ensure_future(long_completion(c))
+        await until(lambda: engine.scheduler.running and engine.requests)
+        busy = (await c.get("/v1/loads", params={"include": "core,queues"})).json()
+        await c.post("/pause_generation", json={"mode": "in_place"})
+        paused = (await c.get("/v1/loads", params={"include": "queues"})).json()
+        await c.post("/continue_generation")
+        await c.post("/abort_request", json={"abort_all": True})
+        await long
+        after = (await c.get("/v1/loads", params={"include": "core,memory,queues,disagg"})).json()
+        refused = [
+            await c.get("/v1/loads", params={"include": "core,gpu"}),
+            await c.get("/v1/loads", params={"dp_rank": 1}),
+        ]
+        one = (await c.get("/v1/loads", params={"dp_rank": 0, "include": "core"})).json()
+        return idle, busy, paused, after, refused, one
+
+    idle, busy, paused, after, refused, one = run_in_process(engine, scenario)
+    (rank,) = idle["loads"]
+    assert rank["dp_rank"] == 0 and idle["num_accelerators"] == 1 and idle["version"]
+    assert rank["max_total_num_tokens"] == 128 * 16 and rank["max_running_requests"] == 64
+    assert num_requests(idle) == 0 and rank["num_used_tokens"] == 0 and rank["token_usage"] == 0
+    assert set(rank) >= {"memory", "queues", "cache_hit_rate", "gen_throughput", "utilization"}
+    (rank,) = busy["loads"]
+    assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_total_reqs"]) == (1, 0, 1)
+    assert rank["num_used_tokens"] >= len(PROMPT) // 8 and 0 < rank["token_usage"] < 1
+    assert rank["queues"] == {"waiting": 0, "paused": 0} and "memory" not in rank
+    assert paused["loads"][0]["queues"] == {"waiting": 0, "paused": 1}
+    assert "num_running_reqs" not in paused["loads"][0]  # (only the sections asked for)
+    assert num_requests(after) == 0 and after["loads"][0]["num_used_tokens"] == 0
+    assert after["loads"][0]["memory"]["num_used_pages"] == 0
+    assert "disaggregation" not in after["loads"][0]  # (a colocated engine has none)
+    assert refused[0].status_code == 400 and "gpu" in refused[0].json()["error"]["message"]
+    assert refused[1].status_code == 404
+    assert one["loads"][0]["num_total_reqs"] == 0
+
+
+def test_server_info_and_health_generate(demo_engine):
+    engine = demo_engine
+
+    async def scenario(c):
+        info = await c.get("/get_server_info")
+        again = await c.get("/server_info")
+        before = engine.num_generated_tokens
+        healthy = await c.get("/health_generate")
+        generated = engine.num_generated_tokens - before
+        await c.post("/pause_generation", json={})
+        paused = await c.get("/health_generate")
+        await c.post("/continue_generation")
+        back = await c.get("/health_generate")
+        return info, again, healthy, generated, paused, back
+
+    info, again, healthy, generated, paused, back = run_in_process(engine, scenario)
+    body = info.json()
+    assert info.status_code == 200 and again.json()["model_path"] == body["model_path"]
+    assert body["context_length"] == 1024 and body["page_size"] == 16
+    assert body["max_total_num_tokens"] == 128 * 16 and body["disaggregation_mode"] == "null"
+    assert body["weight_version"] == "default" and body["version"]
+    assert body["internal_states"][0]["is_paused"] is False
+    assert healthy.status_code == 200 and generated == 1  # (it generated its one token)
+    assert paused.status_code == 503 and paused.json() == {"status": "paused"}
+    assert back.status_code == 200
+    assert not engine.requests and engine.kv.pool.num_used_pages == 0
+    engine.check_integrity()
