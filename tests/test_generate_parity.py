@@ -136,3 +136,20 @@ def test_sglangs_sampling_seed_is_the_seed_and_stream_interval_is_taken(demo_eng
         assert r.status_code == 200, r.text
     assert theirs.json()["output_ids"] == ours.json()["output_ids"] == interval.json()["output_ids"]
     assert other.json()["output_ids"] != ours.json()["output_ids"]
+
+
+def test_custom_params_without_a_logit_processor_are_inert_as_in_sglang(demo_engine):
+    """SGLang's `custom_params` feed a request's `custom_logit_processor` (refused here); alone they
+    change nothing there, so they are taken (they were a 400, "unknown sampling params")."""
+    sp = BASE["sampling_params"]
+    plain, with_params, not_an_object = post_in_process(
+        demo_engine,
+        [
+            ("/generate", BASE),
+            ("/generate", BASE | {"sampling_params": sp | {"custom_params": {"thinking_budget": 5}}}),
+            ("/generate", BASE | {"sampling_params": sp | {"custom_params": [1]}}),
+        ],
+    )
+    assert with_params.status_code == 200, with_params.text
+    assert with_params.json()["output_ids"] == plain.json()["output_ids"]
+    assert not_an_object.status_code == 400 and "custom_params" in not_an_object.text

@@ -935,6 +935,10 @@ def build_app(
         # SGLang's `spaces_between_special_tokens` acts in slow tokenizers only; ours are fast ones.
         if type(sp.pop("spaces_between_special_tokens", True)) is not bool:
             raise APIError("spaces_between_special_tokens must be a boolean")
+        # SGLang's `custom_params` are the arguments of a request's `custom_logit_processor`, which is
+        # refused (UNSUPPORTED_GENERATE_FIELDS): without one SGLang ignores them too.
+        if not isinstance(sp.pop("custom_params", None), dict | None):
+            raise APIError("custom_params must be an object")
         # SGLang's names for structured outputs (a schema's text, a regex, an EBNF grammar).
         sglang = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
         given = {sglang[k]: v for k in list(sp) if k in sglang and (v := sp.pop(k)) is not None}
