@@ -95,3 +95,26 @@ def test_server_info_and_health_generate(demo_engine):
     assert back.status_code == 200
     assert not engine.requests and engine.kv.pool.num_used_pages == 0
     engine.check_integrity()
+
+
+def test_requests_held_by_a_pause_count_in_no_total(demo_engine):
+    """A request waiting for the pause to end runs nowhere: `num_held_reqs`, not the totals a drain
+    check sums (an RL client resubmitting its aborted requests would keep that check from ending).
+    SGLang's other section names (`inflight`, `spec`, `lora`) are taken."""
+
+    async def scenario(c):
+        await c.post("/pause_generation", json={})
+        held = asyncio.ensure_future(long_completion(c, 2))
+        for _ in range(500):  # (until the request waits at the pause)
+            query = {"include": "core,queues,inflight,spec,lora"}
+            load = (await c.get("/v1/loads", params=query)).json()
+            if load["loads"][0]["num_held_reqs"]:
+                break
+            await asyncio.sleep(0.01)
+        await c.post("/continue_generation")
+        return load, await held
+
+    load, held = run_in_process(demo_engine, scenario)
+    (rank,) = load["loads"]
+    assert rank["num_held_reqs"] == 1 and num_requests(load) == 0
+    assert held.json()["choices"][0]["finish_reason"] == "length"

@@ -268,3 +268,95 @@ def test_a_request_that_leaves_while_paused_releases_its_id(demo_engine):
         assert asyncio.run(scenario()) == (True, False, 0)
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
+def test_continue_sent_before_the_pause_answered_never_leaves_the_engine_frozen(checkpoints, mode):
+    """A trainer's continue overtaking its own pause (found by review: the pause's hold, queued for
+    the engine thread, ran after the continue and froze the engine for good)."""
+    a, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        answer = asyncio.ensure_future(completion(c, 60))
+        await started(engine)
+        pausing = asyncio.ensure_future(c.post("/pause_generation", json={"mode": mode}))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        resumed = await c.post("/continue_generation")
+        paused = await pausing
+        done = await asyncio.wait_for(answer, 30)
+        later = await asyncio.wait_for(completion(c, 4), 30)
+        return resumed, paused, done, later, (await c.get("/is_paused")).json()
+
+    resumed, paused, done, later, is_paused = run(engine, scenario)
+    assert resumed.status_code == 200 and paused.status_code in (200, 409), paused.text
+    assert done.json()["choices"][0]["finish_reason"] == ("abort" if mode == "abort" else "length")
+    assert later.json()["choices"][0]["finish_reason"] == "length" and is_paused == {"is_paused": False}
+    engine.check_integrity()
+
+
+def test_a_second_abort_pause_spares_the_requests_waiting_for_the_pause(checkpoints):
+    """Pausing a paused engine again (mode abort) ends what runs, not the requests that came during
+    the pause and wait for its end (found by review: those ended "abort" with no token)."""
+    a, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        await c.post("/pause_generation", json={})
+        held = asyncio.ensure_future(completion(c, 8))
+        await asyncio.sleep(HELD_S)
+        again = await c.post("/pause_generation", json={"mode": "abort"})
+        vllm = await c.post("/pause", params={"mode": "abort", "clear_cache": "false"})
+        await c.post("/continue_generation")
+        return again, vllm, await held
+
+    again, vllm, held = run(engine, scenario)
+    assert again.json()["num_requests_aborted"] == 0 and vllm.status_code == 200
+    assert held.json()["choices"][0]["finish_reason"] == "length"
+    assert ids_of(held) == greedy_ids(a, PROMPT, 8)
+
+
+def test_pause_wait_returns_once_the_engine_has_finished_not_its_readers(demo_engine):
+    """A caller that stopped reading its stream (a slow SSE client) does not hold up a "wait" pause:
+    the engine finished its request (found by review: the pause waited for the reader)."""
+    from pdserve.engine.async_engine import AsyncEngine
+
+    aengine = AsyncEngine(demo_engine)
+
+    async def scenario():
+        req, text = aengine.validate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
+        stream = aengine.generate(req, text)
+        await stream.__anext__()  # (one output read, then the reader stalls)
+        num = await asyncio.wait_for(aengine.pause("wait"), 30)
+        finished = not demo_engine.requests
+        aengine.resume()
+        await stream.aclose()
+        return num, finished
+
+    try:
+        assert asyncio.run(scenario()) == (0, True)
+    finally:
+        aengine.shutdown()
+
+
+def test_a_request_waiting_for_the_pause_ends_when_the_engine_stops(demo_engine):
+    from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+
+    aengine = AsyncEngine(demo_engine)
+
+    async def scenario():
+        await aengine.pause("abort")
+        req, text = aengine.validate("hello", SamplingParams(max_tokens=2))
+
+        async def consume():
+            async for _ in aengine.generate(req, text):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        aengine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())

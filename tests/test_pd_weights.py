@@ -223,6 +223,7 @@ def test_a_paused_cluster_aborts_what_runs_holds_new_requests_across_an_update(c
         assert waiting == (False, {"is_paused": True})
         assert alone.status_code == 400 and "through its router" in alone.json()["error"]["message"]
         assert frozen.status_code == 400 and keep.status_code == 400 and "router" in frozen.text
+        assert "'keep'" in keep.json()["error"]["message"]  # (the client's name for the mode)
         assert updated.status_code == 200 and updated.json()["success"], updated.text
         assert still is False and resumed.status_code == 200
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy(refs["b"], ids)
@@ -284,6 +285,9 @@ def test_the_router_reports_the_cluster_load_info_and_health(cluster, refs):
     assert num_requests(after) == 0, after
     bad = httpx.get(url + "/v1/loads", params={"include": "gpu"}, timeout=10)
     assert bad.status_code == 400
+    one = httpx.get(url + "/v1/loads", params={"dp_rank": 1, "include": "core"}, timeout=10).json()
+    assert [(e["dp_rank"], e["role"]) for e in one["loads"]] == [(1, "decode")]
+    assert httpx.get(url + "/v1/loads", params={"dp_rank": 3}, timeout=10).status_code == 404
     try:
         assert httpx.post(url + "/pause_generation", json={}, timeout=60).status_code == 200
         paused = httpx.get(url + "/health_generate", timeout=10)
@@ -291,3 +295,25 @@ def test_the_router_reports_the_cluster_load_info_and_health(cluster, refs):
     finally:
         httpx.post(url + "/continue_generation", timeout=10)
     assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_a_resume_ends_a_router_pause_still_waiting_for_its_requests(cluster, refs):
+    """vLLM's wait mode overtaken by a `/resume`: the pause answers 409 at once instead of waiting on
+    (found by review: it waited for the cluster to drain, then answered "paused" while it was not)."""
+    ids, url = prompt(refs, "resume"), cluster.router_url
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, url, ids, max_tokens=300)
+            until_decoding(cluster, running)
+            pausing = pool.submit(httpx.post, url + "/pause", params={"mode": "wait"}, timeout=120)
+            time.sleep(0.3)
+            resumed = httpx.post(url + "/resume", timeout=10)
+            paused = pausing.result()
+            finished = running.done()
+            answer = running.result()
+        assert resumed.json() == {"status": "resumed"}
+        assert paused.status_code == 409 and not finished, paused.text
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        assert httpx.get(url + "/is_paused", timeout=5).json() == {"is_paused": False}
+    finally:
+        httpx.post(url + "/resume", timeout=10)

@@ -54,6 +54,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class PauseEnded(RuntimeError):
+    """`AsyncEngine.pause` was overtaken by a `resume()` (or another pause) before it took effect."""
+
+
 class RequestAborted(RuntimeError):
     """A role delivers this to a request's stream when its PD peer ended the room because the request
     was aborted on purpose (`/abort_request` reached the other engine first, or only it).
@@ -145,7 +149,9 @@ class AsyncEngine:
         # wait on meanwhile (set by `resume`).
         self.pause_mode: str | None = None
         self._resumed: asyncio.Event | None = None
-        self._hold_steps = False  # (read by the engine thread: no step while set; in_place, retract)
+        self._hold_steps = False  # (engine thread's: no step while set; in_place, retract)
+        self._pause_seq = 0  # pauses and resumes so far: a hold sent by a pause since ended is skipped
+        self.num_held = 0  # requests waiting in `generate()` for the pause to end
         self._stopped = False
         self._calls: set = set()  # (loop, future) of `run` calls not yet answered
         self.error: BaseException | None = None
@@ -184,12 +190,17 @@ class AsyncEngine:
     async def generate(self, req: Request, prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the caller stops iterating.
         While the engine is paused (`pause`) the request waits here, before the engine sees it."""
-        while self.pause_mode is not None:
-            try:
-                await self._resumed.wait()
+        while self.pause_mode is not None and self.alive:
+            self.num_held += 1
+            try:  # (woken at least every second: an engine that died or stopped meanwhile ends it)
+                await asyncio.wait_for(self._resumed.wait(), 1.0)
+            except TimeoutError:
+                pass
             except BaseException:  # (its caller left while it waited: nobody takes its id over now)
                 self.unreserve(req)
                 raise
+            finally:
+                self.num_held -= 1
         if not self.alive:
             raise EngineDeadError("engine is not running")
         if req.request_id in self._streams or self._reserved.get(req.request_id, req) is not req:
@@ -239,49 +250,64 @@ class AsyncEngine:
         """Event-loop thread (the pause routes of server/admin.py, for an RL trainer's weight update):
         from now on new requests wait in `generate()` until `resume()`; those in flight, by `mode`
         (PAUSE_MODES): "abort" ends each now (finish_reason "abort", as `abort_now()` does, also those
-        still being checked); "in_place" stops the steps, so each keeps its pages and goes on where it
-        was on resume; "retract" stops them too and frees each running request's pages, putting it
-        back at the head of the queue with its tokens so far (recomputed on resume; weights loaded
-        meanwhile compute it); "wait" returns once every one has finished. Pausing a paused engine
-        applies the new mode to what is in flight. Returns how many were aborted or retracted."""
+        still being checked when the engine was first paused); "in_place" stops the steps, so each
+        keeps its pages and goes on where it was on resume; "retract" stops them too and frees each
+        running request's pages, putting it back at the head of the queue with its tokens so far
+        (recomputed on resume; weights loaded meanwhile compute it); "wait" returns once the engine has
+        finished every one (not once their callers have read them). Pausing a paused engine applies the
+        new mode to what is in flight (not to the requests waiting for the pause to end). Returns how
+        many were aborted or retracted. PauseEnded if `resume()` came first (in "wait": before the
+        requests finished)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
-        if self.pause_mode is None:
+        first = self.pause_mode is None
+        if first:
             self._resumed = asyncio.Event()
         self.pause_mode = mode
+        self._pause_seq += 1
+        seq = self._pause_seq
+
+        def hold(on: bool, retract: bool = False) -> int:
+            # (engine thread, in inbox order, between two steps: no step runs after `pause` returns; a
+            # hold queued before a `resume()` -- which bumped the sequence -- is stale, and skipped)
+            if self._pause_seq != seq:
+                return 0
+            self._hold_steps = on
+            return self.engine.retract_running() if retract else 0
+
         if mode == "wait":  # (one paused in place before lets its requests run to their end)
-            await self.run(lambda: self._set_hold(False))
-            while self._streams and self.pause_mode == "wait":
+            await self.run(lambda: hold(False))
+            while self._pause_seq == seq and await self.run(self.engine.has_unfinished):
                 await asyncio.sleep(0.01)
-            return 0
-        if mode == "abort":
-            num_aborted = await self.abort_now(None)
-            await self.run(lambda: self._set_hold(True))
-            return num_aborted
-
-        def hold() -> int:  # (engine thread, between two steps: none runs after `pause` returns)
-            self._set_hold(True)
-            return self.engine.retract_running() if mode == "retract" else 0
-
-        return await self.run(hold)
+            num = 0
+        elif mode == "abort":
+            # (a second pause logs no abort of everything: requests checked meanwhile wait for its end)
+            num = await self.abort_now(None, log=first)
+            await self.run(lambda: hold(True))
+        else:
+            num = await self.run(lambda: hold(True, mode == "retract"))
+        if self._pause_seq != seq:
+            raise PauseEnded("the pause was ended (or replaced) before it took effect")
+        return num
 
     def resume(self) -> None:
         """Event-loop thread: end a pause; the requests it held go on, the waiting ones start."""
         if self.pause_mode is None:
             return
         self.pause_mode = None
-        self._set_hold(False)
+        self._pause_seq += 1
+        self.release_held()
         self._resumed.set()
 
     def release_held(self) -> None:
-        """Event-loop thread (a weight update without SGLang's `keep_pause`): the requests a pause froze
-        or retracted go on; new ones still wait for `resume()`."""
-        if self.pause_mode is not None:
-            self._set_hold(False)
+        """Event-loop thread (`resume`, and a weight update without SGLang's `keep_pause`): the requests
+        a pause froze or retracted go on (new ones still wait for `resume()`). Queued behind any hold a
+        pause sent the engine thread before, so it runs after it."""
 
-    def _set_hold(self, hold: bool) -> None:
-        self._hold_steps = hold
-        self._wake.set()
+        def release() -> None:
+            self._hold_steps = False
+
+        self.call_soon(release)
 
     def is_active(self, request_id: str) -> bool:
         """Event-loop thread: whether a caller is iterating `generate()` for this id, or holds it
@@ -379,16 +405,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, False))
 
-    async def abort_now(self, request_id: str | None = None) -> int:
+    async def abort_now(self, request_id: str | None = None, log: bool = True) -> int:
         """Event-loop thread: end the requests whose id or client id is `request_id` or starts with
         `<request_id>_` (the choices and prompts of one request, server/fanout.py; SGLang matches
         by prefix too), or with None every request being streamed, on behalf of someone other than
         their callers (SGLang's /abort_request). Each caller's stream ends with the output so far and
         finish_reason "abort" (a PD request still in transfer too: the role's failure reads as the
-        abort), and its pages are freed. Returns how many there were."""
+        abort), and its pages are freed. Returns how many there were. Without `log`, only those being
+        streamed now: the requests still being checked go on (a second pause's abort, `pause`)."""
 
-        self.num_aborts += 1  # (a request still being checked that it names ends when it is streamed)
-        self._abort_log.append((self.num_aborts, request_id))
+        if log:  # (a request still being checked that it names ends when it is streamed)
+            self.num_aborts += 1
+            self._abort_log.append((self.num_aborts, request_id))
         ids = [
             rid for rid, (_, _, req) in self._streams.items() if request_id is None or _named(req, request_id)
         ]

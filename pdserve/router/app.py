@@ -222,12 +222,20 @@ class Router:
         self.open = asyncio.Event()  # cleared while a weight update or a pause holds new requests
         self.open.set()
         self.pause_mode: str | None = None  # a client's pause (router/control.py), until it ends it
+        self.pause_seq = 0  # pauses and resumes so far (a pause overtaken by a resume says so)
         self.stopping = asyncio.Event()  # set by `shut_down` (Ctrl-C): everything still relayed ends
         self.update_lock = asyncio.Lock()  # one weight update at a time
         self.weights_path: str | None = None  # the checkpoint of the last update (None: as launched)
         # ... and the identity its engines reported (a trainer that rewrites one directory every step
         # keeps the path: an engine that missed an update is told by this)
         self.weights_id: str | None = None
+
+    def resume(self) -> None:
+        """A client ends its pause (`/continue_generation`, `/resume`): held requests go, unless a
+        weight update still holds them (it lets them go when it ends)."""
+        self.pause_mode = None
+        self.pause_seq += 1
+        self.reopen()
 
     def reopen(self, update_ending: bool = False) -> None:
         """Let held requests go: at the end of a weight update (`update_ending`; unless the cluster is

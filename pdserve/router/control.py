@@ -208,7 +208,8 @@ def control_routes(router: Router) -> APIRouter:
 
     async def pause(http: Request, mode: str, clear_cache: bool = False) -> Response | None:
         """Hold new requests; end those in flight ("abort") or wait for them ("wait"). None when done,
-        else the answer that says what failed (the cluster stays paused: new requests wait)."""
+        else the answer that says what failed (the cluster stays paused: new requests wait, until
+        `/continue_generation`), or a 409 when the pause was ended before it took effect."""
         if mode not in ("abort", "wait"):
             message = (
                 f"mode {mode!r} is not available through the PD router (a frozen request's prefill "
@@ -217,19 +218,29 @@ def control_routes(router: Router) -> APIRouter:
             )
             return JSONResponse(error_body(message, 400, param="mode"), 400)
         router.pause_mode = mode
+        router.pause_seq += 1
+        seq = router.pause_seq
         router.open.clear()
         if mode == "abort":  # (not those held here: they came after the pause, and wait for its end)
             everything = {"abort_all": True} | router.abort_all(held_too=False)
             aborted = await abort_on_every_engine(http, everything)
             if aborted.status_code != 200:
                 return aborted
+
+        async def drained() -> None:  # (or the pause ended: a `/resume` while it waits)
+            while router.num_in_flight() and router.pause_seq == seq:
+                await asyncio.sleep(0.01)
+
         try:
             drain_s = CONTROL_TIMEOUT_S if mode == "abort" else None
-            await unless_gone(http, asyncio.wait_for(router.drained(), drain_s))
+            await unless_gone(http, asyncio.wait_for(drained(), drain_s))
         except ClientGone:
             return client_gone()
         except TimeoutError:  # (a client that stopped reading its aborted stream: its engines ended it)
             pass
+        if router.pause_seq != seq:
+            message = "the pause was ended (or replaced) before it took effect"
+            return JSONResponse(error_body(message, 409, "Conflict"), 409)
         if clear_cache:
             cleared = await to_every_engine("/reset_prefix_cache", http, {})
             if cleared.status_code != 200:
@@ -258,19 +269,17 @@ def control_routes(router: Router) -> APIRouter:
         if mode not in ("abort", "wait", "keep"):
             message = f"mode must be abort, wait or keep, not {mode!r}"
             return JSONResponse(error_body(message, 400, param="mode"), 400)
-        failed = await pause(http, "in_place" if mode == "keep" else mode, clear_cache)
+        failed = await pause(http, mode, clear_cache)
         return failed or {"status": "paused"}
 
     @routes.post("/continue_generation")
     async def continue_generation():
-        router.pause_mode = None
-        router.reopen()
+        router.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @routes.post("/resume")
     async def resume():
-        router.pause_mode = None
-        router.reopen()
+        router.resume()
         return {"status": "resumed"}
 
     @routes.get("/is_paused")

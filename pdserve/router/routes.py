@@ -201,12 +201,18 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/loads")
     async def loads(http: Request):
-        """SGLang's, for the cluster: each live engine's ranks (its query passed on), numbered across
-        the cluster and marked with the engine's `url` and `role`, then the router's own entry: the
-        requests it holds (a pause or a weight update) and those it dispatches or relays. A request
-        counts on its prefill, its decode and the router: an idle cluster is all zeros (slime's
-        idle check sums the entries)."""
-        query = f"?{http.url.query}" if http.url.query else ""
+        """SGLang's, for the cluster: each live engine's ranks (`include` passed on), numbered across
+        the cluster (`dp_rank` picks one) and marked with the engine's `url` and `role`, then the
+        router's own entry: the requests it dispatches or relays, and (`num_held_reqs`, counted in no
+        total) those a pause or a weight update holds, which wait for it to end and run on no engine.
+        A request counts on its prefill, its decode and the router: with nothing running, every
+        request count is zero (slime's drain check sums the entries' totals)."""
+        include = http.query_params.get("include")
+        query = f"?include={include}" if include is not None else ""
+        try:  # (ranks are numbered across the cluster here: each engine has rank 0)
+            dp_rank = int(http.query_params["dp_rank"]) if "dp_rank" in http.query_params else None
+        except ValueError:
+            return JSONResponse(error_body("dp_rank must be an integer", 400, param="dp_rank"), 400)
         live = [e for e in router.prefills + router.decodes if e.healthy]
 
         async def one(e) -> tuple[int, object]:
@@ -228,17 +234,23 @@ def build_router_app(router: Router) -> FastAPI:
                 entries.append(entry | {"dp_rank": len(entries), "url": e.url, "role": e.role})
         from pdserve import __version__
 
-        held, in_flight = router.num_held, router.num_in_flight()
+        in_flight = router.num_in_flight()
         entries.append(
             {
                 "dp_rank": len(entries),
                 "role": "router",
                 "timestamp": now_iso(),
                 "num_running_reqs": in_flight,
-                "num_waiting_reqs": held,
-                "num_total_reqs": in_flight + held,
+                "num_waiting_reqs": 0,
+                "num_total_reqs": in_flight,
+                "num_held_reqs": router.num_held,
             }
         )
+        if dp_rank is not None:
+            entries = [e for e in entries if e["dp_rank"] == dp_rank]
+            if not entries:
+                message = f"dp_rank {dp_rank} does not exist"
+                return JSONResponse(error_body(message, 404, "NotFound", "dp_rank"), 404)
         out = {"timestamp": now_iso(), "version": __version__, "loads": entries}
         if unreachable:
             out["unreachable"] = unreachable
@@ -247,9 +259,12 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate(http: Request):
         """SGLang's: one token generated through a prefill and a decode (the whole PD path), 200; else
-        503 (also at once while the cluster is paused: it generates nothing until resumed)."""
+        503 (also at once while the cluster is paused or updates its weights: it generates nothing
+        until then)."""
         if router.pause_mode is not None:
             return JSONResponse({"status": "paused"}, 503)
+        if not router.open.is_set():  # (it would wait for the weight update to end)
+            return JSONResponse({"status": "updating weights"}, 503)
         body = {
             "input_ids": [0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},

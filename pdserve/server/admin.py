@@ -39,7 +39,7 @@ import json
 
 from fastapi import APIRouter, Request
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, PauseEnded
 from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
 from pdserve.server.pd_context import model_identity
@@ -107,7 +107,9 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest):
-        """409 while requests are in flight, unless `abort_running` (each then ends with "abort").
+        """409 while requests are in flight, unless `abort_running` (each then ends with "abort") or a
+        pause froze or retracted them (they are kept: `num_paused_requests`, the requests the pause
+        held across the update; without `keep_pause` they go on at once).
         Errors carry SGLang's `success: false` and `message` beside OpenAI's `error`."""
 
         def failed(message: str, status: int = 400, err_type: str = "BadRequestError", param=None):
@@ -185,6 +187,8 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         colocated_only()
         try:
             return await aengine.pause(mode)
+        except PauseEnded as e:
+            raise APIError(str(e), 409, "Conflict") from None
         except EngineDeadError as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
 

@@ -6,8 +6,13 @@ Who calls them: slime polls `GET /health_generate` until an engine it launched s
 sections it asks for); tooling reads `GET /get_server_info`. `server/api.py` mounts them on every
 engine's app; the router answers them for a cluster (router/routes.py).
 
-* `GET /v1/loads` (`?include=core,memory,queues,disagg,all`; `?dp_rank=0`): one entry per data-parallel
-  rank (one here). Every count in it is of requests or KV in use, so an idle engine reports zeros.
+* `GET /v1/loads` (`?include=core,memory,queues,disagg,all`; SGLang's `spec`, `lora` and `inflight`
+  are taken and add nothing; `?dp_rank=0`): one entry per data-parallel rank (one here). With nothing
+  running, its request counts (the totals, running, waiting, and the counts of `queues` and
+  `disaggregation`: slime sums every positive number there) are zero and so is the KV in use; the
+  capacities (`max_*`, the `memory` section) are not. `num_held_reqs`: requests waiting for a pause to
+  end, counted in no total (they run nowhere: a drain check that counted them would never end while
+  clients resubmit their aborted requests).
 * `GET /get_server_info` (and `/server_info`): the configuration, the version, and `internal_states`.
 * `GET /health_generate`: generates one token (a colocated engine) within HEALTH_GENERATE_TIMEOUT_S:
   200, else 503. A paused engine answers 503 at once (it generates nothing until resumed); a PD
@@ -33,16 +38,17 @@ from pdserve.server.protocol import APIError, now_iso
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # (SGLang's default health-check timeout)
 LOAD_SECTIONS = ("core", "memory", "queues", "disagg")
+NO_SECTION = ("spec", "lora", "inflight")  # (SGLang's: nothing here to report under them)
 
 
 def sections_of(include: str) -> set[str]:
     """`include` (comma-separated; "all" or empty for all): the sections asked for. APIError for a
     name that is not one."""
     names = {n.strip() for n in include.split(",") if n.strip()} or {"all"}
-    unknown = names - set(LOAD_SECTIONS) - {"all"}
+    unknown = names - set(LOAD_SECTIONS) - set(NO_SECTION) - {"all"}
     if unknown:
         raise APIError(
-            f"unknown include {sorted(unknown)}: choose from {', '.join(LOAD_SECTIONS)} or all",
+            f"unknown include {sorted(unknown)}: choose from {', '.join(LOAD_SECTIONS + NO_SECTION)} or all",
             param="include",
         )
     return set(LOAD_SECTIONS) if "all" in names else names
@@ -88,6 +94,7 @@ def status_routes(aengine: AsyncEngine, engine: LLMEngine, pd=None) -> APIRouter
                 else 0.0,
                 "utilization": round(num_running / engine.config.scheduler.max_num_seqs, 4),
                 "max_running_requests": engine.config.scheduler.max_num_seqs,
+                "num_held_reqs": aengine.num_held,
             }
         if "memory" in sections:
             out["memory"] = {
