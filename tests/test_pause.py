@@ -360,3 +360,34 @@ def test_a_request_waiting_for_the_pause_ends_when_the_engine_stops(demo_engine)
             await asyncio.wait_for(task, 5)
 
     asyncio.run(scenario())
+
+
+def test_gauges_follow_an_abort_while_paused(checkpoints):
+    """Requests a pause froze, then aborted: the engine's gauges show them gone while it is still
+    paused (found by a live audit: they kept showing the frozen requests and their pages until the
+    next request, since no step ran to refresh them)."""
+    a, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    def gauge(text: str, name: str) -> float:
+        (line,) = [x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    async def scenario(c):
+        answer = asyncio.ensure_future(completion(c, 300))
+        await started(engine)
+        await c.post("/pause_generation", json={"mode": "in_place"})
+        frozen = (await c.get("/metrics")).text
+        await c.post("/abort_request", json={"abort_all": True})
+        await answer
+        for _ in range(200):
+            text = (await c.get("/metrics")).text
+            if gauge(text, "pdserve_kv_pages_used") == 0:
+                break
+            await asyncio.sleep(0.01)
+        await c.post("/continue_generation")
+        return frozen, text
+
+    frozen, after = run(engine, scenario)
+    assert gauge(frozen, "pdserve_num_requests_running") == 1 and gauge(frozen, "pdserve_kv_pages_used") > 0
+    assert gauge(after, "pdserve_num_requests_running") == 0 and gauge(after, "pdserve_kv_pages_used") == 0

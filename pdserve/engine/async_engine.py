@@ -539,6 +539,9 @@ class AsyncEngine:
             while not self._stopped:
                 while self._inbox:
                     cmd = self._inbox.popleft()
+                    # (a command may end requests without a step, e.g. aborts while paused: the idle
+                    # path below then refreshes the gauges and checks the pool again)
+                    idle_checked = False
                     if cmd[0] == "add":
                         _, req, text = cmd
                         try:
