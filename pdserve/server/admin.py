@@ -10,8 +10,10 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   one's answer (stream or whole) ends with the tokens so far and finish_reason "abort", its pages
   freed; an unknown or finished id is no error (it may have just finished). Answers how many were
   aborted. It also ends the requests it names (or, with `abort_all`, every one) still being checked
-  (tokenized, or waiting for the other choices of their request): each answers "abort" as soon as it
-  would start (those are not in the count).
+  (tokenized, or waiting for the other choices of their request) or waiting for a pause to end: each
+  answers "abort" as soon as it would start (those are not in the count). (SGLang's pause gate sits
+  before its abort's reach, so there they would run after the pause; here an abort of everything means
+  everything sent before it, as the router's does for the requests it holds.)
   A PD engine tells the peer of each aborted request that it was aborted on purpose, so the peer's
   half answers "abort" too, also when it registers only after the abort (pd_prefill's tombstones).
   Through the router, `abort_all` also ends the requests the router still holds (placement queue),
