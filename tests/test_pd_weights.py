@@ -222,6 +222,8 @@ def test_a_paused_cluster_aborts_what_runs_holds_new_requests_across_an_update(c
         assert aborted.json()["choices"][0]["finish_reason"] == "abort"
         assert waiting == (False, {"is_paused": True})
         assert alone.status_code == 400 and "through its router" in alone.json()["error"]["message"]
+        asleep = httpx.post(cluster.urls["decode"][0] + "/sleep", timeout=10)  # (its KV is registered)
+        assert asleep.status_code == 400 and "keeps its memory" in asleep.text
         assert frozen.status_code == 400 and keep.status_code == 400 and "router" in frozen.text
         assert "'keep'" in keep.json()["error"]["message"]  # (the client's name for the mode)
         assert updated.status_code == 200 and updated.json()["success"], updated.text

@@ -45,6 +45,13 @@ class WeightsLost(RuntimeError):
     """A weight update failed midway and the previous weights could not be restored."""
 
 
+class EngineAsleep(RuntimeError):
+    """The engine gave its memory back (`release_memory`): no request runs until `resume_memory`."""
+
+
+MEMORY_TAGS = ("kv_cache", "weights")  # what `release_memory` may give back (SGLang's and vLLM's tags)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -102,6 +109,8 @@ class LLMEngine:
         self.num_weight_updates = 0
         self.weight_version = "default"  # a trainer's label of the weights served (SGLang's; set by updates)
         self.weights_lost: str | None = None  # set when an update left the weights inconsistent
+        # What `release_memory` gave back ("kv_cache", "weights"): no request runs until it is resumed
+        self.released: set[str] = set()
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -153,6 +162,7 @@ class LLMEngine:
         """
         if self.weights_lost:
             raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
+        self._check_awake()
         if params.n != 1:  # (one sequence per request)
             raise InvalidRequest(
                 f"n={params.n}: one request per choice (LLM.generate and the HTTP routes split n)"
@@ -218,6 +228,7 @@ class LLMEngine:
 
     def add(self, req: Request, prompt_text: str | None = None) -> None:
         """Queue a request built by `make_request` (engine thread only)."""
+        self._check_awake()  # (checked again: memory may have been released since `make_request`)
         if req.request_id in self.requests:
             raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
         self.requests[req.request_id] = req
@@ -336,6 +347,8 @@ class LLMEngine:
         flight stay, to go on under the new weights on resume (SGLang's in-place update): a retracted
         one is recomputed by them; one paused in place keeps the pages the old ones computed, and the
         pages it completes later (their KV computed by both) are never offered to other requests."""
+        if "weights" in self.released:  # (they would be copied into freed parameters)
+            raise EngineBusy("this engine's weights are released: resume them first (/wake_up?tags=weights)")
         current = self.config.model_config
         try:
             new = ModelConfig.from_dir(model_dir)
@@ -380,6 +393,59 @@ class LLMEngine:
         self.weights_dir = model_dir
         self.num_weight_updates += 1
         return dropped
+
+    # ---- memory given back between rollouts -----------------------------------------------------
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS, keep_weights_on_host: bool = False) -> int:
+        """Engine thread, idle engine only (EngineBusy otherwise): give memory back while an RL trainer
+        colocated with this engine trains (vLLM's sleep mode, SGLang's release_memory_occupation).
+        "kv_cache": the pool's K and V buffers are freed (the prefix cache is dropped with them:
+        returns its pages); "weights": the parameters are freed, or with `keep_weights_on_host`
+        (vLLM's level 1) moved to host memory, where a CPU engine's already are (kept as they are).
+        Until `resume_memory` brings all back, requests are refused (EngineAsleep)."""
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown memory tags {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}"
+            )
+        if self.requests:
+            raise EngineBusy(f"{len(self.requests)} requests are in flight (pause or abort them first)")
+        dropped = 0
+        if "kv_cache" in tags and "kv_cache" not in self.released:
+            dropped = self.kv.pool.reset_prefix_cache()  # (every page is free: no request holds one)
+            self.runner.release_kv()
+            self.released.add("kv_cache")
+        if "weights" in tags and "weights" not in self.released:
+            if self.runner.release_weights(keep_weights_on_host):
+                self.released.add("weights")
+        return dropped
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Engine thread: bring back what `release_memory` gave back (those of `tags`): the KV buffers,
+        zeroed; the weights from host memory, or loaded again from the checkpoint last served
+        (`weights_dir`; if that fails the engine's weights are lost: WeightsLost, 503s until an
+        update succeeds)."""
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown memory tags {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}"
+            )
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self.runner.restore_kv()
+            self.released.discard("kv_cache")
+        if "weights" in tags and "weights" in self.released:
+            self.released.discard("weights")
+            try:
+                self.runner.restore_weights(self.weights_dir)
+            except Exception as e:
+                self.weights_lost = f"reloading {self.weights_dir} after a release failed: {e!r}"
+                raise WeightsLost(self.weights_lost) from e
+
+    def _check_awake(self) -> None:
+        if self.released:
+            what = " and ".join(sorted(self.released))
+            raise EngineAsleep(
+                f"this engine's {what} memory is released (POST /wake_up or /resume_memory_occupation)"
+            )
 
     def _cache_namespace(self) -> str:
         """The prefix cache's key root: the model, the pool layout and the weights' generation."""

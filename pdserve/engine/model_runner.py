@@ -17,6 +17,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.kv_cache import KVCache
+from pdserve.model import loader
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from pdserve.model.loader import DTYPES, load_model
 from pdserve.model.sampler import Sampler, SampleResult
@@ -39,6 +40,46 @@ class ModelRunner:
         self._windows = sorted({w for w in mc.sliding_windows if w is not None})
         self.sampler = Sampler(config.device, config.seed)
         self.generators: dict[str, torch.Generator] = {}  # request_id -> its own RNG (seeded requests)
+        # name -> (shape, host copy or None) of each parameter while released (`release_weights`)
+        self._released_params: dict[str, tuple[torch.Size, torch.Tensor | None]] | None = None
+
+    # ---- memory given back between rollouts (LLMEngine.release_memory) ------------------------------
+    def release_kv(self) -> None:
+        self.kv_cache.release()
+        self._kv_views = []
+
+    def restore_kv(self) -> None:
+        self.kv_cache.restore()
+        self._kv_views = self.kv_cache.flat_views()
+
+    def release_weights(self, keep_host_copy: bool) -> bool:
+        """Free the parameters' memory on the device (buffers, e.g. rotary tables, stay). With
+        `keep_host_copy` (vLLM's sleep level 1) they are copied to host memory first; on a CPU device
+        they are host memory already, so nothing is released (False). Without it they are gone, to be
+        loaded again from a checkpoint (`restore_weights`)."""
+        on_host = torch.device(self.device).type == "cpu"
+        if keep_host_copy and on_host:
+            return False
+        self._released_params = {}
+        for name, p in self.model.named_parameters():  # (tied parameters once: one object)
+            host = p.detach().to("cpu", copy=True) if keep_host_copy else None
+            self._released_params[name] = (p.shape, host)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return True
+
+    def restore_weights(self, model_dir: str) -> None:
+        """The parameters back: from their host copy, else loaded from `model_dir` (CheckpointError if
+        it fails: the caller marks its weights lost)."""
+        released, self._released_params = self._released_params, None
+        for name, p in self.model.named_parameters():
+            shape, host = released[name]
+            p.data = (
+                host.to(self.device)
+                if host is not None
+                else torch.empty(shape, dtype=p.dtype, device=self.device)
+            )
+        if any(host is None for _, host in released.values()):
+            loader.load_weights_into(self.model, model_dir, self.config.model_config)
 
     def add_request(self, req: Request) -> None:
         if req.sampling_params.seed is not None:

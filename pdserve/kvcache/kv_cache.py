@@ -60,9 +60,24 @@ class KVCache:
             str(dtype).removeprefix("torch."),
             elem,
         )
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self._alloc = ((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype, device, cfg.num_layers)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.restore()
+
+    @property
+    def released(self) -> bool:
+        return not self.k
+
+    def release(self) -> None:
+        """Free every K and V buffer (an engine put to sleep, `LLMEngine.release_memory`): the pages'
+        contents are gone. The layout stays; `restore` allocates them again, zeroed."""
+        self.k, self.v = [], []
+
+    def restore(self) -> None:
+        shape, dtype, device, num_layers = self._alloc
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def flat_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) as [num_pages * page_size, num_kv_heads, head_dim] views (slot-indexed)."""

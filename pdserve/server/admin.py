@@ -33,6 +33,13 @@ operators; the PD router forwards `/abort_request` and the cache resets to every
   back to be recomputed, or (vLLM's "wait") finish first (AsyncEngine.pause). A weight update while
   requests are frozen or retracted keeps them (they go on under the new weights; `keep_pause`).
   A PD engine refuses them: a cluster is paused through its router (router/control.py).
+* `POST /sleep?level=1|2`, `POST /wake_up[?tags=weights&tags=kv_cache]`, `GET /is_sleeping` (vLLM's
+  sleep mode) and `POST /release_memory_occupation`, `POST /resume_memory_occupation` `{"tags": [...]}`
+  (SGLang's): an idle engine gives its memory back while a trainer colocated with it trains
+  (`LLMEngine.release_memory`): its KV buffers (the prefix cache goes with them) and its weights
+  (level 1 keeps them in host memory; level 2 and SGLang's release free them, and they are loaded
+  again from the last checkpoint served). Requests meanwhile are a 503; 409 while requests are in
+  flight. A PD engine refuses (its KV buffers are registered with NIXL and its peers).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import json
 from fastapi import APIRouter, Request
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, PauseEnded
-from pdserve.engine.llm_engine import EngineBusy, InvalidRequest, LLMEngine, WeightsLost
+from pdserve.engine.llm_engine import MEMORY_TAGS, EngineBusy, InvalidRequest, LLMEngine, WeightsLost
 from pdserve.model.loader import CheckpointError
 from pdserve.server.pd_context import model_identity
 from pdserve.server.protocol import (
@@ -235,5 +242,79 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
     @router.get("/is_paused")
     async def is_paused():
         return {"is_paused": aengine.pause_mode is not None}
+
+    async def release(tags: tuple[str, ...], keep_weights_on_host: bool) -> int:
+        if pd is not None:
+            raise APIError(
+                f"a {pd.role_name} engine keeps its memory (its KV buffers are registered with its peers)",
+                400,
+            )
+        try:
+            return await aengine.run(lambda: engine.release_memory(tags, keep_weights_on_host))
+        except EngineBusy as e:
+            raise APIError(str(e), 409, "Conflict") from None
+        except InvalidRequest as e:
+            raise APIError(str(e), param="tags") from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+
+    async def resume_memory(tags: tuple[str, ...]) -> None:
+        try:
+            await aengine.run(lambda: engine.resume_memory(tags))
+        except InvalidRequest as e:
+            raise APIError(str(e), param="tags") from None
+        except (WeightsLost, EngineDeadError) as e:
+            raise APIError(str(e), 503, "ServiceUnavailable") from None
+
+    def tags_of(raw, default=MEMORY_TAGS) -> tuple[str, ...]:
+        if raw is None:
+            return default
+        if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+            raise APIError("tags must be a list of strings", param="tags")
+        return tuple(raw)
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1):
+        """vLLM's: level 1 frees the KV buffers and keeps the weights in host memory; level 2 frees both."""
+        if level not in (1, 2):
+            raise APIError(f"level must be 1 or 2, not {level}", param="level")
+        await release(MEMORY_TAGS, keep_weights_on_host=level == 1)
+        return {"status": "sleeping", "level": level}
+
+    @router.post("/wake_up")
+    async def wake_up(http: Request):
+        """vLLM's: `tags` (repeated query parameter; default both) says what comes back."""
+        await resume_memory(tags_of(http.query_params.getlist("tags") or None))
+        return {
+            "status": "awake" if not engine.released else "partly awake",
+            "released": sorted(engine.released),
+        }
+
+    @router.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": bool(engine.released)}
+
+    async def sglang_body(http: Request) -> dict:
+        raw = await http.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise APIError("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError("request body must be a JSON object")
+        return body
+
+    @router.post("/release_memory_occupation")
+    async def release_memory_occupation(http: Request):
+        """SGLang's: `tags` (null: all) freed; weights are loaded again from disk when resumed."""
+        tags = tags_of((await sglang_body(http)).get("tags"))
+        await release(tuple(t for t in tags if t != "cuda_graph"), keep_weights_on_host=False)
+        return {"success": True, "message": f"released {', '.join(sorted(engine.released)) or 'nothing'}"}
+
+    @router.post("/resume_memory_occupation")
+    async def resume_memory_occupation(http: Request):
+        tags = tags_of((await sglang_body(http)).get("tags"))
+        await resume_memory(tuple(t for t in tags if t != "cuda_graph"))
+        return {"success": True, "message": "resumed"}
 
     return router

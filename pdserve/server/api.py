@@ -36,7 +36,13 @@ from pdserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
 )
-from pdserve.engine.llm_engine import DuplicateRequestId, InvalidRequest, LLMEngine, WeightsLost
+from pdserve.engine.llm_engine import (
+    DuplicateRequestId,
+    EngineAsleep,
+    InvalidRequest,
+    LLMEngine,
+    WeightsLost,
+)
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 from pdserve.server import fanout, reasoning, tool_calls
@@ -254,7 +260,7 @@ def build_app(
             raise APIError(str(e)) from None
         except RecursionError:  # (a value nested thousands deep, e.g. a schema given as a string)
             raise APIError("request nested too deeply") from None
-        except WeightsLost as e:
+        except (WeightsLost, EngineAsleep) as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
         if request_id is not None:
             req.client_id = f"cmpl-{request_id}"

@@ -164,6 +164,8 @@ def status_routes(aengine: AsyncEngine, engine: LLMEngine, pd=None) -> APIRouter
             return JSONResponse({"status": "unhealthy"}, 503)
         if aengine.pause_mode is not None:
             return JSONResponse({"status": "paused"}, 503)
+        if engine.released:  # (its memory given back: /wake_up first)
+            return JSONResponse({"status": "sleeping"}, 503)
         if pd is not None:  # (a half generates nothing alone: the router's probe runs the pair)
             return Response(status_code=200)
         req, text = aengine.validate(

@@ -1,0 +1,115 @@
+"""An idle engine gives its memory back while a trainer colocated with it trains: vLLM's `/sleep`,
+`/wake_up`, `/is_sleeping` and SGLang's `/release_memory_occupation`, `/resume_memory_occupation`,
+through one engine's app in process. The buffers are really freed; requests meanwhile are a 503
+that says why; once woken the engine answers to the token as before (weights freed are loaded again
+from the checkpoint served, or the trainer's next one)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.demo import make_demo_model
+from tests.conftest import run_in_process, until
+from tests.test_pause import KW, PROMPT, completion, greedy_ids, ids_of
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sleep_ckpts")
+    return str(make_demo_model(root / "a", seed=0)), str(make_demo_model(root / "b", seed=1))
+
+
+def num_param_elements(engine: LLMEngine) -> int:
+    return sum(p.numel() for p in engine.runner.model.parameters())
+
+
+def run(engine, scenario):
+    return run_in_process(engine, scenario, enable_weight_updates=True)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_memory_refuses_requests_and_wakes_to_the_same_answers(checkpoints, level):
+    a, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    full = num_param_elements(engine)
+
+    async def scenario(c):
+        before = await completion(c, 8)
+        slept = await c.post("/sleep", params={"level": level})
+        state = (
+            (await c.get("/is_sleeping")).json(),
+            engine.runner.kv_cache.k == [],
+            num_param_elements(engine),
+            engine.kv.pool.num_cached_pages,
+        )
+        refused = await completion(c, 8)
+        health = await c.get("/health_generate")
+        woken = await c.post("/wake_up")
+        after = await completion(c, 8)
+        return before, slept, state, refused, health, woken, after, (await c.get("/is_sleeping")).json()
+
+    before, slept, state, refused, health, woken, after, awake = run(engine, scenario)
+    assert slept.json() == {"status": "sleeping", "level": level}
+    is_sleeping, kv_freed, num_elements, num_cached = state
+    assert is_sleeping == {"is_sleeping": True} and kv_freed and num_cached == 0
+    # level 1 keeps the weights in host memory, where a CPU engine's are already; level 2 frees them
+    assert num_elements == (full if level == 1 else 0)
+    assert refused.status_code == 503 and "/wake_up" in refused.json()["error"]["message"]
+    assert health.status_code == 503
+    assert woken.json()["status"] == "awake" and awake == {"is_sleeping": False}
+    assert ids_of(after) == ids_of(before) == greedy_ids(a, PROMPT, 8)
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # (the cache went)
+    assert num_param_elements(engine) == full
+    engine.check_integrity()
+
+
+def test_sglang_release_then_update_then_resume_serves_the_new_weights(checkpoints):
+    """slime's colocated step: release everything, train, resume the weights, push the new
+    checkpoint, resume the KV cache. An update while the weights are released is refused."""
+    a, b = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        released = await c.post("/release_memory_occupation", json={"tags": None})
+        too_soon = await c.post("/update_weights_from_disk", json={"model_path": b})
+        weights = await c.post("/resume_memory_occupation", json={"tags": ["weights"]})
+        updated = await c.post("/update_weights_from_disk", json={"model_path": b})
+        still = await completion(c, 8)
+        kv = await c.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]})
+        return released, too_soon, weights, updated, still, kv, await completion(c, 8)
+
+    released, too_soon, weights, updated, still, kv, after = run(engine, scenario)
+    assert released.json()["success"] and "kv_cache, weights" in released.json()["message"]
+    assert too_soon.status_code == 409 and "released" in too_soon.text
+    assert weights.json()["success"] and updated.status_code == 200, updated.text
+    assert still.status_code == 503  # (the KV cache is still released)
+    assert kv.json()["success"] and ids_of(after) == greedy_ids(b, PROMPT, 8)
+    engine.check_integrity()
+
+
+def test_a_busy_engine_keeps_its_memory_and_bad_input_changes_nothing(checkpoints):
+    a, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        answer = asyncio.ensure_future(completion(c, 200))
+        await until(lambda: engine.requests)
+        busy = await c.post("/sleep")
+        bad = [
+            await c.post("/sleep", params={"level": 3}),
+            await c.post("/release_memory_occupation", json={"tags": ["gpu"]}),
+            await c.post("/release_memory_occupation", json={"tags": "weights"}),
+            await c.post("/wake_up", params={"tags": "everything"}),
+        ]
+        await c.post("/abort_request", json={"abort_all": True})
+        await answer
+        return busy, bad, engine.released, engine.runner.kv_cache.k != []
+
+    busy, bad, released, kv_kept = run(engine, scenario)
+    assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
+    assert [r.status_code for r in bad] == [400] * 4
+    assert released == set() and kv_kept
