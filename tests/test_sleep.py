@@ -113,3 +113,43 @@ def test_a_busy_engine_keeps_its_memory_and_bad_input_changes_nothing(checkpoint
     assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
     assert [r.status_code for r in bad] == [400] * 4
     assert released == set() and kv_kept
+
+
+def test_a_weights_release_drops_the_prefix_cache_of_a_checkpoint_rewritten_in_place(tmp_path):
+    """A trainer that rewrites one checkpoint directory every step, releasing the weights meanwhile:
+    they come back from disk as the new checkpoint, and no prefix page the old weights computed is
+    served under them (found by review: the cache and its keys outlived the release)."""
+    import shutil
+
+    path = make_demo_model(tmp_path / "step", seed=0)
+    engine = LLMEngine(EngineConfig.create(str(path), dtype="float32", **KW))
+    nxt = make_demo_model(tmp_path / "next", seed=1)
+
+    async def scenario(c):
+        await completion(c, 8)  # (the prompt's pages cached under the first weights)
+        released = await c.post("/release_memory_occupation", json={"tags": ["weights"]})
+        for f in nxt.iterdir():  # (the trainer's next step, written over the same directory)
+            shutil.copy(f, path / f.name)
+        await c.post("/resume_memory_occupation", json={"tags": ["weights"]})
+        return released, await completion(c, 8)
+
+    released, after = run(engine, scenario)
+    assert released.json()["success"]
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert ids_of(after) == greedy_ids(str(nxt), PROMPT, 8)
+
+
+def test_offline_llm_sleeps_and_wakes_as_vllms(checkpoints):
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.llm_engine import EngineAsleep
+
+    a, _ = checkpoints
+    llm = LLM(a, dtype="float32", **KW)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = llm.generate(PROMPT, params)[0].outputs[0].token_ids
+    llm.sleep(level=2)
+    with pytest.raises(EngineAsleep):
+        llm.generate(PROMPT, params)
+    llm.wake_up(["weights"])
+    llm.wake_up()
+    assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == before

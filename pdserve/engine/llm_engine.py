@@ -417,6 +417,12 @@ class LLMEngine:
         if "weights" in tags and "weights" not in self.released:
             if self.runner.release_weights(keep_weights_on_host):
                 self.released.add("weights")
+            if not keep_weights_on_host:  # (reloaded from disk, where a trainer may have rewritten the
+                # checkpoint in place: no page the weights before computed may meet the ones after)
+                dropped += self.kv.pool.reset_prefix_cache()
+                self.cache_generation += 1
+                self.kv.root = root_key(self._cache_namespace())
+        self.runner.return_freed_memory()
         return dropped
 
     def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:

@@ -8,6 +8,7 @@ tokens [start, start + n):
 
 from __future__ import annotations
 
+import gc
 from array import array
 
 import numpy as np
@@ -66,6 +67,13 @@ class ModelRunner:
             self._released_params[name] = (p.shape, host)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         return True
+
+    def return_freed_memory(self) -> None:
+        """On a GPU, hand what was just freed back to the device: PyTorch's caching allocator would keep
+        it reserved for this process, out of reach of a trainer in another one."""
+        if torch.device(self.device).type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def restore_weights(self, model_dir: str) -> None:
         """The parameters back: from their host copy, else loaded from `model_dir` (CheckpointError if

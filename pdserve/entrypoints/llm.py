@@ -16,7 +16,7 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from pdserve.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.llm_engine import MEMORY_TAGS, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams, child_seed
 
@@ -28,6 +28,18 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: give the engine's memory back between rollouts (its KV buffers; its weights too, kept
+        in host memory at level 1, freed at level 2 and loaded again from the checkpoint on wake_up).
+        `generate` raises EngineAsleep until `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, not {level}")
+        self.engine.release_memory(MEMORY_TAGS, keep_weights_on_host=level == 1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: bring back what `sleep` gave back (`tags`: "weights", "kv_cache"; default both)."""
+        self.engine.resume_memory(tuple(tags) if tags else MEMORY_TAGS)
 
     def generate(
         self,
