@@ -29,6 +29,10 @@ def checkpoints(tmp_path_factory):
     return str(make_demo_model(root / "a", seed=0)), str(make_demo_model(root / "b", seed=1))
 
 
+def engine_of(model_dir: str) -> LLMEngine:
+    return LLMEngine(EngineConfig.create(model_dir, dtype="float32", **KW))
+
+
 def greedy_ids(model_dir: str, prompt, n: int) -> list[int]:
     llm = LLM(model_dir, dtype="float32", **KW)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -60,7 +64,7 @@ def run(engine, scenario):
 
 def test_pause_abort_ends_what_runs_and_holds_new_requests_until_continue(checkpoints):
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         long = asyncio.ensure_future(completion(c, 500))
@@ -94,7 +98,7 @@ def test_a_frozen_or_retracted_request_goes_on_to_the_same_tokens(checkpoints, m
     """Paused mid-answer, nothing moves; on continue the answer is the one an unpaused run gives (a
     retracted request was recomputed from its pages in the prefix cache)."""
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         answer = asyncio.ensure_future(completion(c, 40))
@@ -126,7 +130,7 @@ def test_retract_then_update_recomputes_with_the_new_weights_exactly(checkpoints
     """SGLang's retract + update: the request's tokens so far are kept, its KV is recomputed by the
     new weights, which generate the rest -- the tokens of the new model given that text."""
     a, b = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         answer = asyncio.ensure_future(completion(c, 30))
@@ -196,7 +200,7 @@ def test_in_place_update_goes_on_and_never_offers_its_mixed_pages(checkpoints):
 
 def test_vllm_pause_wait_lets_running_requests_finish_then_holds_new_ones(checkpoints):
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         answer = asyncio.ensure_future(completion(c, 40))
@@ -275,7 +279,7 @@ def test_continue_sent_before_the_pause_answered_never_leaves_the_engine_frozen(
     """A trainer's continue overtaking its own pause (found by review: the pause's hold, queued for
     the engine thread, ran after the continue and froze the engine for good)."""
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         answer = asyncio.ensure_future(completion(c, 60))
@@ -300,7 +304,7 @@ def test_a_second_abort_pause_spares_the_requests_waiting_for_the_pause(checkpoi
     """Pausing a paused engine again (mode abort) ends what runs, not the requests that came during
     the pause and wait for its end (found by review: those ended "abort" with no token)."""
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         await c.post("/pause_generation", json={})
@@ -367,7 +371,7 @@ def test_gauges_follow_an_abort_while_paused(checkpoints):
     paused (found by a live audit: they kept showing the frozen requests and their pages until the
     next request, since no step ran to refresh them)."""
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     def gauge(text: str, name: str) -> float:
         (line,) = [x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name + "{")]

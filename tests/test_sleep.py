@@ -10,11 +10,10 @@ import asyncio
 
 import pytest
 
-from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.demo import make_demo_model
 from tests.conftest import run_in_process, until
-from tests.test_pause import KW, PROMPT, completion, greedy_ids, ids_of
+from tests.test_pause import KW, PROMPT, completion, engine_of, greedy_ids, ids_of
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,7 @@ def run(engine, scenario):
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_memory_refuses_requests_and_wakes_to_the_same_answers(checkpoints, level):
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
     full = num_param_elements(engine)
 
     async def scenario(c):
@@ -71,7 +70,7 @@ def test_sglang_release_then_update_then_resume_serves_the_new_weights(checkpoin
     """slime's colocated step: release everything, train, resume the weights, push the new
     checkpoint, resume the KV cache. An update while the weights are released is refused."""
     a, b = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         released = await c.post("/release_memory_occupation", json={"tags": None})
@@ -93,7 +92,7 @@ def test_sglang_release_then_update_then_resume_serves_the_new_weights(checkpoin
 
 def test_a_busy_engine_keeps_its_memory_and_bad_input_changes_nothing(checkpoints):
     a, _ = checkpoints
-    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    engine = engine_of(a)
 
     async def scenario(c):
         answer = asyncio.ensure_future(completion(c, 200))
@@ -122,7 +121,7 @@ def test_a_weights_release_drops_the_prefix_cache_of_a_checkpoint_rewritten_in_p
     import shutil
 
     path = make_demo_model(tmp_path / "step", seed=0)
-    engine = LLMEngine(EngineConfig.create(str(path), dtype="float32", **KW))
+    engine = engine_of(str(path))
     nxt = make_demo_model(tmp_path / "next", seed=1)
 
     async def scenario(c):

@@ -251,14 +251,10 @@ def control_routes(router: Router) -> APIRouter:
     async def pause_generation(http: Request):
         """SGLang's, for the whole cluster: `mode` "abort" (its default); "in_place" and "retract" are
         refused (module docstring)."""
-        raw = await http.body()
         try:
-            body = PauseGenerationRequest.model_validate(json.loads(raw) if raw.strip() else {})
-        except ValidationError as e:
-            message = f"invalid body: {describe_errors(e.errors())}"
-            return JSONResponse(error_body(message, 400, param="mode"), 400)
-        except ValueError:
-            return JSONResponse(error_body("request body is not valid JSON", 400), 400)
+            body = PauseGenerationRequest.parse(await http.body())
+        except ValueError as e:
+            return JSONResponse(error_body(str(e), 400, param="mode"), 400)
         failed = await pause(http, body.mode)
         return failed or {"message": "Generation paused successfully.", "status": "ok"}
 

@@ -57,7 +57,6 @@ from pdserve.server.protocol import (
     APIError,
     PauseGenerationRequest,
     UpdateWeightsRequest,
-    describe_errors,
     request_id_of,
     sglang_failure,
 )
@@ -204,13 +203,10 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
     @router.post("/pause_generation")
     async def pause_generation(http: Request):
         """SGLang's: `mode` "abort" (its default), "in_place" or "retract" (module docstring)."""
-        raw = await http.body()
         try:
-            body = PauseGenerationRequest.model_validate(json.loads(raw) if raw.strip() else {})
+            body = PauseGenerationRequest.parse(await http.body())
         except ValueError as e:
-            errors = getattr(e, "errors", None)
-            message = describe_errors(errors()) if errors else "request body is not valid JSON"
-            raise APIError(f"invalid body: {message}", param="mode") from None
+            raise APIError(str(e), param="mode") from None
         num = await pause(body.mode)
         out = {"message": "Generation paused successfully.", "status": "ok"}
         return out | {"num_requests_aborted" if body.mode == "abort" else "num_requests_retracted": num}

@@ -11,7 +11,7 @@ import datetime
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.responses import JSONResponse as _StarletteJSONResponse
 
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
@@ -490,6 +490,18 @@ class PauseGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     mode: Literal["abort", "in_place", "retract"] = "abort"
+
+    @classmethod
+    def parse(cls, raw: bytes) -> PauseGenerationRequest:
+        """The body as an engine and the router read it (none at all is `{}`); ValueError says why not."""
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise ValueError("invalid body: request body is not valid JSON") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"invalid body: {describe_errors(e.errors())}") from None
 
 
 LOAD_FORMATS = (None, "auto", "safetensors")  # (what the engines read; SGLang's field names more)
