@@ -8,10 +8,10 @@ The check walks every page (~11 ms at 50k pages, 50 ms at 200k): the next one wa
 has spent at most IDLE_CHECK_SHARE of its time on them, so a request arriving at an engine that goes
 idle between an agent's turns rarely waits behind one (small pools still check at every idle).
 
-Length (~550 lines): the thread, its inbox of commands (add, abort, a call run on the engine thread:
-weight updates, cache resets, room aborts) and
-the per-request streams are one hand-off between two threads; split, each half would have to
-expose the other's locking rules.
+Length (~650 lines): the thread, its inbox of commands (add, abort, a call run on the engine thread:
+weight updates, cache resets, room aborts, a pause's hold of the steps) and the per-request streams
+are one hand-off between two threads; split, each half would have to expose the other's locking
+rules (a pause, for one, orders its hold and its release through the same inbox).
 """
 
 from __future__ import annotations

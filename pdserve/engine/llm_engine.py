@@ -4,8 +4,9 @@ Single-threaded: the offline `LLM` calls `step()` directly; the server runs it i
 (`pdserve.engine.async_engine`). One step = schedule -> run the model -> append sampled tokens ->
 check stops -> publish full pages to the prefix cache -> release finished requests' pages.
 
-Length (~550 lines): the engine's request path end to end — validation, the step loop, stops and
-text, outputs, weight updates — shares one request object and one scheduler; the parts that stand
+Length (~650 lines): the engine's request path end to end — validation, the step loop, stops and
+text, outputs, weight updates, memory released and resumed — shares one request object and one
+scheduler; the parts that stand
 alone (scheduler, KV managers, model runner, sampler, detokenizer) are their own modules.
 """
 

@@ -6,7 +6,7 @@
 Every handler validates fully (`AsyncEngine.validate`, read-only) before the engine thread sees the
 request, so a bad request gets a 4xx with an OpenAI-style error body and changes no engine state.
 
-Length (~850 lines): one ``build_app`` whose routes share the validation, usage, logprobs and
+Length (~1,050 lines): one ``build_app`` whose routes share the validation, usage, logprobs and
 streaming closures (splitting it would pass a dozen closures around); the request schemas are in
 ``protocol.py``, the metrics in ``metrics.py``, tool calls, reasoning and n > 1 in their own modules.
 """
