@@ -657,6 +657,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:
+        # Before the full parser: building it imports the bench modules, which import the DualPath
+        # scheduler as Python, and the compiled simulator (`make sim-accel`) can load only before any
+        # of its modules is. `pdserve simulate` then ran pure Python without saying why.
+        from pdserve.sim.cli import main as simulate
+
+        return int(simulate(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -330,3 +330,21 @@ def test_a_missing_trace_file_is_a_clear_error_not_a_traceback(tmp_path, monkeyp
         )
         err = capsys.readouterr().err
         assert missing in err and "Traceback" not in err, err
+
+
+def test_pdserve_simulate_reaches_the_simulator_before_any_of_its_modules_is_imported():
+    """`pdserve simulate` (the entry point, not `python -m pdserve.sim.cli`): the compiled build can
+    load only if none of its modules was imported as Python first. Building the full parser imported
+    the DualPath scheduler (through the bench modules), so `pdserve simulate` always fell back to pure
+    Python, silently under the default `--accel auto` (found measuring the scale scenario)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import pdserve.sim.cli as c; "
+        "c.run = lambda a: print('imported' if 'pdserve.dualpath.scheduler' in sys.modules else 'clean'); "
+        "from pdserve.cli import main; main(['simulate', '--list'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clean"
