@@ -403,11 +403,7 @@ class LLMEngine:
         returns its pages); "weights": the parameters are freed, or with `keep_weights_on_host`
         (vLLM's level 1) moved to host memory, where a CPU engine's already are (kept as they are).
         Until `resume_memory` brings all back, requests are refused (EngineAsleep)."""
-        unknown = set(tags) - set(MEMORY_TAGS)
-        if unknown:
-            raise InvalidRequest(
-                f"unknown memory tags {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}"
-            )
+        _check_tags(tags)
         if self.requests:
             raise EngineBusy(f"{len(self.requests)} requests are in flight (pause or abort them first)")
         dropped = 0
@@ -431,11 +427,7 @@ class LLMEngine:
         zeroed; the weights from host memory, or loaded again from the checkpoint last served
         (`weights_dir`; if that fails the engine's weights are lost: WeightsLost, 503s until an
         update succeeds)."""
-        unknown = set(tags) - set(MEMORY_TAGS)
-        if unknown:
-            raise InvalidRequest(
-                f"unknown memory tags {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}"
-            )
+        _check_tags(tags)
         if "kv_cache" in tags and "kv_cache" in self.released:
             self.runner.restore_kv()
             self.released.discard("kv_cache")
@@ -649,3 +641,10 @@ def _snapshot(items: list, finished: bool):
     """What an output carries of a list the engine keeps appending to: a copy once the request has
     finished (nothing is appended any more; callers own it), else an O(1) view of its current length."""
     return list(items) if finished else GrowingPrefix(items)
+
+
+def _check_tags(tags: tuple[str, ...]) -> None:
+    """InvalidRequest for a tag `release_memory` / `resume_memory` do not know."""
+    unknown = set(tags) - set(MEMORY_TAGS)
+    if unknown:
+        raise InvalidRequest(f"unknown memory tags {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}")

@@ -182,7 +182,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             "weight_version": engine.weight_version,
         } | ({"weights_id": pd.identity} if pd is not None else {})
 
-    def colocated_only() -> None:
+    async def pause(mode: str) -> int:
         if pd is not None:
             raise APIError(
                 f"a {pd.role_name} engine is paused through its router (its /pause_generation "
@@ -190,9 +190,6 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                 400,
                 param="mode",
             )
-
-    async def pause(mode: str) -> int:
-        colocated_only()
         try:
             return await aengine.pause(mode)
         except PauseEnded as e:
@@ -262,12 +259,13 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         except (WeightsLost, EngineDeadError) as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
 
-    def tags_of(raw, default=MEMORY_TAGS) -> tuple[str, ...]:
+    def tags_of(raw) -> tuple[str, ...]:
+        """The tags asked for (None: all); SGLang's "cuda_graph" left out (no graphs here)."""
         if raw is None:
-            return default
+            return MEMORY_TAGS
         if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
             raise APIError("tags must be a list of strings", param="tags")
-        return tuple(raw)
+        return tuple(t for t in raw if t != "cuda_graph")
 
     @router.post("/sleep")
     async def sleep(level: int = 1):
@@ -304,13 +302,13 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
     async def release_memory_occupation(http: Request):
         """SGLang's: `tags` (null: all) freed; weights are loaded again from disk when resumed."""
         tags = tags_of((await sglang_body(http)).get("tags"))
-        await release(tuple(t for t in tags if t != "cuda_graph"), keep_weights_on_host=False)
+        await release(tags, keep_weights_on_host=False)
         return {"success": True, "message": f"released {', '.join(sorted(engine.released)) or 'nothing'}"}
 
     @router.post("/resume_memory_occupation")
     async def resume_memory_occupation(http: Request):
         tags = tags_of((await sglang_body(http)).get("tags"))
-        await resume_memory(tuple(t for t in tags if t != "cuda_graph"))
+        await resume_memory(tags)
         return {"success": True, "message": "resumed"}
 
     return router
