@@ -31,7 +31,7 @@ test: lint
 	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile -m "not quiet" --durations=15
 	$(BIN)/python -m pytest -q -x -m quiet --durations=5
 
-# The simulator's event loop compiled with mypyc (~2 min once; same results, ~2x faster); used by
+# The simulator's event loop compiled with mypyc (~30 s once; same results, ~2x faster); used by
 # `pdserve simulate` while the sources match, ignored once they change.
 sim-accel: $(STAMP)
 	$(BIN)/python -m pdserve.sim.accel build

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="compiled simulator (mypyc, same source and results, ~2x faster): auto = use a build "
-        "that matches the sources if there is one; on = build it first (~2 min once); off = pure Python",
+        "that matches the sources if there is one; on = build it first (~30 s once); off = pure Python",
     )
     g = parser.add_argument_group("overrides (default: the scenario's own)")
     g.add_argument("--prefill-nodes", type=_positive_int, help="prefill nodes")
