@@ -14,8 +14,15 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-import torch
+# One torch (OpenMP) thread per test process, before torch is imported; engines the tests start inherit
+# it. The suite runs two xdist workers on two cores, and most tests start engine processes besides:
+# with torch's default of a thread per core, their spinning OpenMP threads oversubscribed the cores
+# (the PD, store and equivalence modules took 245 s on two workers, 200 s with this). A user's
+# setting wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The tests and parameters that need a CUDA GPU (CI has none; scripts/gpu_check.sh runs them on one).
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
