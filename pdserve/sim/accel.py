@@ -34,16 +34,16 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../pdserve
 COMPILED = ("sim/links.py", "dualpath/scheduler.py", "sim/cluster.py")
 # What the compiled code imports from pdserve: part of the digest, since mypyc compiles against it.
 IMPORTED = ("sim/config.py", "sim/errors.py", "dualpath/cost_model.py", "bench/workloads.py")
-MODULE_NAMES = tuple("pdserve." + p.removesuffix(".py").replace("/", ".") for p in COMPILED)
+# The digested modules' names: the compiled ones first (MODULE_NAMES), then what they import.
+DIGESTED_MODULES = tuple("pdserve." + p.removesuffix(".py").replace("/", ".") for p in COMPILED + IMPORTED)
+MODULE_NAMES = DIGESTED_MODULES[: len(COMPILED)]
 # mypy's configuration for the build: it analyses exactly the digested modules (and type stubs, the
 # standard library's and numpy's). Left to follow every import, it type-checked the package's whole
 # import graph, 1,400 of torch's files among them (through `pdserve.bench`), for ~80% of the build's
 # time, and the build depended on modules the digest does not cover. A skipped module's names are
 # `Any` to mypyc: the compiled code is the same (the hot path uses only the modules named here).
 MYPY_CONFIG = (
-    "[mypy]\nfollow_imports = skip\n\n[mypy-"
-    + ",".join("pdserve." + p.removesuffix(".py").replace("/", ".") for p in COMPILED + IMPORTED)
-    + "]\nfollow_imports = normal\n"
+    f"[mypy]\nfollow_imports = skip\n\n[mypy-{','.join(DIGESTED_MODULES)}]\nfollow_imports = normal\n"
 )
 BUILD_TIMEOUT_S = 900
 
