@@ -103,3 +103,18 @@ def test_models_of_one_shape_get_separate_store_keys_and_pd_fingerprints(two_mod
     assert keys[0] == keys[2]  # one model's engines share blocks whatever their page size
     fps = [layout_fingerprint(e, i) for e, i in zip(engines, ids, strict=True)]
     assert len(set(fps)) == 3  # PD peers need the same model and the same page layout
+
+
+def test_the_demo_tokenizers_training_text_is_the_same_everywhere():
+    """The demo checkpoint is the same on every machine and interpreter only if its tokenizer is (the
+    vocabulary size sets the weights' shapes): the training text is generated from a seed, never read
+    from the interpreter's files. Trained on the standard library's sources, 3.11.2 and 3.11.7 gave
+    different tokenizers, and tests tied to one failed on the other. This digest was the same on
+    CPython 3.11.2, 3.11.7, 3.12.1 and 3.13.0; a deliberate change of the text updates it."""
+    import hashlib
+
+    from pdserve.model.demo import CORPUS_NUM_LINES, corpus_lines
+
+    lines = corpus_lines()
+    assert len(lines) == CORPUS_NUM_LINES and lines == corpus_lines()
+    assert hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] == "5e0e341e5369e919"

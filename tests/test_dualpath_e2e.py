@@ -102,7 +102,7 @@ def test_multi_turn_read_paths_equal_recompute(store_cluster, colocated, read_pa
     tok = colocated.get_tokenizer()
     seed_text = {"none": "alpha", "pe": "beta", "de": "gamma"}[read_path]  # one conversation per path
     context = tok.encode(
-        f"# conversation {seed_text}\n" + "def step(state, action):\n    return state\n" * 85
+        f"# conversation {seed_text}\n" + "def step(state, action):\n    return state\n" * 74
     )
     assert 900 < len(context) < 1200
     url = store_cluster.router_url

@@ -142,7 +142,7 @@ def test_mask_allows_exactly_the_tokens_that_continue_a_choice(demo_engine):
     """The allowed set, computed from the vocabulary by hand: every token whose text is a non-empty
     prefix of a choice (special tokens never spell text); other rows are left alone."""
     tok, vocab = demo_engine.tokenizer, demo_engine.config.model_config.vocab_size
-    choices = ["ab", "cd", "abe"]
+    choices = ["the", "then", "that"]  # (the demo vocabulary spells them in 6 tokens: t, th, ...)
     g = demo_engine.grammars.grammar_for(StructuredOutputs(choice=choices))
     logits = torch.randn(3, vocab)
     untouched = logits.clone()
@@ -250,7 +250,7 @@ def test_seeded_outputs_do_not_depend_on_the_batch_or_on_preemption(demo_model_d
     """The grammar advances with each appended token only: a request preempted and recomputed (its
     output kept) goes on from where it was, so a tiny pool gives the same answers as a roomy one."""
     spec = {"regex": "[a-z ]{80,100}\\."}
-    prompts = [f"# task {i}\n" + "x = process(y)\n" * (6 + i) for i in range(6)]
+    prompts = [f"# task {i}\n" + "x = value(y)\n" * (6 + i) for i in range(6)]  # (<= 83 tokens)
     p = SamplingParams(temperature=1.0, seed=3, max_tokens=100, structured_outputs=spec)
     roomy = [o.outputs[0].text for o in llm.generate(prompts, p)]
     tight = LLM(demo_model_dir, max_model_len=256, num_pages=50, page_size=4, max_num_batched_tokens=64)
@@ -308,7 +308,19 @@ def sse(r: httpx.Response) -> list[dict]:
 MSGS = [{"role": "user", "content": "weather in Paris?"}]
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
-    {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}},
+    # (bounded, as SCHEMA is: with open `properties` the random model's sampled keys could run past
+    # any max_tokens, and whether a call ended in time depended on the seed)
+    {
+        "type": "function",
+        "function": {
+            "name": "ls",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "maxLength": 8}},
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 
 

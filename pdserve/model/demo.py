@@ -1,15 +1,17 @@
 """`pdserve make-demo-model DIR`: a small Llama checkpoint that needs no download.
 
-Random weights (fixed seed) and a byte-level BPE tokenizer trained here with `tokenizers` on Python
-standard-library sources, so every machine builds the identical checkpoint. It exists so that the demo,
-the tests and the benchmarks run offline; its text is noise, its shapes and formats are real.
+Random weights (fixed seed) and a byte-level BPE tokenizer trained here with `tokenizers` on text
+generated from a fixed seed (`corpus_lines`), so every machine and interpreter builds the identical
+checkpoint. It exists so that the demo, the tests and the benchmarks run offline; its text is noise,
+its shapes and formats are real.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import sysconfig
+import random
 from pathlib import Path
 
 import torch
@@ -30,25 +32,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-# Stdlib modules whose source is the tokenizer's training text (present in every CPython 3.11+).
-CORPUS_MODULES = (
-    "this.py",
-    "textwrap.py",
-    "argparse.py",
-    "json/decoder.py",
-    "json/encoder.py",
-    "string.py",
-    "difflib.py",
-    "pathlib.py",
-    "typing.py",
-    "dataclasses.py",
-    "enum.py",
-    "functools.py",
-    "collections/__init__.py",
-    "email/message.py",
-    "calendar.py",
-)
-
 DEMO_SHAPE = dict(
     vocab_size=4096,
     hidden_size=256,
@@ -60,14 +43,127 @@ DEMO_SHAPE = dict(
 )
 
 
+# The tokenizer's training text is generated here from a fixed seed, so that the tokenizer, and with it
+# the vocabulary size and so the weights' shapes, is the same on every machine and interpreter. (It
+# used to be the source of 15 standard-library modules, which differ between Python releases: 3.11.2
+# and 3.11.7 trained different tokenizers, and tests tied to one tokenizer failed on the other.)
+# `random.Random` with an int seed gives the same stream on every CPython 3 (its seeding, `random()`
+# and `_randbelow` are fixed), and the text is made of ASCII pieces written here, nothing read.
+CORPUS_SEED = 20261203
+CORPUS_NUM_LINES = 20_000
+CORPUS_NUM_WORDS = 6_000
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st",
+           "tr", "pl", "ch", "sh", "th", "gr", "br", "cl", "sp", "qu")  # fmt: skip
+_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ea", "ou", "io", "y")
+_CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "x", "ck", "rt")
+_FUNCTION_WORDS = ("the of and to in is that for it as with be on not this are by at from or an was "
+                   "can if will one all which has more when each there use its we do how their other "
+                   "into some than then only new may any such these two over most after first also "
+                   "you what where who today hello thank please yes no good day capital city "
+                   "weather country world time year people way make like just know take see come "
+                   "think look want give find tell ask work seem feel try leave call keep let begin"
+                   ).split()  # fmt: skip
+# Identifiers of everyday code, ranked right after the common words: a code tokenizer learns them whole.
+_CODE_WORDS = ("def class return import from self args kwargs request response context result process "
+               "body user handler parser parse argv argument arguments argparse config options data "
+               "value values key keys item items name names path file files line lines text string "
+               "int float bool list dict set tuple get update append extend insert remove pop index "
+               "count len range print format join split strip replace open read write close start "
+               "stop run main init test error errors exception finally yield lambda async await "
+               "object type types module package function method params param input output buffer "
+               "size length offset end time timeout retry status state node page block token cache "
+               "model layer batch step queue server client engine message event task worker thread "
+               "lock loop total sum min max mean sort sorted filter map reduce fib fibonacci factorial "
+               "compute calculate sample random seed weight matrix vector tensor shape dim axis os "
+               "sys json re math np torch logging logger log debug info warning option help default "
+               "source target node_id url host port base prefix suffix"
+               ).split()  # fmt: skip
+_KEYWORDS = ("def", "return", "if", "elif", "else", "for", "while", "in", "not", "and", "or", "is",
+             "None", "True", "False", "import", "from", "class", "with", "as", "try", "except",
+             "raise", "yield", "lambda", "pass", "break", "continue", "assert", "self")  # fmt: skip
+_RULES = (" " + "-" * 40, " " + "=" * 32, " +" + "-" * 9 + "+" + "-" * 13 + "+", " ---- ")
+_OPERATORS = ("=", "==", "!=", "+", "-", "*", "/", "//", "%", "<", ">", "<=", ">=", "+=", "-=", "->", ":")
+
+
+def _corpus_words(rng: random.Random) -> list[str]:
+    """The vocabulary of the generated text: common words, code identifiers, then pronounceable
+    made-up ones (the long tail)."""
+    words = list(dict.fromkeys(_FUNCTION_WORDS + _CODE_WORDS))
+    seen = set(words)
+    while len(words) < CORPUS_NUM_WORDS:
+        w = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3))
+        )
+        if len(w) > 1 and w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
 def corpus_lines() -> list[str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    lines: list[str] = []
-    for name in CORPUS_MODULES:
-        path = stdlib / name
-        if path.is_file():
-            lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return lines
+    """CORPUS_NUM_LINES lines of prose, Python-like code and JSON, deterministic (see CORPUS_SEED).
+    Words follow a Zipf law (rank r drawn with weight 1/r), as in real text, so BPE learns frequent
+    words whole and rare ones in pieces."""
+    rng = random.Random(CORPUS_SEED)
+    words = _corpus_words(rng)
+    cum = list(itertools.accumulate(1.0 / (r + 1) for r in range(len(words))))
+
+    def word() -> str:
+        return rng.choices(words, cum_weights=cum)[0]
+
+    def ident() -> str:
+        return "_".join(word() for _ in range(rng.choice((1, 1, 2, 2, 3))))
+
+    def number() -> str:
+        r = rng.random()
+        if r < 0.5:
+            return str(rng.randint(0, 9 if r < 0.2 else 999))
+        return f"{rng.uniform(0, 100):.{rng.randint(1, 3)}f}" if r < 0.7 else str(rng.randint(0, 10**6))
+
+    def atom() -> str:
+        r = rng.random()
+        return ident() if r < 0.6 else number() if r < 0.8 else repr(" ".join(word() for _ in range(2)))
+
+    def prose() -> str:
+        text = " ".join(word() for _ in range(rng.randint(4, 16)))
+        return text[0].upper() + text[1:] + rng.choice((".", ".", ",", "?", ":", "!"))
+
+    def code() -> str:
+        indent = " " * (4 * rng.choice((0, 1, 1, 2, 2, 3)))
+        a, b = ident(), ident()
+        kind = rng.randrange(9)
+        if kind == 0:
+            args = ", ".join(ident() for _ in range(rng.randint(0, 3)))
+            return f"{indent}def {a}({args}):"
+        if kind == 1:
+            return f"{indent}{a} {rng.choice(_OPERATORS)} {b}({atom()}, {atom()})"
+        if kind == 2:
+            return f"{indent}return {a} {rng.choice(_OPERATORS)} {atom()}"
+        if kind == 3:
+            return f"{indent}{rng.choice(('if', 'while', 'elif'))} {a} {rng.choice(_OPERATORS)} {atom()}:"
+        if kind == 4:
+            return f"{indent}for {a} in {b}:"
+        if kind == 5:
+            return f"{indent}# {prose()}"
+        if kind == 6:
+            return f"{indent}self.{a} = {b}[{atom()}]"
+        if kind == 7:
+            return f"{indent}{rng.choice(_KEYWORDS)} {a}.{b}"
+        return f"{indent}{rng.choice(('import', 'from'))} {a}"
+
+    def json_line() -> str:
+        fields = []
+        for _ in range(rng.randint(1, 4)):
+            key = ident()
+            values = (number(), f'"{word()}"', "true", "false", "null")
+            fields.append(f'"{key}": {rng.choice(values)}')
+        return "{" + ", ".join(fields) + "}"
+
+    def rule() -> str:  # a separator comment, as code has them: BPE learns each as one long token
+        return "#" + rng.choice(_RULES)
+
+    makers = (prose, prose, code, code, code, json_line, rule)
+    return [rng.choice(makers)() for _ in range(CORPUS_NUM_LINES)]
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
