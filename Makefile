@@ -1,7 +1,14 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # Both create .venv if missing, install torch pinned (the CPU build on these machines) and then the
 # package with its extras. An unpinned torch would pull a multi-GB CUDA build.
-PY      ?= python3
+# The interpreter of .venv: the distribution's Python 3.11 where it can make a venv and build C
+# extensions, else `python3`. Why: Debian builds its python3.11 with PGO and LTO, pyenv's default build
+# (the `python3` on PATH here) without; on these machines the simulator runs 1.1-1.3x and the test
+# suite ~1.15x faster on it (docs/benchmarks.md, 2026-12-03 22:25 session). 3.11 because the torch file
+# on disk is for 3.11. `make PY=...` picks another.
+PY      ?= $(shell for p in /usr/bin/python3.11 python3; do $$p -c 'import ensurepip, os, sysconfig, venv; \
+             assert os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+             2>/dev/null && { echo $$p; break; }; done)
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
