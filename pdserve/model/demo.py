@@ -131,25 +131,18 @@ def corpus_lines() -> list[str]:
     def code() -> str:
         indent = " " * (4 * rng.choice((0, 1, 1, 2, 2, 3)))
         a, b = ident(), ident()
-        kind = rng.randrange(9)
-        if kind == 0:
-            args = ", ".join(ident() for _ in range(rng.randint(0, 3)))
-            return f"{indent}def {a}({args}):"
-        if kind == 1:
-            return f"{indent}{a} {rng.choice(_OPERATORS)} {b}({atom()}, {atom()})"
-        if kind == 2:
-            return f"{indent}return {a} {rng.choice(_OPERATORS)} {atom()}"
-        if kind == 3:
-            return f"{indent}{rng.choice(('if', 'while', 'elif'))} {a} {rng.choice(_OPERATORS)} {atom()}:"
-        if kind == 4:
-            return f"{indent}for {a} in {b}:"
-        if kind == 5:
-            return f"{indent}# {prose()}"
-        if kind == 6:
-            return f"{indent}self.{a} = {b}[{atom()}]"
-        if kind == 7:
-            return f"{indent}{rng.choice(_KEYWORDS)} {a}.{b}"
-        return f"{indent}{rng.choice(('import', 'from'))} {a}"
+        kinds = (  # (only the drawn one is built: it alone draws from rng)
+            lambda: f"def {a}({', '.join(ident() for _ in range(rng.randint(0, 3)))}):",
+            lambda: f"{a} {rng.choice(_OPERATORS)} {b}({atom()}, {atom()})",
+            lambda: f"return {a} {rng.choice(_OPERATORS)} {atom()}",
+            lambda: f"{rng.choice(('if', 'while', 'elif'))} {a} {rng.choice(_OPERATORS)} {atom()}:",
+            lambda: f"for {a} in {b}:",
+            lambda: f"# {prose()}",
+            lambda: f"self.{a} = {b}[{atom()}]",
+            lambda: f"{rng.choice(_KEYWORDS)} {a}.{b}",
+            lambda: f"{rng.choice(('import', 'from'))} {a}",
+        )
+        return indent + kinds[rng.randrange(len(kinds))]()
 
     def json_line() -> str:
         fields = []
