@@ -828,6 +828,7 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
     ref = colocated(cluster.device).generate(
         ps, [SamplingParams(temperature=0, max_tokens=m, logprobs=5, ignore_eos=True) for m in max_tokens]
     )
+    text_of = colocated(cluster.device).engine.tokenizer.token_text
     for i, out in enumerate(ref):
         text, lps, usage = results[i]
         assert text == out.outputs[0].text, f"prompt {i}"
@@ -837,7 +838,6 @@ def test_pd_greedy_equals_colocated(cluster, colocated):
         tol = dict(rel=1e-6) if cluster.device == "cpu" else dict(abs=1e-4)
         assert lps["token_logprobs"][0] == pytest.approx(lp0.logprob, **tol)
         # (keyed by token text, as in vLLM: two of the top tokens may spell the same text, e.g. "\ufffd")
-        text_of = colocated(cluster.device).engine.tokenizer.token_text
         top = {text_of(t): v for t, v in lp0.top} | {text_of(out.outputs[0].token_ids[0]): lp0.logprob}
         assert list(lps["top_logprobs"][0]) == list(top)
         assert list(lps["top_logprobs"][0].values()) == pytest.approx(list(top.values()), **tol)
