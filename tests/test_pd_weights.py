@@ -242,13 +242,16 @@ def test_vllm_pause_wait_lets_the_cluster_finish_what_runs(cluster, refs):
             running = pool.submit(complete, url, ids, max_tokens=40)
             until_decoding(cluster, running)
             paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
-            finished_first = running.done()
+            # (what ran has ended on every engine and in the router when the pause answers; not
+            # `running.done()`: the client's thread may still be reading the answer the router sent)
+            loads = httpx.get(url + "/v1/loads", timeout=10).json()["loads"]
+            running_then = sum(entry["num_total_reqs"] for entry in loads)
             held = pool.submit(complete, url, ids)
             time.sleep(0.5)
             waiting = held.done()
             resumed = httpx.post(url + "/resume", timeout=10)
             answer = held.result()
-        assert paused.json() == {"status": "paused"} and finished_first
+        assert paused.json() == {"status": "paused"} and running_then == 0 and len(loads) == 3
         assert running.result().json()["choices"][0]["finish_reason"] == "length"
         assert waiting is False and resumed.json() == {"status": "resumed"}
         assert answer.json()["choices"][0]["text"] == greedy(refs["a"], ids)
