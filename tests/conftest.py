@@ -33,7 +33,8 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 # ---- the compiled simulator's cold build, and the quiet tests ------------------------------------
 # tests/test_sim_accel.py compiles the simulator with mypyc (~30 s of one core on a 2-core machine;
 # ~2.5 min, the suite's longest item by far, until the build stopped type-checking torch). Tests with
-# tight deadlines or rate-limited links (QUIET_MODULES, marked `quiet`) need a quiet machine: on 2
+# tight deadlines or rate-limited links (QUIET_MODULES, marked `quiet`; also single tests marked so in
+# their module, e.g. test_netem's wall-clock ones) need a quiet machine: on 2
 # cores, a compiler beside them made a chaos burst miss deadlines. (The PD fault tests' deadlines are
 # loose -- 8 s, 25 s leases -- and they passed beside the compiler.) `make test` therefore runs the suite in two parts: everything else on two
 # xdist workers (in one process a core sat idle 36% of the run: most tests drive one engine thread),

@@ -149,7 +149,7 @@ def test_abort_all_while_validation_waits_for_a_worker_is_not_lost(demo_model_di
         busy = loop.run_in_executor(None, release.wait, 30)  # (another request's long tokenization)
         body = {"prompt": PROMPT_IDS, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         comp = asyncio.create_task(c.post("/v1/completions", json=body))
-        await asyncio.sleep(0.3)  # (the completion's handler has queued its check behind `busy`)
+        await until(lambda: pool._work_queue.qsize() >= 1)  # (the handler queued its check behind `busy`)
         abort = await c.post("/abort_request", json={"abort_all": True})
         release.set()
         await busy

@@ -116,7 +116,7 @@ def test_ctrl_c_of_launch_ends_the_requests_in_flight_as_aborts(demo_model_dir, 
         wait_healthy(url, proc, timeout_s=180)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         # (a terminal's Ctrl-C: launch and every child)
-        stop_with_requests_in_flight(url, lambda: os.killpg(proc.pid, signal.SIGINT), model, wait_s=2.0)
+        stop_with_requests_in_flight(url, lambda: os.killpg(proc.pid, signal.SIGINT), model)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

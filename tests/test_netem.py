@@ -175,8 +175,13 @@ def test_node_config_validation(tmp_path):
 
 
 # ---- real time --------------------------------------------------------------------------------------
+# The tests that time a transfer against the wall clock run in `make test`'s quiet part: their
+# margins (a few ms to tens of ms, the issue's "<= 5%" among them) are the emulator's fidelity, which a
+# neighbour process on a 2-core machine makes late wake-ups eat.
+QUIET = pytest.mark.quiet
 
 
+@QUIET
 def test_single_flow_takes_n_over_r(make_link):
     link = make_link(bytes_per_s=10e6)
     t0 = time.monotonic()
@@ -194,6 +199,7 @@ def test_wait_times_out(make_link):
     link.cancel(flow_id)
 
 
+@QUIET
 def test_acceptance_model_latency_under_saturating_kv(make_link):
     """The issue's acceptance test: a saturating KV flow slows MODEL moves by <= 5% (theory: 1%)."""
     bytes_per_s = 100e6
@@ -233,6 +239,7 @@ def _child_transmit(path, bytes_per_s, nbytes, barrier, conn):
     link.close()
 
 
+@QUIET
 def test_two_processes_share_one_link(make_link, tmp_path):
     bytes_per_s, nbytes = 4e6, 800_000  # together 0.4 s
     link = make_link(bytes_per_s=bytes_per_s)
@@ -262,6 +269,7 @@ def _child_start_and_die(path, bytes_per_s, conn):
     os._exit(0)
 
 
+@QUIET
 def test_dead_process_flow_is_reaped(make_link):
     bytes_per_s, nbytes = 10e6, 2_000_000  # 0.2 s at full rate, 0.4 s if the dead flow kept its share
     link = make_link(bytes_per_s=bytes_per_s, reap_interval_s=0.05)
@@ -338,6 +346,7 @@ def test_storage_moves_on_a_full_snic_queue_instead_of_raising(tmp_path):
         tm.snic_tx.check_integrity()
 
 
+@QUIET
 def test_transmit_all_crosses_links(make_link):
     fast, slow = make_link("fast", bytes_per_s=100e6), make_link("slow", bytes_per_s=5e6)
     t0 = time.monotonic()

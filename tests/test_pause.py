@@ -101,7 +101,7 @@ def test_a_frozen_or_retracted_request_goes_on_to_the_same_tokens(checkpoints, m
     engine = engine_of(a)
 
     async def scenario(c):
-        answer = asyncio.ensure_future(completion(c, 40))
+        answer = asyncio.ensure_future(completion(c, 200))  # (room for the steps before the pause)
         await started(engine)
         paused = await c.post("/pause_generation", json={"mode": mode})
         req = the_request(engine)
@@ -115,14 +115,14 @@ def test_a_frozen_or_retracted_request_goes_on_to_the_same_tokens(checkpoints, m
     paused, at_pause, still, answer = run(engine, scenario)
     num_tokens, pages, status, num_preemptions = at_pause
     assert paused.status_code == 200 and paused.json()["num_requests_retracted"] == (mode == "retract")
-    assert 3 <= num_tokens < 40
+    assert 3 <= num_tokens < 200
     if mode == "in_place":  # frozen with its pages
         assert pages and status == RequestStatus.RUNNING and num_preemptions == 0
     else:  # its pages given back, queued again
         assert pages == [] and status == RequestStatus.WAITING and num_preemptions == 1
     assert still == (num_tokens, pages, False)
     assert answer.json()["choices"][0]["finish_reason"] == "length"
-    assert ids_of(answer) == greedy_ids(a, PROMPT, 40)
+    assert ids_of(answer) == greedy_ids(a, PROMPT, 200)
     engine.check_integrity()
 
 
@@ -133,7 +133,7 @@ def test_retract_then_update_recomputes_with_the_new_weights_exactly(checkpoints
     engine = engine_of(a)
 
     async def scenario(c):
-        answer = asyncio.ensure_future(completion(c, 30))
+        answer = asyncio.ensure_future(completion(c, 200))  # (room for the steps before the pause)
         await started(engine, 5)
         await c.post("/pause_generation", json={"mode": "retract"})
         so_far = list(the_request(engine).output_token_ids)
@@ -152,7 +152,7 @@ def test_retract_then_update_recomputes_with_the_new_weights_exactly(checkpoints
     assert kept == (len(so_far), False)
     assert so_far == greedy_ids(a, PROMPT, len(so_far))
     prompt_ids = LLM(a, dtype="float32", **KW).get_tokenizer().encode(PROMPT)
-    rest = greedy_ids(b, {"prompt_token_ids": prompt_ids + so_far}, 30 - len(so_far))
+    rest = greedy_ids(b, {"prompt_token_ids": prompt_ids + so_far}, 200 - len(so_far))
     assert ids_of(answer) == so_far + rest
     # Recomputed by the new weights alone, its pages are the new weights' cache (keyed from their root)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
@@ -164,15 +164,15 @@ def test_in_place_update_goes_on_and_never_offers_its_mixed_pages(checkpoints):
     goes on under the new ones (without keep_pause: at once, while new requests still wait). The
     pages it completes then mix both weights' KV: no other request may hit them."""
     a, b = checkpoints
-    # Pages of 64 tokens: the request's first page is completed only after the update (it is paused
+    # Pages of 128 tokens: the request's first page is completed only after the update (it is paused
     # within its first tokens), so nothing but `publish_pages` keeps it from the new weights' cache.
     engine = LLMEngine(
-        EngineConfig.create(a, dtype="float32", num_pages=64, max_model_len=1024, page_size=64)
+        EngineConfig.create(a, dtype="float32", num_pages=64, max_model_len=1024, page_size=128)
     )
     short = "x = 1"
 
     async def scenario(c):
-        answer = asyncio.ensure_future(completion(c, 80, short))
+        answer = asyncio.ensure_future(completion(c, 200, short))
         await started(engine, 1)
         await c.post("/pause_generation", json={"mode": "in_place"})
         at_pause = the_request(engine).num_output_tokens
@@ -189,11 +189,11 @@ def test_in_place_update_goes_on_and_never_offers_its_mixed_pages(checkpoints):
 
     at_pause, updated, done, waiting, again = run(engine, scenario)
     num_prompt_tokens = len(done.json()["choices"][0]["prompt_token_ids"])
-    assert num_prompt_tokens + at_pause < 64  # (its first page was completed after the update)
+    assert num_prompt_tokens + at_pause < 128  # (its first page was completed after the update)
     assert updated.status_code == 200 and updated.json()["num_paused_requests"] == 1
     assert done.json()["choices"][0]["finish_reason"] == "length"
     assert waiting is False
-    assert again.json()["usage"]["prompt_tokens"] == num_prompt_tokens + 80
+    assert again.json()["usage"]["prompt_tokens"] == num_prompt_tokens + 200
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     engine.check_integrity()
 

@@ -933,7 +933,12 @@ def test_kv_request_polled_after_the_room_failed_but_before_it_was_reaped_is_ans
     p = make_pair(fake_clocks=True)  # no deadline passes: only the answer can end the decode's room
     room = p.submit_both(prompt(9), 4, "between")
     p.drive(lambda: (KVRequest, room) in p.de_sent)  # (the prefill ticked before the decode sent it)
-    time.sleep(0.05)  # delivered to the prefill's socket, not yet polled
+    deadline = time.monotonic() + 10
+    while not any(  # delivered to the prefill's inbox, not yet polled
+        isinstance(e.body, KVRequest) and e.room == room for e in list(p.pe_control._inbox)
+    ):
+        assert time.monotonic() < deadline, "the KVRequest never reached the prefill"
+        time.sleep(0.001)
     assert p.pe_role.abort("between", client_abort=True) is None
     p.drive(lambda: p.idle())
     assert p.pe_role.failures == {"aborted by client": 1}  # (no "duplicate KVRequest ignored")
@@ -1794,13 +1799,17 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
     dreq.read_path = "de"
     p.pe_role.add(preq, None)
     p.de_role.add(dreq, None)
+    # (the interval set around each phase, so that a slow turn on a loaded machine changes nothing)
+    monkeypatch.setattr(pd_decode, "STORE_LOOKUP_REFRESH_S", 1e9)
     for _ in range(20):
         p.turn(prefill=False)
     assert [d.req.request_id for d in p.de_role.prealloc] == ["r3"]  # still waiting for pages
     assert lookups == ["r3"]
     monkeypatch.setattr(pd_decode, "STORE_LOOKUP_REFRESH_S", 0.05)
     time.sleep(0.06)
-    for _ in range(3):
+    p.turn(prefill=False)  # the interval has passed: it looks again
+    monkeypatch.setattr(pd_decode, "STORE_LOOKUP_REFRESH_S", 1e9)
+    for _ in range(2):
         p.turn(prefill=False)
     assert lookups == ["r3", "r3"]
 
@@ -1922,8 +1931,9 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     block_nbytes = ppb * page_bytes * 2 * len(k)
     layout = SimpleNamespace(block_size=page * ppb, block_nbytes=block_nbytes, fingerprint="t")
     gate = threading.Event()
+    taken = threading.Event()  # (the writer is in its first put)
     store = SimpleNamespace(
-        layout=layout, put=lambda key, data, ancestors=(): gate.wait() or True
+        layout=layout, put=lambda key, data, ancestors=(): taken.set() or gate.wait() or True
     )  # a stuck disk
     engine = SimpleNamespace(
         kv=SimpleNamespace(page_size=page), runner=SimpleNamespace(kv_cache=SimpleNamespace(k=k, v=v))
@@ -1946,7 +1956,7 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
 
     for i in range(5):  # the writer holds one block, the queue holds four: full
         conn.persist(req(i, 1))
-        time.sleep(0.05 if i == 0 else 0)
+        assert i > 0 or taken.wait(timeout=10)
     conn._writes.get_nowait()  # the disk finished one: one slot free
     conn._writes.task_done()
     gathered = []

@@ -184,11 +184,12 @@ def test_a_prefill_and_a_decode_of_different_weights_refuse_each_others_requests
 
 
 def until_decoding(cluster, answer: concurrent.futures.Future) -> None:
-    """Until the cluster's decode runs a request (or `answer` is done)."""
+    """Until the cluster's decode runs a request (or `answer` is done): by the decode's own count, not
+    the router's, which counts a request once it has sent it, before the decode has it."""
     decode, deadline = cluster.urls["decode"][0], time.monotonic() + 60
     while not answer.done() and time.monotonic() < deadline:
-        engines = httpx.get(cluster.router_url + "/health", timeout=5).json()["engines"]
-        if engines[decode]["in_flight"]:
+        load = httpx.get(decode + "/v1/loads", params={"include": "core"}, timeout=5).json()
+        if load["loads"][0]["num_running_reqs"]:
             return
         time.sleep(0.01)
 
@@ -308,10 +309,11 @@ def test_a_resume_ends_a_router_pause_still_waiting_for_its_requests(cluster, re
     ids, url = prompt(refs, "resume"), cluster.router_url
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            running = pool.submit(complete, url, ids, max_tokens=300)
+            running = pool.submit(complete, url, ids, max_tokens=500)
             until_decoding(cluster, running)
             pausing = pool.submit(httpx.post, url + "/pause", params={"mode": "wait"}, timeout=120)
-            time.sleep(0.3)
+            while not httpx.get(url + "/is_paused", timeout=5).json()["is_paused"]:  # (it waits now)
+                time.sleep(0.01)
             resumed = httpx.post(url + "/resume", timeout=10)
             paused = pausing.result()
             finished = running.done()

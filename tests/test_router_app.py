@@ -1032,7 +1032,8 @@ def test_a_weight_update_waits_for_the_requests_in_flight_and_holds_new_ones_unt
             updating = asyncio.ensure_future(
                 c.post("/update_weights_from_disk", json={"model_path": "/ckpt/b"})
             )
-            await asyncio.sleep(0.05)
+            while router.open.is_set():  # (until the update holds new requests)
+                await asyncio.sleep(0.01)
             second = asyncio.ensure_future(c.post("/v1/completions", json=body))
             await asyncio.sleep(0.1)
             held = list(calls)  # (the update waits for request 1; request 2 waits for the update)

@@ -71,7 +71,7 @@ def test_ctrl_c_stops_a_colocated_server_with_a_stream_in_flight(demo_model_dir,
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=8)
+                proc.wait(timeout=12)
             except subprocess.TimeoutExpired:
                 pass
             waited = time.monotonic() - t0
@@ -79,12 +79,14 @@ def test_ctrl_c_stops_a_colocated_server_with_a_stream_in_flight(demo_model_dir,
         assert not alive, f"still running {waited:.1f}s after SIGINT (a stream was in flight)"
 
 
-def requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> dict:
-    """Send a long non-streamed and a long streamed completion to `url`, call `stop()` `wait_s` later
-    (a Ctrl-C), and wait for both answers: {"whole": the response, "lines": the stream's data lines}."""
+def requests_in_flight(url: str, stop, model: str | None = None) -> dict:
+    """Send a long non-streamed and a long streamed completion to `url` (an engine or a router), call
+    `stop()` (a Ctrl-C) once `url` counts both in flight and the stream has had two chunks, and wait
+    for both answers: {"whole": the response, "lines": the stream's data lines}."""
     import threading
 
     answers: dict = {}
+    streaming = threading.Event()
     base = {"max_tokens": 4000, "ignore_eos": True} | ({"model": model} if model else {})
 
     def whole() -> None:
@@ -92,23 +94,33 @@ def requests_in_flight(url: str, stop, model: str | None = None, wait_s: float =
 
     def streamed() -> None:
         body = base | {"prompt": "b", "stream": True}
+        answers["lines"] = lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-            answers["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        streaming.set()
 
     threads = [threading.Thread(target=f) for f in (whole, streamed)]
     for t in threads:
         t.start()
-    time.sleep(wait_s)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # (a fixed sleep raced a loaded machine: neither in flight yet)
+        loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"]
+        if streaming.is_set() and loads[-1]["num_total_reqs"] >= 2:  # (a router's own entry is last)
+            break
+        time.sleep(0.02)
     stop()
     for t in threads:
         t.join(timeout=60)
     return answers
 
 
-def stop_with_requests_in_flight(url: str, stop, model: str | None = None, wait_s: float = 1.5) -> None:
+def stop_with_requests_in_flight(url: str, stop, model: str | None = None) -> None:
     """`requests_in_flight`, and check each ended with its tokens so far and finish_reason "abort"
     (the stream with its last chunk and [DONE])."""
-    answers = requests_in_flight(url, stop, model, wait_s)
+    answers = requests_in_flight(url, stop, model)
     assert answers["whole"].status_code == 200, answers["whole"].text[:300]
     assert answers["whole"].json()["choices"][0]["finish_reason"] == "abort"
     lines = answers["lines"]

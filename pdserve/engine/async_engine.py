@@ -473,9 +473,10 @@ class AsyncEngine:
     def finish_aborted(self, out: RequestOutput) -> None:
         """Engine thread: a request the engine aborted on its own (e.g. for a weight update) ends its
         stream and counts as aborted, as a client's abort would."""
-        self._deliver(out, out.request_id)
+        # (observers before the stream, here and below: a client that has its answer finds it counted)
         if self._on_abort:
             self._on_abort(out)
+        self._deliver(out, out.request_id)
 
     def _fail_calls(self, error: BaseException) -> None:
         for loop, done in list(self._calls):
@@ -490,23 +491,23 @@ class AsyncEngine:
         """Engine thread only: an output whose token another engine generated (a PD decode's first
         token, handed over by the prefill) reaches its stream and `on_output` (a request that ended
         there was counted nowhere: it never passed through a step)."""
-        self._deliver(out, out.request_id)
         if self._on_output:
             self._on_output(out)
+        self._deliver(out, out.request_id)
 
     def deliver_failed(self, error: BaseException, request_id: str, finish_reason: str) -> None:
         """Engine thread only: the request ends with `error` instead of an output; `on_failed` counts it
         (`finish_reason` "abort" or "error")."""
-        self._deliver(error, request_id)
         if self._on_failed:
             self._on_failed(finish_reason)
+        self._deliver(error, request_id)
 
     def deliver_step_output(self, out: RequestOutput) -> None:
         """Engine thread only: an output computed outside `engine.step` (the prefill's layerwise lane)
-        reaches its stream and the step observer (metrics) as a step's output would."""
-        self._deliver(out, out.request_id)
+        reaches the step observer (metrics) and its stream as a step's output would."""
         if self._on_step:
             self._on_step(self.engine, [out])
+        self._deliver(out, out.request_id)
 
     def shutdown(self) -> None:
         """Stop the engine thread; every stream still open and every pending `run()` ends with
@@ -564,10 +565,10 @@ class AsyncEngine:
                 role_busy = role.tick() if role is not None else False
                 if engine.has_unfinished() and not self._hold_steps:
                     outputs = engine.step()
+                    if self._on_step:  # (first: a client that has its answer finds it counted)
+                        self._on_step(engine, outputs)
                     for out in outputs:
                         self._deliver(out, out.request_id)
-                    if self._on_step:
-                        self._on_step(engine, outputs)
                     idle_checked = False
                     continue
                 if role_busy:  # transfers in flight: poll again soon, but do not spin
