@@ -55,6 +55,34 @@ def test_idle_checks_take_a_bounded_share_of_the_engine_thread(demo_model_dir, m
     assert len(checks) == expected
 
 
+def test_an_output_reaches_its_stream_only_after_the_observers_counted_it(demo_model_dir):
+    """A client that has its answer finds it in /metrics: the engine thread calls `on_step` before it
+    hands the step's outputs to their streams. (It used to hand them over first: a finished-requests
+    counter read right after an answer could lag it. The observer here is slow on purpose, which made
+    the old order fail every time.)"""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=512))
+    counted: list[tuple[str, int]] = []
+
+    def slow_observer(_engine, outputs) -> None:
+        time.sleep(0.05)
+        counted.extend((o.request_id, len(o.outputs[0].token_ids)) for o in outputs)
+
+    aengine = AsyncEngine(engine, on_step=slow_observer)
+
+    async def run() -> list[bool]:
+        req, text = aengine.validate("def f(x):", SamplingParams(max_tokens=3, ignore_eos=True), "r")
+        seen = []
+        async for out in aengine.generate(req, text):
+            seen.append(("r", len(out.outputs[0].token_ids)) in counted)
+        return seen
+
+    try:
+        seen = asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert seen == [True, True, True]
+
+
 # ---- found by review: aborts lost before validation, a stream left open by shutdown ---------------
 PROMPT_IDS = list(range(5, 45))
 KW = dict(num_pages=128, max_model_len=1024, page_size=16)
