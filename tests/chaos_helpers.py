@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tests.conftest import wait_until  # noqa: F401  (the chaos suite's name for it)
 from tests.test_pd_e2e import metrics
 
 REPORT_ENV = "PDSERVE_CHAOS_REPORT"
@@ -234,16 +235,3 @@ def rooms_by_state(url: str) -> dict[str, int]:
     for state in ("Bootstrapping", "WaitingForInput", "Transferring"):
         out[state] = int(m.get(f'pdserve_pd_rooms_by_state{{state="{state}"}}', 0))
     return out
-
-
-def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if pred():
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out ({timeout_s} s) waiting for {what}")
-        time.sleep(interval_s)

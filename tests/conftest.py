@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -223,6 +224,23 @@ async def until(predicate, timeout_s: float = 30.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition not reached")
+
+
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    """Until `pred()` holds, polled from a test's thread (`until` is the event loop's); an HTTP error
+    counts as not yet. AssertionError naming `what` past the timeout."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if pred():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out ({timeout_s} s) waiting for {what}")
+        time.sleep(interval_s)
 
 
 def run_in_process(engine, scenario, **app_kw):

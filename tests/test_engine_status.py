@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+
 from tests.conftest import run_in_process, until
 
 PROMPT = "def handler(request, context):\n    return process(request.body)\n" * 3
@@ -20,6 +22,13 @@ def num_requests(load: dict) -> int:
         for name in ("queues", "disaggregation"):
             total += sum(v for v in rank.get(name, {}).values() if isinstance(v, int) and v > 0)
     return total
+
+
+def num_requests_on(url: str) -> int:
+    """What a live engine or router at `url` counts in flight (a router: its own entry, the last): a
+    request has reached it once this counts it."""
+    loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"]
+    return loads[-1]["num_total_reqs"]
 
 
 def long_completion(c, n: int = 400):

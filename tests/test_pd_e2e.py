@@ -21,7 +21,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.nixl_backend import nixl_available
-from tests.conftest import assert_clear_greedy, requires_cuda
+from tests.conftest import assert_clear_greedy, requires_cuda, wait_until
+from tests.test_engine_status import num_requests_on
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -54,14 +55,6 @@ def metrics(url: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
-
-
-def num_requests_on(url: str) -> int:
-    """What `url` (an engine, or a router: its own entry, the last) counts in flight: a request has
-    reached it once this counts it."""
-    return httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"][-1][
-        "num_total_reqs"
-    ]
 
 
 def wait_engine_idle(url: str, timeout_s: float = 15.0) -> dict[str, float]:
@@ -577,8 +570,8 @@ def test_pd_abort_all_while_prefilling_ends_requests_with_abort_not_a_retry(clus
         deadline = time.monotonic() + 30
         while metrics(prefill)["pdserve_num_requests_running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        while num_requests_on(cluster.router_url) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)  # (all three have reached the router: the abort is for each of them)
+        # (all three have reached the router: the abort is for each of them)
+        wait_until(lambda: num_requests_on(cluster.router_url) == 3, 30, "3 requests at the router", 0.01)
         aborted = httpx.post(cluster.router_url + "/abort_request", json={"abort_all": True}, timeout=30)
         answers = [f.result() for f in futures]
     assert aborted.status_code == 200 and aborted.json()["success"], aborted.text
@@ -648,8 +641,8 @@ def test_pd_abort_request_reaching_one_engine_ends_the_requests_as_aborts(cluste
         deadline = time.monotonic() + 30
         while metrics(urls["prefill"])["pdserve_num_requests_running"] < 1 and time.monotonic() < deadline:
             time.sleep(0.005)
-        while side == "decode" and num_requests_on(urls["decode"]) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)  # (all three halves on the decode: the abort there is for each of them)
+        if side == "decode":  # (all three halves on the decode: the abort there is for each of them)
+            wait_until(lambda: num_requests_on(urls["decode"]) == 3, 30, "3 requests at the decode", 0.005)
         aborted = httpx.post(urls[side] + "/abort_request", json={"rid": f"cmpl-{base}"}, timeout=30)
         answers = [f.result() for f in futures]
     assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]

@@ -45,7 +45,7 @@ from pdserve.server.pd_context import layout_fingerprint, model_identity
 from pdserve.store.joined_reads import JoinedReads, PendingRead
 from pdserve.transfer.agent import TransferAgent
 from pdserve.transfer.pages import RegionTable
-from tests.conftest import tiny_hf_model
+from tests.conftest import tiny_hf_model, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -933,12 +933,12 @@ def test_kv_request_polled_after_the_room_failed_but_before_it_was_reaped_is_ans
     p = make_pair(fake_clocks=True)  # no deadline passes: only the answer can end the decode's room
     room = p.submit_both(prompt(9), 4, "between")
     p.drive(lambda: (KVRequest, room) in p.de_sent)  # (the prefill ticked before the decode sent it)
-    deadline = time.monotonic() + 10
-    while not any(  # delivered to the prefill's inbox, not yet polled
-        isinstance(e.body, KVRequest) and e.room == room for e in list(p.pe_control._inbox)
-    ):
-        assert time.monotonic() < deadline, "the KVRequest never reached the prefill"
-        time.sleep(0.001)
+    wait_until(  # delivered to the prefill's inbox, not yet polled
+        lambda: any(isinstance(e.body, KVRequest) and e.room == room for e in list(p.pe_control._inbox)),
+        10,
+        "the KVRequest in the prefill's inbox",
+        0.001,
+    )
     assert p.pe_role.abort("between", client_abort=True) is None
     p.drive(lambda: p.idle())
     assert p.pe_role.failures == {"aborted by client": 1}  # (no "duplicate KVRequest ignored")

@@ -16,7 +16,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.model.demo import make_demo_model
+from tests.conftest import wait_until
 from tests.test_dualpath_e2e import wait_written_back
+from tests.test_engine_status import num_requests
 from tests.test_pd_e2e import wait_engine_idle
 
 MAX_MODEL_LEN = 1024
@@ -245,14 +247,13 @@ def test_vllm_pause_wait_lets_the_cluster_finish_what_runs(cluster, refs):
             paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
             # (what ran has ended on every engine and in the router when the pause answers; not
             # `running.done()`: the client's thread may still be reading the answer the router sent)
-            loads = httpx.get(url + "/v1/loads", timeout=10).json()["loads"]
-            running_then = sum(entry["num_total_reqs"] for entry in loads)
+            loads = httpx.get(url + "/v1/loads", timeout=10).json()
             held = pool.submit(complete, url, ids)
             time.sleep(0.5)
             waiting = held.done()
             resumed = httpx.post(url + "/resume", timeout=10)
             answer = held.result()
-        assert paused.json() == {"status": "paused"} and running_then == 0 and len(loads) == 3
+        assert paused.json() == {"status": "paused"} and num_requests(loads) == 0 and len(loads["loads"]) == 3
         assert running.result().json()["choices"][0]["finish_reason"] == "length"
         assert waiting is False and resumed.json() == {"status": "resumed"}
         assert answer.json()["choices"][0]["text"] == greedy(refs["a"], ids)
@@ -265,8 +266,6 @@ def test_the_router_reports_the_cluster_load_info_and_health(cluster, refs):
     prefill and a decode; `/v1/loads` lists both engines and the router, counts a running request on
     each and falls to zero after an abort of everything; `/get_server_info` is an engine's, with the
     cluster's shape."""
-    from tests.test_engine_status import num_requests
-
     ids, url = prompt(refs, "loads"), cluster.router_url
     healthy = httpx.get(url + "/health_generate", timeout=60)
     assert healthy.status_code == 200, healthy.text
@@ -312,8 +311,9 @@ def test_a_resume_ends_a_router_pause_still_waiting_for_its_requests(cluster, re
             running = pool.submit(complete, url, ids, max_tokens=500)
             until_decoding(cluster, running)
             pausing = pool.submit(httpx.post, url + "/pause", params={"mode": "wait"}, timeout=120)
-            while not httpx.get(url + "/is_paused", timeout=5).json()["is_paused"]:  # (it waits now)
-                time.sleep(0.01)
+            wait_until(  # (the pause holds new requests and waits for `running`)
+                lambda: httpx.get(url + "/is_paused", timeout=5).json()["is_paused"], 30, "the pause", 0.01
+            )
             resumed = httpx.post(url + "/resume", timeout=10)
             paused = pausing.result()
             finished = running.done()

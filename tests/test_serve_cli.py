@@ -13,7 +13,8 @@ import time
 
 import httpx
 
-from tests.conftest import serve_cmd, serve_subprocess
+from tests.conftest import serve_cmd, serve_subprocess, wait_until
+from tests.test_engine_status import num_requests_on
 
 
 def test_serve_on_a_taken_port_does_not_announce_it_is_serving(demo_model_dir):
@@ -105,12 +106,8 @@ def requests_in_flight(url: str, stop, model: str | None = None) -> dict:
     threads = [threading.Thread(target=f) for f in (whole, streamed)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # (a fixed sleep raced a loaded machine: neither in flight yet)
-        loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=10).json()["loads"]
-        if streaming.is_set() and loads[-1]["num_total_reqs"] >= 2:  # (a router's own entry is last)
-            break
-        time.sleep(0.02)
+    # (a fixed sleep raced a loaded machine: neither was in flight yet)
+    wait_until(lambda: streaming.is_set() and num_requests_on(url) == 2, 60, "both requests in flight", 0.02)
     stop()
     for t in threads:
         t.join(timeout=60)
