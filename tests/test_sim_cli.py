@@ -336,13 +336,15 @@ def test_pdserve_simulate_reaches_the_simulator_before_any_of_its_modules_is_imp
     """`pdserve simulate` (the entry point, not `python -m pdserve.sim.cli`): the compiled build can
     load only if none of its modules was imported as Python first. Building the full parser imported
     the DualPath scheduler (through the bench modules), so `pdserve simulate` always fell back to pure
-    Python, silently under the default `--accel auto` (found measuring the scale scenario)."""
+    Python, silently under the default `--accel auto` (found measuring the scale scenario). Every
+    compiled module is checked (the cost model among them since 2026-12-04)."""
     import subprocess
     import sys
 
     code = (
         "import sys; import pdserve.sim.cli as c; "
-        "c.run = lambda a: print('imported' if 'pdserve.dualpath.scheduler' in sys.modules else 'clean'); "
+        "from pdserve.sim.accel import MODULE_NAMES as m; "
+        "c.run = lambda a: print([n for n in m if n in sys.modules] or 'clean'); "
         "from pdserve.cli import main; main(['simulate', '--list'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

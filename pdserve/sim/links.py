@@ -14,7 +14,9 @@ starves and never delays model traffic). So KV + model ≤ capacity in every win
 
 from __future__ import annotations
 
-KV_MIN_SHARE = 0.01  # 99:1 weighted round robin (paper §5: ~99% to high priority)
+from typing import Final
+
+KV_MIN_SHARE: Final = 0.01  # 99:1 weighted round robin (paper §5: ~99% to high priority)
 
 
 class Link:
