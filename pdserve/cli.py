@@ -1,6 +1,6 @@
 """`pdserve` command line: serve | router | launch | make-demo-model | demo | bench | simulate.
 
-Length (~650 lines): one argparse tree. Most of it is option declarations with their help (every
+Length (~670 lines): one argparse tree. Most of it is option declarations with their help (every
 flag of `serve`, `router` and `launch` in one place, as vLLM's `--help` lists them) and the small
 `cmd_*` functions that turn parsed options into frozen configs; each subcommand's work lives in its
 own module (`launch.py`, `bench/`, `sim/cli.py`).

@@ -28,7 +28,7 @@ read fewer hit tokens so far (cumulative, our addition: it keeps SNICs level whe
 if that ties too, the PE path (the one that works without the DE's host buffer). Round robin starts at engine 0 and keeps
 its cursor across fetches.
 
-Length: ~690 lines because it holds both halves of Algorithm 1 (cross-engine placement and intra-PE
+Length: ~790 lines because it holds both halves of Algorithm 1 (cross-engine placement and intra-PE
 batch building under the compute quota) - the router and the PE import this one module - and the
 placement keeps incremental heaps so a fetch at 1,000+ GPUs stays cheap (the simulator runs this very
 code millions of times, hence the NamedTuple value types and the incremental bookkeeping).

@@ -20,7 +20,7 @@ Queues of a room (DESIGN.md §4):   bootstrap ──KVRequest──> waiting ─
 * DualPath: a request with stored KV (read here, PE path; or held by the decode, DE path) skips the
   scheduler and runs the layerwise lane (`pd_layerwise.py`).
 
-Why one ~700-line file: it is one state machine (a room's queues, its writes, its failure and release
+Why one ~800-line file: it is one state machine (a room's queues, its writes, its failure and release
 rules). The pieces that stand alone — page runs, staging, the layerwise compute, the wire — live in
 their own modules; what remains here is the protocol, which reads best in one place.
 """

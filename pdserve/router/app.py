@@ -21,7 +21,7 @@ answers alike (`/v1/models`, `/tokenize`, `/get_model_info`, `/get_weight_versio
 must do (`/abort_request`, `/flush_cache`, `/reset_prefix_cache`, `/update_weights_from_disk`) goes to
 all of them (``router/control.py``; a weight update holds new requests at `Router.open` meanwhile).
 
-Length (~690 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
+Length (~860 lines): the dispatch protocol (hold the decode's bytes until the prefill answered, retry,
 abort both on disconnect, hold during a weight update), which reads best in one place. Around it:
 ``router/engines.py`` (an engine as the router sees it), ``router/legs.py`` (an attempt's legs and
 the relay), ``router/routes.py`` (the HTTP app), ``router/placement.py`` (DualPath placement),

@@ -4,7 +4,7 @@ Who calls it: scenarios (``pdserve.sim.scenarios``), the CLI and tests: ``Cluste
 workload).run()`` returns a ``SimResult``. It drives the real router scheduler
 (``pdserve.dualpath.scheduler``) with load reports, as the router would.
 
-Model (one concept, the cluster; the file is long, ~1,050 lines, because the event handlers of storage
+Model (one concept, the cluster; the file is long, ~1,100 lines, because the event handlers of storage
 reads, host buffers, prefill groups and decode groups share the event heap, the clock and each other's
 state, and splitting them would only add indirection, and a module boundary to the compiled build):
 
