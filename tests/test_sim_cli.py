@@ -337,7 +337,7 @@ def test_pdserve_simulate_reaches_the_simulator_before_any_of_its_modules_is_imp
     load only if none of its modules was imported as Python first. Building the full parser imported
     the DualPath scheduler (through the bench modules), so `pdserve simulate` always fell back to pure
     Python, silently under the default `--accel auto` (found measuring the scale scenario). Every
-    compiled module is checked (the cost model among them since 2026-12-04)."""
+    compiled module is checked."""
     import subprocess
     import sys
 

@@ -8,8 +8,9 @@ Why compiled: the 48P96D scale run simulates 2.67 M turns through the event loop
 scheduler and the link bookings; the profile is flat (no single loop to vectorize) and pure Python
 needs ~50 µs per turn. mypyc compiles the four modules of that loop (``sim/links.py``,
 ``dualpath/scheduler.py``, ``sim/cluster.py`` and the cost functions it calls per step,
-``dualpath/cost_model.py``) from their unchanged, type-annotated source into C extensions. The source stays the reference: tests run it directly, and the compiled build is checked
-against it (identical figures, to the last digit).
+``dualpath/cost_model.py``) from their unchanged, type-annotated source into C extensions. The
+source stays the reference: tests run it directly, and the compiled build is checked against it
+(identical figures, to the last digit).
 
 Where builds live: ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``) ``/sim-mypyc/<digest>/``, where
 the digest covers the sources of the compiled modules and of the modules they import from pdserve, plus
@@ -30,9 +31,9 @@ import tempfile
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../pdserve
-# Compiled together (one mypyc group: calls between them are direct C calls). The cost model joined
-# on 2026-12-04: its per-step closures were the event loop's only Python frames (~10% of a compiled
-# run; 18.9 -> 17.2 s on a 48P96D 12K-agent run, three interleaved pairs, identical figures).
+# Compiled together (one mypyc group: calls between them are direct C calls). The cost model is
+# among them because its per-step closures were the compiled loop's last Python frames (~8% of a
+# run; docs/benchmarks.md).
 COMPILED = ("sim/links.py", "dualpath/scheduler.py", "sim/cluster.py", "dualpath/cost_model.py")
 # What the compiled code imports from pdserve: part of the digest, since mypyc compiles against it.
 IMPORTED = ("sim/config.py", "sim/errors.py", "bench/workloads.py", "model/registry.py")

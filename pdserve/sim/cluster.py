@@ -445,10 +445,9 @@ class ClusterSim:
                 break
             self.now = t
             # Dispatch on the kind, the most frequent first. A chain rather than a table of bound
-            # methods: compiled (mypyc), each branch is a direct C call with native arguments, where
-            # a table's call goes through Python's calling convention; in pure Python it is ~3%
-            # slower (two side-by-side pairs, 2026-12-04), the compiled build ~5% faster. The two
-            # payload slots mean what each handler's parameters say.
+            # methods: compiled, each branch is a direct C call, where a table's call goes through
+            # Python's calling convention (docs/benchmarks.md). The two payload slots mean what each
+            # handler's parameters say.
             if kind == _DE_TICK:
                 self._de_tick(a, b)
             elif kind == _ARRIVE:
