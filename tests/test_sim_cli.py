@@ -337,16 +337,22 @@ def test_pdserve_simulate_reaches_the_simulator_before_any_of_its_modules_is_imp
     load only if none of its modules was imported as Python first. Building the full parser imported
     the DualPath scheduler (through the bench modules), so `pdserve simulate` always fell back to pure
     Python, silently under the default `--accel auto` (found measuring the scale scenario). Every
-    compiled module is checked."""
+    compiled module is checked, also after the options checked as they are parsed (`--policy`'s
+    check imports the simulator's config: a compiled cost model was imported there, 2026-12-04)."""
     import subprocess
     import sys
 
-    code = (
-        "import sys; import pdserve.sim.cli as c; "
-        "from pdserve.sim.accel import MODULE_NAMES as m; "
-        "c.run = lambda a: print([n for n in m if n in sys.modules] or 'clean'); "
-        "from pdserve.cli import main; main(['simulate', '--list'])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "clean"
+    for argv in (
+        ["simulate", "--list"],
+        ["simulate", "--scenario", "ablation", "--policy", "basic,dualpath", "--model", "ds-27b"]
+        + ["--workload", "mooncake", "--agents", "4", "--seed", "1", "--snic-gbps", "800"],
+    ):
+        code = (
+            "import sys; import pdserve.sim.cli as c; "
+            "from pdserve.sim.accel import MODULE_NAMES as m; "
+            "c.run = lambda a: print([n for n in m if n in sys.modules] or 'clean'); "
+            f"from pdserve.cli import main; main({argv!r})"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "clean", argv

@@ -45,30 +45,30 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Final, NamedTuple
+from typing import NamedTuple
 
 # Engine choice policies.
-ENGINE_LOAD_AWARE: Final = "load_aware"
-ENGINE_ROUND_ROBIN: Final = "round_robin"
+ENGINE_LOAD_AWARE = "load_aware"
+ENGINE_ROUND_ROBIN = "round_robin"
 ENGINE_CHOICES = (ENGINE_LOAD_AWARE, ENGINE_ROUND_ROBIN)
 
 # Read path policies. "pe": always the PE's storage NIC (the Basic system). "alternate": PE, DE, PE, ...
 # per assignment (dual path without the scheduler's queue view). "shorter_queue": paper's rule. "split":
 # both sides, water filling.
-READ_PE: Final = "pe"
-READ_ALTERNATE: Final = "alternate"
-READ_SHORTER_QUEUE: Final = "shorter_queue"
-READ_SPLIT: Final = "split"
+READ_PE = "pe"
+READ_ALTERNATE = "alternate"
+READ_SHORTER_QUEUE = "shorter_queue"
+READ_SPLIT = "split"
 READ_CHOICES = (READ_PE, READ_ALTERNATE, READ_SHORTER_QUEUE, READ_SPLIT)
 
 # Phase 1's key for a decode group with no live engine (it sinks below every other), and a pool
 # size no request reaches (an engine that did not report its size).
-DEAD_GROUP_TOKENS: Final = 1 << 62
-NO_BOUND_PAGES: Final = 1 << 62
+DEAD_GROUP_TOKENS = 1 << 62
+NO_BOUND_PAGES = 1 << 62
 
-PATH_PE: Final = "pe"
-PATH_DE: Final = "de"
-PATH_SPLIT: Final = "split"
+PATH_PE = "pe"
+PATH_DE = "de"
+PATH_SPLIT = "split"
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,10 @@ decides: ``auto`` uses a build if one matches the sources, ``on`` builds one fir
 
 Why compiled: the 48P96D scale run simulates 2.67 M turns through the event loop, the router
 scheduler and the link bookings; the profile is flat (no single loop to vectorize) and pure Python
-needs ~50 µs per turn. mypyc compiles the four modules of that loop (``sim/links.py``,
-``dualpath/scheduler.py``, ``sim/cluster.py`` and the cost functions it calls per step,
-``dualpath/cost_model.py``) from their unchanged, type-annotated source into C extensions. The
-source stays the reference: tests run it directly, and the compiled build is checked against it
-(identical figures, to the last digit).
+needs ~50 µs per turn. mypyc compiles the three modules of that loop (``sim/links.py``,
+``dualpath/scheduler.py``, ``sim/cluster.py``) from their unchanged, type-annotated source into C
+extensions. The source stays the reference: tests run it directly, and the compiled build is checked
+against it (identical figures, to the last digit).
 
 Where builds live: ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``) ``/sim-mypyc/<digest>/``, where
 the digest covers the sources of the compiled modules and of the modules they import from pdserve, plus
@@ -31,12 +30,13 @@ import tempfile
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../pdserve
-# Compiled together (one mypyc group: calls between them are direct C calls). The cost model is
-# among them because its per-step closures were the compiled loop's last Python frames (~8% of a
-# run; docs/benchmarks.md).
-COMPILED = ("sim/links.py", "dualpath/scheduler.py", "sim/cluster.py", "dualpath/cost_model.py")
+# Compiled together (one mypyc group: calls between them are direct C calls). Not the cost model:
+# compiled, it gained at most ~8% (docs/benchmarks.md, 2026-12-04), but a compiled module must not be
+# imported before `activate()`, and the cost model is imported by `--policy`'s check at parse time
+# (through sim/config.py) and by much of the package, so every such path fell back to pure Python.
+COMPILED = ("sim/links.py", "dualpath/scheduler.py", "sim/cluster.py")
 # What the compiled code imports from pdserve: part of the digest, since mypyc compiles against it.
-IMPORTED = ("sim/config.py", "sim/errors.py", "bench/workloads.py", "model/registry.py")
+IMPORTED = ("sim/config.py", "sim/errors.py", "dualpath/cost_model.py", "bench/workloads.py")
 # The digested modules' names: the compiled ones first (MODULE_NAMES), then what they import.
 DIGESTED_MODULES = tuple("pdserve." + p.removesuffix(".py").replace("/", ".") for p in COMPILED + IMPORTED)
 MODULE_NAMES = DIGESTED_MODULES[: len(COMPILED)]
@@ -156,8 +156,8 @@ def _compile(tmp: Path, out: Path, staging: Path, quiet: bool) -> None:
 
 
 def activate(build: Path | None = None) -> bool:
-    """Make the next imports of the compiled modules load the compiled build. True if it is (now) in
-    use; False if there is no build for the current sources. Must run before any of them is
+    """Make the next imports of the three modules load the compiled build. True if it is (now) in
+    use; False if there is no build for the current sources. Must run before any of the three is
     imported (mixing compiled and pure copies of one class would break isinstance checks): raises
     AccelError if a pure one already is, or if the build does not import. `build`: a build directory
     to use as is (``build()`` checks one before marking it done); default: the finished build for

@@ -69,7 +69,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count, islice
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -95,22 +95,15 @@ from pdserve.sim.errors import SimulationStalled, TurnDoesNotFit
 from pdserve.sim.links import Link, book3
 
 # A 300 ms quota holds a handful of agentic appends; the batch builder looks at no more ready requests.
-MAX_READY_SCAN: Final = 16
+MAX_READY_SCAN = 16
 
 
 def _rid(r: _Req) -> int:
     return r.rid
 
 
-# Event kinds (Final: compiled, each comparison is against a constant, not a module lookup).
-_ARRIVE: Final = 0
-_FETCH: Final = 1
-_READ_DONE: Final = 2
-_BATCH_LOADED: Final = 3
-_BATCH_DONE: Final = 4
-_DE_READY: Final = 5
-_DE_TICK: Final = 6
-_BUF_FREE: Final = 7
+# Event kinds.
+_ARRIVE, _FETCH, _READ_DONE, _BATCH_LOADED, _BATCH_DONE, _DE_READY, _DE_TICK, _BUF_FREE = range(8)
 
 
 class _Req:
@@ -322,7 +315,7 @@ class ClusterSim:
         self.sched = DualPathScheduler(sc, pes, des, n_nodes)
         self.max_fetch = cfg.max_fetch
         # State.
-        self.events: list[tuple[float, int, int, Any, Any]] = []  # (t, seq, kind, payload a, b)
+        self.events: list = []
         self._seq = count(1)  # tie-break: events at equal times run in scheduling order
         # The router's FIFO queue, as two parallel deques (what the scheduler sees; the simulator's request).
         self.queue: deque[PendingRequest] = deque()
@@ -436,6 +429,16 @@ class ClusterSim:
         events = self.events
         pop = heapq.heappop
         next_progress = 0.0
+        # One handler per event kind, each taking the event's two payload slots.
+        handlers: list[Callable[[Any, Any], None]] = [self._arrive] * 8
+        handlers[_ARRIVE] = self._arrive
+        handlers[_FETCH] = lambda a, b: self._fetch()
+        handlers[_READ_DONE] = lambda a, b: self._read_done(a)
+        handlers[_BATCH_LOADED] = self._batch_loaded
+        handlers[_BATCH_DONE] = self._batch_done
+        handlers[_DE_READY] = lambda a, b: self._de_join(b)
+        handlers[_DE_TICK] = self._de_tick
+        handlers[_BUF_FREE] = self._buf_free
         progress = self.progress
         if horizon is None:
             horizon = math.inf
@@ -444,26 +447,7 @@ class ClusterSim:
             if t > horizon:
                 break
             self.now = t
-            # Dispatch on the kind, the most frequent first. A chain rather than a table of bound
-            # methods: compiled, each branch is a direct C call, where a table's call goes through
-            # Python's calling convention (docs/benchmarks.md). The two payload slots mean what each
-            # handler's parameters say.
-            if kind == _DE_TICK:
-                self._de_tick(a, b)
-            elif kind == _ARRIVE:
-                self._arrive(a, b)
-            elif kind == _DE_READY:
-                self._de_join(b)
-            elif kind == _READ_DONE:
-                self._read_done(a)
-            elif kind == _BATCH_DONE:
-                self._batch_done(a, b)
-            elif kind == _BATCH_LOADED:
-                self._batch_loaded(a, b)
-            elif kind == _FETCH:
-                self._fetch()
-            else:  # _BUF_FREE
-                self._buf_free(a, b)
+            handlers[kind](a, b)
             if progress is not None and t >= next_progress:
                 progress(t)
                 next_progress = t + 5.0

@@ -14,9 +14,7 @@ starves and never delays model traffic). So KV + model ≤ capacity in every win
 
 from __future__ import annotations
 
-from typing import Final
-
-KV_MIN_SHARE: Final = 0.01  # 99:1 weighted round robin (paper §5: ~99% to high priority)
+KV_MIN_SHARE = 0.01  # 99:1 weighted round robin (paper §5: ~99% to high priority)
 
 
 class Link:
