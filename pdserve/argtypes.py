@@ -80,6 +80,59 @@ def engine_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _output_file(text: str, formats: Callable[[], set[str]] | None) -> str:
+    """A file a command writes its results to, checked before anything runs: a bad one used to fail
+    after the run (minutes of simulation or benchmark) with a traceback, and the results were lost.
+    Not a directory; its suffix one of ``formats()`` when given; its nearest existing ancestor a
+    directory this process can write into (missing directories are made when the file is written:
+    ``make_parent``)."""
+    import os
+    from pathlib import Path
+
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
+    if formats is not None:
+        known = formats()
+        if path.suffix.lstrip(".").lower() not in known:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: the file's suffix names its format; one of {', '.join(sorted(known))}"
+            )
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not writable")
+    return text
+
+
+def _plot_formats() -> set[str]:
+    """What matplotlib's savefig writes, by suffix (imported only when a plot is asked for)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
+def output_file(text: str) -> str:
+    """A results file (JSON and the like): see ``_output_file``."""
+    return _output_file(text, None)
+
+
+def plot_file(text: str) -> str:
+    """A plot file, its format named by its suffix (.png, .svg, .pdf, ...): see ``_output_file``."""
+    return _output_file(text, _plot_formats)
+
+
+def make_parent(path: str) -> str:
+    """Make the directories ``path`` (checked by ``output_file``/``plot_file``) is to be written in."""
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 # The ranges every command line uses.
 port = number(int, 0, low_ok=True, high=65535)
 count = number(int, 1, low_ok=True)  # 1, 2, ...

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-from pdserve.argtypes import DEVICES, DTYPES, count, engine_url, number, port, positive
+from pdserve.argtypes import DEVICES, DTYPES, count, engine_url, number, output_file, port, positive
 from pdserve.server.auth import API_KEY_ENV
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
 from pdserve.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--seed", type=int, default=0, help="seed of the prompts and their lengths")
     bo.add_argument("--dtype", default="float32", choices=DTYPES, help="both sides (auto: pdserve's choice)")
     bo.add_argument("--device", default="cpu", choices=DEVICES, help="both sides (auto: pdserve's choice)")
-    bo.add_argument("--json", default=None, help="write the figures to this file")
+    bo.add_argument("--json", type=output_file, default=None, help="write the figures to this file")
     bo.add_argument("--repeats", type=count, default=2, help="alternating runs per side; best time kept")
     bo.add_argument("--kv-cache-gib", type=positive, default=1.0, help="pdserve's KV pool (GiB)")
     bo.set_defaults(fn=cmd_bench)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.argtypes import make_parent, output_file, plot_file
 from pdserve.cli import _configure_logging, build_parser
 from pdserve.demo import free_port
 
@@ -109,6 +110,49 @@ def test_every_option_of_every_command_says_what_it_does_and_its_default(capsys)
     ):
         assert shown in " ".join(serve.split()), shown
     assert "(default: 0)" in " ".join(parsers["pdserve demo"].format_help().split())  # (a 0 is a value)
+
+
+def test_every_results_file_option_is_checked_before_anything_runs():
+    """`simulate --plot x.txt` ran the whole scenario, then died in matplotlib's savefig with a
+    traceback (a directory, or a file where a directory should be, the same with `--json`), losing the
+    run's figures: every --json and --plot of every command takes the checked types."""
+    found = {
+        (name, a.option_strings[0]): a.type
+        for name, p in _all_parsers(build_parser())
+        for a in p._actions
+        if {"--json", "--plot"} & set(a.option_strings)
+    }
+    assert {("pdserve simulate", "--plot"), ("pdserve bench offline", "--json")} <= set(found)
+    assert len(found) >= 10, sorted(found)  # six commands write JSON, four of them a plot too
+    wrong = {k: t for k, t in found.items() if t is not (plot_file if k[1] == "--plot" else output_file)}
+    assert wrong == {}
+
+
+def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for kind, text, message in [
+        (output_file, str(tmp_path), "is a directory, not a file to write"),
+        (plot_file, str(tmp_path), "is a directory"),
+        (output_file, str(a_file / "x.json"), f"{a_file} is not a directory"),
+        (plot_file, str(a_file / "deeper" / "x.png"), f"{a_file} is not a directory"),
+        (plot_file, str(tmp_path / "x.txt"), "the file's suffix names its format; one of"),
+        (plot_file, str(tmp_path / "x"), "the file's suffix names its format"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            kind(text)
+    # Fine: missing directories (made only when the file is written), any plot format matplotlib
+    # writes, in either case; parsing makes nothing.
+    deep = tmp_path / "new" / "dir"
+    for kind, text in [
+        (output_file, deep / "x.json"),
+        (plot_file, deep / "x.png"),
+        (plot_file, tmp_path / "x.SVG"),
+        (plot_file, tmp_path / "x.pdf"),
+    ]:
+        assert kind(str(text)) == str(text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    assert make_parent(str(deep / "x.json")) == str(deep / "x.json") and deep.is_dir()
 
 
 def test_a_config_json_lacking_a_key_or_broken_is_a_config_error(tmp_path):

@@ -45,7 +45,7 @@ def test_emulated_scenario_runs_both_policies(tmp_path):
 
 
 def test_tiny_ablation_json_and_plot(tmp_path):
-    js, png = tmp_path / "a.json", tmp_path / "a.png"
+    js, png = tmp_path / "new" / "a.json", tmp_path / "plots" / "a.png"  # (directories made when written)
     args = parse(
         "--scenario",
         "ablation",
@@ -136,6 +136,12 @@ def test_out_of_range_numbers_are_usage_errors(capsys):
     ns = parse("--host-buffer-gb", "inf", "--submit-us", "0,1.5", "--policy", "round_robin,dualpath")
     assert ns.host_buffer_gb == float("inf") and ns.submit_us == (0.0, 1.5)
     assert ns.policy == ("basic", "dualpath")
+
+
+def test_an_output_file_that_cannot_be_written_is_a_usage_error_before_any_run(capsys, tmp_path):
+    """`--plot x.txt` ran the scenario, then died in savefig with a traceback."""
+    assert "the file's suffix names its format" in _usage_error(capsys, "--plot", str(tmp_path / "x.txt"))
+    assert "is a directory" in _usage_error(capsys, "--json", str(tmp_path))
 
 
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdserve.argtypes import count, non_negative, number, positive
+from pdserve.argtypes import count, make_parent, non_negative, number, output_file, plot_file, positive
 from pdserve.bench import served_model_card
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 from pdserve.server.auth import client_headers
@@ -490,8 +490,10 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="trajectories, arrivals and token ids")
     p.add_argument("--token-seed", type=int, default=None, help="token ids only (a cold-cache rerun)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", default=None, help="write config, summary and per-turn records here")
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument(
+        "--json", type=output_file, default=None, help="write config, summary and per-turn records here"
+    )
+    p.add_argument("--plot", type=plot_file, default=None, help="write a plot here (format by suffix)")
 
 
 def run_agentic(args: argparse.Namespace) -> dict:
@@ -537,7 +539,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     print_table(result.mode, summary)
     print(f"outputs_sha256 {payload['outputs_sha256']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))
     if args.plot:
-        plot(result.records, args.plot, f"{cfg.workload}, {len(agents)} agents, {result.mode}")
+        plot(result.records, make_parent(args.plot), f"{cfg.workload}, {len(agents)} agents, {result.mode}")
     return payload

@@ -24,7 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.argtypes import count, fraction, name_list, number_list, positive
+from pdserve.argtypes import (
+    count,
+    fraction,
+    make_parent,
+    name_list,
+    number_list,
+    output_file,
+    plot_file,
+    positive,
+)
 from pdserve.bench.agentic import WorkloadConfig, build_agents, run_agents, summarize, vocab_size_of
 from pdserve.router.placement import REAL_POLICIES
 
@@ -70,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="SNIC balance window; ~10 reads per node per window at the defaults (the paper's 50 GB/s "
         "SNICs move a 32K-token context in ~26 ms, so its windows hold dozens of reads)",
     )
-    p.add_argument("--json", default=None, help="write every policy's figures here")
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--json", type=output_file, default=None, help="write every policy's figures here")
+    p.add_argument("--plot", type=plot_file, default=None, help="write a plot here (format by suffix)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -189,9 +198,9 @@ def run(a: argparse.Namespace) -> int:
         mismatch = not divergences or not all(d["near_tie"] for d in divergences)  # (none found: unexplained)
     _print(out)
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2, default=str))
+        Path(make_parent(a.json)).write_text(json.dumps(out, indent=2, default=str))
     if a.plot:
-        _plot(runs, a.plot)
+        _plot(runs, make_parent(a.plot))
     failed = any(r["summary"].get("turns_failed") for r in runs)
     return 1 if failed or mismatch else 0
 

@@ -14,6 +14,8 @@ import random
 import time
 from pathlib import Path
 
+from pdserve.argtypes import make_parent
+
 
 def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
@@ -130,5 +132,5 @@ def run_offline_bench(args) -> int:
         f"ratio pdserve/transformers: {ours_rate / hf_rate:.2f}x; identical greedy outputs: {same}/{len(work)}"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        Path(make_parent(args.json)).write_text(json.dumps(res, indent=2))
     return 0

@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from pdserve.argtypes import DEVICES, DTYPES, count, number, positive
+from pdserve.argtypes import DEVICES, DTYPES, count, make_parent, number, output_file, positive
 from pdserve.bench import served_model_card
 
 
@@ -180,7 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines' device (both setups: compared on equal hardware)",
     )
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="engines' dtype (both setups)")
-    p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--json", type=output_file, default=None, help="write the figures to this file")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -199,7 +199,7 @@ def run(a: argparse.Namespace) -> int:
         rows = side_by_side(a, requests)
     print_table(rows)
     if a.json:
-        with open(a.json, "w") as f:
+        with open(make_parent(a.json), "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "fn"}, "runs": rows}, f, indent=2)
     return 0 if all(r["ok"] == r["requests"] for r in rows) else 1
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.argtypes import count, non_negative, number, positive
+from pdserve.argtypes import count, make_parent, non_negative, number, output_file, plot_file, positive
 from pdserve.server.auth import client_headers
 
 _METRIC = re.compile(r"^pdserve_kv_pages_used(?:\{[^}]*\})? ([-+0-9.eE]+)$", re.M)
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=count, default=16, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrivals")
-    p.add_argument("--json", default=None, help="write the figures and samples here")
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--json", type=output_file, default=None, help="write the figures and samples here")
+    p.add_argument("--plot", type=plot_file, default=None, help="write a plot here (format by suffix)")
 
 
 def rss_bytes(pid: int) -> int:
@@ -240,9 +240,9 @@ def run(a: argparse.Namespace) -> int:
     }
     print(json.dumps(out, indent=2))
     if a.json:
-        Path(a.json).write_text(json.dumps(out | {"samples": samples}, indent=2))
+        Path(make_parent(a.json)).write_text(json.dumps(out | {"samples": samples}, indent=2))
     if a.plot:
-        _plot(samples, lat, a.plot)
+        _plot(samples, lat, make_parent(a.plot))
     leaked = any(v != 0 for v in drained.values())
     return 1 if leaked or out["succeeded"] < out["requests"] else 0
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pdserve.argtypes import number
+from pdserve.argtypes import make_parent, number, output_file, plot_file
 from pdserve.sim import accel
 
 _number = number
@@ -57,8 +57,13 @@ def _policy(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", help="scenario name (see --list)")
     parser.add_argument("--list", action="store_true", help="list scenarios and exit")
-    parser.add_argument("--json", metavar="OUT", help="write the runs as JSON to OUT")
-    parser.add_argument("--plot", metavar="OUT.png", help="write the scenario's plot (PNG)")
+    parser.add_argument("--json", metavar="OUT", type=output_file, help="write the runs as JSON to OUT")
+    parser.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        type=plot_file,
+        help="write the scenario's plot (format by suffix: .png, .svg, .pdf, ...)",
+    )
     parser.add_argument(
         "--accel",
         choices=("auto", "on", "off"),
@@ -254,14 +259,13 @@ def run(args: argparse.Namespace) -> int:
     _print_table(sc.name, result.runs, result.checks)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "scenario": sc.name,
             "simulator": "compiled (mypyc)" if accel.active() else "pure Python",
             "runs": result.runs,
             "checks": result.checks,
         }
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))
     if args.plot and result.plot is not None:
         import matplotlib
 
@@ -270,8 +274,7 @@ def run(args: argparse.Namespace) -> int:
 
         fig = result.plot(result.runs, plt)
         fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=110)
+        fig.savefig(make_parent(args.plot), dpi=110)
         plt.close(fig)
     return 0
 
