@@ -129,6 +129,9 @@ def test_a_bad_config_file_is_a_clear_error(tmp_path):
     bad.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="not an HF config.json: missing or bad 'num_hidden_layers'"):
         get_profile(str(bad))
+    bad.write_text("[1, 2]")  # (was "missing or bad 'list' object has no attribute 'get'")
+    with pytest.raises(ValueError, match="its top level is a JSON list, not an object"):
+        get_profile(str(bad))
 
 
 def test_get_profile_reads_a_config_file_or_its_directory(tmp_path):

@@ -184,6 +184,8 @@ def get_profile(name_or_path: str) -> ModelProfile:
     if path.is_file():
         try:
             cfg = json.loads(path.read_text())
+            if not isinstance(cfg, dict):
+                raise ValueError(f"its top level is a JSON {type(cfg).__name__}, not an object")
             return profile_from_hf_config(cfg, name=str(name_or_path))
         except json.JSONDecodeError as e:
             raise ValueError(f"model config {str(path)!r} is not JSON: {e}") from None
