@@ -11,7 +11,7 @@ down by ``length_scale`` and cut at ``max_context_tokens``. Offline mode: every 
 percentiles, goodput under a TTFT/TPOT SLO). When the router serves ``/pd/cluster`` its per-node SNIC
 byte counters are sampled every ``sample_s`` and reduced to ``snic_max_over_avg``.
 
-Length (~500 lines): one benchmark from plan to table and plot — agents' prompts, the streaming
+Length (~550 lines): one benchmark from plan to table and plot — agents' prompts, the streaming
 client, the SNIC sampler, the summary; each piece is small and only this command uses them.
 """
 

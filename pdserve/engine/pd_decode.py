@@ -16,7 +16,7 @@ Queues of a room:   prealloc ──pages + KVRequest──> transfer ──all w
 * Abort after a KVRequest went out is two-phase: Abort → the prefill stops and acks (or its lease
   expires) → only then are the pages freed, so no late write can land in a reused page.
 
-Length (~550 lines): like ``pd_prefill.py``, one state machine (a room's queues and its failure and
+Length (~640 lines): like ``pd_prefill.py``, one state machine (a room's queues and its failure and
 release rules) that reads best in one place; page runs, staging and the store live elsewhere.
 """
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible request bodies (pydantic, as FastAPI validates them) and error bodies.
 
-Length (~450 lines): the request models of completions, chat, SGLang's /generate, aborts and weight
+Length (~540 lines): the request models of completions, chat, SGLang's /generate, aborts and weight
 updates, with the validators each field needs; they share the sampling fields and the error shape.
 """
 

@@ -29,7 +29,7 @@ fails as a whole and must be redone with preadv to find the bad block) and paral
 the pool, where the NIXL transfer advances on one polling thread. NIXL stays selectable for backends only
 it reaches (GDS, O_DIRECT with io_uring/aio, which the notes measure ~2x faster for small cold reads).
 
-Length (~420 lines): the index, eviction and the read and write paths share one lock and one view of
+Length (~500 lines): the index, eviction and the read and write paths share one lock and one view of
 the directory; the file format, keys and index structure are their own modules.
 """
 
