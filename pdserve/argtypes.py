@@ -90,7 +90,9 @@ def _output_file(text: str, formats: Callable[[], set[str]] | None) -> str:
     from pathlib import Path
 
     path = Path(text)
-    if not text or path.is_dir():
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
     if formats is not None:
         known = formats()

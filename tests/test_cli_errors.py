@@ -138,6 +138,7 @@ def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tm
         (plot_file, str(a_file / "deeper" / "x.png"), f"{a_file} is not a directory"),
         (plot_file, str(tmp_path / "x.txt"), "the file's suffix names its format; one of"),
         (plot_file, str(tmp_path / "x"), "the file's suffix names its format"),
+        (output_file, " ", "an empty path"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             kind(text)
