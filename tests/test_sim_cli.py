@@ -144,6 +144,21 @@ def test_an_output_file_that_cannot_be_written_is_a_usage_error_before_any_run(c
     assert "is a directory" in _usage_error(capsys, "--json", str(tmp_path))
 
 
+def test_an_ep_size_cut_to_divide_the_gpus_is_said_not_silent(capsys, tmp_path):
+    """`--prefill-ep-gpus 3` on 16 prefill GPUs ran as independent engines (gcd 1) and said nothing in
+    the table; the JSON has the size as run, and stderr now says so."""
+    out = tmp_path / "a.json"
+    argv = ("--scenario", "ablation", "--agents", "4", "--policy", "basic", "--json", str(out))
+    assert run(parse(*argv, "--prefill-ep-gpus", "3", "--decode-ep-gpus", "64")) == 0
+    err = capsys.readouterr().err
+    assert "--prefill-ep-gpus 3 ran as 1 on 2 prefill nodes (16 GPUs)" in err and "gcd(3, 16)" in err
+    assert "--decode-ep-gpus 64 ran as 32 on 4 decode nodes (32 GPUs)" in err
+    (r,) = json.loads(out.read_text())["runs"]
+    assert (r["prefill_ep_gpus"], r["decode_ep_gpus"]) == (1, 32)
+    assert run(parse(*argv, "--prefill-ep-gpus", "8")) == 0  # divides: no note
+    assert "ran as" not in capsys.readouterr().err
+
+
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
     """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
     its baseline would put another run in its place."""

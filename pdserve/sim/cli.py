@@ -201,6 +201,26 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _ep_cut_notes(args: argparse.Namespace, runs: list[dict]) -> list[str]:
+    """A note per shape in which an EP size asked for was cut to divide the GPU count (the size as
+    run is in the JSON, but a table without the column would not show it)."""
+    notes: list[str] = []
+    for side in ("prefill", "decode"):
+        asked = getattr(args, f"{side}_ep_gpus", None)
+        for r in runs:
+            ran = r.get(f"{side}_ep_gpus")
+            if asked is None or ran is None or ran == asked or f"{side}_nodes" not in r:
+                continue
+            gpus = r[f"{side}_nodes"] * r["gpus_per_node"]
+            note = (
+                f"note: --{side}-ep-gpus {asked} ran as {ran} on {r[f'{side}_nodes']} {side} nodes"
+                f" ({gpus} GPUs): a group size is cut to divide the GPU count, gcd({asked}, {gpus})"
+            )
+            if note not in notes:
+                notes.append(note)
+    return notes
+
+
 def _use_accel(mode: str) -> str:
     """Switch to the compiled simulator per ``--accel``; returns what runs (for the log line)."""
     if mode == "off":
@@ -257,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
     bar.update(1)
     bar.close()
     _print_table(sc.name, result.runs, result.checks)
+    for note in _ep_cut_notes(args, result.runs):
+        print(note, file=sys.stderr)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:
         payload = {
