@@ -83,38 +83,54 @@ def engine_url(text: str) -> str:
 def _output_file(text: str, formats: Callable[[], set[str]] | None) -> str:
     """A file a command writes its results to, checked before anything runs: a bad one used to fail
     after the run (minutes of simulation or benchmark) with a traceback, and the results were lost.
-    Not a directory; its suffix one of ``formats()`` when given; its nearest existing ancestor a
-    directory this process can write into (missing directories are made when the file is written:
-    ``make_parent``)."""
+    Returns the path with ``~`` expanded (a quoted or ``--json=~/x`` one was written under ``./~``).
+    Refused: empty; a directory (or a path ending in a separator, which ``Path`` would drop); with
+    ``formats``, a suffix not among ``formats()``; an existing file this process cannot write; a broken
+    symlink on the way; a nearest existing ancestor that is not a directory this process can write
+    into (missing directories are made when the file is written: ``make_parent``)."""
     import os
     from pathlib import Path
 
-    path = Path(text)
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
+    expanded = os.path.expanduser(text)
+    path = Path(expanded)
+    if expanded.endswith(os.sep) or (os.altsep and expanded.endswith(os.altsep)) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} names a directory, not a file to write")
     if formats is not None:
         known = formats()
         if path.suffix.lstrip(".").lower() not in known:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: the file's suffix names its format; one of {', '.join(sorted(known))}"
             )
-    parent = path.absolute().parent
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+        return expanded
+    parent = path.absolute()
     while not parent.exists():
+        if parent.is_symlink():
+            raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a broken symlink")
         parent = parent.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: {parent} is not writable")
-    return text
+    return expanded
 
 
 def _plot_formats() -> set[str]:
-    """What matplotlib's savefig writes, by suffix (imported only when a plot is asked for)."""
+    """What matplotlib's savefig writes, by suffix (imported only when a plot is asked for); pgf only
+    where its TeX program is installed (else savefig fails, after the run)."""
+    import shutil
+
+    import matplotlib
     from matplotlib.backend_bases import FigureCanvasBase
 
-    return set(FigureCanvasBase.get_supported_filetypes())
+    formats = set(FigureCanvasBase.get_supported_filetypes())
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:
+        formats.discard("pgf")
+    return formats
 
 
 def output_file(text: str) -> str:

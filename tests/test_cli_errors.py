@@ -128,17 +128,22 @@ def test_every_results_file_option_is_checked_before_anything_runs():
     assert wrong == {}
 
 
-def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tmp_path):
+def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tmp_path, monkeypatch):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     for kind, text, message in [
-        (output_file, str(tmp_path), "is a directory, not a file to write"),
-        (plot_file, str(tmp_path), "is a directory"),
+        (output_file, str(tmp_path), "names a directory, not a file to write"),
+        (plot_file, str(tmp_path), "names a directory"),
         (output_file, str(a_file / "x.json"), f"{a_file} is not a directory"),
         (plot_file, str(a_file / "deeper" / "x.png"), f"{a_file} is not a directory"),
         (plot_file, str(tmp_path / "x.txt"), "the file's suffix names its format; one of"),
         (plot_file, str(tmp_path / "x"), "the file's suffix names its format"),
         (output_file, " ", "an empty path"),
+        # (found by a review: `--json results/` wrote a file named `results`; a dangling link on the
+        # way made `make_parent` fail after the run)
+        (output_file, str(tmp_path / "results") + "/", "names a directory"),
+        (output_file, str(tmp_path / "dangling" / "x.json"), "is a broken symlink"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             kind(text)
@@ -152,8 +157,16 @@ def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tm
         (plot_file, tmp_path / "x.pdf"),
     ]:
         assert kind(str(text)) == str(text)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    assert output_file(str(a_file)) == str(a_file)  # (an existing file is overwritten)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "dangling"]
     assert make_parent(str(deep / "x.json")) == str(deep / "x.json") and deep.is_dir()
+    # `~` expanded (a quoted one, or `--json=~/x.json`, was written under a directory named `~`).
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert output_file("~/r/x.json") == str(tmp_path / "r" / "x.json")
+    # pgf is refused where its TeX program is missing (savefig failed after the run).
+    if shutil.which("xelatex") is None:
+        with pytest.raises(argparse.ArgumentTypeError, match="suffix names its format"):
+            plot_file(str(tmp_path / "x.pgf"))
 
 
 def test_a_config_json_lacking_a_key_or_broken_is_a_config_error(tmp_path):

@@ -141,7 +141,7 @@ def test_out_of_range_numbers_are_usage_errors(capsys):
 def test_an_output_file_that_cannot_be_written_is_a_usage_error_before_any_run(capsys, tmp_path):
     """`--plot x.txt` ran the scenario, then died in savefig with a traceback."""
     assert "the file's suffix names its format" in _usage_error(capsys, "--plot", str(tmp_path / "x.txt"))
-    assert "is a directory" in _usage_error(capsys, "--json", str(tmp_path))
+    assert "names a directory" in _usage_error(capsys, "--json", str(tmp_path))
 
 
 def test_an_ep_size_cut_to_divide_the_gpus_is_said_not_silent(capsys, tmp_path):
