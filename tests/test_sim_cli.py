@@ -159,6 +159,36 @@ def test_an_ep_size_cut_to_divide_the_gpus_is_said_not_silent(capsys, tmp_path):
     assert "ran as" not in capsys.readouterr().err
 
 
+def test_a_run_reports_its_simulated_clock_and_turns_to_the_bar(capsys):
+    """The bar stood still through a run (the 48P96D one takes a minute or more): each run now ticks
+    every 5 simulated seconds with its turns done, in order, ending at all of them."""
+    from pdserve.bench.workloads import load_workload
+    from pdserve.sim.scenarios import Overrides, _config, _model, run_one
+
+    class Recorder:
+        def __init__(self):
+            self.ticks = []
+
+        def __call__(self, label):
+            pass
+
+        def tick(self, t_s, num_turns_done, num_turns):
+            self.ticks.append((t_s, num_turns_done, num_turns))
+
+    ov = Overrides()
+    cfg = _config(ov, 1, 1, _model(ov, "ds-660b"), "dualpath")
+    rec = Recorder()
+    res = run_one(cfg, "32k", 6, progress=rec)
+    num_turns = load_workload("32k", 6, 0).num_turns
+    assert len(rec.ticks) >= 10 and {n for _t, _d, n in rec.ticks} == {num_turns}
+    times, done = [t for t, _d, _n in rec.ticks], [d for _t, d, _n in rec.ticks]
+    assert times == sorted(times) and done == sorted(done) and done[-1] <= res.num_turns_done == num_turns
+    assert all(b - a >= 5.0 for a, b in zip(times, times[1:], strict=False))
+    # Through the CLI: the bar's postfix carries the tick.
+    assert run(parse("--scenario", "ablation", "--agents", "4", "--policy", "basic")) == 0
+    assert "basic: t=0 s, 0/" in capsys.readouterr().err
+
+
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
     """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
     its baseline would put another run in its place."""

@@ -101,7 +101,7 @@ def test_dense_hf_model_whose_weights_exceed_one_h200_is_an_error(tmp_path):
 
 
 def _fake_online(ttft_of):
-    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s):
+    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress=None):
         ttft = ttft_of(aps)
         return {
             "policy": cfg.mode,
@@ -227,7 +227,7 @@ def test_online_search_never_reports_a_max_below_an_aps_that_passed(monkeypatch)
     from pdserve.sim import scenarios
     from pdserve.sim.scenarios import Overrides
 
-    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s):
+    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress=None):
         return {
             "policy": cfg.mode,
             "aps": aps,

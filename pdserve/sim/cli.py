@@ -221,6 +221,30 @@ def _ep_cut_notes(args: argparse.Namespace, runs: list[dict]) -> list[str]:
     return notes
 
 
+class _BarProgress:
+    """The bar's postfix: the running setting, then its simulated clock and turns done (a 48P96D run
+    takes a minute or more; without them the bar stood still)."""
+
+    REFRESH_S = 0.5  # at most this often (a log file gets every redraw)
+
+    def __init__(self, bar) -> None:
+        self.bar = bar
+        self.label = ""
+        self.next_refresh = 0.0
+
+    def __call__(self, label: str) -> None:
+        if self.bar.n or self.label:
+            self.bar.update(1)
+        self.label = label
+        self.bar.set_postfix_str(label)
+
+    def tick(self, t_s: float, num_turns_done: int, num_turns: int) -> None:
+        now = time.monotonic()
+        if now >= self.next_refresh:
+            self.next_refresh = now + self.REFRESH_S
+            self.bar.set_postfix_str(f"{self.label}: t={t_s:,.0f} s, {num_turns_done:,}/{num_turns:,} turns")
+
+
 def _use_accel(mode: str) -> str:
     """Switch to the compiled simulator per ``--accel``; returns what runs (for the log line)."""
     if mode == "off":
@@ -262,18 +286,14 @@ def run(args: argparse.Namespace) -> int:
 
     bar = tqdm(total=sc.num_runs_hint, desc=sc.name, unit="run", file=sys.stderr)
     t0 = time.perf_counter()
-
-    def progress(label: str) -> None:
-        if bar.n or bar.postfix:
-            bar.update(1)
-        bar.set_postfix_str(label)
-
+    progress = _BarProgress(bar)
     try:
         result = sc.fn(overrides, progress)
     except ValueError as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    bar.set_postfix_str(progress.label, refresh=False)  # (not a tick of the last run's middle)
     bar.update(1)
     bar.close()
     _print_table(sc.name, result.runs, result.checks)

@@ -2,7 +2,8 @@
 
 Who calls it: scenarios (``pdserve.sim.scenarios``), the CLI and tests: ``ClusterSim(config,
 workload).run()`` returns a ``SimResult``. It drives the real router scheduler
-(``pdserve.dualpath.scheduler``) with load reports, as the router would.
+(``pdserve.dualpath.scheduler``) with load reports, as the router would. ``progress(t_s, num_turns_done)``,
+if given, is called every 5 simulated seconds (the CLI's bar shows it).
 
 Model (one concept, the cluster; the file is long, ~1,100 lines, because the event handlers of storage
 reads, host buffers, prefill groups and decode groups share the event heap, the clock and each other's
@@ -255,7 +256,7 @@ class ClusterSim:
         self,
         config: SimConfig,
         workload: Workload,
-        progress: Callable[[float], None] | None = None,
+        progress: Callable[[float, int], None] | None = None,
         keep_requests: bool = False,
     ) -> None:
         self.cfg = cfg = config
@@ -449,7 +450,7 @@ class ClusterSim:
             self.now = t
             handlers[kind](a, b)
             if progress is not None and t >= next_progress:
-                progress(t)
+                progress(t, self.n_done)
                 next_progress = t + 5.0
         if self.cfg.horizon_s is None and self.n_done < self.n_submitted:
             raise SimulationStalled(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -54,7 +55,15 @@ class ScenarioResult:
     plot: Callable | None = None  # plot(runs, ax_factory) -> matplotlib Figure
 
 
-Progress = Callable[[str], None]
+class Progress(Protocol):
+    """What a scenario tells the CLI's progress bar (``pdserve.sim.cli``). ``tick`` is optional: a plain
+    ``label -> None`` callable is a Progress without ticks."""
+
+    def __call__(self, label: str) -> None:
+        """A run starts; ``label`` names its setting."""
+
+    def tick(self, t_s: float, num_turns_done: int, num_turns: int) -> None:
+        """The running simulation's clock (every 5 simulated seconds) and turns done of its workload's."""
 
 
 # Overrides only some scenarios read (online: --aps, --horizon-s; submit-cost: --submit-us).
@@ -130,9 +139,25 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
     )
 
 
-def run_one(cfg: SimConfig, workload_name: str, agents: int, aps: float | None = None) -> SimResult:
+def run_one(
+    cfg: SimConfig,
+    workload_name: str,
+    agents: int,
+    aps: float | None = None,
+    progress: Progress | None = None,
+) -> SimResult:
     wl = load_workload(workload_name, agents, cfg.seed, aps)
-    return ClusterSim(cfg, wl).run()
+    return ClusterSim(cfg, wl, _ticker(progress, wl)).run()
+
+
+def _ticker(progress: Progress | None, wl) -> Callable[[float, int], None] | None:
+    """ClusterSim's progress callback for ``progress`` (None without one, or without ``tick``: a plain
+    label callback, as tests and library callers pass, gets the labels only)."""
+    tick = getattr(progress, "tick", None)
+    if tick is None:
+        return None
+    num_turns = wl.num_turns
+    return lambda t_s, num_done: tick(t_s, num_done, num_turns)
 
 
 def record(res: SimResult, **setting) -> dict:
@@ -197,7 +222,7 @@ def offline_660b(ov: Overrides, progress: Progress) -> ScenarioResult:
     for agents in _pick(ov.agents, (512, 1024, 2048)):
         for pol in policies:
             progress(f"{pol} {agents} agents")
-            res = run_one(_config(ov, P, D, model, pol), wl, agents)
+            res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
             out.runs.append(record(res, agents=agents, workload=wl))
     _speedups(out, key="agents")
     sp = [r["speedup_vs_basic"] for r in out.runs if r["policy"] == "dualpath" and "speedup_vs_basic" in r]
@@ -232,7 +257,7 @@ def ablation(ov: Overrides, progress: Progress) -> ScenarioResult:
         raise ValueError("ablation measures every step against basic: include it in --policy")
     for pol in steps:
         progress(pol)
-        res = run_one(_config(ov, P, D, model, pol), wl, agents)
+        res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
         out.runs.append(record(res, agents=agents, workload=wl))
     # The paper's ablation reports the *average* JCT (mean agent completion time; seed 002: "平均 JCT");
     # the makespan change is kept beside it.
@@ -275,7 +300,7 @@ def pd_ratio(ov: Overrides, progress: Progress) -> ScenarioResult:
     for P, D in _shapes(ov, ((1, 1), (2, 1), (1, 2))):
         for pol in _pick(ov.policy, ("basic", "dualpath")):
             progress(f"{P}P{D}D {pol}")
-            res = run_one(_config(ov, P, D, model, pol), wl, agents)
+            res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
             out.runs.append(record(res, agents=agents, workload=wl, shape=f"{P}P{D}D"))
     _speedups(out, key="shape")
     jct = {(r["shape"], r["policy"]): r["jct_s"] for r in out.runs}
@@ -308,7 +333,7 @@ def slo_ok(row: dict, ttft_slo_s: float = 4.0, tpot_slo_s: float = 0.050) -> boo
     )
 
 
-def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s) -> dict:
+def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress | None = None) -> dict:
     """One online run: agents arrive Poisson at ``aps`` until the horizon; measure after warm-up.
 
     A turn still waiting for its first token at the horizon counts with TTFT = horizon - submit (a lower
@@ -316,7 +341,7 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s) -> dict:
     """
     agents = int(aps * horizon_s) + 1
     wl = load_workload(wl_name, agents, cfg.seed, aps)
-    res = ClusterSim(replace(cfg, horizon_s=horizon_s), wl).run()
+    res = ClusterSim(replace(cfg, horizon_s=horizon_s), wl, _ticker(progress, wl)).run()
     keep = res.turn_submit_s >= warmup_s
     pend = res.unanswered_submit_s
     pend = horizon_s - pend[pend >= warmup_s]
@@ -359,7 +384,7 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
 
         def trial(aps: float, pol=pol, cfg=cfg) -> bool:
             progress(f"{pol} {aps:.3f} APS")
-            row = _online_run(ov, cfg, wl, aps, horizon, warmup)
+            row = _online_run(ov, cfg, wl, aps, horizon, warmup, progress)
             row["slo_ok"] = slo_ok(row)
             out.runs.append(row)
             return row["slo_ok"]
@@ -458,7 +483,7 @@ def nic_balance(ov: Overrides, progress: Progress) -> ScenarioResult:
     vals = {}
     for pol in _pick(ov.policy, ("dual_path", "dualpath")):
         progress(pol)
-        res = run_one(_config(ov, P, D, model, pol), wl, agents)
+        res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
         row = record(res, agents=agents, workload=wl)
         row["per_snic_util"] = [round(s.utilization(res.jct_s), 3) for s in res.links["snic"]]
         out.runs.append(row)
@@ -506,7 +531,7 @@ def scale(ov: Overrides, progress: Progress) -> ScenarioResult:
         pair = []
         for P, D, agents in ((P0, D0, base_agents), (P0 * factor, D0 * factor, base_agents * factor)):
             progress(f"{pol} {P}P{D}D {agents} agents")
-            res = run_one(_config(ov, P, D, model, pol), wl, agents)
+            res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
             row = record(
                 res, agents=agents, workload=wl, shape=f"{P}P{D}D", gpus=(P + D) * _hw(ov).gpus_per_node
             )
@@ -570,7 +595,7 @@ def bandwidth_model(ov: Overrides, progress: Progress) -> ScenarioResult:
     for P, D in _shapes(ov, BW_SHAPES):
         progress(f"{P}P{D}D")
         cfg = _config(ov, P, D, model, pol, all_link_windows=True)
-        res = run_one(cfg, wl, per_node * (P + D))
+        res = run_one(cfg, wl, per_node * (P + D), progress=progress)
         row = record(res, agents=per_node * (P + D), workload=wl, p_over_d=round(P / D, 3))
         row.update(_link_loads(res, P))
         out.runs.append(row)
@@ -639,7 +664,7 @@ def submit_cost(ov: Overrides, progress: Progress) -> ScenarioResult:
     for us in sweep:
         progress(f"{us} µs/copy")
         cfg = replace(_config(ov, P, D, model, pol), submit_us_per_copy=us)
-        res = run_one(cfg, wl, agents)
+        res = run_one(cfg, wl, agents, progress=progress)
         out.runs.append(record(res, agents=agents, workload=wl, submit_us_per_copy=us))
     base = next(r["jct_s"] for r in out.runs if r["submit_us_per_copy"] == 0.0)
     for r in out.runs:
@@ -662,7 +687,7 @@ def split_sweep(ov: Overrides, progress: Progress) -> ScenarioResult:
     for P, D in shapes:
         for pol in _pick(ov.policy, ("dualpath", "split")):
             progress(f"{P}P{D}D {pol}")
-            res = run_one(_config(ov, P, D, model, pol), wl, agents)
+            res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
             out.runs.append(record(res, agents=agents, workload=wl, shape=f"{P}P{D}D"))
     jct = {(r["shape"], r["policy"]): r for r in out.runs}
     for P, D in shapes:
