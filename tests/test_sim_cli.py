@@ -189,6 +189,22 @@ def test_a_run_reports_its_simulated_clock_and_turns_to_the_bar(capsys):
     assert "basic: t=0 s, 0/" in capsys.readouterr().err
 
 
+def test_a_run_too_large_for_free_memory_is_refused_before_it_starts(capsys, monkeypatch):
+    """`--agents 1000000` on the scale scenario (~50 GB) ran until the kernel killed it."""
+    from pdserve.sim import scenarios
+
+    free = scenarios.available_memory_bytes()
+    assert free is None or free > 0  # (Linux: MemAvailable, capped by a cgroup limit)
+    monkeypatch.setattr(scenarios, "available_memory_bytes", lambda: 10_000_000)  # 10 MB free
+    argv = ("--scenario", "ablation", "--policy", "basic")
+    assert run(parse(*argv, "--agents", "1000")) == 2
+    assert (
+        "error: 152,438 turns (1,000 agents) need ~0.06 GB of memory to simulate (~400 B per turn);"
+        " 0.01 GB is free" in capsys.readouterr().err
+    )
+    assert run(parse(*argv, "--agents", "100")) == 0  # ~15 K turns: ~6 MB fits
+
+
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
     """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
     its baseline would put another run in its place."""

@@ -9,3 +9,8 @@ class SimulationStalled(RuntimeError):
 class TurnDoesNotFit(ValueError):
     """A turn needs more KV pages than a decode engine has in all: the model's KV budget per decode GPU
     (``cost_model.hbm_kv_bytes``) is too small for the workload's contexts; no schedule can place it."""
+
+
+class SimulationTooLarge(ValueError):
+    """The run's workload has more turns than this machine's free memory can simulate (the estimate,
+    ``MEMORY_BYTES_PER_TURN`` of ``sim/scenarios.py``, and what is free are in the message)."""
