@@ -205,6 +205,32 @@ def test_a_run_too_large_for_free_memory_is_refused_before_it_starts(capsys, mon
     assert run(parse(*argv, "--agents", "100")) == 0  # ~15 K turns: ~6 MB fits
 
 
+def test_ctrl_c_during_a_run_ends_it_with_130_and_no_traceback(tmp_path):
+    """Ctrl-C printed a traceback from inside the event loop and wrote nothing, without saying so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "never.json"
+    argv = [sys.executable, "-m", "pdserve.sim.cli", "--scenario", "ablation", "--accel", "off"]
+    proc = subprocess.Popen(
+        [*argv, "--json", str(out)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b" turns" not in seen and time.monotonic() < deadline:  # a run is under way
+        seen += proc.stderr.read1(4096)
+    proc.send_signal(signal.SIGINT)
+    err = seen + proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err[-2000:]
+    assert b"interrupted: nothing written" in err and b"Traceback" not in err
+    assert not out.exists()
+
+
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
     """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
     its baseline would put another run in its place."""

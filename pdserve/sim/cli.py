@@ -293,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a traceback from wherever the event loop was said nothing
+        bar.close()
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     bar.set_postfix_str(progress.label, refresh=False)  # (not a tick of the last run's middle)
     bar.update(1)
     bar.close()
