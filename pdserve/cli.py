@@ -483,6 +483,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     except httpx.TransportError as e:
         print(f"error: {type(e).__name__}: {e} (is the server up at the URL given?)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the clusters a bench started are stopped on the way out
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
 
 
 def _bench(a: argparse.Namespace) -> int:

@@ -169,6 +169,21 @@ def test_a_results_file_that_cannot_be_written_is_refused_and_nothing_is_made(tm
             plot_file(str(tmp_path / "x.pgf"))
 
 
+def test_ctrl_c_in_a_bench_is_one_line_and_130(monkeypatch, capsys):
+    """Ctrl-C in `bench dualpath` printed two chained tracebacks (asyncio's CancelledError, then the
+    KeyboardInterrupt) after its clusters were stopped; checked by hand on a real run (exit 130, no
+    engine left), here on the handler."""
+    import pdserve.cli as cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_bench", interrupted)
+    args = build_parser().parse_args(["bench", "dualpath", "--num-agents", "2"])
+    assert cli.cmd_bench(args) == 130
+    assert capsys.readouterr().err == "interrupted: nothing written\n"
+
+
 def test_a_config_json_lacking_a_key_or_broken_is_a_config_error(tmp_path):
     from pdserve.config import ConfigError, ModelConfig
 
