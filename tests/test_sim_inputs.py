@@ -144,6 +144,40 @@ def test_online_knee_survives_a_failing_run_that_measured_no_turn(monkeypatch):
     assert {r["max_aps"] for r in res.runs} == {1.0}
 
 
+def test_online_ratio_is_a_bound_not_a_verdict_when_a_policy_never_failed(monkeypatch):
+    """`--aps 0.5,1 --horizon-s 120`: every run of both policies met the SLO, and the check printed
+    "[MISS] ... Basic 1.000, DualPath 1.000 -> 1.00x": no knee was found, so there is no ratio (found
+    by a new-user review, 2026-12-04)."""
+
+    def by_policy(basic_ttft, dualpath_ttft):
+        def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress=None):
+            ttft_of = basic_ttft if cfg.mode == "basic" else dualpath_ttft
+            return _fake_online(ttft_of)(ov, cfg, wl_name, aps, horizon_s, warmup_s)
+
+        return fake
+
+    grid = Overrides(aps=(0.5, 1.0), policy=("basic", "dualpath"))
+    monkeypatch.setattr(scenarios, "_online_run", by_policy(lambda aps: 1.0, lambda aps: 1.0))
+    (check,) = scenarios.online(grid, lambda s: None).checks
+    assert check == (
+        "[INFO] basic and dualpath met the SLO at every APS tried (up to 1): no knee found, so no ratio;"
+        " try higher --aps"
+    )
+    # Basic's knee at 0.667 APS (mean TTFT 2 -> 8 s), DualPath never fails: the ratio is at least 1/0.667.
+    monkeypatch.setattr(
+        scenarios, "_online_run", by_policy(lambda aps: 8 * aps if aps > 0.5 else 2.0, lambda a: 1.0)
+    )
+    (check,) = scenarios.online(grid, lambda s: None).checks
+    assert (
+        check.startswith("[INFO] dualpath met the SLO at every APS tried")
+        and "DualPath/Basic ≥ 1.50x" in check
+    )
+    # Both fail above their best: the ratio is measured (a verdict).
+    monkeypatch.setattr(scenarios, "_online_run", by_policy(lambda aps: 8 * aps, lambda aps: 6 * aps))
+    (check,) = scenarios.online(grid, lambda s: None).checks
+    assert check.startswith("[MISS] max APS under SLO (interpolated knee): Basic 0.500, DualPath 0.667")
+
+
 # ---------------------------------------------------------------- 6. trace shorter than the agents
 
 

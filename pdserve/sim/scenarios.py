@@ -461,7 +461,22 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
             r["max_aps"] = best  # highest APS tried that met the SLO
             r["max_aps_interp"] = knee  # mean TTFT interpolated to the SLO between the bracketing runs
     out.runs.sort(key=lambda r: (r["policy"], r["aps"]))
-    if "basic" in max_aps and "dualpath" in max_aps and max_aps["basic"][1] > 0:
+    # A policy with no failing run above its best passing one has no knee: its max is only a bound.
+    unbounded = [p for p, (best, _k, (lo, hi)) in max_aps.items() if best > 0 and hi <= lo]
+    if "basic" in max_aps and "dualpath" in max_aps and max_aps["basic"][1] > 0 and unbounded:
+        (b_best, b_knee, _), (d_best, d_knee, _) = max_aps["basic"], max_aps["dualpath"]
+        bound = (
+            f"DualPath/Basic ≥ {d_best / b_knee:.2f}x"
+            if unbounded == ["dualpath"]
+            else f"DualPath/Basic ≤ {d_knee / b_best:.2f}x"
+            if unbounded == ["basic"]
+            else "no ratio"
+        )
+        out.checks.append(
+            f"[INFO] {' and '.join(unbounded)} met the SLO at every APS tried (up to"
+            f" {max(r['aps'] for r in out.runs):g}): no knee found, so {bound}; try higher --aps"
+        )
+    elif "basic" in max_aps and "dualpath" in max_aps and max_aps["basic"][1] > 0:
         (b_best, b_knee, (b_lo, b_hi)), (d_best, d_knee, (d_lo, d_hi)) = max_aps["basic"], max_aps["dualpath"]
         ratio = d_knee / b_knee
         out.checks.append(
