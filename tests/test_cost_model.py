@@ -92,9 +92,16 @@ def test_kv_budget_follows_the_ep_group_a_run_uses():
     assert full == p.decode_hbm_kv_bytes
     ep16 = hbm_kv_bytes(p, True, 16)
     assert full - ep16 == pytest.approx(1_375_463_276_544 * (1 / 16 - 1 / 64), rel=1e-9)
-    with pytest.raises(ValueError, match="EP8 leave no HBM for KV"):
+    with pytest.raises(ValueError, match="EP8 leave no HBM for KV.*: add nodes or use fp8 weights$"):
         hbm_kv_bytes(p, True, 8)
+    # Already fp8: the refusal does not suggest fp8 (found by a new-user review, 2026-12-04).
+    fp8 = profile_from_hf_config({**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}})
+    assert fp8.fp8_weights and not p.fp8_weights
+    with pytest.raises(ValueError, match=r"EP1 leave no HBM for KV \(the model asks for EP\d+\): add nodes$"):
+        hbm_kv_bytes(fp8, True, 1)
     assert hbm_kv_bytes(DS_660B, False, 8) == DS_660B.prefill_hbm_kv_bytes
+    # A named profile's budget stays fixed, but whether its weights fit a group is known.
+    assert DS_660B.weights_fit(8) and not DS_660B.weights_fit(4)
 
 
 def test_moe_detection_covers_mixtral_and_qwen_moe_and_caps_ep_at_the_expert_count():

@@ -231,6 +231,63 @@ def test_ctrl_c_during_a_run_ends_it_with_130_and_no_traceback(tmp_path):
     assert not out.exists()
 
 
+def test_a_cluster_too_small_for_a_named_profiles_weights_is_said(capsys, tmp_path):
+    """DS-660B on two GPUs (EP1) ran without a word, where its HF config.json is refused: the named
+    profile's fixed KV budget assumes its EP group. A run below the profile's smallest EP group that
+    holds the weights now says so (stderr and the JSON row); a default cluster does not."""
+    out = tmp_path / "o.json"
+    tiny = ("--prefill-nodes", "1", "--decode-nodes", "1", "--gpus-per-node", "1")
+    argv = ("--scenario", "offline-660b", "--agents", "4", "--policy", "basic", "--json", str(out))
+    assert run(parse(*argv, *tiny)) == 0
+    note = "ds-660b needs an EP group of >= 8 GPUs to hold its weights; this cluster runs prefill EP1 and decode EP1"
+    assert f"note: {note}" in capsys.readouterr().err
+    assert json.loads(out.read_text())["runs"][0]["weights_do_not_fit"].startswith(note)
+    assert run(parse(*argv)) == 0  # 2P4D: EP16 and EP32
+    assert "weights" not in capsys.readouterr().err
+    assert "weights_do_not_fit" not in json.loads(out.read_text())["runs"][0]
+
+
+def test_the_offline_plot_is_titled_with_the_model_and_shape_run(tmp_path):
+    """It said "offline DS-660B 2P4D" whatever --model and node counts were given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pdserve.sim.scenarios import Overrides, offline_660b
+
+    cfg = tmp_path / "llama8b" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(_LLAMA_8B))
+    for model, title in [(None, "offline DS-660B 1P2D"), (str(cfg), "offline llama8b 1P2D")]:
+        ov = Overrides(model=model, prefill_nodes=1, decode_nodes=2, agents=(4,), policy=("basic",))
+        res = offline_660b(ov, lambda label: None)
+        fig = res.plot(res.runs, plt)
+        assert fig.axes[0].get_title() == title
+        plt.close(fig)
+
+
+_LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
+
+
+def test_a_trace_replay_given_an_arrival_rate_says_where_it_belongs():
+    """`online --workload mooncake@trace` said "an APS does not apply" though no --aps was given."""
+    from pdserve.bench.workloads import load_workload
+
+    with pytest.raises(
+        ValueError, match="use it in an offline run, or mooncake where agents arrive at a given APS"
+    ):
+        load_workload("mooncake@trace", 4, 0, 0.5)
+
+
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):
     """The ablation's changes are against Basic and submit-cost's ratios against 0 µs: a sweep without
     its baseline would put another run in its place."""

@@ -299,7 +299,10 @@ def load_workload(
     if base in ("mooncake", "mooncake-synthetic") and timing in ("", "trace"):
         fname = "conversation_trace.jsonl" if base == "mooncake" else "synthetic_trace.jsonl"
         if timing == "trace" and aps is not None:
-            raise ValueError(f"{name} replays the trace's own arrival times; an APS does not apply")
+            raise ValueError(
+                f"{name} replays the trace's own arrival times, so it takes no arrival rate (APS): use it"
+                f" in an offline run, or {base} where agents arrive at a given APS (the online scenario)"
+            )
         if not (data_dir / fname).is_file():
             raise ValueError(f"{name}: no trace file {data_dir / fname} (the repository's ../shared/data)")
         wl = mooncake_trace(data_dir / fname, limit=num_agents)

@@ -83,6 +83,16 @@ class ModelProfile:
     # (``hbm_kv_bytes``). 0 = the ``*_hbm_kv_bytes`` above hold whatever the group.
     routed_weight_bytes: float = 0.0
     other_weight_bytes: float = 0.0
+    # A named MoE profile's smallest EP group whose GPUs hold its weights (its fixed KV budget is not
+    # re-derived for a smaller one; the simulator says so: ``weights_fit``). HF configs: see above.
+    min_ep_gpus: int = 1
+    # Whether the weights are fp8 (an HF config's quantization_config): a refusal then does not suggest it.
+    fp8_weights: bool = False
+
+    def weights_fit(self, ep_gpus: int) -> bool:
+        """Whether an EP group of ``ep_gpus`` holds the weights (named profiles: ``min_ep_gpus``; HF
+        configs are checked by ``hbm_kv_bytes``, which raises)."""
+        return ep_gpus >= self.min_ep_gpus
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -126,6 +136,7 @@ DS_660B = ModelProfile(
     model_cnic_bytes_per_decode_token=58 * 21 * 1024,
     prefill_ep_gpus=16,
     decode_ep_gpus=32,
+    min_ep_gpus=8,  # ~86 GB of fp8 weights per GPU at EP8; ~172 GB at EP4, past an H200's 141 GB
 )
 
 DS_27B = ModelProfile(
@@ -278,7 +289,7 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     if not routed_bytes and free <= 0:  # (a MoE model's EP group is checked per cluster: hbm_kv_bytes)
         raise ValueError(
             f"{name}: {weights_bytes / 1e9:.0f} GB of weights leave no HBM for KV on one H200 (a dense "
-            "model runs on one GPU here): use fp8 weights or a smaller model"
+            f"model runs on one GPU here): use {'' if weight_bytes == 1 else 'fp8 weights or '}a smaller model"
         )
     free = max(free, 1e9)
     return replace(
@@ -298,6 +309,7 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         decode_ep_gpus=ep,
         routed_weight_bytes=float(routed_bytes),
         other_weight_bytes=float(other_bytes),
+        fp8_weights=weight_bytes == 1,
     )
 
 
@@ -325,7 +337,7 @@ def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
         wanted = p.decode_ep_gpus if decode else p.prefill_ep_gpus
         raise ValueError(
             f"{p.name}: {weights / 1e9:.0f} GB of weights per GPU with EP{ep_gpus} leave no HBM for KV"
-            f" (the model asks for EP{wanted}): add nodes or use fp8 weights"
+            f" (the model asks for EP{wanted}): add nodes{'' if p.fp8_weights else ' or use fp8 weights'}"
         )
     return int(free)
 

@@ -245,6 +245,12 @@ class _BarProgress:
             self.bar.set_postfix_str(f"{self.label}: t={t_s:,.0f} s, {num_turns_done:,}/{num_turns:,} turns")
 
 
+def _weights_notes(runs: list[dict]) -> list[str]:
+    """A note per distinct run whose EP groups could not hold a named profile's weights."""
+    notes = [f"note: {r['weights_do_not_fit']}" for r in runs if "weights_do_not_fit" in r]
+    return list(dict.fromkeys(notes))
+
+
 def _use_accel(mode: str) -> str:
     """Switch to the compiled simulator per ``--accel``; returns what runs (for the log line)."""
     if mode == "off":
@@ -301,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     bar.update(1)
     bar.close()
     _print_table(sc.name, result.runs, result.checks)
-    for note in _ep_cut_notes(args, result.runs):
+    for note in _ep_cut_notes(args, result.runs) + _weights_notes(result.runs):
         print(note, file=sys.stderr)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:

@@ -241,6 +241,14 @@ def record(res: SimResult, **setting) -> dict:
         "wall_s": round(res.wall_s, 2),
         "cpu_s": round(res.cpu_s, 2),
     }
+    m = cfg.model
+    sides = (("prefill", cfg.prefill_ep_group), ("decode", cfg.decode_ep_group))
+    small = [f"{side} EP{ep}" for side, ep in sides if not m.weights_fit(ep)]
+    if small:  # (only then: no default setting of a scenario gets the key)
+        row["weights_do_not_fit"] = (
+            f"{m.name} needs an EP group of >= {m.min_ep_gpus} GPUs to hold its weights; this cluster runs"
+            f" {' and '.join(small)}: its figures assume the weights fit (the profile's KV budget is fixed)"
+        )
     return row
 
 
@@ -276,7 +284,8 @@ def offline_660b(ov: Overrides, progress: Progress) -> ScenarioResult:
         out.checks.append(
             _check(1.6 <= best <= 2.2, f"DualPath/Basic JCT max {best:.2f}x (paper 1.87x; range 1.6-2.2)")
         )
-    out.plot = lambda runs, plt: _bar_plot(runs, plt, "agents", "jct_s", "JCT (s)", "offline DS-660B 2P4D")
+    title = f"offline {_model_label(model)} {P}P{D}D"  # (was "DS-660B 2P4D" whatever the overrides)
+    out.plot = lambda runs, plt: _bar_plot(runs, plt, "agents", "jct_s", "JCT (s)", title)
     return out
 
 
@@ -829,6 +838,21 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 # ---------------------------------------------------------------- plots (matplotlib passed in)
+
+
+def _model_label(model: ModelProfile) -> str:
+    """A profile's name for a plot title: DS-660B for the named ones; a config file's folder name."""
+    from pathlib import Path
+
+    if model.name in PROFILE_LABELS:
+        return PROFILE_LABELS[model.name]
+    path = Path(model.name)
+    if path.name == "config.json" and path.parent.name:
+        return path.parent.name
+    return path.name
+
+
+PROFILE_LABELS = {"ds-660b": "DS-660B", "ds-27b": "DS-27B", "qwen2.5-32b": "Qwen2.5-32B"}
 
 
 def _bar_plot(runs, plt, key, metric, ylabel, title):
