@@ -146,8 +146,11 @@ def test_get_profile_reads_a_config_file_or_its_directory(tmp_path):
     assert get_profile(str(tmp_path / "config.json")).kv_bytes_per_token_layer == 4096
     assert get_profile(str(tmp_path)).num_layers == 64
     assert get_profile("ds-660b").prefill_ep_gpus == 16
-    with pytest.raises(ValueError, match="unknown model"):
+    # A mistyped path says so (it said "unknown model ... use one of [...]"); a mistyped name lists them.
+    with pytest.raises(ValueError, match="missing.json': no such file"):
         get_profile(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"unknown model 'ds-66b': use one of \['ds-27b'"):
+        get_profile("ds-66b")
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))

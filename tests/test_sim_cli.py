@@ -102,9 +102,14 @@ def test_tiny_ablation_json_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_bad_scenario_and_model():
+def test_bad_scenario_and_model(capsys):
     assert run(parse("--scenario", "nope")) == 2
     assert run(parse("--scenario", "ablation", "--model", "no-such-model", "--agents", "2")) == 2
+    capsys.readouterr()
+    # No --scenario: said, on stderr, with the list (it printed the list alone, on stdout).
+    assert run(parse("--agents", "8")) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: --scenario NAME is required; the scenarios:\nofflin")
 
 
 def _usage_error(capsys, *argv: str) -> str:
@@ -286,6 +291,16 @@ def test_a_trace_replay_given_an_arrival_rate_says_where_it_belongs():
         ValueError, match="use it in an offline run, or mooncake where agents arrive at a given APS"
     ):
         load_workload("mooncake@trace", 4, 0, 0.5)
+
+
+def test_a_host_buffer_smaller_than_one_request_is_noted(capsys):
+    """`--host-buffer-gb 0.01` ran with 2.6 GB buffer peaks and no word (a new-user review): an empty
+    buffer takes one request whatever its size. A buffer that bounds the run gets no note."""
+    argv = ("--scenario", "offline-660b", "--agents", "4", "--policy", "basic")
+    assert run(parse(*argv, "--host-buffer-gb", "0.01")) == 0
+    assert "note: host buffers of 0.01 GB held up to" in capsys.readouterr().err
+    assert run(parse(*argv)) == 0
+    assert "note: host buffers" not in capsys.readouterr().err
 
 
 def test_a_baseline_left_out_is_refused_not_mislabelled(capsys):

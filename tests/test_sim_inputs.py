@@ -178,6 +178,17 @@ def test_online_ratio_is_a_bound_not_a_verdict_when_a_policy_never_failed(monkey
     assert check.startswith("[MISS] max APS under SLO (interpolated knee): Basic 0.500, DualPath 0.667")
 
 
+def test_a_ratio_near_a_bound_is_printed_on_its_side_of_it():
+    """ "[MISS] DualPath/Basic JCT max 2.20x (range 1.6-2.2)" for 2.201 (a new-user review)."""
+    f = scenarios._in_range
+    assert (f(2.201, 1.6, 2.2), f(1.5999, 1.6, 2.6), f(1.95, 1.6, 2.2), f(2.2, 1.6, 2.2)) == (
+        "2.201",
+        "1.5999",
+        "1.95",
+        "2.20",
+    )
+
+
 # ---------------------------------------------------------------- 6. trace shorter than the agents
 
 

@@ -206,6 +206,8 @@ def get_profile(name_or_path: str) -> ModelProfile:
             ) from None
         except ValueError as e:  # (a size out of range, or weights too big for the GPU)
             raise ValueError(f"model config {str(path)!r}: {e}") from None
+    if path.suffix == ".json" or "/" in name_or_path:
+        raise ValueError(f"model config {name_or_path!r}: no such file (nor a directory holding config.json)")
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(PROFILES)} or a config.json path")
 
 

@@ -81,7 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="32k, 48k, 64k (Table 2), mooncake, mooncake-synthetic (+ @trace: the trace's arrival"
         " times, not offline / --aps), weka_cc",
     )
-    g.add_argument("--agents", type=_list(_positive_int), help="agent count(s), comma separated")
+    g.add_argument(
+        "--agents",
+        type=_list(_positive_int),
+        help="agent count(s), comma separated (bandwidth-model: per node)",
+    )
     g.add_argument("--aps", type=_list(_positive), help="online: agents per second to try, comma separated")
     g.add_argument(
         "--policy",
@@ -251,6 +255,23 @@ def _weights_notes(runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(notes))
 
 
+def _buffer_notes(runs: list[dict]) -> list[str]:
+    """A note where a host buffer held more than its size: a node whose buffer is empty takes one request
+    whatever its size (else a request larger than the buffer would wait for ever)."""
+    notes = []
+    for r in runs:
+        size, peak = (
+            r.get("host_buffer_gb"),
+            max(r.get("pe_buffer_peak_gb") or 0, r.get("de_buffer_peak_gb") or 0),
+        )
+        if size is not None and peak > size * (1 + 1e-9):
+            notes.append(
+                f"note: host buffers of {size:g} GB held up to {peak:g} GB: a request larger than the buffer"
+                " enters an empty one alone (it would wait for ever otherwise)"
+            )
+    return list(dict.fromkeys(notes))
+
+
 def _use_accel(mode: str) -> str:
     """Switch to the compiled simulator per ``--accel``; returns what runs (for the log line)."""
     if mode == "off":
@@ -276,8 +297,10 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.sim.scenarios import SCENARIOS
 
     if args.list or not args.scenario:
+        if not args.list:
+            print("error: --scenario NAME is required; the scenarios:", file=sys.stderr)
         for s in SCENARIOS.values():
-            print(f"{s.name:16s} {s.description}")
+            print(f"{s.name:16s} {s.description}", file=sys.stdout if args.list else sys.stderr)
         return 0 if args.list else 2
     if args.scenario not in SCENARIOS:
         print(f"unknown scenario {args.scenario!r}; use --list", file=sys.stderr)
@@ -304,10 +327,11 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted: nothing written", file=sys.stderr)
         return 130
     bar.set_postfix_str(progress.label, refresh=False)  # (not a tick of the last run's middle)
+    bar.total = bar.n + 1  # the runs made (the hint is the default setting's count: 3/9 looked cut short)
     bar.update(1)
     bar.close()
     _print_table(sc.name, result.runs, result.checks)
-    for note in _ep_cut_notes(args, result.runs) + _weights_notes(result.runs):
+    for note in _ep_cut_notes(args, result.runs) + _weights_notes(result.runs) + _buffer_notes(result.runs):
         print(note, file=sys.stderr)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:

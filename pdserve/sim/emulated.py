@@ -108,6 +108,9 @@ def emulated(ov, progress):
         out.runs.append(row)
         jct[mode] = row["jct_s"]
     if "layerwise" in jct and "dualpath" in jct:
-        out.checks.append(f"[INFO] simulated DualPath/Basic JCT {jct['layerwise'] / jct['dualpath']:.2f}x")
+        out.checks.append(
+            f"[INFO] simulated DualPath/Basic JCT {jct['layerwise'] / jct['dualpath']:.2f}x (Basic: the"
+            " bench's, layerwise round robin)"
+        )
     out.plot = lambda runs, plt: _bar_plot(runs, plt, "agents", "jct_s", "JCT (s)", "emulated")
     return out
