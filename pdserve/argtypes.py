@@ -151,6 +151,29 @@ def make_parent(path: str) -> str:
     return path
 
 
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line (`--extra-body '{"read_path":"pe"}'`): a bad one was
+    found only after connecting, as a bare "Expecting value", hidden behind a refused connection."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def wide_console():
+    """rich's Console for a results table: a log or a pipe got 80 columns, and the table's headers and
+    policy names were cut to "jct_sp…", "round_…"."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 # The ranges every command line uses.
 port = number(int, 0, low_ok=True, high=65535)
 count = number(int, 1, low_ok=True)  # 1, 2, ...

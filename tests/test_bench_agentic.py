@@ -306,6 +306,19 @@ def test_failed_turn_stops_its_agent(fake_router):
     assert s["turns_failed"] == 2 and s["goodput"] == 0.0 and s["ttft_p50_s"] is None
 
 
+def test_failed_turns_say_why(server, demo_model_dir, capsys):
+    """`--model nosuch` printed a table of dashes with turns_failed 2 and never said why."""
+    parser = argparse.ArgumentParser()
+    add_agentic_args(parser)
+    args = parser.parse_args(
+        ["--url", server, "--model-dir", demo_model_dir, "--num-agents", "1", "--max-turns", "2"]
+        + ["--length-scale", "0.1", "--no-progress", "--sample-s", "0", "--model", "nosuch"]
+    )
+    assert run_agentic(args)["summary"]["turns_ok"] == 0
+    err = capsys.readouterr().err
+    assert "turn(s) failed; the first (agent 0, turn 0): HTTP 4" in err and "nosuch" in err, err
+
+
 @pytest.mark.timeout(120)
 def test_the_bench_sends_the_api_key_of_the_environment(demo_model_dir, tmp_path, monkeypatch):
     """A server started with `--api-key` answered the bench's requests 401 (it sent no key; the bench

@@ -282,3 +282,22 @@ def test_bench_soak_engine_counts_are_checked_before_anything_starts(demo_model_
     monkeypatch.setattr(pdserve.launch, "start_cluster", fake_start_cluster)
     rc = _main(["bench", "soak", "--model", demo_model_dir, "--minutes", "0.01", *flag])
     assert rc == 2 and started == [], started
+
+
+def test_a_results_table_in_a_log_keeps_its_headers_and_policy_names(capsys):
+    """Piped or logged, rich drew 80 columns: "jct_sp…", "round_…" (a new-user review, 2026-12-04)."""
+    from pdserve.bench.dualpath_compare import _print
+
+    row = {"jct_s": 2.315, "jct_speedup_vs_first": 1.0, "ttft_p50_s": 0.5, "tpot_p50_s": 0.02}
+    row |= {"goodput": 1.0, "snic_max_over_avg": 3.0, "storage_hit_tokens": 50944}
+    runs = [{"policy": "round_robin", **row}, {"policy": "dualpath", **row}]
+    _print({"nodes": "p0:1p,d0:1d,d1:1d", "snic_mbps": 8.0, "mode": "offline", "runs": runs})
+    out = capsys.readouterr().out
+    for name in (
+        "round_robin",
+        "dualpath",
+        "jct_speedup_vs_first",
+        "snic_max_over_avg",
+        "storage_hit_tokens",
+    ):
+        assert name in out, out

@@ -56,6 +56,11 @@ ROUTER = ["router", "--prefill", "http://p:1", "--decode", "http://d:2"]
         ([*ROUTER, "--health-interval-s", "0"], "0 must be > 0"),
         ([*ROUTER, "--load-interval-s", "-1"], "-1 must be > 0"),
         (["bench", "offline", "--num-requests", "0"], "0 must be ≥ 1"),
+        # (found by a new-user review, 2026-12-04: after connecting, a bare "Expecting value", or
+        # hidden behind a refused connection; a URL without a scheme blamed the server)
+        (["bench", "agentic", "--extra-body", "notjson"], "'notjson' is not JSON"),
+        (["bench", "agentic", "--extra-body", "[1]"], "is a JSON list, not an object"),
+        (["bench", "agentic", "--url", "localhost:9"], "is not an engine URL"),
         # (taken, and every health check failed unseen: 503 forever; found by a review of the router)
         (["router", "--prefill", "127.0.0.1:8001", "--decode", "http://d:2"], "is not an engine URL"),
         (["router", "--prefill", "http://p:1", "--decode", "ftp://d:2"], "is not an engine URL"),

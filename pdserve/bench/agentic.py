@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdserve.argtypes import count, make_parent, non_negative, number, output_file, plot_file, positive
+from pdserve.argtypes import (
+    count,
+    engine_url,
+    json_object,
+    make_parent,
+    non_negative,
+    number,
+    output_file,
+    plot_file,
+    positive,
+    wide_console,
+)
 from pdserve.bench import served_model_card
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 from pdserve.server.auth import client_headers
@@ -418,7 +430,6 @@ def summarize(
 
 
 def print_table(mode: str, summary: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     keys = ["agents", "turns_ok", "turns_failed", "output_tokens", "cache_hit_ratio", "output_tokens_per_s"]
@@ -433,7 +444,7 @@ def print_table(mode: str, summary: dict) -> None:
     for k in keys:
         v = summary.get(k)
         table.add_row(k, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
-    Console().print(table)
+    wide_console().print(table)
 
 
 def plot(records: list[TurnRecord], path: str, title: str = "") -> None:
@@ -453,7 +464,9 @@ def plot(records: list[TurnRecord], path: str, title: str = "") -> None:
 
 
 def add_agentic_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="router or colocated engine base URL")
+    p.add_argument(
+        "--url", type=engine_url, default="http://127.0.0.1:8000", help="router or colocated engine base URL"
+    )
     p.add_argument("--model", default=None, help="served model name (default: first of /v1/models)")
     p.add_argument("--model-dir", default=None, help="model dir; its config.json gives the vocab size")
     p.add_argument(
@@ -484,7 +497,10 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sample-s", type=non_negative, default=1.0, help="/pd/cluster sampling period (0: off)")
     p.add_argument(
-        "--extra-body", default=None, help='JSON merged into every request, e.g. {"read_path":"pe"}'
+        "--extra-body",
+        type=json_object,
+        default=None,
+        help='JSON merged into every request, e.g. {"read_path":"pe"}',
     )
     p.add_argument("--timeout-s", type=positive, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0, help="trajectories, arrivals and token ids")
@@ -520,7 +536,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
     )
     agents = build_agents(cfg)
     model = args.model or served["id"]
-    extra_body = json.loads(args.extra_body) if args.extra_body else None
+    extra_body = args.extra_body  # (a dict: parsed and checked by argparse)
     run = run_online if online else run_offline
     kw = dict(model=model, extra_body=extra_body, timeout_s=args.timeout_s, sample_s=args.sample_s)
     result = asyncio.run(run(url, agents, progress=not args.no_progress, **kw))
@@ -537,6 +553,13 @@ def run_agentic(args: argparse.Namespace) -> dict:
         "turns": [asdict(r) for r in result.records],
     }
     print_table(result.mode, summary)
+    failed = [r for r in result.records if not r.ok]
+    if failed:  # (a table of dashes said 2 turns failed, never why: e.g. a model the server lacks)
+        first = failed[0]
+        print(
+            f"{len(failed)} turn(s) failed; the first (agent {first.agent}, turn {first.turn}): {first.error}",
+            file=sys.stderr,
+        )
     print(f"outputs_sha256 {payload['outputs_sha256']}")
     if args.json:
         Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))

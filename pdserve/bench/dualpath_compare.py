@@ -33,6 +33,7 @@ from pdserve.argtypes import (
     output_file,
     plot_file,
     positive,
+    wide_console,
 )
 from pdserve.bench.agentic import WorkloadConfig, build_agents, run_agents, summarize, vocab_size_of
 from pdserve.router.placement import REAL_POLICIES
@@ -64,7 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="online: arrival rates tried in ascending order until one misses the SLO (agents/s)",
     )
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="online: time to first token, at most")
-    p.add_argument("--slo-tpot-s", type=positive, default=0.2, help="CPU engines decode slower than GPUs")
+    p.add_argument(
+        "--slo-tpot-s",
+        type=positive,
+        default=0.2,
+        help="online: time per output token, at most (CPU engines decode slower than GPUs' 0.05 s)",
+    )
     p.add_argument("--slo-goodput", type=fraction, default=0.9, help="online: fraction of turns within SLO")
     p.add_argument("--workload", default="32k", help="as for `pdserve bench agentic`")
     p.add_argument("--num-agents", type=count, default=16, help="agents (trajectories)")
@@ -220,7 +226,6 @@ def _divergences(model_dir: str, agents, runs: list[dict], a: argparse.Namespace
 
 
 def _print(out: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"DualPath on {out['nodes']} (SNIC {out['snic_mbps']} MB/s per node), {out['mode']}")
@@ -231,7 +236,7 @@ def _print(out: dict) -> None:
         t.add_column(c)
     for r in out["runs"]:
         t.add_row(*(_fmt(r.get(c)) for c in cols))
-    Console().print(t)
+    wide_console().print(t)
     if out.get("max_aps_ratio_last_vs_first"):
         print(f"max APS under the SLO, last policy / first: {out['max_aps_ratio_last_vs_first']:.2f}x")
     if out.get("outputs_identical") is not None:
