@@ -301,3 +301,18 @@ def test_a_results_table_in_a_log_keeps_its_headers_and_policy_names(capsys):
         "storage_hit_tokens",
     ):
         assert name in out, out
+
+
+def test_the_plotted_completion_times_end_at_the_summarys_jct():
+    """The plot counted from the run's start and the JCT from its first send: the curve ended ~25 ms
+    past the JSON's `jct_s` (a new-user review, 2026-12-04)."""
+    from pdserve.bench.agentic import TurnRecord, summarize
+    from pdserve.bench.dualpath_compare import done_times
+
+    records = [
+        TurnRecord(agent=0, turn=0, prompt_tokens=8, gen_tokens=2, start_s=0.025, e2e_s=1.0, ok=True),
+        TurnRecord(agent=0, turn=1, prompt_tokens=9, gen_tokens=2, start_s=1.1, e2e_s=1.2, ok=True),
+        TurnRecord(agent=1, turn=0, prompt_tokens=8, gen_tokens=2, start_s=0.03, e2e_s=0.5, ok=True),
+    ]
+    assert done_times(records) == pytest.approx([0.505, 2.275])
+    assert done_times(records)[-1] == pytest.approx(summarize(records)["jct_s"])
