@@ -84,14 +84,17 @@ class ModelProfile:
     routed_weight_bytes: float = 0.0
     other_weight_bytes: float = 0.0
     # A named MoE profile's smallest EP group whose GPUs hold its weights (its fixed KV budget is not
-    # re-derived for a smaller one; the simulator says so: ``weights_fit``). HF configs: see above.
+    # re-derived for a smaller one; the simulator says so: ``weights_fit``). HF configs: their weights.
     min_ep_gpus: int = 1
     # Whether the weights are fp8 (an HF config's quantization_config): a refusal then does not suggest it.
     fp8_weights: bool = False
 
     def weights_fit(self, ep_gpus: int) -> bool:
-        """Whether an EP group of ``ep_gpus`` holds the weights (named profiles: ``min_ep_gpus``; HF
-        configs are checked by ``hbm_kv_bytes``, which raises)."""
+        """Whether each GPU of an EP group of ``ep_gpus`` holds its weights with HBM left for KV: from the
+        weights themselves for an HF config (``hbm_kv_bytes`` refuses a group where they do not), from
+        ``min_ep_gpus`` for a named profile."""
+        if self.routed_weight_bytes:
+            return _free_hbm_bytes(self.other_weight_bytes, self.routed_weight_bytes, ep_gpus) > 0
         return ep_gpus >= self.min_ep_gpus
 
     @property
@@ -333,15 +336,14 @@ def hbm_kv_bytes(p: ModelProfile, decode: bool, ep_gpus: int) -> int:
     weights alone do not fit."""
     if not p.routed_weight_bytes:
         return p.decode_hbm_kv_bytes if decode else p.prefill_hbm_kv_bytes
-    free = _free_hbm_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus)
-    if free <= 0:
+    if not p.weights_fit(ep_gpus):
         weights = _gpu_weight_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus)
         wanted = p.decode_ep_gpus if decode else p.prefill_ep_gpus
         raise ValueError(
             f"{p.name}: {weights / 1e9:.0f} GB of weights per GPU with EP{ep_gpus} leave no HBM for KV"
             f" (the model asks for EP{wanted}): add nodes{'' if p.fp8_weights else ' or use fp8 weights'}"
         )
-    return int(free)
+    return int(_free_hbm_bytes(p.other_weight_bytes, p.routed_weight_bytes, ep_gpus))
 
 
 # ---- cost functions ----

@@ -14,7 +14,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import chain
 from pathlib import Path
 
 from pdserve.argtypes import make_parent, number, output_file, plot_file
@@ -205,10 +206,9 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _ep_cut_notes(args: argparse.Namespace, runs: list[dict]) -> list[str]:
-    """A note per shape in which an EP size asked for was cut to divide the GPU count (the size as
-    run is in the JSON, but a table without the column would not show it)."""
-    notes: list[str] = []
+def _ep_cut_notes(args: argparse.Namespace, runs: list[dict]) -> Iterator[str]:
+    """A note per run in which an EP size asked for was cut to divide the GPU count (the size as run is
+    in the JSON, but a table without the column would not show it)."""
     for side in ("prefill", "decode"):
         asked = getattr(args, f"{side}_ep_gpus", None)
         for r in runs:
@@ -216,13 +216,28 @@ def _ep_cut_notes(args: argparse.Namespace, runs: list[dict]) -> list[str]:
             if asked is None or ran is None or ran == asked or f"{side}_nodes" not in r:
                 continue
             gpus = r[f"{side}_nodes"] * r["gpus_per_node"]
-            note = (
+            yield (
                 f"note: --{side}-ep-gpus {asked} ran as {ran} on {r[f'{side}_nodes']} {side} nodes"
                 f" ({gpus} GPUs): a group size is cut to divide the GPU count, gcd({asked}, {gpus})"
             )
-            if note not in notes:
-                notes.append(note)
-    return notes
+
+
+def _weights_notes(runs: list[dict]) -> Iterator[str]:
+    """A note per run whose EP groups could not hold a named profile's weights (``record`` says which)."""
+    return (f"note: {r['weights_do_not_fit']}" for r in runs if "weights_do_not_fit" in r)
+
+
+def _buffer_notes(runs: list[dict]) -> Iterator[str]:
+    """A note per run whose host buffers held more than their size: a node whose buffer is empty takes one
+    request whatever its size (else a request larger than the buffer would wait for ever)."""
+    for r in runs:
+        size = r.get("host_buffer_gb")
+        peak = max(r.get("pe_buffer_peak_gb") or 0, r.get("de_buffer_peak_gb") or 0)
+        if size is not None and peak > size * (1 + 1e-9):
+            yield (
+                f"note: host buffers of {size:g} GB held up to {peak:g} GB: a request larger than the buffer"
+                " enters an empty one alone (it would wait for ever otherwise)"
+            )
 
 
 class _BarProgress:
@@ -247,29 +262,6 @@ class _BarProgress:
         if now >= self.next_refresh:
             self.next_refresh = now + self.REFRESH_S
             self.bar.set_postfix_str(f"{self.label}: t={t_s:,.0f} s, {num_turns_done:,}/{num_turns:,} turns")
-
-
-def _weights_notes(runs: list[dict]) -> list[str]:
-    """A note per distinct run whose EP groups could not hold a named profile's weights."""
-    notes = [f"note: {r['weights_do_not_fit']}" for r in runs if "weights_do_not_fit" in r]
-    return list(dict.fromkeys(notes))
-
-
-def _buffer_notes(runs: list[dict]) -> list[str]:
-    """A note where a host buffer held more than its size: a node whose buffer is empty takes one request
-    whatever its size (else a request larger than the buffer would wait for ever)."""
-    notes = []
-    for r in runs:
-        size, peak = (
-            r.get("host_buffer_gb"),
-            max(r.get("pe_buffer_peak_gb") or 0, r.get("de_buffer_peak_gb") or 0),
-        )
-        if size is not None and peak > size * (1 + 1e-9):
-            notes.append(
-                f"note: host buffers of {size:g} GB held up to {peak:g} GB: a request larger than the buffer"
-                " enters an empty one alone (it would wait for ever otherwise)"
-            )
-    return list(dict.fromkeys(notes))
 
 
 def _use_accel(mode: str) -> str:
@@ -331,7 +323,8 @@ def run(args: argparse.Namespace) -> int:
     bar.update(1)
     bar.close()
     _print_table(sc.name, result.runs, result.checks)
-    for note in _ep_cut_notes(args, result.runs) + _weights_notes(result.runs) + _buffer_notes(result.runs):
+    notes = chain(_ep_cut_notes(args, result.runs), _weights_notes(result.runs), _buffer_notes(result.runs))
+    for note in dict.fromkeys(notes):  # (each once: a scenario's runs often share a setting)
         print(note, file=sys.stderr)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
     if args.json:
