@@ -23,7 +23,6 @@ import numpy as np
 
 from pdserve.bench.workloads import Workload, _assemble
 from pdserve.dualpath.cost_model import QWEN_32B, ModelProfile
-from pdserve.sim.cluster import ClusterSim
 from pdserve.sim.config import HardwareConfig, SimConfig
 
 MB_PER_S_TO_GBPS = 8 / 1000  # 1 MB/s = 8 Mbit/s = 0.008 Gbit/s
@@ -75,7 +74,7 @@ def bench_workload(num_agents: int = 16, workload: str = "32k", seed: int = 0) -
 
 
 def emulated(ov, progress):
-    from pdserve.sim.scenarios import ScenarioResult, _bar_plot, _one, _pick, record
+    from pdserve.sim.scenarios import ScenarioResult, _bar_plot, _new_sim, _one, _pick, record
 
     out = ScenarioResult("emulated")
     snic_mbps = _pick(ov.snic_gbps, 8 * MB_PER_S_TO_GBPS) / MB_PER_S_TO_GBPS
@@ -103,7 +102,7 @@ def emulated(ov, progress):
             compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
             window_s=5.0,
         )
-        res = ClusterSim(cfg, wl).run()
+        res = _new_sim(cfg, wl, progress).run()  # (as every scenario: memory check, ticks)
         row = record(res, agents=agents, workload=wl_name, snic_mbps=snic_mbps, cnic_mbps=cnic_mbps)
         out.runs.append(row)
         jct[mode] = row["jct_s"]
