@@ -8,15 +8,12 @@ tests/test_hf_equivalence.py::test_cuda_bf16_matches_hf.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.request import Request
 from tests.conftest import requires_cuda
-
-pytestmark = requires_cuda
 
 BASE = "def handler(request, context):\n    result = process(request.body, context.user)\n"
 
@@ -40,6 +37,7 @@ def _prompts() -> list[str]:
     ]
 
 
+@requires_cuda
 def test_greedy_on_cuda_equals_the_cpu_reference(engines):
     cpu, cuda = engines
     params = [SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)] * len(_prompts())
@@ -54,6 +52,7 @@ def test_greedy_on_cuda_equals_the_cpu_reference(engines):
     cuda.engine.check_integrity()
 
 
+@requires_cuda
 def test_penalties_bias_and_min_tokens_on_cuda_equal_the_cpu_reference(engines):
     """The logits processors index the logits on the GPU with ids built on the host."""
     cpu, cuda = engines
@@ -75,6 +74,7 @@ def test_penalties_bias_and_min_tokens_on_cuda_equal_the_cpu_reference(engines):
     cuda.engine.check_integrity()
 
 
+@requires_cuda
 def test_structured_outputs_and_prompt_logprobs_on_cuda_equal_the_cpu_reference(engines):
     """The grammar's bits are expanded on the GPU (the CPU unpacks them with numpy); prompt logprobs
     slice the GPU's hidden states."""
@@ -91,6 +91,7 @@ def test_structured_outputs_and_prompt_logprobs_on_cuda_equal_the_cpu_reference(
     cuda.engine.check_integrity()
 
 
+@requires_cuda
 def test_seeded_sampling_on_cuda_is_reproducible_and_batch_independent(engines):
     _, cuda = engines
     prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser("
@@ -116,19 +117,21 @@ def test_seeded_sampling_on_cuda_is_reproducible_and_batch_independent(engines):
     assert alone(8) != first
 
 
-def test_store_write_back_and_read_round_trip_on_cuda(demo_model_dir, tmp_path, monkeypatch):
-    """Pages of a GPU pool -> chunked write-back gather -> files -> a read into host memory -> scatter
-    into other GPU pages: byte-identical, for every layer's K and V."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_store_write_back_and_read_round_trip(device, demo_model_dir, tmp_path, monkeypatch):
+    """Pages of a pool -> chunked write-back gather -> files -> a read into host memory -> scatter into
+    other pages: byte-identical, for every layer's K and V. The CPU case runs in CI, so the test keeps
+    up with the engine's request (a real `Request`) where no GPU is lent."""
     from pdserve.engine import store_connector
     from pdserve.engine.store_connector import StoreConnector
     from pdserve.store.block_store import KVBlockStore
     from pdserve.store.layout import BlockLayout
 
-    engine = _llm(demo_model_dir, "cuda").engine
+    engine = _llm(demo_model_dir, device).engine
     kv = engine.runner.kv_cache
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     for t in [*kv.k, *kv.v]:
-        t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+        t.copy_(torch.randn(t.shape, generator=g, device=device, dtype=t.dtype))
     layout = BlockLayout.from_kv_layout(kv.layout, 32, model="cuda-test")  # 2 pages per block
     store = KVBlockStore(tmp_path, layout, 1 << 30)
     monkeypatch.setattr(store_connector, "PERSIST_CHUNK_NBYTES", 3 * layout.block_nbytes)  # 3 chunks
@@ -136,16 +139,8 @@ def test_store_write_back_and_read_round_trip_on_cuda(demo_model_dir, tmp_path, 
     num_blocks = 7
     src_pages = [5, 9, 2, 40, 41, 42, 100, 7, 8, 300, 11, 12, 77, 78]
     tokens = [(j * 7919) % 4000 for j in range(num_blocks * 32 + 1)]
-    req = SimpleNamespace(
-        request_id="r",
-        num_computed_tokens=num_blocks * 32,
-        num_prompt_tokens=len(tokens),
-        page_ids=src_pages,
-        block_key_cache=[],
-        cache_salt=None,
-        all_token_ids=tokens,
-        prompt_token_ids=tokens,
-    )
+    req = Request("r", tokens, SamplingParams(max_tokens=1), max_tokens=1)
+    req.page_ids, req.num_computed_tokens = src_pages, num_blocks * 32
     assert conn.persist(req) == num_blocks
     conn.flush()
     assert conn.num_blocks_written == num_blocks and conn.num_write_failures == 0
@@ -155,6 +150,6 @@ def test_store_write_back_and_read_round_trip_on_cuda(demo_model_dir, tmp_path, 
     assert result.num_ok == num_blocks, result
     dst_pages = [400 + j for j in range(len(src_pages))]
     conn.scatter_blocks(pending.buffer, num_blocks, dst_pages)
-    src, dst = torch.tensor(src_pages, device="cuda"), torch.tensor(dst_pages, device="cuda")
+    src, dst = torch.tensor(src_pages, device=device), torch.tensor(dst_pages, device=device)
     for t in [*kv.k, *kv.v]:
         assert torch.equal(t.index_select(0, src), t.index_select(0, dst))
