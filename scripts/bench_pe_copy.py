@@ -9,13 +9,12 @@ row: K then V of every layer in turn, store/layout.py). Two consumers copy it to
    stride of `block_nbytes`.
 2. `StoreConnector.scatter_blocks` (the decode's DE-path hits, a colocated store hit): every layer of
    every block into pool pages.
-Each is timed as the engine runs it, from a pageable buffer (what `start_read` allocates) and from a
-pinned one, beside candidates and the ceiling: one contiguous pinned H2D copy of the same bytes.
-Layerwise candidates: `rows` (one pinned copy per block row), `memcpy2d` (one cudaMemcpy2DAsync per
-layer through cuda-python, where importable), `host gather` (a strided CPU copy into a pinned
-staging buffer, then one H2D). Scatter candidate: `chunked` (contiguous runs of blocks, all layers,
-one pinned H2D each, then the per-layer index_copy on the device). Every candidate's bytes are
-checked against the engine's. Wall time with the device synchronized; best of `--repeats`.
+Each is timed as the engine runs it now (store/upload.py) and as it ran before (torch's copy of each
+strided slice, kept here as the reference), from a pageable and from a pinned buffer (`start_read`
+allocates pinned buffers for a GPU pool), beside the ceiling: one contiguous pinned H2D copy of the
+same bytes; and, for the layerwise path, one `cudaMemcpy2DAsync` per layer through cuda-python (where
+importable): what a 2-D copy would give. Every path's bytes are checked against the old engine's.
+Wall time with the device synchronized; best of `--repeats`.
 Results: docs/benchmarks.md.
 """
 
@@ -32,8 +31,6 @@ import torch
 from pdserve.engine.pd_layerwise import LayerwisePrefill
 from pdserve.engine.store_connector import StoreConnector
 from pdserve.store.layout import BlockLayout
-
-CHUNK_NBYTES = 256 << 20  # scratch of the chunked scatter on the device
 
 
 def main() -> None:
@@ -86,22 +83,37 @@ def main() -> None:
 
     def report(name: str, nbytes: int, seconds: float) -> None:
         results[name] = round(nbytes / seconds / 1e9, 2)
-        print(f"  {name:<34} {seconds * 1e3:9.1f} ms {nbytes / seconds / 1e9:8.2f} GB/s")
+        print(f"  {name:<44} {seconds * 1e3:9.1f} ms {nbytes / seconds / 1e9:8.2f} GB/s")
 
     flat_dev = torch.empty(total, dtype=torch.uint8, device=dev)
     print("ceiling: one contiguous H2D copy of every byte")
     report("contiguous h2d (pinned)", total, best(lambda: flat_dev.copy_(pinned.view(-1), non_blocking=True)))
 
     # ---- 1. layerwise prefill, PE path -----------------------------------------------------------
-    print("layerwise PE path: every layer of the hit, in layer order")
+    print("layerwise PE path: every layer of the hit, in layer order, a helper thread a layer ahead")
     lw = object.__new__(LayerwisePrefill)
     lw.runner = SimpleNamespace(device=dev)
     lw.dtype, lw.kv_shape = dtype, (args.kv_heads, args.head_dim)
-    lw._copier = ThreadPoolExecutor(1)
+    lw._copier, lw._stream = ThreadPoolExecutor(1), None
+    half = layout.layer_nbytes // 2
     last: dict[str, tuple] = {}
 
-    def engine_layerwise(buf, key):
-        start, finish = lw.from_host_buffer(buf, n, layout)
+    def strided_load(buf):
+        """The engine's copy before store/upload.py: torch's copy of each strided half."""
+
+        def copy(layer: int):
+            off = layout.layer_range(layer)[0]
+            k = buf[:n, off : off + half].reshape(-1).clone().view(dtype).view(-1, *lw.kv_shape)
+            v = buf[:n, off + half : off + 2 * half].reshape(-1).clone().view(dtype).view(-1, *lw.kv_shape)
+            return k.to(dev), v.to(dev)
+
+        futures = {}
+        return (lambda layer: futures.__setitem__(layer, lw._copier.submit(copy, layer))), (
+            lambda layer: futures.pop(layer).result()
+        )
+
+    def layerwise(load, key):
+        start, finish = load
         start(0)
         for layer in range(args.layers):
             if layer + 1 < args.layers:
@@ -110,41 +122,23 @@ def main() -> None:
         last[key] = out
 
     for name, buf in buffers.items():
-        report(f"engine from_host_buffer ({name})", total, best(lambda b=buf, k=name: engine_layerwise(b, k)))
-
-    half = layout.layer_nbytes // 2
-    scratch = torch.empty((n, layout.layer_nbytes), dtype=torch.uint8, device=dev)
-
-    def split(d):
-        k = d[:, :half].reshape(-1).view(dtype).view(-1, *lw.kv_shape)
-        v = d[:, half:].reshape(-1).view(dtype).view(-1, *lw.kv_shape)
-        return k, v
-
-    def rows(buf, key):
-        for layer in range(args.layers):
-            off = layout.layer_range(layer)[0]
-            for i in range(n):
-                scratch[i].copy_(buf[i, off : off + layout.layer_nbytes], non_blocking=True)
-            last[key] = split(scratch)
-
-    report("rows (pinned)", total, best(lambda: rows(pinned, "rows")))
-
-    staging = torch.empty((n, layout.layer_nbytes), dtype=torch.uint8, pin_memory=cuda)
-
-    def host_gather(buf, key):
-        for layer in range(args.layers):
-            off = layout.layer_range(layer)[0]
-            sync()  # the staging buffer is reused: the last H2D out of it must be done
-            staging.copy_(buf[:, off : off + layout.layer_nbytes])
-            scratch.copy_(staging, non_blocking=True)
-            last[key] = split(scratch)
-
-    report("host gather + h2d (pinned)", total, best(lambda: host_gather(pageable, "gather")))
+        report(
+            f"before: strided .to(device) ({name})",
+            total,
+            best(lambda b=buf, k=name: layerwise(strided_load(b), "old " + k)),
+        )
+    for name, buf in buffers.items():
+        report(
+            f"engine LayerUpload ({name})",
+            total,
+            best(lambda b=buf, k=name: layerwise(lw.from_host_buffer(b, n, layout), k)),
+        )
 
     try:
         from cuda.bindings import runtime as cudart
 
         kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        scratch = torch.empty((n, layout.layer_nbytes), dtype=torch.uint8, device=dev)
 
         def memcpy2d(buf, key):
             stream = torch.cuda.current_stream(dev).cuda_stream
@@ -162,19 +156,23 @@ def main() -> None:
                 )
                 if err != cudart.cudaError_t.cudaSuccess:
                     raise RuntimeError(f"cudaMemcpy2DAsync: {err}")
-                last[key] = split(scratch)
+                k = scratch[:, :half].reshape(-1).view(dtype).view(-1, *lw.kv_shape)
+                v = scratch[:, half:].reshape(-1).view(dtype).view(-1, *lw.kv_shape)
+                last[key] = (k, v)
 
         if cuda:
-            report("memcpy2d (pinned)", total, best(lambda: memcpy2d(pinned, "memcpy2d")))
-            report("memcpy2d (pageable)", total, best(lambda: memcpy2d(pageable, "memcpy2d_pageable")))
+            report(
+                "reference: memcpy2d, one per layer (pinned)",
+                total,
+                best(lambda: memcpy2d(pinned, "memcpy2d")),
+            )
     except Exception as e:  # cuda-python missing, or its API not as expected: the other paths still run
         print(f"  memcpy2d: skipped ({type(e).__name__}: {e})")
 
-    # every candidate's last layer equals the engine's
     def raw(t):  # compared as bytes: random bits hold NaNs, which never equal themselves
         return t.cpu().view(torch.uint8)
 
-    ref_k, ref_v = last["pageable"]
+    ref_k, ref_v = last["old pageable"]
     for key, (k, v) in last.items():
         assert torch.equal(raw(k), raw(ref_k)) and torch.equal(raw(v), raw(ref_v)), key
     print(f"  (last layer identical across {len(last)} paths)")
@@ -193,30 +191,30 @@ def main() -> None:
     ]
     g = torch.Generator().manual_seed(0)
     page_ids = torch.randperm(num_pages, generator=g)[: n * ppb].tolist()
+
+    def per_layer(buf):
+        """The engine's scatter before store/upload.py: each layer's strided halves, one at a time."""
+        idx = torch.tensor(page_ids, dtype=torch.long, device=dev)
+        for layer, (k, v) in enumerate(zip(conn._k, conn._v, strict=True)):
+            off = layout.layer_range(layer)[0]
+            k.index_copy_(0, idx, buf[:n, off : off + half].reshape(n * ppb, -1).to(dev))
+            v.index_copy_(0, idx, buf[:n, off + half : off + 2 * half].reshape(n * ppb, -1).to(dev))
+        sync()
+
+    pages = {}
     for name, buf in buffers.items():
+        report(f"before: per-layer strided ({name})", total, best(lambda b=buf: per_layer(b)))
+    pages["before"] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
+    for name, buf in buffers.items():
+        for t in (*conn._k, *conn._v):
+            t.zero_()
         report(
             f"engine scatter_blocks ({name})", total, best(lambda b=buf: conn.scatter_blocks(b, n, page_ids))
         )
-    ref = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
-
-    def chunked(buf):
-        idx = torch.tensor(page_ids, dtype=torch.long, device=dev)
-        per_chunk = max(1, CHUNK_NBYTES // layout.block_nbytes)
-        for b0 in range(0, n, per_chunk):
-            b1 = min(n, b0 + per_chunk)
-            d = buf[b0:b1].to(dev, non_blocking=True)  # contiguous rows: one copy
-            ids = idx[b0 * ppb : b1 * ppb]
-            for layer in range(args.layers):
-                off = layout.layer_range(layer)[0]
-                conn._k[layer].index_copy_(0, ids, d[:, off : off + half].reshape(-1, page_nbytes))
-                conn._v[layer].index_copy_(0, ids, d[:, off + half : off + 2 * half].reshape(-1, page_nbytes))
-
-    for t in (*conn._k, *conn._v):
-        t.zero_()
-    report("chunked (pinned)", total, best(lambda: chunked(pinned)))
-    got = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
-    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), "chunked scatter differs"
-    print("  (pages identical to the engine's)")
+        pages[name] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
+    for name, got in pages.items():
+        assert all(torch.equal(a, b) for a, b in zip(pages["before"], got, strict=True)), name
+    print(f"  (pages identical across {len(pages)} paths)")
 
     if args.json:
         with open(args.json, "w") as f:

@@ -8,10 +8,15 @@
 # 2. `pdserve bench offline` on the GPU (pdserve vs HF generate, same requests), bf16: a ~0.8B-parameter
 #    random Llama, then the demo checkpoint.
 # 3. `pdserve bench serve` on the GPU: 1P+1D (NIXL, GPU to GPU) vs 2 colocated engines.
+# 4. scripts/bench_pe_copy.py: DualPath's host -> GPU copies of stored KV vs one pinned copy.
 #
 # The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
 # skipped), so the whole run ends inside a lease. Where Python packages are missing (a machine with no
-# registry), wheels in .whl/ are installed first (llguidance included: the engine imports it).
+# registry), wheels in .whl/ are installed first (llguidance included: the engine imports it). On the
+# H200 image (Python 3.12, CUDA 13; 2026-12-04) that was: fastapi starlette pydantic pydantic_core
+# annotated-types typing-inspection typing_extensions uvicorn msgspec pyzmq llguidance openai httpx2
+# httpcore2 jiter sniffio annotated-doc opentelemetry-api, and nixl-cu13 (not -cu12) with its
+# nixl_ep_cu13/ folder deleted from the wheel (and from its RECORD) to fit the 64 MiB a call carries.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-500}
@@ -42,7 +47,7 @@ run() {
 
 run tests 300 $PY -m pytest -q -p no:cacheprovider -rs --durations=12 -k cuda \
     tests/test_cuda.py tests/test_hf_equivalence.py tests/test_transfer_backends.py \
-    tests/test_pd_e2e.py tests/test_dualpath_e2e.py
+    tests/test_pd_e2e.py tests/test_dualpath_e2e.py tests/test_store_upload.py
 
 if [ -z "${SKIP_BIG:-}" ]; then
     run make_0.8b 60 $PY -c "from pdserve.model.demo import make_demo_model; make_demo_model('/tmp/llama-0.8b', \
@@ -53,4 +58,5 @@ fi
 run offline_demo 90 $PY -m pdserve.cli bench offline --device "$DEVICE" --dtype bfloat16 --kv-cache-gib 4 \
     --json "$OUT/offline_demo.json"
 run serve 150 $PY -m pdserve.cli bench serve --device "$DEVICE" --dtype bfloat16 --json "$OUT/serve.json"
+run pe_copy 60 $PY scripts/bench_pe_copy.py --device "$DEVICE" --json "$OUT/pe_copy.json"
 echo "=== $(date +%T) done in ${SECONDS} s"

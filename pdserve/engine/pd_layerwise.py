@@ -27,6 +27,7 @@ import torch
 
 from pdserve.disagg.state import KVState
 from pdserve.engine.request import RequestStatus, TokenLogprob
+from pdserve.store.upload import LayerUpload
 from pdserve.transfer.pages import merge_runs
 
 
@@ -46,6 +47,7 @@ class LayerwisePrefill:
         self.dtype = self.runner.kv_cache.k[0].dtype
         self.num_runs = 0
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="layerwise-h2d")
+        self._stream = None  # the host -> device copies' side stream (a GPU pool; made on first use)
 
     def fits(self, pr, num_pull_pages: int) -> bool:
         """Whether a run's staging needs ever fit the pool: one layer's send (pages from the first one
@@ -73,29 +75,22 @@ class LayerwisePrefill:
     # (wait for it; return k, v [hit_tokens, Hkv, D] on the device). `run` starts layer l+1 before it
     # computes layer l, so the next layer's load overlaps this layer's compute.
     def from_host_buffer(self, buffer: torch.Tensor, num_blocks: int, store_layout):
-        """PE path: layer l's hit KV from the blocks read into `buffer` [blocks, block_nbytes] (the
-        host -> device copy runs on a helper thread; torch releases the GIL while copying)."""
-        half = store_layout.layer_nbytes // 2
-        device, dtype, shape = self.runner.device, self.dtype, self.kv_shape
+        """PE path: layer l's hit KV from the blocks read into `buffer` [blocks, block_nbytes]. The copies
+        run on a helper thread, a layer ahead of the compute (store/upload.py: pinned staging and a
+        side stream on a GPU); torch releases the GIL while copying."""
+        device = torch.device(self.runner.device)
+        if self._stream is None and device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+        upload = LayerUpload(
+            buffer, num_blocks, store_layout, device, self.dtype, self.kv_shape, self._stream
+        )
         futures: dict[int, Future] = {}
 
-        def copy(layer: int):
-            off = store_layout.layer_range(layer)[0]
-            k = buffer[:num_blocks, off : off + half].reshape(-1).clone().view(dtype).view(-1, *shape)
-            v = (
-                buffer[:num_blocks, off + half : off + 2 * half]
-                .reshape(-1)
-                .clone()
-                .view(dtype)
-                .view(-1, *shape)
-            )
-            return k.to(device), v.to(device)
-
         def start(layer: int) -> None:
-            futures[layer] = self._copier.submit(copy, layer)
+            futures[layer] = self._copier.submit(upload.copy, layer)
 
         def finish(layer: int):
-            return futures.pop(layer).result()
+            return upload.ready(futures.pop(layer).result())
 
         return start, finish
 
