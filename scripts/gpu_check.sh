@@ -9,6 +9,7 @@
 #    random Llama, then the demo checkpoint.
 # 3. `pdserve bench serve` on the GPU: 1P+1D (NIXL, GPU to GPU) vs 2 colocated engines.
 # 4. scripts/bench_pe_copy.py: DualPath's host -> GPU copies of stored KV vs one pinned copy.
+# 5. scripts/profile_offline.py: the GPU's busy time during bench offline's generate (launch-bound?).
 #
 # The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
 # skipped), so the whole run ends inside a lease. Where Python packages are missing (a machine with no
@@ -20,7 +21,8 @@
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-500}
-mkdir -p "$OUT"
+LOGS=$OUT/logs  # every log and table; packed into $OUT/logs.tgz at the end (a device call returns 8 files)
+mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu NO_WHL=1 SKIP_BIG=1: a dry run of the script on a CPU machine
@@ -29,14 +31,14 @@ if [ -d .whl ] && [ -z "${NO_WHL:-}" ]; then
         && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
-# run NAME MAX_S CMD...: CMD under a timeout of min(MAX_S, what is left of the budget), output to $OUT/NAME.log
+# run NAME MAX_S CMD...: CMD under a timeout of min(MAX_S, what is left of the budget), output to $LOGS/NAME.log
 run() {
     local name=$1 max_s=$2 left=$((BUDGET_S - SECONDS - 5))
     shift 2
     [ "$left" -lt "$max_s" ] && max_s=$left
     if [ "$max_s" -le 10 ]; then echo "=== $(date +%T) $name: skipped (budget spent)"; return; fi
     echo "=== $(date +%T) $name (up to ${max_s} s)"
-    timeout "$max_s" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "Loading weights"
+    timeout "$max_s" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v "Loading weights"
     echo "=== $(date +%T) $name: exit ${PIPESTATUS[0]}"
 }
 
@@ -59,4 +61,6 @@ run offline_demo 90 $PY -m pdserve.cli bench offline --device "$DEVICE" --dtype 
     --json "$OUT/offline_demo.json"
 run serve 150 $PY -m pdserve.cli bench serve --device "$DEVICE" --dtype bfloat16 --json "$OUT/serve.json"
 run pe_copy 60 $PY scripts/bench_pe_copy.py --device "$DEVICE" --json "$OUT/pe_copy.json"
+run profile 90 $PY scripts/profile_offline.py --device "$DEVICE" --out "$LOGS/profile"
 echo "=== $(date +%T) done in ${SECONDS} s"
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
