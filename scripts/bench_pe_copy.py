@@ -9,12 +9,16 @@ row: K then V of every layer in turn, store/layout.py). Two consumers copy it to
    stride of `block_nbytes`.
 2. `StoreConnector.scatter_blocks` (the decode's DE-path hits, a colocated store hit): every layer of
    every block into pool pages.
-Each is timed as the engine runs it now (store/upload.py) and as it ran before (torch's copy of each
-strided slice, kept here as the reference), from a pageable and from a pinned buffer (`start_read`
-allocates pinned buffers for a GPU pool), beside the ceiling: one contiguous pinned H2D copy of the
-same bytes; and, for the layerwise path, one `cudaMemcpy2DAsync` per layer through cuda-python (where
-importable): what a 2-D copy would give. Every path's bytes are checked against the old engine's.
-Wall time with the device synchronized; best of `--repeats`.
+Each is timed as the engine runs it now (store/upload.py: from the pageable buffer the store reads
+into, through pinned staging slots) and as it ran before (torch's copy of each strided slice, kept here
+as the reference; from a pageable and from a pinned buffer), beside the ceiling: one contiguous pinned
+H2D copy of the same bytes; and two references: for the layerwise path, one `cudaMemcpy2DAsync` per
+layer through cuda-python (where importable), what a 2-D copy would give; for the scatter, runs of
+blocks straight from a pinned buffer, what pinning every read buffer would give. The last layer's
+bytes (layerwise) and the first 64 pages' (scatter) are compared across all paths.
+Last, the other direction for reference: write-back's per-chunk gather and copy to host (engine thread,
+pageable) beside one pinned device-to-host copy. Wall time with the device synchronized; best of
+`--repeats`.
 Results: docs/benchmarks.md.
 """
 
@@ -29,8 +33,9 @@ from types import SimpleNamespace
 import torch
 
 from pdserve.engine.pd_layerwise import LayerwisePrefill
-from pdserve.engine.store_connector import StoreConnector
+from pdserve.engine.store_connector import PERSIST_CHUNK_NBYTES, StoreConnector
 from pdserve.store.layout import BlockLayout
+from pdserve.store.upload import scatter_chunks
 
 
 def main() -> None:
@@ -115,10 +120,10 @@ def main() -> None:
     def layerwise(load, key):
         start, finish = load
         start(0)
-        for layer in range(args.layers):
+        for layer in range(args.layers):  # the engine's order: layer l+1 starts once layer l is ready
+            out = finish(layer)
             if layer + 1 < args.layers:
                 start(layer + 1)
-            out = finish(layer)
         last[key] = out
 
     for name, buf in buffers.items():
@@ -183,6 +188,7 @@ def main() -> None:
     page_nbytes = args.page_size * per_token_layer // 2
     conn = object.__new__(StoreConnector)
     conn.layout, conn.page_size, conn.pages_per_block = layout, args.page_size, ppb
+    conn._scatter_staging = None
     conn._k = [
         torch.zeros((num_pages, page_nbytes), dtype=torch.uint8, device=dev) for _ in range(args.layers)
     ]
@@ -205,21 +211,48 @@ def main() -> None:
     for name, buf in buffers.items():
         report(f"before: per-layer strided ({name})", total, best(lambda b=buf: per_layer(b)))
     pages["before"] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
-    for name, buf in buffers.items():
+    for t in (*conn._k, *conn._v):
+        t.zero_()
+    # the store reads into pageable buffers; scatter_blocks copies them through its pinned slots
+    report(
+        "engine scatter_blocks (pageable)", total, best(lambda: conn.scatter_blocks(pageable, n, page_ids))
+    )
+    pages["engine"] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
+    if cuda:
+
+        def direct(buf):  # what a pinned read buffer would allow: runs of blocks, no staging copy
+            idx = torch.tensor(page_ids, dtype=torch.long, device=dev)
+            scatter_chunks(buf, n, layout, idx, conn._k, conn._v, staging=None)
+            sync()
+
         for t in (*conn._k, *conn._v):
             t.zero_()
-        report(
-            f"engine scatter_blocks ({name})", total, best(lambda b=buf: conn.scatter_blocks(b, n, page_ids))
-        )
-        pages[name] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
+        report("reference: runs of blocks from a pinned buffer", total, best(lambda: direct(pinned)))
+        pages["direct"] = [t[page_ids[:64]].cpu() for t in (*conn._k, *conn._v)]
     for name, got in pages.items():
         assert all(torch.equal(a, b) for a, b in zip(pages["before"], got, strict=True)), name
     print(f"  (pages identical across {len(pages)} paths)")
 
+    # ---- 3. write-back (the other direction, for reference: not changed yet) ---------------------
+    print("write-back: StoreConnector.persist's gather + copy to host, per 64 MiB chunk (engine thread)")
+    chunk_blocks = max(1, PERSIST_CHUNK_NBYTES // layout.block_nbytes)
+
+    def write_back():
+        for first in range(0, n, chunk_blocks):
+            conn.gather_blocks(page_ids, first, min(n, first + chunk_blocks)).cpu()
+
+    report("engine gather_blocks(...).cpu() (pageable)", total, best(write_back))
+    if cuda:  # into the pinned buffer (nothing reads it any more), from the ceiling's device copy
+        report(
+            "ceiling: contiguous d2h (pinned)",
+            total,
+            best(lambda: pinned.view(-1).copy_(flat_dev, non_blocking=True)),
+        )
+
     if args.json:
         with open(args.json, "w") as f:
             info = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
-            json.dump(info | vars(args) | {"GBps": results}, f, indent=1)
+            json.dump(vars(args) | info | {"GBps": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,19 @@ A store read lands blocks in a host buffer [num_blocks, block_nbytes], block-maj
 then V of every layer in turn (store/layout.py). Its consumers want it layer by layer, so a layer's K
 (or V) half is a strided slice: `num_blocks` rows of `layer_nbytes / 2` at a pitch of `block_nbytes`.
 torch copies such a slice to a GPU by first making it contiguous in pageable memory, then copying
-from pageable memory: 2.5-2.9 GB/s on an H200, against 55 GB/s for one contiguous copy from pinned
+from pageable memory: 3.2 GB/s on an H200, against 55.5 GB/s for one contiguous copy from pinned
 memory (scripts/bench_pe_copy.py, docs/benchmarks.md). This module keeps those copies near the PCIe
-ceiling:
+ceiling through small, reused pinned staging buffers; the read buffers themselves stay pageable
+(pinning each read would pin GBs per request, on the engine thread, and torch's pinned cache never
+gives them back):
 
-* `host_block_buffer`: the buffer a read lands in is pinned when the pool is on a GPU;
 * `scatter_chunks` (whole blocks into pool pages: the decode's DE-path hits, a colocated hit): runs of
-  whole blocks go over in one contiguous copy each, and each layer's halves are cut out on the device;
+  whole blocks go over in one copy each, through two pinned slots of `SCATTER_CHUNK_NBYTES` (the host
+  fills one while the other is copied), and each layer's halves are cut out on the device;
 * `LayerUpload` (layerwise prefill, PE path: one layer of every block at a time, in layer order): a
   helper thread gathers layer l's halves into one of two pinned staging slots (a CPU copy) and copies
   the slot to the device on a side stream, so layer l+1's gather overlaps layer l's copy and the
-  compute; the consumer's stream waits for the copy's event.
+  compute; the consumer's stream waits for the copy's event. 35.8 GB/s on an H200.
 
 On a CPU pool the same calls make one plain copy each (no pinning, no streams).
 """
@@ -25,16 +27,18 @@ import torch
 
 from pdserve.store.layout import BlockLayout
 
-# Device scratch of one `scatter_chunks` copy (whole blocks; at least one block).
+# Bytes of one `scatter_chunks` copy (whole blocks; at least one block): each of the two pinned
+# staging slots, and the device scratch of one chunk.
 SCATTER_CHUNK_NBYTES = 128 << 20
 
 
-def host_block_buffer(num_blocks: int, block_nbytes: int, device: torch.device) -> torch.Tensor:
-    """[num_blocks, block_nbytes] uint8 host memory for a store read whose blocks go to `device`: pinned
-    for a GPU (a copy from pageable memory runs at ~1/8 of the speed: 7.1 vs 55.5 GB/s on an H200,
-    ../shared/anchors), plain otherwise. torch's pinned allocator caches freed buffers, so reads of
-    similar sizes stop paying for the pinning after the first."""
-    return torch.empty((num_blocks, block_nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+def scatter_staging(layout: BlockLayout, device: torch.device) -> torch.Tensor | None:
+    """The pinned slots `scatter_chunks` copies through for a pool on `device`: [2, chunk bytes], made
+    once per pool (256 MiB at the default); None for a CPU pool, which needs none."""
+    if torch.device(device).type != "cuda":
+        return None
+    per_chunk = max(1, SCATTER_CHUNK_NBYTES // layout.block_nbytes)
+    return torch.empty((2, per_chunk * layout.block_nbytes), dtype=torch.uint8, pin_memory=True)
 
 
 def scatter_chunks(
@@ -44,19 +48,37 @@ def scatter_chunks(
     page_ids: torch.Tensor,
     k_pools: list[torch.Tensor],
     v_pools: list[torch.Tensor],
+    staging: torch.Tensor | None = None,
 ) -> None:
-    """Blocks `buf[:num_blocks]` -> pool pages `page_ids` (int64 on the pools' device, `pages_per_block`
-    per block, in token order). `k_pools[l]` / `v_pools[l]`: layer l's pool viewed as bytes
-    [num_pages, page_nbytes]. On a GPU each chunk of whole blocks is one copy (pinned `buf`: async);
-    the caller synchronizes before anyone reads the pages from elsewhere."""
+    """Blocks `buf[:num_blocks]` (host memory) -> pool pages `page_ids` (int64 on the pools' device,
+    `block_size / page_size` per block, in token order). `k_pools[l]` / `v_pools[l]`: layer l's pool
+    viewed as bytes [num_pages, page_nbytes]. `staging` (`scatter_staging`'s, for a GPU pool): each
+    chunk goes to the device from one of its slots, asynchronously, on the current stream; the caller
+    synchronizes before anyone reads the pages from elsewhere or `staging` is used again. Without it,
+    chunks go directly."""
     device = k_pools[0].device
     page_nbytes = k_pools[0].shape[1]
     half = layout.layer_nbytes // 2
-    pages_per_block = layout.block_size * layout.bytes_per_token_layer // 2 // page_nbytes
+    pages_per_block = half // page_nbytes  # a block's K half = its pages' K rows (block_size / page_size)
     per_chunk = max(1, SCATTER_CHUNK_NBYTES // layout.block_nbytes)
-    for b0 in range(0, num_blocks, per_chunk):
+    if staging is not None:
+        per_chunk = staging.shape[1] // layout.block_nbytes
+    slot_free: list[torch.cuda.Event | None] = [None, None]
+    for i, b0 in enumerate(range(0, num_blocks, per_chunk)):
         b1 = min(num_blocks, b0 + per_chunk)
-        chunk = buf[b0:b1].to(device, non_blocking=True)  # contiguous rows; a view on a CPU pool
+        rows = buf[b0:b1]
+        if staging is None:
+            chunk = rows.to(device)  # a view on a CPU pool
+        else:
+            slot = i % 2
+            if slot_free[slot] is not None:
+                slot_free[slot].synchronize()  # chunk i - 2's copy out of this slot has finished
+            src = staging[slot, : rows.numel()].view(rows.shape)
+            src.copy_(rows)  # host memcpy into pinned memory; the device copies chunk i - 1 meanwhile
+            chunk = torch.empty(rows.shape, dtype=torch.uint8, device=device)
+            chunk.copy_(src, non_blocking=True)
+            slot_free[slot] = torch.cuda.Event()
+            slot_free[slot].record(torch.cuda.current_stream(device))
         ids = page_ids[b0 * pages_per_block : b1 * pages_per_block]
         for layer, (k, v) in enumerate(zip(k_pools, v_pools, strict=True)):
             off = layout.layer_range(layer)[0]
@@ -88,9 +110,10 @@ class LayerUpload:
         self.half = layout.layer_nbytes // 2
         self.cuda = self.device.type == "cuda"
         if self.cuda:
-            # Two slots of [K, V] halves, used by even and odd layers; `_slot_free[s]`: the event of
-            # the last copy out of slot s (gathering into it again waits for that copy).
-            self._staging = torch.empty((2, 2, num_blocks, self.half), dtype=torch.uint8, pin_memory=True)
+            # Two slots of [K, V] halves, used by even and odd layers (pinned on the helper thread at
+            # the first copy: not on the engine thread); `_slot_free[s]`: the event of the last copy
+            # out of slot s (gathering into it again waits for that copy).
+            self._staging: torch.Tensor | None = None
             self._slot_free: list[torch.cuda.Event | None] = [None, None]
             self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
 
@@ -110,6 +133,10 @@ class LayerUpload:
                 self._typed(k_src.clone(memory_format=torch.contiguous_format)),
                 self._typed(v_src.clone(memory_format=torch.contiguous_format)),
                 None,
+            )
+        if self._staging is None:
+            self._staging = torch.empty(
+                (2, 2, self.num_blocks, self.half), dtype=torch.uint8, pin_memory=True
             )
         slot = layer % 2
         if self._slot_free[slot] is not None:
