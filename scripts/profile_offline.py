@@ -4,7 +4,8 @@ Python functions.
     python scripts/profile_offline.py [--device cuda] [--dtype bfloat16] [--out DIR]
 
 The bench's requests (32, ~18k prompt tokens, ~4k output tokens) on the demo checkpoint, after a
-warm-up: one run under torch.profiler (CPU and CUDA activities: the sum of kernel times is the GPU's
+warm-up: on a GPU, plain runs with SDPA's default backends and with cuDNN's attention left out; one
+run under torch.profiler (CPU and CUDA activities: the sum of kernel times is the GPU's
 busy time; wall minus it is time the GPU waited on the host), one under cProfile. Writes the tables
 to DIR (default /tmp) and prints the summary.
 """
@@ -48,6 +49,20 @@ def main() -> None:
 
     run()
     plain_s = run()
+    if args.device == "cuda":
+        # Which attention kernels SDPA may pick: the default lets it take cuDNN's, whose host cost per
+        # call was 67 us on the H200 (the engine makes one call per prefill chunk and decode group per
+        # layer); the same requests with cuDNN's left out, alternated with the default, best of 2.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        times: dict[str, float] = {"default": plain_s, "without cuDNN attention": float("inf")}
+        for _ in range(2):
+            with sdpa_kernel(no_cudnn):
+                times["without cuDNN attention"] = min(times["without cuDNN attention"], run())
+            times["default"] = min(times["default"], run())
+        for name, t in times.items():
+            print(f"SDPA backends {name}: {t:.2f} s ({num_out / t:.0f} output tok/s)")
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
