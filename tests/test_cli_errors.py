@@ -268,6 +268,26 @@ def test_bench_against_nothing_or_no_model_is_one_error_line(tmp_path):
     assert rc == 2 and "huggingface-cli download" in out and "Traceback" not in out, out[-2000:]
 
 
+def test_an_arrival_rate_without_online_mode_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """`--aps` with the default `--mode offline` was ignored: the user read an offline run (every agent
+    at t = 0) as the online one asked for. Refused before a cluster, a model or a connection."""
+    from pdserve.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}"
+    for argv, message in (
+        (["bench", "dualpath", "--aps", "0.5,1"], "--aps sets the online sweep's rates: add --mode online"),
+        (["bench", "agentic", "--url", url, "--aps", "2"], "--aps sets online arrivals: add --mode online"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "ConnectError" not in err, err
+    assert list(tmp_path.iterdir()) == []  # (no demo checkpoint built for the refused dualpath run)
+    parser = build_parser()
+    assert parser.parse_args(["bench", "dualpath", "--mode", "online"]).aps is None  # the sweep's default
+    assert parser.parse_args(["bench", "dualpath", "--aps", "0.5,1"]).aps == [0.5, 1.0]
+
+
 def test_launch_refuses_a_router_port_in_use_before_any_engine_starts(demo_model_dir):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

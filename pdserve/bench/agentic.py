@@ -489,7 +489,9 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-context-tokens", type=count, default=None, help="per agent (default: max_model_len or 2048)"
     )
-    p.add_argument("--aps", type=positive, default=1.0, help="online: agent arrivals per second (Poisson)")
+    p.add_argument(
+        "--aps", type=positive, default=None, help="online: agent arrivals per second, Poisson (default: 1.0)"
+    )
     p.add_argument("--think-s", type=non_negative, default=0.0, help="tool latency between turns")
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="goodput: time to first token, at most")
     p.add_argument(
@@ -515,12 +517,16 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
 def run_agentic(args: argparse.Namespace) -> dict:
     """The CLI entry: build the workload, run it, print a table, write --json / --plot; returns the
     JSON payload (``summary["turns_failed"] == 0`` means every turn succeeded)."""
+    online = args.mode == "online"
+    if args.aps is not None and not online:  # (was ignored: an offline run the user took for online)
+        raise ValueError(
+            "--aps sets online arrivals: add --mode online (offline starts every agent at t = 0)"
+        )
     url = args.url.rstrip("/")
     served = served_model_card(url)
     vocab = args.vocab_size
     if vocab is None and args.model_dir:
         vocab = vocab_size_of(args.model_dir)
-    online = args.mode == "online"
     cfg = WorkloadConfig(
         workload=args.workload,
         num_agents=args.num_agents,
@@ -529,7 +535,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
         max_context_tokens=args.max_context_tokens or served.get("max_model_len") or 2048,
         vocab_size=vocab or 256,
         seed=args.seed,
-        aps=args.aps if online else None,
+        aps=(args.aps or 1.0) if online else None,
         think_s=args.think_s,
         data_dir=args.data_dir,
         token_seed=args.token_seed,

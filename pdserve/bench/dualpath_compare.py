@@ -39,6 +39,7 @@ from pdserve.bench.agentic import WorkloadConfig, build_agents, run_agents, summ
 from pdserve.router.placement import REAL_POLICIES
 
 DEFAULT_NODES = "p0:1p,d0:1d,d1:1d"
+DEFAULT_APS = [0.25, 0.35, 0.5, 0.7, 1.0, 1.4]  # online: agents/s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--aps",
         type=number_list(positive),
-        default="0.25,0.35,0.5,0.7,1.0,1.4",
-        help="online: arrival rates tried in ascending order until one misses the SLO (agents/s)",
+        default=None,
+        help="online: arrival rates tried in ascending order until one misses the SLO, agents/s "
+        f"(default: {','.join(map(str, DEFAULT_APS))})",
     )
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="online: time to first token, at most")
     p.add_argument(
@@ -151,6 +153,8 @@ def _row(run: dict) -> dict:
 def run(a: argparse.Namespace) -> int:
     from pdserve.demo import ensure_demo_model
 
+    if a.aps is not None and a.mode != "online":  # (was ignored: an offline run taken for a sweep)
+        raise ValueError("--aps sets the online sweep's rates: add --mode online")
     model_dir = a.model or ensure_demo_model(".demo-model")
     policies = a.policies
     cfg = dict(
@@ -176,7 +180,7 @@ def run(a: argparse.Namespace) -> int:
         out["runs"] = rows
     else:
         rows = []
-        rates = a.aps
+        rates = a.aps or DEFAULT_APS
         for policy in policies:
             best = 0.0
             for aps in sorted(rates):  # ascending; the first rate missing the SLO ends the sweep
