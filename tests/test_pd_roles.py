@@ -1861,6 +1861,45 @@ def test_decode_writes_back_the_block_its_last_step_filled(make_pair, tmp_path, 
     store.close()
 
 
+def test_the_next_turns_write_back_skips_the_blocks_stored_already(make_pair, tmp_path):
+    """Turn 1 (18 prompt + 7 generated tokens) writes back three 8-token blocks. Turn 2 is that context
+    plus 14 new tokens: 38 prompt + 3 generated = 40 computed, five blocks, of which the store holds the
+    first three. Write-back gathered and copied all five to host (the whole context again at every
+    turn, on the engine thread) for the writer to find three there; it now gathers blocks 3 and 4 only,
+    and the store ends up with all five, the next turn's lookup finding them."""
+    from pdserve.engine.store_connector import StoreConnector
+    from pdserve.store.block_store import KVBlockStore
+    from pdserve.store.layout import BlockLayout
+
+    p = make_pair(copy_bytes=True)
+    layout = BlockLayout.from_kv_layout(p.de_engine.runner.kv_cache.layout, 2 * PAGE_SIZE, model="t")
+    store = KVBlockStore(tmp_path, layout, 1 << 30)
+    p.de_role.store = connector = StoreConnector(p.de_engine, store)
+    gathered: list[tuple[int, int]] = []
+    gather = connector.gather_blocks
+    connector.gather_blocks = lambda ids, first, last: (
+        gathered.append((first, last)) or gather(ids, first, last)
+    )
+    p.submit_both(prompt(18), 7, "turn-1")
+    p.drive(lambda: p.idle())
+    assert connector.flush() and connector.num_blocks_written == 3 and connector.num_blocks_skipped == 0
+    assert sum(last - first for first, last in gathered) == 3
+    context = prompt(18) + list(p.de_sink.final("turn-1").outputs[0].token_ids) + prompt(14, start=9)
+    gathered.clear()
+    dedup_before = store.stats().num_put_dedup
+    p.submit_both(context, 3, "turn-2")
+    p.drive(lambda: p.idle())
+    assert connector.flush()
+    assert sorted(b for first, last in gathered for b in range(first, last)) == [3, 4]
+    assert connector.num_blocks_skipped == 3 and connector.num_blocks_written == 3 + 2
+    assert store.stats().num_put_dedup == dedup_before + 3  # (counted as puts of blocks already there)
+    turn_3 = context + list(p.de_sink.final("turn-2").outputs[0].token_ids) + [7]
+    nxt = p.de_engine.make_request(turn_3, SamplingParams(max_tokens=1), "turn-3")
+    assert connector.lookup(nxt) == 5
+    p.assert_clean()
+    store.close()
+
+
 def test_decode_keeps_the_batch_within_max_num_seqs_without_failing_the_waiting(make_pair, colocated):
     """A committed room joined the running batch directly, so the decode's batch grew past
     max_num_seqs without bound (and past the step budget, the last decodes got no token). It now
@@ -1933,8 +1972,10 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     gate = threading.Event()
     taken = threading.Event()  # (the writer is in its first put)
     store = SimpleNamespace(
-        layout=layout, put=lambda key, data, ancestors=(): taken.set() or gate.wait() or True
-    )  # a stuck disk
+        layout=layout,
+        put=lambda key, data, ancestors=(): taken.set() or gate.wait() or True,
+        stored_prefix=lambda keys: 0,
+    )  # a stuck disk, holding none of these blocks
     engine = SimpleNamespace(
         kv=SimpleNamespace(page_size=page), runner=SimpleNamespace(kv_cache=SimpleNamespace(k=k, v=v))
     )

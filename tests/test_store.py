@@ -15,7 +15,7 @@ from pdserve.kvcache.hashing import chain_key
 from pdserve.kvcache.kv_cache import KVLayout
 from pdserve.store import BlockLayout, BlockSizeError, KVBlockStore, block_keys, store_root_key
 from pdserve.store.fileformat import HEADER_NBYTES
-from pdserve.store.index import TMP_PREFIX
+from pdserve.store.index import TMP_PREFIX, block_path
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, bytes_per_token_layer=16, fingerprint="test|fp")
 FILE_NBYTES = HEADER_NBYTES + LAYOUT.block_nbytes
@@ -121,6 +121,31 @@ def test_round_trip_all_input_kinds(store):
 
 
 # ---- eviction --------------------------------------------------------------------------------------
+def test_stored_prefix_counts_leading_blocks_as_puts_of_blocks_already_there(tmp_path):
+    """What write-back skips: the leading keys stored, each counted as a dedup put and its chain marked
+    used head last (as `put` with its ancestors would); a gap, or an indexed block whose file another
+    process removed, ends the prefix (that block must be written again)."""
+    s = make_store(tmp_path, capacity_blocks=4)
+    assert s.stored_prefix(KEYS) == 0
+    other = block_keys(list(range(200, 204)), 4, LAYOUT.fingerprint)[0]
+    for i, key in enumerate(KEYS[:2]):
+        assert s.put(key, payload(i))
+    assert s.put(other, payload(9))  # written last: the most recently used
+    assert s.stored_prefix(KEYS) == 2 and s.stats().num_put_dedup == 2
+    assert s.stored_prefix([KEYS[0], KEYS[2], KEYS[1]]) == 1  # (a gap ends it)
+    assert s.put(KEYS[2], payload(2))
+    assert s.stored_prefix(KEYS) == 3
+    # the chain was marked used after `other`, head last: room for two more blocks evicts `other`
+    # first, then the chain's tail
+    for i, key in enumerate(block_keys(list(range(300, 308)), 4, LAYOUT.fingerprint)):
+        assert s.put(key, payload(20 + i))
+    assert s.lookup_keys([other]) == 0 and s.lookup_keys(KEYS) == 2
+    os.remove(block_path(s.dir, KEYS[0]))
+    assert s.stored_prefix(KEYS) == 0  # indexed, but its file is gone
+    s.check_integrity()
+    s.close()
+
+
 def test_lru_eviction_order_exact(tmp_path):
     keys = block_keys(list(range(24)), 4, LAYOUT.fingerprint)  # 6 keys
     s = make_store(tmp_path, capacity_blocks=3)

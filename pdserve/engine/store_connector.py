@@ -56,6 +56,7 @@ class StoreConnector:
         self._scatter_staging: torch.Tensor | None = None  # pinned slots of a GPU pool's scatters
         self.reads = JoinedReads()  # store reads in flight, joined by requests of one prefix
         self.num_blocks_written = 0
+        self.num_blocks_skipped = 0  # full blocks write-back found stored already (never gathered)
         self.num_write_failures = 0
         self._writes: queue.Queue = queue.Queue(maxsize=1024)
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-writer", daemon=True)
@@ -115,12 +116,23 @@ class StoreConnector:
 
     # ---- write-back ----------------------------------------------------------------------------
     def persist(self, req: Request) -> int:
-        """Queue every full block of the request's computed tokens not yet queued. Returns how many."""
+        """Queue every full block of the request's computed tokens not yet queued, but for leading blocks
+        the store holds already (skipped). Returns how many were queued."""
         num_full = req.num_computed_tokens // self.layout.block_size
         done = req.num_blocks_persisted
         if num_full <= done:
             return 0
         keys = self.keys_for(req, num_full)
+        if done == 0:
+            # Its first write-back: the leading blocks may be stored already (this turn's hit, read
+            # from the store; an earlier turn; a sibling). They are skipped, not gathered and copied to
+            # host only for the writer to find them there: in a multi-turn conversation that was the
+            # whole context again at every turn, on the engine thread.
+            done = self.store.stored_prefix(keys)
+            self.num_blocks_skipped += done
+            if num_full <= done:
+                req.num_blocks_persisted = num_full
+                return 0
         # Only as many blocks as the writer's queue takes now (this thread alone fills it, so its room
         # only grows meanwhile): the disk is behind, the rest is dropped -- simply not cached -- and
         # never gathered. Every gathered row is then queued, so no queued row keeps a mostly

@@ -190,6 +190,11 @@ class PDMetrics:
             r,
         )
         self.store_written = _Mirror("pdserve_store_blocks_written", "Blocks this engine wrote back", r)
+        self.store_skipped = _Mirror(
+            "pdserve_store_blocks_skipped",
+            "Full blocks write-back found stored already (a turn's hit, an earlier turn): never copied",
+            r,
+        )
         self.store_joined = _Mirror(
             "pdserve_store_blocks_read_joined",
             "Blocks a request took from another's store read in flight (the same prompt): not read again",
@@ -213,6 +218,7 @@ class PDMetrics:
         store = getattr(self.pd.role, "store", None)
         if store is not None:
             self.store_written.set(store.num_blocks_written)
+            self.store_skipped.set(store.num_blocks_skipped)
             self.store_pending.set(store.num_writes_pending)
             self.store_joined.set(store.reads.num_blocks_joined)
             self.store_bad.set(store.reads.num_blocks_bad)

@@ -165,6 +165,33 @@ class KVBlockStore:
                 self._chain_used(ancestors)
         return stored
 
+    def stored_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` are stored, for a write-back that then skips them (never gathers nor
+        copies them). Each counts as a `put` of a block already there: `num_put_dedup`, its file's
+        mtime touched (a restart keeps the use), the chain marked used head last (`put`'s
+        `ancestors`). A key indexed whose file is gone (another process sharing the directory evicted
+        it) ends the prefix, so that block is written again. This process's index only: a block
+        another process wrote ends it too (`put` adopts it without writing)."""
+        with self._lock:
+            n = self._index.longest_prefix(keys)
+        stored = 0
+        for key in keys[:n]:
+            path = block_path(self.dir, key)
+            try:
+                os.utime(path)
+            except FileNotFoundError:  # forgotten, as `put` does (unless stored again meanwhile)
+                with self._lock:
+                    if not path.exists():
+                        self._index.remove(key)
+                break
+            except OSError:  # (no permission to touch it, ...: it is there)
+                pass
+            stored += 1
+        with self._lock:
+            self._chain_used(keys[:stored])
+            self._stats.num_put_dedup += stored
+        return stored
+
     def _chain_used(self, keys: Sequence[bytes]) -> None:
         """Mark a chain's `keys` (head first) used, the head last: the head becomes the most recently
         used. Blocks are chained, so a block is a hit only with every block before it: evicting a
