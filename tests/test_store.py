@@ -122,9 +122,10 @@ def test_round_trip_all_input_kinds(store):
 
 # ---- eviction --------------------------------------------------------------------------------------
 def test_stored_prefix_counts_leading_blocks_as_puts_of_blocks_already_there(tmp_path):
-    """What write-back skips: the leading keys stored, each counted as a dedup put and its chain marked
-    used head last (as `put` with its ancestors would); a gap, or an indexed block whose file another
-    process removed, ends the prefix (that block must be written again)."""
+    """What write-back skips: the leading keys indexed, each counted as a dedup put and its chain marked
+    used head last (as `put` with its ancestors would); a gap ends the prefix. `touch_files` (the
+    writer's, off the engine thread) updates their mtimes and forgets one whose file another process
+    removed."""
     s = make_store(tmp_path, capacity_blocks=4)
     assert s.stored_prefix(KEYS) == 0
     other = block_keys(list(range(200, 204)), 4, LAYOUT.fingerprint)[0]
@@ -140,8 +141,13 @@ def test_stored_prefix_counts_leading_blocks_as_puts_of_blocks_already_there(tmp
     for i, key in enumerate(block_keys(list(range(300, 308)), 4, LAYOUT.fingerprint)):
         assert s.put(key, payload(20 + i))
     assert s.lookup_keys([other]) == 0 and s.lookup_keys(KEYS) == 2
-    os.remove(block_path(s.dir, KEYS[0]))
-    assert s.stored_prefix(KEYS) == 0  # indexed, but its file is gone
+    os.utime(block_path(s.dir, KEYS[1]), (1, 1))  # (an old file, as after days unused)
+    os.remove(block_path(s.dir, KEYS[0]))  # (another process sharing the directory evicted it)
+    assert s.stored_prefix(KEYS) == 2  # the index alone: no disk I/O on the engine thread
+    assert os.stat(block_path(s.dir, KEYS[1])).st_mtime == 1
+    assert s.touch_files(KEYS[:2]) == 1  # (the writer's part: mtimes, and a file gone is forgotten)
+    assert os.stat(block_path(s.dir, KEYS[1])).st_mtime > time.time() - 60
+    assert s.stored_prefix(KEYS) == 0 and s.lookup_keys(KEYS) == 0
     s.check_integrity()
     s.close()
 

@@ -130,6 +130,11 @@ class StoreConnector:
             # whole context again at every turn, on the engine thread.
             done = self.store.stored_prefix(keys)
             self.num_blocks_skipped += done
+            if done:  # their files' mtimes: the writer's (disk I/O never runs on this thread)
+                try:
+                    self._writes.put_nowait((self.store, keys[:done], -1, None))
+                except queue.Full:  # (recency across a restart only: the index has it)
+                    pass
             if num_full <= done:
                 req.num_blocks_persisted = num_full
                 return 0
@@ -209,6 +214,8 @@ class StoreConnector:
             try:
                 if keys is None:
                     payload.set()
+                elif payload is None:  # blocks write-back skipped, stored already (persist)
+                    store.touch_files(keys)
                 elif store.put(keys[b], np.ascontiguousarray(payload), ancestors=keys[:b]):
                     self.num_blocks_written += 1
                 else:

@@ -166,31 +166,39 @@ class KVBlockStore:
         return stored
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` are stored, for a write-back that then skips them (never gathers nor
-        copies them). Each counts as a `put` of a block already there: `num_put_dedup`, its file's
-        mtime touched (a restart keeps the use), the chain marked used head last (`put`'s
-        `ancestors`). A key indexed whose file is gone (another process sharing the directory evicted
-        it) ends the prefix, so that block is written again. This process's index only: a block
-        another process wrote ends it too (`put` adopts it without writing)."""
+        """How many leading `keys` this process's index holds, for a write-back that then skips them
+        (never gathers nor copies them). Index only, under one lock: no disk I/O, as the engine thread
+        calls it and the store may be on NFS, and no window in which a counted block is evicted. Each
+        counts as a `put` of a block already there (`num_put_dedup`) and the chain is marked used head
+        last, as `put`'s `ancestors` do. Their files' mtimes (recency across a restart) are the
+        writer's to touch (`touch_files`). Blocks another process wrote end the prefix (`put`, which
+        adopts them, is what the write-back then does)."""
         with self._lock:
             n = self._index.longest_prefix(keys)
-        stored = 0
-        for key in keys[:n]:
+            self._chain_used(keys[:n])
+            self._stats.num_put_dedup += n
+        return n
+
+    def touch_files(self, keys: Sequence[bytes]) -> int:
+        """Mark the files of `keys` used (their mtime: recency survives a restart); the write-back
+        writer does it for the blocks `stored_prefix` counted. A key whose file is gone (another
+        process sharing the directory evicted it) is forgotten, as `put` and reads do: its chain is a
+        miss from there, and the turn that recomputes it writes it back. Returns how many were
+        touched."""
+        touched = 0
+        for key in keys:
             path = block_path(self.dir, key)
             try:
                 os.utime(path)
-            except FileNotFoundError:  # forgotten, as `put` does (unless stored again meanwhile)
+            except FileNotFoundError:
                 with self._lock:
                     if not path.exists():
                         self._index.remove(key)
-                break
+                continue
             except OSError:  # (no permission to touch it, ...: it is there)
                 pass
-            stored += 1
-        with self._lock:
-            self._chain_used(keys[:stored])
-            self._stats.num_put_dedup += stored
-        return stored
+            touched += 1
+        return touched
 
     def _chain_used(self, keys: Sequence[bytes]) -> None:
         """Mark a chain's `keys` (head first) used, the head last: the head becomes the most recently
