@@ -11,7 +11,9 @@
 # 4. scripts/bench_pe_copy.py: DualPath's host -> GPU copies of stored KV vs one pinned copy.
 # 5. scripts/profile_offline.py: the GPU's busy time during bench offline's generate (launch-bound?).
 #
-# The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
+# On the H200 (2026-12-04) the steps took: tests 137 s, make_0.8b 15 s, offline_0.8b 89 s, offline_demo
+# 55 s, serve 65 s, pe_copy ~20 s, profile ~90 s: BUDGET_S=500 runs them all; a device call adds
+# ~40 s to start and copy. The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
 # skipped), so the whole run ends inside a lease. Where Python packages are missing (a machine with no
 # registry), wheels in .whl/ are installed first (llguidance included: the engine imports it). On the
 # H200 image (Python 3.12, CUDA 13; 2026-12-04) that was: fastapi starlette pydantic pydantic_core
