@@ -12,7 +12,7 @@
 # 5. scripts/profile_offline.py: the GPU's busy time during bench offline's generate (launch-bound?).
 #
 # On the H200 (2026-12-04) the steps took: tests 137 s, make_0.8b 15 s, offline_0.8b 89 s, offline_demo
-# 55 s, serve 65 s, pe_copy ~20 s, profile ~90 s: BUDGET_S=500 runs them all; a device call adds
+# 55 s, serve 65 s, pe_copy ~20 s, profile ~95 s: BUDGET_S=540 runs them all; a device call adds
 # ~40 s to start and copy. The steps share BUDGET_S seconds (each is cut short at the budget; a step with no time left is
 # skipped), so the whole run ends inside a lease. Where Python packages are missing (a machine with no
 # registry), wheels in .whl/ are installed first (llguidance included: the engine imports it). On the
@@ -63,6 +63,6 @@ run offline_demo 90 $PY -m pdserve.cli bench offline --device "$DEVICE" --dtype 
     --json "$OUT/offline_demo.json"
 run serve 150 $PY -m pdserve.cli bench serve --device "$DEVICE" --dtype bfloat16 --json "$OUT/serve.json"
 run pe_copy 60 $PY scripts/bench_pe_copy.py --device "$DEVICE" --json "$OUT/pe_copy.json"
-run profile 90 $PY scripts/profile_offline.py --device "$DEVICE" --out "$LOGS/profile"
+run profile 120 $PY scripts/profile_offline.py --device "$DEVICE" --out "$LOGS/profile"
 echo "=== $(date +%T) done in ${SECONDS} s"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
