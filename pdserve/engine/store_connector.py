@@ -163,7 +163,8 @@ class StoreConnector:
     def num_writes_pending(self) -> int:
         """Blocks queued for write-back and not yet on disk (or failed): the writer's backlog. Every
         block a request queued is counted here before its response ends, so 0 after a response means
-        its write-back is done (tests wait on it; operators watch it grow when the disk is behind)."""
+        its write-back is done (tests wait on it; operators watch it grow when the disk is behind).
+        A row touching the files of skipped blocks (`persist`) counts as one until it is done."""
         return self._writes.unfinished_tasks
 
     def retarget(self, store: KVBlockStore, flush_timeout_s: float = 30.0) -> None:
