@@ -16,8 +16,8 @@ H2D copy of the same bytes; and two references: for the layerwise path, one `cud
 layer through cuda-python (where importable), what a 2-D copy would give; for the scatter, runs of
 blocks straight from a pinned buffer, what pinning every read buffer would give. The last layer's
 bytes (layerwise) and the first 64 pages' (scatter) are compared across all paths.
-Last, the other direction for reference: write-back's per-chunk gather and copy to host (engine thread,
-pageable) beside one pinned device-to-host copy. Wall time with the device synchronized; best of
+Last, the other direction: write-back's per-chunk gather and copy to host (engine thread, pageable),
+before and after it selected wide rows, beside one pinned device-to-host copy. Wall time with the device synchronized; best of
 `--repeats`.
 Results: docs/benchmarks.md.
 """
@@ -237,11 +237,29 @@ def main() -> None:
     print("write-back: StoreConnector.persist's gather + copy to host, per 64 MiB chunk (engine thread)")
     chunk_blocks = max(1, PERSIST_CHUNK_NBYTES // layout.block_nbytes)
 
-    def write_back():
-        for first in range(0, n, chunk_blocks):
-            conn.gather_blocks(page_ids, first, min(n, first + chunk_blocks)).cpu()
+    def old_gather(first: int, last: int) -> torch.Tensor:
+        """gather_blocks before it selected wide rows: index_select on byte rows."""
+        idx = torch.tensor(page_ids[first * ppb : last * ppb], dtype=torch.long, device=dev)
+        parts = []
+        for k, v in zip(conn._k, conn._v, strict=True):
+            parts += [
+                k.index_select(0, idx).view(last - first, -1),
+                v.index_select(0, idx).view(last - first, -1),
+            ]
+        return torch.cat(parts, dim=1)
 
-    report("engine gather_blocks(...).cpu() (pageable)", total, best(write_back))
+    def write_back(gather):
+        for first in range(0, n, chunk_blocks):
+            last = min(n, first + chunk_blocks)
+            gather(first, last).cpu()
+
+    report("before: gather on byte rows + .cpu()", total, best(lambda: write_back(old_gather)))
+    report(
+        "engine gather_blocks(...).cpu() (pageable)",
+        total,
+        best(lambda: write_back(lambda a, b: conn.gather_blocks(page_ids, a, b))),
+    )
+    assert torch.equal(old_gather(0, 4).cpu(), conn.gather_blocks(page_ids, 0, 4).cpu())
     if cuda:  # into the pinned buffer (nothing reads it any more), from the ceiling's device copy
         report(
             "ceiling: contiguous d2h (pinned)",

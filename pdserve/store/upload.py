@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.store.layout import BlockLayout
+from pdserve.transfer.staging import wide_rows
 
 # Bytes of one `scatter_chunks` copy (whole blocks; at least one block): each of the two pinned
 # staging slots, and the device scratch of one chunk.
@@ -83,8 +84,9 @@ def scatter_chunks(
         for layer, (k, v) in enumerate(zip(k_pools, v_pools, strict=True)):
             off = layout.layer_range(layer)[0]
             # [blocks, half] -> [blocks * pages_per_block, page_nbytes]: a block's pages, in order
-            k.index_copy_(0, ids, chunk[:, off : off + half].reshape(-1, page_nbytes))
-            v.index_copy_(0, ids, chunk[:, off + half : off + 2 * half].reshape(-1, page_nbytes))
+            for pool, start in ((k, off), (v, off + half)):
+                dst, src = wide_rows(pool, chunk[:, start : start + half].reshape(-1, page_nbytes))
+                dst.index_copy_(0, ids, src)  # (on wide rows: 8x faster than on bytes on a CPU)
 
 
 class LayerUpload:
