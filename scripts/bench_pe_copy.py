@@ -99,7 +99,7 @@ def main() -> None:
     lw = object.__new__(LayerwisePrefill)
     lw.runner = SimpleNamespace(device=dev)
     lw.dtype, lw.kv_shape = dtype, (args.kv_heads, args.head_dim)
-    lw._copier, lw._stream = ThreadPoolExecutor(1), None
+    lw._copier = ThreadPoolExecutor(1)
     half = layout.layer_nbytes // 2
     last: dict[str, tuple] = {}
 

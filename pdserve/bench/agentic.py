@@ -47,6 +47,7 @@ from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 from pdserve.server.auth import client_headers
 
 WORKLOADS = [*sorted(TABLE2), "mooncake", "mooncake-synthetic", "weka_cc"]
+DEFAULT_APS = 1.0  # online: agent arrivals per second
 
 
 @dataclass(frozen=True)
@@ -490,7 +491,10 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
         "--max-context-tokens", type=count, default=None, help="per agent (default: max_model_len or 2048)"
     )
     p.add_argument(
-        "--aps", type=positive, default=None, help="online: agent arrivals per second, Poisson (default: 1.0)"
+        "--aps",
+        type=positive,
+        default=None,
+        help=f"online: agent arrivals per second, Poisson (default: {DEFAULT_APS})",
     )
     p.add_argument("--think-s", type=non_negative, default=0.0, help="tool latency between turns")
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="goodput: time to first token, at most")
@@ -535,7 +539,7 @@ def run_agentic(args: argparse.Namespace) -> dict:
         max_context_tokens=args.max_context_tokens or served.get("max_model_len") or 2048,
         vocab_size=vocab or 256,
         seed=args.seed,
-        aps=(args.aps or 1.0) if online else None,
+        aps=(args.aps or DEFAULT_APS) if online else None,
         think_s=args.think_s,
         data_dir=args.data_dir,
         token_seed=args.token_seed,

@@ -47,7 +47,6 @@ class LayerwisePrefill:
         self.dtype = self.runner.kv_cache.k[0].dtype
         self.num_runs = 0
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="layerwise-h2d")
-        self._stream = None  # the host -> device copies' side stream (a GPU pool; made on first use)
 
     def fits(self, pr, num_pull_pages: int) -> bool:
         """Whether a run's staging needs ever fit the pool: one layer's send (pages from the first one
@@ -78,12 +77,7 @@ class LayerwisePrefill:
         """PE path: layer l's hit KV from the blocks read into `buffer` [blocks, block_nbytes]. The copies
         run on a helper thread, a layer ahead of the compute (store/upload.py: pinned staging and a
         side stream on a GPU); torch releases the GIL while copying."""
-        device = torch.device(self.runner.device)
-        if self._stream is None and device.type == "cuda":
-            self._stream = torch.cuda.Stream(device)
-        upload = LayerUpload(
-            buffer, num_blocks, store_layout, device, self.dtype, self.kv_shape, self._stream
-        )
+        upload = LayerUpload(buffer, num_blocks, store_layout, self.runner.device, self.dtype, self.kv_shape)
         futures: dict[int, Future] = {}
 
         def start(layer: int) -> None:

@@ -95,10 +95,7 @@ class StoreConnector:
         for k, v in zip(self._k, self._v, strict=True):
             # [num_blocks * ppb, page_bytes] -> [num_blocks, ppb * page_bytes]: a block's pages, in order
             # (selected as wide rows: 1.7x faster than bytes on a CPU)
-            parts += [
-                wide_rows(k)[0].index_select(0, idx).view(torch.uint8).view(num_blocks, -1),
-                wide_rows(v)[0].index_select(0, idx).view(torch.uint8).view(num_blocks, -1),
-            ]
+            parts += [t.index_select(0, idx).view(torch.uint8).view(num_blocks, -1) for t in wide_rows(k, v)]
         return torch.cat(parts, dim=1)
 
     def scatter_blocks(self, buf: torch.Tensor, num_blocks: int, page_ids: list[int]) -> None:

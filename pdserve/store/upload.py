@@ -33,13 +33,18 @@ from pdserve.transfer.staging import wide_rows
 SCATTER_CHUNK_NBYTES = 128 << 20
 
 
+def _blocks_per_chunk(layout: BlockLayout) -> int:
+    return max(1, SCATTER_CHUNK_NBYTES // layout.block_nbytes)
+
+
 def scatter_staging(layout: BlockLayout, device: torch.device) -> torch.Tensor | None:
     """The pinned slots `scatter_chunks` copies through for a pool on `device`: [2, chunk bytes], made
     once per pool (256 MiB at the default); None for a CPU pool, which needs none."""
     if torch.device(device).type != "cuda":
         return None
-    per_chunk = max(1, SCATTER_CHUNK_NBYTES // layout.block_nbytes)
-    return torch.empty((2, per_chunk * layout.block_nbytes), dtype=torch.uint8, pin_memory=True)
+    return torch.empty(
+        (2, _blocks_per_chunk(layout) * layout.block_nbytes), dtype=torch.uint8, pin_memory=True
+    )
 
 
 def scatter_chunks(
@@ -61,9 +66,7 @@ def scatter_chunks(
     page_nbytes = k_pools[0].shape[1]
     half = layout.layer_nbytes // 2
     pages_per_block = half // page_nbytes  # a block's K half = its pages' K rows (block_size / page_size)
-    per_chunk = max(1, SCATTER_CHUNK_NBYTES // layout.block_nbytes)
-    if staging is not None:
-        per_chunk = staging.shape[1] // layout.block_nbytes
+    per_chunk = _blocks_per_chunk(layout) if staging is None else staging.shape[1] // layout.block_nbytes
     slot_free: list[torch.cuda.Event | None] = [None, None]
     for i, b0 in enumerate(range(0, num_blocks, per_chunk)):
         b1 = min(num_blocks, b0 + per_chunk)
@@ -105,7 +108,6 @@ class LayerUpload:
         device: torch.device,
         dtype: torch.dtype,
         kv_shape: tuple[int, int],
-        stream=None,
     ) -> None:
         self.buffer, self.num_blocks, self.layout = buffer, num_blocks, layout
         self.device, self.dtype, self.kv_shape = torch.device(device), dtype, kv_shape
@@ -117,7 +119,7 @@ class LayerUpload:
             # out of slot s (gathering into it again waits for that copy).
             self._staging: torch.Tensor | None = None
             self._slot_free: list[torch.cuda.Event | None] = [None, None]
-            self._stream = stream if stream is not None else torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device)  # (torch hands out streams from a pool)
 
     def _halves(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         off = self.layout.layer_range(layer)[0]
