@@ -1469,7 +1469,7 @@ def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair
             layout=SimpleNamespace(block_size=7 * PAGE_SIZE),  # one block: 28 tokens > the 24 hit tokens
             lookup=lambda req: 1,
             start_read=lambda req, n: PendingRead([b"k0"], [None], read),
-            persist=lambda req: None,
+            persist=lambda req, final=False: None,
             reads=JoinedReads(),  # (none in flight: this read is the test's own)
         )
     room = new_room()
@@ -1792,7 +1792,7 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
         layout=SimpleNamespace(block_size=7 * PAGE_SIZE),
         lookup=lambda req: lookups.append(req.request_id) or 1,
         start_read=lambda req, n: PendingRead([b"k0"], [None], Future()),
-        persist=lambda req: None,
+        persist=lambda req, final=False: None,
         reads=JoinedReads(),  # (none in flight: this read is the test's own)
     )
     preq, dreq = p.requests(ids1 + prompt(4, start=7), 8, "r3", new_room())
@@ -1957,7 +1957,8 @@ def test_engine_integrity_check_matches_references_to_holders(ckpt):
 
 def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monkeypatch):
     """A full writer queue (the disk is behind) takes one block of a 64-block persist: only that block
-    is gathered, and its payload keeps no more host memory than itself. Before, the whole chunk was
+    is gathered, and its payload keeps no more host memory than itself; the rest waits for a later call
+    and is counted lost if the request's last call finds no room either. Before, the whole chunk was
     gathered and every queued row kept its chunk alive (x chunk/block host memory; found by a review)."""
     import threading
 
@@ -2003,10 +2004,13 @@ def test_write_back_behind_a_slow_disk_queues_no_more_than_the_queue_takes(monke
     gathered = []
     gather = conn.gather_blocks
     monkeypatch.setattr(conn, "gather_blocks", lambda ids, a, b: gathered.append(b - a) or gather(ids, a, b))
-    assert conn.persist(req(9, 64)) == 64
-    assert gathered == [1] and conn.num_write_failures == 63
+    long_req = req(9, 64)
+    assert conn.persist(long_req) == 1 and long_req.num_blocks_persisted == 1
+    assert gathered == [1] and conn.num_write_failures == 0  # the other 63 wait for a later call
     payload = conn._writes.queue[-1][3]  # (store, keys, block index, payload)
     assert (payload.base.nbytes if payload.base is not None else payload.nbytes) == block_nbytes
+    assert conn.persist(long_req, final=True) == 0  # its last call, the queue still full: 63 lost
+    assert gathered == [1] and conn.num_write_failures == 63
     gate.set()
 
 

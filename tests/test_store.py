@@ -179,21 +179,26 @@ def test_a_chain_written_back_or_read_is_evicted_tail_first(tmp_path):
     """Blocks are chained: block i is a hit only with blocks 0..i-1. Written back (and read) head first,
     plain LRU made a chain's head its oldest block and evicted it first: three blocks stayed on disk
     and none was usable (found by review). Write-back passes the ancestors; a read marks its chain
-    used head last. Now the tail goes first and the chain keeps its prefix."""
+    used head last. Now the tail goes first and the chain keeps its prefix; and a put never makes room
+    by evicting its own ancestors (it did: a chain longer than the store kept 2 blocks and an orphan)."""
     keys = block_keys(list(range(100, 116)), 4, LAYOUT.fingerprint)  # one 4-block chain
     s = make_store(tmp_path, capacity_blocks=3)
-    for i, k in enumerate(keys):
+    for i, k in enumerate(keys[:3]):
         assert s.put(k, payload(i), ancestors=keys[:i])
         s.check_integrity()
-    # at block 3, LRU first was [k2, k1, k0]: k2 went; k3 then has no usable parent, but k0, k1 stay
-    assert s.keys_lru_first() == [keys[3], keys[1], keys[0]] and s.lookup_keys(keys) == 2
+    assert s.keys_lru_first() == [keys[2], keys[1], keys[0]]
+    assert s.put(keys[3], payload(3), ancestors=keys[:3]) is False  # only its own chain to evict
+    assert s.keys_lru_first() == [keys[2], keys[1], keys[0]] and s.lookup_keys(keys) == 3
+    assert s.stats().num_write_failures == 1 and s.stats().num_evictions == 0
     other = block_keys(list(range(500, 504)), 4, LAYOUT.fingerprint)
     assert read(s, keys[:2])[0].num_prefix_ok == 2
-    assert s.keys_lru_first() == [keys[3], keys[1], keys[0]]  # (read head first, marked head last)
+    assert s.keys_lru_first() == [keys[2], keys[1], keys[0]]  # (read head first, marked head last)
     assert s.put(other[0], payload(9))
     assert s.keys_lru_first() == [keys[1], keys[0], other[0]] and s.lookup_keys(keys) == 2
     assert s.put(block_keys(list(range(600, 604)), 4, LAYOUT.fingerprint)[0], payload(8))
     assert s.lookup_keys(keys) == 1  # k1 (the tail) went before k0
+    assert s.put(keys[2], payload(2), ancestors=keys[:2]) is False  # its parent k1 is gone
+    assert s.stats().num_put_orphans == 1 and s.lookup_keys(keys) == 1
     s.check_integrity()
     s.close()
 

@@ -524,6 +524,8 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.store.persist(req)
         status = self.engine.check_stop(req)
         if status is not None:
+            if self.store is not None:  # its pages go now: what the writer's queue had no room for is lost
+                self.store.persist(req, final=True)
             req.status = RequestStatus.RUNNING
             self.engine.scheduler.finish(req, status)
             out = self.engine.release(req)
@@ -548,7 +550,7 @@ class DecodeRole(PDRoleBase, EngineRole):
         """A request stopped in this step: persist the block its last step filled, before its pages go
         (the step hook above runs after they are freed, and the next turn would miss that block)."""
         if self.store is not None and req.page_ids:
-            self.store.persist(req)
+            self.store.persist(req, final=True)
 
     def _burn_first_draw(self, req: Request) -> None:
         """The prefill drew token 1 from this seed; advance our copy of the generator past that

@@ -114,9 +114,23 @@ class StoreConnector:
             torch.cuda.current_stream(device).synchronize()
 
     # ---- write-back ----------------------------------------------------------------------------
-    def persist(self, req: Request) -> int:
+    def persist(self, req: Request, final: bool = False) -> int:
         """Queue every full block of the request's computed tokens not yet queued, but for leading blocks
-        the store holds already (skipped). Returns how many were queued."""
+        the store holds already (skipped). Returns how many were queued.
+
+        Blocks are queued in chain order and never past one that could not be: keys are chained, so a
+        block after a missing one is never found by a lookup (the writer refuses such a block too:
+        `KVBlockStore.put`). The ones the writer's queue has no room for now wait for the next call
+        (the request holds their pages until its last call, `final`, after which they are counted as
+        write failures). Never raises: the store never fails a request."""
+        try:
+            return self._persist(req, final)
+        except Exception:  # noqa: BLE001 - e.g. the gather's device memory; the next call tries again
+            self.num_write_failures += 1
+            log.exception("kv store write-back failed")
+            return 0
+
+    def _persist(self, req: Request, final: bool) -> int:
         num_full = req.num_computed_tokens // self.layout.block_size
         done = req.num_blocks_persisted
         if num_full <= done:
@@ -127,7 +141,7 @@ class StoreConnector:
             # from the store; an earlier turn; a sibling). They are skipped, not gathered and copied to
             # host only for the writer to find them there: in a multi-turn conversation that was the
             # whole context again at every turn, on the engine thread.
-            done = self.store.stored_prefix(keys)
+            done = req.num_blocks_persisted = self.store.stored_prefix(keys)
             self.num_blocks_skipped += done
             if done:  # their files' mtimes: the writer's (disk I/O never runs on this thread)
                 try:
@@ -135,15 +149,14 @@ class StoreConnector:
                 except queue.Full:  # (recency across a restart only: the index has it)
                     pass
             if num_full <= done:
-                req.num_blocks_persisted = num_full
                 return 0
         # Only as many blocks as the writer's queue takes now (this thread alone fills it, so its room
-        # only grows meanwhile): the disk is behind, the rest is dropped -- simply not cached -- and
-        # never gathered. Every gathered row is then queued, so no queued row keeps a mostly
-        # dropped chunk alive.
+        # only grows meanwhile): the disk is behind, the rest waits for a later call and is not
+        # gathered now. Every gathered row is then queued, so no queued row keeps a mostly dropped
+        # chunk alive.
         room = max(0, self._writes.maxsize - self._writes.qsize())
         end = done + min(num_full - done, room)
-        self.num_write_failures += num_full - end
+        queued = done
         chunk = max(1, PERSIST_CHUNK_NBYTES // self.layout.block_nbytes)
         for first in range(done, end, chunk):
             last = min(first + chunk, end)
@@ -153,10 +166,15 @@ class StoreConnector:
             for b in range(first, last):
                 try:  # (the chain's keys and this block's index: its ancestors, sliced by the writer)
                     self._writes.put_nowait((self.store, keys, b, payloads[b - first]))
-                except queue.Full:  # a flush() sentinel took the last slot
-                    self.num_write_failures += 1
-        req.num_blocks_persisted = num_full
-        return num_full - done
+                except queue.Full:  # a flush() sentinel took the last slot: the rest waits
+                    break
+                queued = b + 1
+            if queued < last:
+                break
+        req.num_blocks_persisted = queued
+        if final and queued < num_full:  # its pages go now: those blocks are not stored this turn
+            self.num_write_failures += num_full - queued
+        return queued - done
 
     @property
     def num_writes_pending(self) -> int:

@@ -156,14 +156,55 @@ class KVBlockStore:
         True if the block is stored afterwards (written now, or already there). False if it could not be
         written (full or read-only disk, capacity smaller than one block): counted, never raised. Raises
         BlockSizeError for a wrong-size payload. Thread-safe; blocks the caller for the write.
-        `ancestors`: the keys before `key` in its chain, head first (write-back passes them): they are
-        marked used after it, the head last, so that eviction takes a chain's tail first (`_chain_used`).
+        `ancestors`: the keys before `key` in its chain, head first (write-back passes them):
+        * the block is written only if the one before it is stored: keys are chained, so a block past a
+          missing one is never found by a lookup -- written, it only took room (a write-back that lost
+          a block to a full disk or queue used to go on writing the rest of the chain);
+        * room is never made by evicting them (a chain longer than the store used to evict its own
+          parent at every put, leaving a 3-block prefix and an orphan);
+        * they are marked used after it, the head last, so that eviction takes a chain's tail first
+          (`_chain_used`), and the new file's mtime is set just below its parent's, so that a restart,
+          which orders eviction by mtime, takes the tail first too (`_stamp`).
         """
-        stored = self._put(key, data, overwrite)
-        if stored and ancestors:
+        arr = _as_u8(data)
+        if arr.size != self.layout.block_nbytes:
+            raise BlockSizeError(
+                f"block payload is {arr.size} bytes, layout needs {self.layout.block_nbytes}"
+            )
+        parent = ancestors[-1] if ancestors else None
+        if parent is not None and not self._is_stored(parent):
             with self._lock:
-                self._chain_used(ancestors)
+                self._stats.num_put_orphans += 1
+            return False
+        stored = self._put(key, arr, overwrite, protect=(key, *ancestors))
+        if stored:
+            self._stamp(key, parent)
+            if parent is not None:
+                with self._lock:
+                    self._chain_used(ancestors)
         return stored
+
+    def _is_stored(self, key: bytes) -> bool:
+        """In this process's index, or written by another process sharing the directory (adopted)."""
+        with self._lock:
+            if key in self._index:
+                return True
+        return self._adopt([key]) == 1
+
+    def _stamp(self, key: bytes, parent: bytes | None) -> None:
+        """Set `key`'s file mtime to now, in ns, or 1 ns below its parent's if that is older: on disk
+        too a chain's blocks then get older from head to tail, so the rescan at a restart (LRU = mtime
+        order) evicts a chain tail first, as this process's index does. Before, the head was the oldest
+        file (written first) and the first eviction after a restart left the rest of its chain
+        unreachable. (The kernel stamps a new file with a clock of a few ms: files written in a row got
+        equal mtimes, ordered by key bytes.) Best effort: one utime per put, and a stat with a parent."""
+        try:
+            t_ns = time.time_ns()
+            if parent is not None:
+                t_ns = min(t_ns, os.stat(block_path(self.dir, parent)).st_mtime_ns - 1)
+            os.utime(block_path(self.dir, key), ns=(t_ns, t_ns))
+        except OSError:
+            pass
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` this process's index holds, for a write-back that then skips them
@@ -180,16 +221,18 @@ class KVBlockStore:
         return n
 
     def touch_files(self, keys: Sequence[bytes]) -> int:
-        """Mark the files of `keys` used (their mtime: recency survives a restart); the write-back
-        writer does it for the blocks `stored_prefix` counted. A key whose file is gone (another
-        process sharing the directory evicted it) is forgotten, as `put` and reads do: its chain is a
-        miss from there, and the turn that recomputes it writes it back. Returns how many were
-        touched."""
+        """Mark the files of `keys` (a chain's, head first) used: their mtimes, which order eviction
+        after a restart, are set to now for the head and 1 ns older per block after it (`_stamp`'s
+        order). The write-back writer does it for the blocks `stored_prefix` counted. A key whose file
+        is gone (another process sharing the directory evicted it) is forgotten, as `put` and reads do:
+        its chain is a miss from there, and the turn that recomputes it writes it back. Returns how many
+        were touched."""
         touched = 0
-        for key in keys:
+        now_ns = time.time_ns()
+        for i, key in enumerate(keys):
             path = block_path(self.dir, key)
             try:
-                os.utime(path)
+                os.utime(path, ns=(now_ns - i, now_ns - i))
             except FileNotFoundError:
                 with self._lock:
                     if not path.exists():
@@ -210,12 +253,7 @@ class KVBlockStore:
         for key in reversed(keys):
             self._index.touch(key)
 
-    def _put(self, key: bytes, data, overwrite: bool) -> bool:
-        arr = _as_u8(data)
-        if arr.size != self.layout.block_nbytes:
-            raise BlockSizeError(
-                f"block payload is {arr.size} bytes, layout needs {self.layout.block_nbytes}"
-            )
+    def _put(self, key: bytes, arr: np.ndarray, overwrite: bool, protect: Sequence[bytes]) -> bool:
         path = block_path(self.dir, key)
         with self._lock:
             if key in self._index and not overwrite:
@@ -245,8 +283,10 @@ class KVBlockStore:
                 self._stats.num_put_dedup += 1
             return True
         with self._lock:
-            need_bytes = 0 if key in self._index else self.file_nbytes  # an overwrite takes no new room
-            if not self._make_room_locked(need_bytes, protect=(key,)):
+            # A whole block's room, an overwrite's too: the key may be evicted while its file is
+            # written, and the rename then adds a block nobody made room for (over capacity).
+            need_bytes = self.file_nbytes
+            if not self._make_room_locked(need_bytes, protect=protect):
                 self._stats.num_write_failures += 1
                 return False
             self._reserved_bytes += need_bytes
@@ -356,12 +396,17 @@ class KVBlockStore:
             flow.wait()
         keys = list(keys)
         views = block_views(out, len(keys), self.layout.block_nbytes)
+        # Each block read ok gets mtime now - its place in the read, in ns (`touch`): the head of
+        # what was read the newest, as `touch_files` does (the blocks are read in parallel, so "now" at
+        # each block's read made their order on disk random, and the mtimes of a fast run equal).
+        now_ns = time.time_ns()
+        stamps_ns = [now_ns - i for i in range(len(keys))]
         if self._nixl is not None:
             from pdserve.store.nixl_io import read_blocks_nixl
 
-            status = read_blocks_nixl(self, self._nixl, keys, views)
+            status = read_blocks_nixl(self, self._nixl, keys, views, stamps_ns)
         else:
-            status = list(self._io_pool.map(self._read_one_preadv, keys, views))
+            status = list(self._io_pool.map(self._read_one_preadv, keys, views, stamps_ns))
         good = [k for k, s in zip(keys, status, strict=True) if s == "ok"]
         with self._lock:
             self._chain_used(good)  # (a read is of one chain's blocks, head first)
@@ -392,7 +437,7 @@ class KVBlockStore:
             return None, st, "truncated"
         return fd, st, ""
 
-    def _read_one_preadv(self, key: bytes, view: np.ndarray) -> str:
+    def _read_one_preadv(self, key: bytes, view: np.ndarray, stamp_ns: int) -> str:
         fd, st, status = self._open(key)
         if fd is None:
             return self._settle(key, status, st)
@@ -404,20 +449,21 @@ class KVBlockStore:
                 view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
             status = "truncated" if n != self.file_nbytes else self._verify(key, header, view)
             if status == "ok":
-                self.touch(fd)
+                self.touch(fd, stamp_ns)
         except OSError:
             status = "ioerror"
         finally:
             os.close(fd)
         return self._settle(key, status, st)
 
-    def touch(self, fd: int) -> None:
-        """Mark a block just read as recently used (its mtime orders eviction after a restart), if
-        `touch_on_read`. Best effort, as in `put`: on a read-only mount (EROFS) or a file another user
-        owns (EPERM) the verified block is still served -- it used to read as "ioerror", every time."""
+    def touch(self, fd: int, stamp_ns: int) -> None:
+        """Mark a block just read as recently used: its mtime (which orders eviction after a restart)
+        becomes `stamp_ns`, if `touch_on_read`. Best effort, as in `put`: on a read-only mount (EROFS)
+        or a file another user owns (EPERM) the verified block is still served -- it used to read as
+        "ioerror", every time."""
         if self.touch_on_read:
             with contextlib.suppress(OSError):
-                os.utime(fd)
+                os.utime(fd, ns=(stamp_ns, stamp_ns))
 
     @staticmethod
     def _read_fault():

@@ -37,6 +37,11 @@ def tmp_path(final: Path) -> Path:
     return final.parent / f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(6).hex()}"
 
 
+# When this process's store code was loaded: a temp file named with our pid but older than that is a
+# dead writer's whose pid we reuse (a container restarted: the same pid again), not one of our puts.
+_LOADED_S = time.time()
+
+
 def _tmp_is_stale(name: str, mtime: float, stale_tmp_s: float) -> bool:
     """A temp file is stale if its writer (same host) is dead, or it is older than `stale_tmp_s`."""
     if time.time() - mtime >= stale_tmp_s:
@@ -44,6 +49,8 @@ def _tmp_is_stale(name: str, mtime: float, stale_tmp_s: float) -> bool:
     parts = name[len(TMP_PREFIX) :].rsplit("-", 2)
     if len(parts) != 3 or parts[0] != socket.gethostname():
         return False
+    if parts[1] == str(os.getpid()):
+        return mtime < _LOADED_S
     try:
         os.kill(int(parts[1]), 0)
     except ProcessLookupError:
@@ -66,13 +73,14 @@ def _entries(path) -> list[os.DirEntry]:
 
 def scan_block_files(
     root: Path, expected_file_nbytes: int, stale_tmp_s: float = 300.0
-) -> tuple[list[tuple[bytes, int, float]], list[Path], list[Path]]:
-    """List `root`: ([(key, file_nbytes, mtime)] oldest first, stale temp files, wrong-size block files).
+) -> tuple[list[tuple[bytes, int, int]], list[Path], list[Path]]:
+    """List `root`: ([(key, file_nbytes, mtime_ns)] oldest first, stale temp files, wrong-size block files).
+    In ns: a float of seconds rounds them to ~0.2 us, and a chain's blocks are stamped 1 ns apart.
 
     Called by the store at startup and by `rescan`. Reads no file contents: a damaged file of the right
     size is caught by the checksum on its first read.
     """
-    blocks: list[tuple[bytes, int, float]] = []
+    blocks: list[tuple[bytes, int, int]] = []
     stale: list[Path] = []
     wrong_size: list[Path] = []
     for sub in _entries(root):
@@ -96,7 +104,7 @@ def scan_block_files(
             if st.st_size != expected_file_nbytes:
                 wrong_size.append(Path(entry.path))
                 continue
-            blocks.append((key, st.st_size, st.st_mtime))
+            blocks.append((key, st.st_size, st.st_mtime_ns))
     blocks.sort(key=lambda b: (b[2], b[0]))
     return blocks, stale, wrong_size
 

@@ -99,7 +99,7 @@ class NixlPosixReader:
         self._agent = None
 
 
-def read_blocks_nixl(store, reader: NixlPosixReader, keys, views) -> list[str]:
+def read_blocks_nixl(store, reader: NixlPosixReader, keys, views, stamps_ns: list[int]) -> list[str]:
     """`KVBlockStore.read_blocks` with io_backend="nixl": open + size-check each file, one NIXL transfer
     for all of them, then verify (and on a failed transfer re-read) in the store's I/O pool."""
     status: list[str | None] = [None] * len(keys)
@@ -126,7 +126,7 @@ def read_blocks_nixl(store, reader: NixlPosixReader, keys, views) -> list[str]:
         def verify(item):
             i, fd, st = item
             if not nixl_ok:
-                return i, store._read_one_preadv(keys[i], views[i])
+                return i, store._read_one_preadv(keys[i], views[i], stamps_ns[i])
             if faults.ENABLED:  # the same fault point as the preadv path, per block
                 try:
                     rule = store._read_fault()
@@ -136,7 +136,7 @@ def read_blocks_nixl(store, reader: NixlPosixReader, keys, views) -> list[str]:
                     views[i][views[i].size // 2] ^= 0xFF
             s = store._verify(keys[i], headers[i], views[i])
             if s == "ok":
-                store.touch(fd)
+                store.touch(fd, stamps_ns[i])
             return i, store._settle(keys[i], s, st)
 
         for i, s in store._io_pool.map(verify, opened):

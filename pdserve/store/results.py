@@ -75,6 +75,7 @@ class StoreStats:
     num_puts: int = 0  # block files written
     num_put_dedup: int = 0  # put of a key already stored (nothing written)
     num_write_failures: int = 0
+    num_put_orphans: int = 0  # put refused: the block before it in its chain is not stored
 
 
 def block_views(out, num_blocks: int, block_nbytes: int) -> list[np.ndarray]:
