@@ -212,3 +212,58 @@ def test_a_reserved_id_is_released_when_its_request_was_aborted_while_checked(de
         aengine.shutdown()
     assert outs[-1].outputs[0].finish_reason == "abort"
     assert not still_active, "the aborted request's id is still reserved after its stream ended"
+
+
+def test_a_caller_that_stops_reading_holds_one_output_not_one_per_step(demo_model_dir):
+    """Outputs are cumulative (each holds the whole text so far). A streaming client that stops reading
+    (its socket full: uvicorn's send waits) left every step's output queued: O(tokens^2) memory,
+    2.6 MB of text for a 1,000-token answer (a review, 2026-12-04). An unread output that is not final
+    is now replaced by the next one; the reader then gets the newest, and the final one, in order."""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=256, max_model_len=1024))
+    aengine = AsyncEngine(engine)
+
+    async def run():
+        req, text = aengine.validate(
+            [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True), "slow-reader"
+        )
+        stream = aengine.generate(req, text)
+        first = await stream.__anext__()
+        await until(lambda: not engine.requests)  # the engine finished while nobody read
+        box = aengine._streams["slow-reader"][1]
+        held, replaced = len(box), box.num_replaced
+        rest = [out async for out in stream]
+        return first, held, replaced, rest
+
+    try:
+        first, held, replaced, rest = asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert len(first.outputs[0].token_ids) < 300
+    assert held == 1 and replaced > 200  # (the final output alone: it replaced every unread one)
+    assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 300
+
+
+def test_an_output_box_never_replaces_an_error_or_the_final_output():
+    from pdserve.engine.async_engine import OutputBox
+    from pdserve.outputs import CompletionOutput, RequestOutput
+
+    def out(n: int, finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(0, "x" * n, [2] * n, None, "length" if finished else None)
+        return RequestOutput("r", None, [1], [completion], finished, 0)
+
+    async def run():
+        box = OutputBox()
+        error = RuntimeError("peer gone")
+        for item in (out(1), out(2), error, out(3), out(4, finished=True), out(5)):
+            box.put(item)
+        return [await box.get() for _ in range(len(box))]
+
+    got = asyncio.run(run())
+    assert [
+        type(g).__name__ if isinstance(g, BaseException) else len(g.outputs[0].token_ids) for g in got
+    ] == [
+        2,
+        "RuntimeError",
+        4,
+        5,
+    ]

@@ -90,6 +90,37 @@ def test_a_stream_whose_body_never_starts_lets_the_id_go(demo_engine):
     assert status == 200, text  # (not a 409 for good: the id was held by a stream that never ran)
 
 
+def test_a_merged_stream_whose_body_never_starts_lets_every_childs_id_go(demo_engine):
+    """`n` > 1 (or a batch) streamed: the merged stream was a plain StreamingResponse, so when its body
+    never started its children were never closed and their reserved ids (`left_0`, `left_1`) stayed
+    held: every later request with that rid a 409 (a review, 2026-12-04)."""
+    app = build_app(demo_engine)
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "rid": "left",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3, "n": 2},
+    }
+
+    async def client_left():
+        raise OSError("the client left")
+
+    async def scenario():
+        try:
+            await _call(app, body, on_start=client_left)
+        except OSError:
+            pass
+        reserved = sorted(app.state.engine._reserved)
+        return reserved, await _call(app, body | {"stream": False})
+
+    try:
+        reserved, (status, text) = asyncio.run(scenario())
+    finally:
+        app.state.engine.shutdown()
+    assert reserved == []
+    assert status == 200, text
+
+
 def test_a_stream_closed_unread_calls_then():
     """A merged request (server/fanout.py) closes its children's bodies unread when one fails."""
     calls = []

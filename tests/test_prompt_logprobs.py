@@ -197,6 +197,17 @@ def test_completions_prompt_logprobs_and_echo_over_http(demo_engine):
     assert len(chat.json()["prompt_logprobs"]) == n_chat and chat.json()["prompt_logprobs"][0] is None
 
 
+def test_echo_prompt_positions_carry_as_many_top_logprobs_as_the_completion(demo_engine):
+    """`echo` with `logprobs` 1 and `prompt_logprobs` 4: the prompt's positions listed the top 4 (+ the
+    token itself), the completion's the top 1. vLLM lists `logprobs` on both (a review, 2026-12-04)."""
+    body = {"prompt": "hello world there", "max_tokens": 2, "temperature": 0, "echo": True}
+    (r,) = post_all(demo_engine, [("/v1/completions", body | {"logprobs": 1, "prompt_logprobs": 4})])
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(1 <= len(t) <= 2 for t in tops[1:]), tops  # (top 1 + the token)
+    assert len(r.json()["choices"][0]["prompt_logprobs"][1]) >= 4  # (prompt_logprobs keeps its 4)
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(demo_engine):
     """OpenAI's and vLLM's scoring form (lm-eval's loglikelihood): echo + max_tokens 0 answers the
     prompt and its logprobs, nothing generated (the one token run to finish the prompt is dropped, and

@@ -687,3 +687,55 @@ def test_no_pickle_or_eval_in_the_package():
     for path in files:
         found += unsafe_calls(path.read_text(), str(path.relative_to(PACKAGE.parent)))
     assert found == [], "unsafe constructs:\n" + "\n".join(found)
+
+
+def test_a_browsers_cross_origin_post_is_refused_even_without_a_body(demo_model_dir):
+    """A page on another origin can send a body-less POST without a preflight (`fetch(url, {method:
+    "POST", mode: "no-cors"})`): /pause_generation aborted every request and held new ones, /sleep
+    freed the KV cache (a review, 2026-12-04; vLLM's clients send those without a body, so the JSON
+    rule cannot cover them). A browser marks such a request (Sec-Fetch-Site, Origin) and a page
+    cannot forge the marks: 403, nothing changed. HTTP clients, and the same origin, pass."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from tests.conftest import run_in_process
+
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=64, max_model_len=256))
+
+    async def scenario(c):
+        refused = [
+            (await c.post("/pause_generation", headers=h)).status_code
+            for h in (
+                {"sec-fetch-site": "cross-site"},
+                {"sec-fetch-site": "same-site"},  # (another port of 127.0.0.1 is another origin)
+                {"origin": "http://evil.example"},
+                {"origin": "null"},  # (a sandboxed frame, a file:// page)
+                {"origin": "http://t:1"},  # (base_url http://t: another port)
+            )
+        ]
+        slept = await c.post("/sleep", headers={"origin": "http://evil.example"})
+        paused = (await c.get("/is_paused")).json()
+        same_origin = await c.post("/pause", params={"mode": "abort"}, headers={"origin": "http://t"})
+        resumed = await c.post("/resume", headers={"sec-fetch-site": "same-origin"})
+        curl = await c.post("/pause", params={"mode": "abort"})  # (no marks: not a browser)
+        await c.post("/resume")
+        return refused, slept, paused, same_origin, resumed, curl
+
+    refused, slept, paused, same_origin, resumed, curl = run_in_process(engine, scenario)
+    assert refused == [403] * 5
+    assert slept.status_code == 403 and slept.json()["error"]["type"] == "ForbiddenError"
+    assert paused == {"is_paused": False}
+    assert same_origin.status_code == resumed.status_code == curl.status_code == 200
+
+
+def test_cross_origin_marks():
+    from pdserve.server.content_type import is_cross_origin
+
+    def cross(**h: str) -> bool:
+        return is_cross_origin({k.replace("_", "-").encode(): v.encode() for k, v in h.items()})
+
+    assert not cross() and not cross(host="127.0.0.1:8000")
+    assert not cross(host="127.0.0.1:8000", origin="http://127.0.0.1:8000")
+    assert cross(host="127.0.0.1:8000", origin="http://127.0.0.1:3000")
+    assert cross(host="127.0.0.1:8000", origin="null")
+    assert not cross(sec_fetch_site="none") and not cross(sec_fetch_site="same-origin", origin="http://x")
+    assert cross(sec_fetch_site="cross-site", host="a", origin="http://a")  # (the browser's word wins)

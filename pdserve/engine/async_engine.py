@@ -2,7 +2,7 @@
 
 Who calls what: HTTP handlers (event-loop thread) call `validate()` (read-only) and then iterate
 `generate()`; only the engine thread ever mutates the engine. Commands cross over through `_inbox`;
-outputs come back through per-request asyncio queues (`call_soon_threadsafe`). When the engine goes
+outputs come back through per-request boxes (`OutputBox`, `call_soon_threadsafe`). When the engine goes
 idle it runs `check_integrity()` (mini-sglang's habit), so a leak is caught right after it happens.
 The check walks every page (~11 ms at 50k pages, 50 ms at 200k): the next one waits until the engine
 has spent at most IDLE_CHECK_SHARE of its time on them, so a request arriving at an engine that goes
@@ -52,6 +52,38 @@ PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class OutputBox:
+    """One request's outputs on their way to its caller; `put` and `get` run on the caller's event loop
+    (the engine thread posts with `call_soon_threadsafe`). Outputs are cumulative (each holds the whole
+    answer so far), so an unread output that is not final is replaced by the next one: a caller that
+    stops reading (a streaming client whose socket is full) holds one output, where a queue held one
+    per step, each with the text so far (O(tokens^2) memory: 2.6 MB of text for a 1,000-token answer,
+    GBs for long ones; found by a review). Errors and the final output are never replaced."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._ready = asyncio.Event()
+        self.num_replaced = 0
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._items[-1] = item
+            self.num_replaced += 1
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class PauseEnded(RuntimeError):
@@ -130,7 +162,7 @@ class AsyncEngine:
         self._check_idle = check_integrity_when_idle
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
-        # request id -> (its caller's loop, its output queue, the request): what is being streamed
+        # request id -> (its caller's loop, its OutputBox, the request): what is being streamed
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
         # Every `abort_now()` so far, numbered: (number, the id it named or None for everything), the
@@ -214,8 +246,8 @@ class AsyncEngine:
             self.unreserve(req)
             yield _aborted_output(req, None)
             return
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = (asyncio.get_running_loop(), queue, req)
+        box = OutputBox()
+        self._streams[req.request_id] = (asyncio.get_running_loop(), box, req)
         self.unreserve(req)
         self._send(("add", req, prompt_text))
         if not self.alive:  # stopped or died meanwhile (its handler may have run before we registered)
@@ -228,7 +260,7 @@ class AsyncEngine:
         finished, last = False, None
         try:
             while True:
-                item = await queue.get()
+                item = await box.get()
                 if isinstance(item, BaseException):
                     # `abort_now` ended it inside a PD transfer, or the peer's half was aborted.
                     if req.request_id in self._aborting or isinstance(item, RequestAborted):
@@ -526,9 +558,9 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         target = self._streams.get(request_id)
         if target is not None:
-            loop, queue, _ = target
+            loop, box, _ = target
             with contextlib.suppress(RuntimeError):  # (its loop closed: nobody is left to read it)
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                loop.call_soon_threadsafe(box.put, out)
 
     def _loop(self) -> None:
         engine, role = self.engine, self.role

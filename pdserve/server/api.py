@@ -51,6 +51,7 @@ from pdserve.server.auth import ApiKey
 from pdserve.server.content_type import JsonBodies
 from pdserve.server.disconnect import ClientGone, unless_gone
 from pdserve.server.engine_status import status_routes
+from pdserve.server.fanout import StreamThen
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from pdserve.server.metrics import EngineMetrics, PDMetrics
 from pdserve.server.native_stream import (
@@ -106,45 +107,6 @@ def stop_reason_of(o, finish: str | None) -> str | int | None:
     """vLLM's `stop_reason` of a choice: the stop string or stop token id that ended it; None when an
     EOS, the length or an abort did (or it has not ended)."""
     return o.stop_reason if o is not None and finish == "stop" else None
-
-
-class StreamThen(StreamingResponse):
-    """A streamed response that calls `then()` (idempotent) once it has ended, however it ended: also
-    when its body never started -- its client left before the headers went out, or a merged request
-    (server/fanout.py) closed it unread -- where the body's own `finally` never runs."""
-
-    def __init__(self, content: AsyncIterator, then, **kwargs) -> None:
-        super().__init__(_IterThen(content, then), **kwargs)
-        self._then = then
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._then()
-
-
-class _IterThen:
-    """`body`, iterated; `then()` once it ends, fails or is closed (`aclose`), started or not."""
-
-    def __init__(self, body: AsyncIterator, then) -> None:
-        self._body, self._then = body, then
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        try:
-            return await self._body.__anext__()
-        except BaseException:
-            self._then()
-            raise
-
-    async def aclose(self) -> None:
-        try:
-            await self._body.aclose()
-        finally:
-            self._then()
 
 
 def build_app(
@@ -337,7 +299,11 @@ def build_app(
 
     def usage(out: RequestOutput, num_dropped_tokens: int = 0) -> dict:
         """(`num_dropped_tokens`: output tokens run but not returned, not counted: echo's scoring)"""
-        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids) - num_dropped_tokens
+        # (never below 0: a scoring request aborted before its one token ran)
+        n_prompt, n_out = (
+            len(out.prompt_token_ids),
+            max(0, len(out.outputs[0].token_ids) - num_dropped_tokens),
+        )
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
@@ -395,15 +361,19 @@ def build_app(
             out.append(d)
         return out + [None] * (num_prompt_tokens - len(out))
 
-    def echo_logprobs(entries, prompt_ids: list[int]) -> dict:
+    def echo_logprobs(entries, prompt_ids: list[int], num_top: int) -> dict:
         """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): its tokens,
-        their logprobs (the first None: nothing scores it) and top-n (with the token itself)."""
+        their logprobs (the first None: nothing scores it) and top-`num_top` (with the token itself)."""
         tokens = [token_str(t) for t in prompt_ids]
         offsets = [0]
         for t in tokens[:-1]:
             offsets.append(offsets[-1] + len(t))
         missing = [None] * (len(prompt_ids) - len(entries))  # (aborted mid-prompt)
-        tops = [{token_str(t): v for t, v in e.top} | {token_str(e.token_id): e.logprob} for e in entries[1:]]
+        # (top `logprobs`, as the generated part has, and vLLM: `prompt_logprobs` may have asked for more)
+        tops = [
+            {token_str(t): v for t, v in e.top[:num_top]} | {token_str(e.token_id): e.logprob}
+            for e in entries[1:]
+        ]
         return {
             "tokens": tokens,
             "token_logprobs": [None] + [e.logprob for e in entries[1:]] + missing,
@@ -497,7 +467,9 @@ def build_app(
                     made = chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None)
                     for c in made if isinstance(made, list) else (made,):  # (tool calls: 0..n chunks)
                         yield sse(
-                            c | {"usage": so_far(len(o.token_ids) - num_dropped_tokens)} if continuous else c
+                            c | {"usage": so_far(max(0, len(o.token_ids) - num_dropped_tokens))}
+                            if continuous
+                            else c
                         )
                     sent_text, sent_tokens = max(sent_text, upto), len(o.token_ids)  # (never back)
         except InvalidRequest as e:  # the stream already started: report in-band
@@ -656,7 +628,7 @@ def build_app(
             if first and body.echo:
                 delta = echoed + delta
                 if body.logprobs is not None:
-                    head = echo_logprobs(req.prompt_logprobs, req.prompt_token_ids)
+                    head = echo_logprobs(req.prompt_logprobs, req.prompt_token_ids, body.logprobs)
                     lps = head if lps is None else {key: head[key] + lps[key] for key in lps}
             choice = {
                 "index": 0,
@@ -1020,7 +992,9 @@ def build_app(
             if input_start is not None:
                 meta |= input_logprobs(out, input_start, token_text)
             if scoring:  # (the one token run to finish the prompt is not the client's)
-                meta |= {"completion_tokens": 0, "finish_reason": {"type": "length", "length": 0}}
+                meta["completion_tokens"] = 0
+                if o.finish_reason == "length":  # (an abort stays one)
+                    meta["finish_reason"] = {"type": "length", "length": 0}
                 if o.logprobs is not None:
                     meta |= {"output_token_logprobs": [], "output_top_logprobs": []}
                 return {"output_ids": [], "text": "", "meta_info": meta}

@@ -10,6 +10,13 @@ not parsed), but the router reads raw bodies and forwarded them to its engines a
 Who uses it: `server/api.py build_app` and `router/routes.py build_router_app` (`app.add_middleware`).
 
 Per HTTP request with a body-carrying method (POST, PUT, PATCH):
+  - sent by a browser from another origin (`Sec-Fetch-Site` other than same-origin or none, or an
+    `Origin` whose host is not the request's `Host`) -> 403. Browsers send these headers on every
+    cross-origin POST and a page cannot forge them; HTTP clients (openai, requests, curl) send neither.
+    This is what stops a body-less cross-site POST (`fetch(url, {method: "POST"})`): /pause_generation
+    aborting every request, /sleep freeing the KV cache (found by a review). Those routes take no body
+    from vLLM's clients (`POST /sleep?level=1`), so a rule on the body alone cannot cover them. No
+    browser app on another origin can use this API anyway: it answers no CORS preflight;
   - a declared Content-Type that is not JSON (`application/json`, `application/*+json`) -> 415;
   - no Content-Type: read as JSON (FastAPI's rule, which clients rely on), except on the state
     changing control routes (`CONTROL_PATHS`) when a body comes (Content-Length > 0 or chunked): 415
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import json
 from email.message import Message
+from urllib.parse import urlsplit
 
 from pdserve.server.limits import ASGIApp, Receive, Scope, Send
 
@@ -48,6 +56,9 @@ class JsonBodies:
             await self.app(scope, receive, send)
             return
         headers = {name.lower(): value for name, value in scope.get("headers", ())}
+        if is_cross_origin(headers):
+            await _refuse(send, 403, "cross-origin requests from a browser are refused", "ForbiddenError")
+            return
         content_type = headers.get(b"content-type")
         if content_type is not None:
             ok = is_json(content_type.decode("latin-1"))
@@ -58,16 +69,30 @@ class JsonBodies:
         if ok:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": "request body must be JSON (Content-Type: application/json)",
-                    "type": "UnsupportedMediaTypeError",
-                    "param": None,
-                    "code": 415,
-                }
-            }
-        ).encode()
-        headers_out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 415, "headers": headers_out})
-        await send({"type": "http.response.body", "body": body})
+        await _refuse(
+            send,
+            415,
+            "request body must be JSON (Content-Type: application/json)",
+            "UnsupportedMediaTypeError",
+        )
+
+
+def is_cross_origin(headers: dict[bytes, bytes]) -> bool:
+    """A browser's request from a page of another origin (lower-cased header names)."""
+    fetch_site = headers.get(b"sec-fetch-site")
+    if fetch_site is not None:
+        return fetch_site.strip().lower() not in (b"same-origin", b"none")
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    host = headers.get(b"host", b"").strip().lower()
+    return urlsplit(origin.decode("latin-1").strip()).netloc.lower() != host.decode("latin-1")
+
+
+async def _refuse(send: Send, status: int, message: str, error_type: str) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+    ).encode()
+    headers_out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers_out})
+    await send({"type": "http.response.body", "body": body})

@@ -29,7 +29,11 @@ child requests).
   mid-stream has its error event passed on; the stream then ends and the other children are closed,
   which aborts them on their engines.
 
-Length (~430 lines): this docstring and the merge rules (usage, ids, stream interleaving, failure)
+* `StreamThen`: a streamed answer that calls `then()` however it ends (a single request's, which
+  lets go of its reserved id; a merged one's, which lets its children's go), also when its body never
+  starts.
+
+Length (~470 lines): this docstring and the merge rules (usage, ids, stream interleaving, failure)
 that the non-streamed, streamed and native forms share.
 """
 
@@ -49,6 +53,45 @@ from pdserve.sampling_params import MAX_N, child_seed
 from pdserve.server.protocol import MAX_REQUEST_ID_CHARS, JSONResponse, error_body
 
 MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches, with room to spare
+
+
+class StreamThen(StreamingResponse):
+    """A streamed response that calls `then()` (idempotent) once it has ended, however it ended: also
+    when its body never started -- its client left before the headers went out, or a merged request
+    (server/fanout.py) closed it unread -- where the body's own `finally` never runs."""
+
+    def __init__(self, content: AsyncIterator, then, **kwargs) -> None:
+        super().__init__(_IterThen(content, then), **kwargs)
+        self._then = then
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._then()
+
+
+class _IterThen:
+    """`body`, iterated; `then()` once it ends, fails or is closed (`aclose`), started or not."""
+
+    def __init__(self, body: AsyncIterator, then) -> None:
+        self._body, self._then = body, then
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self._body.__anext__()
+        except BaseException:
+            self._then()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()
+        finally:
+            self._then()
 
 
 def num_choices(n) -> int:
@@ -299,7 +342,13 @@ async def merged(
     responses = [t.result() for t in tasks]
     if stream:
         events = _merged_events(responses, include_usage, n, native)
-        return StreamingResponse(events, media_type="text/event-stream")
+
+        def let_go() -> None:  # (the merged body may never start: each child lets go of its id then too)
+            for r in responses:
+                if isinstance(r, StreamThen):
+                    r._then()
+
+        return StreamThen(events, let_go, media_type="text/event-stream")
     bodies = await asyncio.gather(*(_read(r) for r in responses))
     try:
         parts = [json.loads(b) for b in bodies]

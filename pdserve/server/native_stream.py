@@ -52,14 +52,15 @@ def input_logprobs(out: RequestOutput, start: int, token_text: TokenText) -> dic
     pl, ids = out.prompt_logprobs, out.prompt_token_ids
     if pl is None:
         return {"input_token_logprobs": [], "input_top_logprobs": []}
+    # Positions never scored (a request aborted before or in its prompt) are null, as the OpenAI
+    # routes pad them; indexing them was an IndexError: a 500, or a stream cut without [DONE].
+    entries = [pl[i] if 0 < i < len(pl) else None for i in range(start, len(ids))]
     return {
         "input_token_logprobs": [
-            logprob_entry(None if i == 0 else pl[i].logprob, ids[i], token_text)
-            for i in range(start, len(ids))
+            logprob_entry(None if e is None else e.logprob, ids[i], token_text)
+            for i, e in enumerate(entries, start)
         ],
-        "input_top_logprobs": [
-            None if i == 0 else top_entries(pl[i].top, token_text) for i in range(start, len(ids))
-        ],
+        "input_top_logprobs": [None if e is None else top_entries(e.top, token_text) for e in entries],
     }
 
 
