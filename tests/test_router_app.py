@@ -210,8 +210,13 @@ def test_placement_reads_a_generate_body_under_a_completions_names():
     assert requested_max_tokens("/generate", {"sampling_params": {"max_tokens": 3}}) == 3
     assert requested_max_tokens("/generate", {"sampling_params": [{"max_tokens": 3}]}) is None
     assert requested_max_tokens("/generate", {"max_tokens": 3}) is None  # (not where /generate reads it)
+    # SGLang's scoring form (the prompt's logprobs alone): the engines run one token; refused by a
+    # placement policy alone before (a review, 2026-12-04)
+    assert requested_max_tokens("/generate", {"sampling_params": {"max_new_tokens": 0}}) == 1
     with pytest.raises(ValueError, match="max_new_tokens"):
-        requested_max_tokens("/generate", {"sampling_params": {"max_new_tokens": 0}})
+        requested_max_tokens("/generate", {"sampling_params": {"max_new_tokens": -1}})
+    with pytest.raises(ValueError, match="max_tokens"):
+        requested_max_tokens("/generate", {"sampling_params": {"max_tokens": 0}})
 
 
 def test_a_generate_request_is_placed_by_dualpath_and_a_bad_limit_is_a_400_first():
@@ -3045,3 +3050,75 @@ def test_the_choices_of_a_stored_prompt_read_it_once_on_the_prefills_side(path):
     assert {read_path for _, read_path in legs_of_three} == {"pe"}, legs_of_three
     # (three whole blocks, read once: the prompt's last token is computed, never a hit)
     assert after["pe"] - before["pe"] == 192 and after["de"] == before["de"] and after["de2"] == before["de2"]
+
+
+@pytest.mark.parametrize("policy", ["none", "dualpath"])
+def test_a_request_without_max_tokens_is_placed_by_what_the_engines_would_do(policy):
+    """No max_tokens: the engines' default (16 for a completion), lowered to the room the prompt leaves.
+    Placement took 256 for it, and refused a prompt that fits with the engines' default as "prompt +
+    max_tokens = 16156 tokens" -- a max_tokens the client never sent; `none` passed it (a review,
+    2026-12-04). Now only a prompt that does not fit is refused. And a request that fills a decode's
+    pool exactly (prompt + max_tokens - 1 slots, as the engines count) waited to the queue timeout:
+    the scheduler counted one slot more."""
+
+    async def post(body: dict) -> httpx.Response:  # (a router each: no load report frees pages here)
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy)  # decodes: 1,000 pages of 16 tokens
+        if router.placement is not None:
+            router.placement.queue_timeout_s = 5.0
+        async with client_of(router) as c:
+            return await c.post("/v1/completions", json=body)
+
+    fits = asyncio.run(post({"prompt": list(range(1, 15_901))}))
+    exact = asyncio.run(post({"prompt": list(range(1, 15_986)), "max_tokens": 16}))  # 16,000 slots
+    too_long = asyncio.run(post({"prompt": list(range(1, 16_002))}))
+    assert fits.status_code == 200, fits.text
+    assert exact.status_code == 200, exact.text
+    if policy == "dualpath":  # (`none` leaves it to the engine, which the fake one is not)
+        assert too_long.status_code == 400 and "prompt = 16001 tokens needs 1001 KV pages" in too_long.text
+
+
+@pytest.mark.parametrize("policy", ["none", "dualpath"])
+def test_generate_scoring_passes_the_router_under_every_policy(policy):
+    async def go():
+        engines = Engines(blocking=())
+        router = await started_router(engines, policy)
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+        async with client_of(router) as c:
+            return await c.post("/generate", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+
+
+def test_a_malformed_health_answer_is_a_missed_check_not_the_end_of_the_health_loop():
+    """`deadline_s` a list: a TypeError, which the check did not catch; it ended the health loop's task
+    (nobody awaits it), so no engine was ever marked down or back up again (a review, 2026-12-04). The
+    engine that answers so misses its checks and goes out of service; the loop goes on."""
+
+    async def go():
+        bad = {"on": False}
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            role = "prefill" if request.url.host == "pe" else "decode"
+            info = {"role": role, "model": "m", "bootstrap_url": "http://pe:1", "status": "ok"}
+            if bad["on"] and role == "decode":
+                info["deadline_s"] = [8]
+            return httpx.Response(200, json=info)
+
+        router = Router(["http://pe"], ["http://de"], health_interval_s=0.01)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        loop_task = asyncio.ensure_future(router.health_loop())
+        await asyncio.sleep(0.1)
+        healthy_before = router.decodes[0].healthy
+        bad["on"] = True
+        await asyncio.sleep(0.2)
+        healthy_bad = router.decodes[0].healthy
+        bad["on"] = False
+        await asyncio.sleep(0.2)
+        alive = not loop_task.done()
+        loop_task.cancel()
+        return healthy_before, healthy_bad, router.decodes[0].healthy, alive
+
+    healthy_before, healthy_bad, healthy_after, alive = asyncio.run(go())
+    assert alive and healthy_before and not healthy_bad and healthy_after

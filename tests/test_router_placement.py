@@ -338,3 +338,23 @@ def test_a_request_to_a_router_just_started_waits_for_the_first_reports(monkeypa
     fresh = Placement("dualpath", pe, de)
     with pytest.raises(PlacementError, match="retry shortly"):
         asyncio.run(fresh.place(list(range(40)), 40, 8))
+
+
+def test_an_engine_down_at_the_build_is_moved_to_its_node_when_it_reports():
+    """An engine without a report when the scheduler was built sits on a placeholder node of its own.
+    Its first report named a node its node-mate had reported already, so nothing was rebuilt: it stayed
+    on the placeholder for good, whose read queue nobody reports (0), and a PE-side read was booked on
+    its swamped real node (a review, 2026-12-04). A report of another node than the one the scheduler
+    has the engine on now rebuilds."""
+    pe = [Engine("http://p0", "prefill", healthy=True), Engine("http://p1", "prefill", healthy=False)]
+    de = [Engine("http://d0", "decode", healthy=True)]
+    pl = Placement("dualpath", pe, de)
+    pl.on_load(pe[0], report("n0", "prefill"))
+    pl.on_load(de[0], report("d0", "decode"))
+    assert pl.scheduler is not None and pl.built_nodes["http://p1"] == "unreported:http://p1"
+    pe[1].healthy = True
+    pl.on_health(pe[1])
+    pl.on_load(pe[1], report("n0", "prefill", node_read_queue_bytes=10**12))
+    assert pl.built_nodes["http://p1"] == "n0"
+    assert pl.scheduler.prefill[1].node_id == pl.scheduler.prefill[0].node_id == pl.node_ids["n0"]
+    assert set(pl.node_ids) == {"n0", "d0"}

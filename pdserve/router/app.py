@@ -65,7 +65,6 @@ from pdserve.router.legs import (
 )
 from pdserve.router.placement import Placement, PlacementAborted, PlacementError
 from pdserve.router.prompts import (
-    DEFAULT_PLACEMENT_TOKENS,
     completion_view,
     prompt_pieces,
     prompt_shape,
@@ -106,6 +105,11 @@ class Arrival(NamedTuple):
 
 
 PREFILL_TIMEOUT_MARGIN_S = 5.0  # on top of a prefill's three state deadlines (see Router.prefill_timeout)
+# The decode leg has no read timeout: a whole (non-streamed) answer's headers come after its last token,
+# and one that took longer than the client's 600 s default was read as a failed decode, thrown away
+# and run again from scratch, up to 3 times (a review, 2026-12-04: RL rollouts of 16-32k tokens). It
+# ends when the answer does, when the engine is declared down (`unless_down`) or the client leaves.
+DECODE_LEG_TIMEOUT = httpx.Timeout(None, connect=5.0)
 
 MAX_NAMED_ABORTS = 4096  # named aborts remembered (a request held longer than that many is not matched)
 
@@ -184,6 +188,7 @@ class Router:
         )
         self.health_interval_s = health_interval_s
         self.max_prefill_attempts = max_prefill_attempts
+        self._health_lock = asyncio.Lock()
         self._rr = itertools.count()
         # No cap on connections to the engines: each request holds its decode's stream open, and a
         # split request's children hold theirs until every child has started (fanout.merged), so
@@ -359,6 +364,13 @@ class Router:
                 ok, refused = False, True
             except (httpx.HTTPError, ValueError):
                 ok = False
+            except Exception as ex:  # noqa: BLE001 - a malformed answer (a field of the wrong type)
+                # is a missed check, not the end of the health loop: it died silently on one, and no
+                # engine was ever marked down or back up again (a review, 2026-12-04)
+                ok = False
+                why = f"answered its health check with a malformed body: {ex!r}"
+                if e.misses == 0:
+                    log.warning("router: %s %s", e.url, why)
             if self.stopping.is_set():  # (shut_down ran while this check waited: it stays out)
                 return
             e.misses = 0 if ok else e.misses + 1
@@ -380,22 +392,37 @@ class Router:
             if was != e.healthy and self.placement is not None:
                 self.placement.on_health(e)
 
-        await asyncio.gather(*(one(e) for e in self.prefills + self.decodes))
+        # One check at a time: the loop's and a weight update's (`control.py`) ran at once, and an
+        # engine's two missed checks, counted together, took it out on a single blip.
+        async with self._health_lock:
+            await asyncio.gather(*(one(e) for e in self.prefills + self.decodes))
 
     async def health_loop(self) -> None:
         while True:
-            await self.check_health()
+            try:
+                await self.check_health()
+            except Exception:  # (a bug in one round must not end the checks for good)
+                log.exception("router: health check round failed")
             await asyncio.sleep(self.health_interval_s)
 
     async def load_loop(self, e: Engine) -> None:
         """Poll one engine's load report for the placement (pulled: engines need no router address)."""
+        failing = False
         while True:
             try:
                 r = await self.client.get(e.url + "/pd/load", timeout=1.0)
                 if r.status_code == 200:
-                    self.placement.on_load(e, r.json())
-            except (httpx.HTTPError, ValueError, KeyError):
+                    report = r.json()
+                    if not isinstance(report, dict):
+                        raise ValueError(f"a load report must be a JSON object, not {type(report).__name__}")
+                    self.placement.on_load(e, report)
+                failing = False
+            except httpx.HTTPError:
                 pass
+            except Exception as ex:  # noqa: BLE001 - a malformed report is skipped: the loop goes on
+                if not failing:  # (it died on one before, freezing that engine's load in placement)
+                    log.warning("router: %s: bad load report: %r", e.url, ex)
+                failing = True
             await asyncio.sleep(self.load_interval_s)
 
     def prefill_timeout(self, pe: Engine) -> httpx.Timeout:
@@ -544,8 +571,6 @@ class Router:
             max_tokens = requested_max_tokens(path, body)
         except ValueError as e:  # what the engines would refuse too, but placement needs the numbers first
             return JSONResponse(error_body(str(e), 400), 400)
-        if max_tokens is None:
-            max_tokens = DEFAULT_PLACEMENT_TOKENS
         if follow is not None:
             try:
                 placed = await unless_gone(http, asyncio.shield(follow.placed))
@@ -681,7 +706,11 @@ class Router:
             pe_body.pop("stream_options", None)
             de_body = {**body, "pd": {**pd, "bootstrap_url": pe.bootstrap_url}}
             de_req = self.client.build_request(
-                "POST", de.url + path, content=engine_json(de_body, http), headers=JSON
+                "POST",
+                de.url + path,
+                content=engine_json(de_body, http),
+                headers=JSON,
+                timeout=DECODE_LEG_TIMEOUT,
             )
             leg = Leg(de, asyncio.ensure_future(self.client.send(de_req, stream=True)))
             legs.append(leg)

@@ -38,7 +38,7 @@ from pdserve.dualpath.scheduler import (
     PendingRequest,
     policy_config,
 )
-from pdserve.router.prompts import PrefixIndex
+from pdserve.router.prompts import DEFAULT_PLACEMENT_TOKENS, PrefixIndex
 
 REAL_POLICIES = tuple(p for p in POLICY_KNOBS if p != "split")
 # A request that reaches a router whose first load reports are not all in waits this long for them
@@ -113,6 +113,7 @@ class Placement:
         self.scheduler: DualPathScheduler | None = None
         self.index: PrefixIndex | None = None
         self.node_ids: dict[str, int] = {}
+        self.built_nodes: dict[str, str] = {}  # engine URL -> the node the scheduler was built with
         self.queue: list[_Waiting] = []
         self._ids = itertools.count()
         self.num_placed = 0
@@ -149,7 +150,8 @@ class Placement:
     def _build(self) -> None:
         """The scheduler, once every engine has reported (node names, page and block sizes)."""
         engines = self.prefills + self.decodes
-        nodes = sorted({self._report(e)["node"] for e in engines})
+        self.built_nodes = {e.url: self._report(e)["node"] for e in engines}
+        nodes = sorted(set(self.built_nodes.values()))
         self.node_ids = {n: i for i, n in enumerate(nodes)}
         any_report = next(iter(self.reports.values()))
         page_tokens, block_tokens = any_report["page_size"], any_report["kv_block_size"]
@@ -189,9 +191,12 @@ class Placement:
 
     def on_load(self, engine, report: dict) -> None:
         self.reports[engine.url] = report
-        if self.scheduler is None or report["node"] not in self.node_ids:
-            # First build, or an engine we had never heard from (or one restarted on another node):
-            # rebuild; the scheduler's optimistic state is replaced by the reports anyway.
+        if self.scheduler is None or report["node"] != self.built_nodes.get(engine.url):
+            # First build, or an engine on another node than the scheduler has it: one we had never
+            # heard from (built on a placeholder node: it was down; its node-mates' node may exist
+            # already, and checking only for a new node left it on the placeholder for good, its reads
+            # booked there: a review, 2026-12-04), or one restarted on another node. Rebuild; the
+            # scheduler's optimistic state is replaced by the reports anyway.
             if self.ready():
                 self._build()
                 self._pump()
@@ -257,7 +262,7 @@ class Placement:
         self,
         prompt_ids: list[int] | None,
         prompt_len: int,
-        max_tokens: int,
+        max_tokens: int | None,
         prompt_pieces: list[tuple[bytes, int]] | None = None,
         name: tuple[str, ...] = (),
         num_choices: int = 1,
@@ -266,7 +271,11 @@ class Placement:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
         A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate; hits
         are estimated among the prompts of the same `cache_salt` only (the engines' keys are salted).
-        `num_choices` > 1: the first of that many choices of one prompt (`PendingRequest.num_choices`)."""
+        `num_choices` > 1: the first of that many choices of one prompt (`PendingRequest.num_choices`).
+        `max_tokens` None (the client sent none): the engines' default, which they lower to the room the
+        prompt leaves, so it never refuses a prompt that fits; DEFAULT_PLACEMENT_TOKENS of growth are
+        reserved, as far as the largest live decode holds them (it was refused as "prompt +
+        max_tokens = ... tokens" for a max_tokens the client never sent: a review, 2026-12-04)."""
         if self.scheduler is None:  # (just started: the first reports are a poll or two away)
             deadline = time.monotonic() + FIRST_REPORTS_WAIT_S
             while self.scheduler is None and time.monotonic() < deadline:
@@ -276,23 +285,33 @@ class Placement:
         self._check_live()
         page_tokens = self.scheduler.config.page_tokens
         # (as the engines count: the last token sampled is never computed, so it holds no KV)
-        need_pages = -(-(prompt_len + max_tokens - 1) // page_tokens)
+        num_tokens = prompt_len + (DEFAULT_PLACEMENT_TOKENS if max_tokens is None else max_tokens)
+        need_pages = -(-(num_tokens - 1) // page_tokens)
         biggest = max(self._report(e)["num_total_pages"] for e in self.decodes)
+        what = (
+            f"prompt + max_tokens = {num_tokens} tokens " if max_tokens else f"prompt = {prompt_len} tokens "
+        )
+        if max_tokens is None:  # (a default growth: as much as fits, the prompt's own pages at least)
+            prompt_pages = -(-prompt_len // page_tokens)
+            need_pages = max(prompt_pages, min(need_pages, self._biggest_live_decode() or biggest))
+            num_tokens = min(num_tokens, need_pages * page_tokens + 1)
         if need_pages > biggest:
             raise PlacementError(
-                f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs {need_pages} KV pages; "
-                f"the largest decode engine has {biggest}"
+                f"{what}needs {need_pages} KV pages; the largest decode engine has {biggest}"
             )
         if need_pages > self._biggest_live_decode():  # (it waited to the queue timeout; then a 400)
-            raise _only_down_decodes(need_pages, f"prompt + max_tokens = {prompt_len + max_tokens} tokens ")
+            raise _only_down_decodes(need_pages, what)
         if prompt_ids:
             hits = self.index.hit_tokens_then_record(prompt_ids, cache_salt)
         elif prompt_pieces:
             hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len, cache_salt)
         else:
             hits = 0
+        # (its decode tokens as the engines count its slots: the last token sampled holds no KV; with
+        # all `num_tokens`, one that filled a decode's pool exactly never fit, and waited to the queue
+        # timeout)
         pending = PendingRequest(
-            next(self._ids), hits, max(1, prompt_len - hits), prompt_len + max_tokens, num_choices
+            next(self._ids), hits, max(1, prompt_len - hits), num_tokens - 1, num_choices
         )
         waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), need_pages, name)
         self.queue.append(waiting)

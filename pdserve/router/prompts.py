@@ -109,8 +109,8 @@ def completion_view(path: str, body: dict) -> dict:
 def requested_max_tokens(path: str, body: dict) -> int | None:
     """The client's output-token limit as the engines read it (chat: `max_completion_tokens` wins over
     `max_tokens`; /generate: its sampling_params' `max_new_tokens`, or ours, `max_tokens`); None when
-    absent. ValueError unless it is a positive JSON integer, or 0 on a completion with `echo` (the
-    engines' scoring form: the prompt alone, computed with one token that is dropped)."""
+    absent. ValueError unless it is a positive JSON integer, or 0 on a completion with `echo` or on
+    /generate (the engines' scoring forms: the prompt alone, computed with one token that is dropped)."""
     keys = ("max_completion_tokens", "max_tokens") if path.endswith("/chat/completions") else ("max_tokens",)
     if (
         path.endswith("/v1/completions")
@@ -122,6 +122,8 @@ def requested_max_tokens(path: str, body: dict) -> int | None:
     if path == "/generate":
         sp = body.get("sampling_params")
         body, keys = (sp if isinstance(sp, dict) else {}), ("max_new_tokens", "max_tokens")
+        if type(body.get("max_new_tokens")) is int and body["max_new_tokens"] == 0:
+            return 1  # (SGLang's scoring form: the prompt's logprobs alone; the engines run one token)
     for key in keys:
         value = body.get(key)
         if value is None:
