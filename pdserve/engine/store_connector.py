@@ -195,7 +195,10 @@ class StoreConnector:
             or store.layout.block_nbytes != self.layout.block_nbytes
         ):
             raise ValueError("a store of another block layout")  # (only the model identity may change)
-        self.flush(flush_timeout_s)
+        if not self.flush(flush_timeout_s):  # (the disk is hung: those land in the old store, or never)
+            log.warning(
+                "kv store: write-backs still queued for the old weights' store after %.0f s", flush_timeout_s
+            )
         self.store, self.layout = store, store.layout
         self.root = store_root_key(self.layout.fingerprint)
 

@@ -332,6 +332,24 @@ class KVBlockStore:
                 self._unlink_quiet(tmp)
 
     @staticmethod
+    def _read_all(fd: int, views: list[memoryview]) -> int:
+        """preadv into `views` from offset 0 until they are full or the file ends; the bytes read. A
+        short read is not the end of the file on every filesystem (NFS may return one): read as
+        truncated, a good block would be deleted."""
+        total = 0
+        while views:
+            n = os.preadv(fd, views, total)
+            if n <= 0:
+                break
+            total += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        return total
+
+    @staticmethod
     def _write_all(fd: int, bufs: list) -> None:
         views = [memoryview(b).cast("B") for b in bufs]
         while views:
@@ -444,7 +462,7 @@ class KVBlockStore:
         try:
             header = bytearray(HEADER_NBYTES)
             rule = self._read_fault() if faults.ENABLED else None
-            n = os.preadv(fd, [header, view], 0)
+            n = self._read_all(fd, [memoryview(header), memoryview(view).cast("B")])
             if rule is not None and rule.action == "corrupt" and view.size:
                 view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
             status = "truncated" if n != self.file_nbytes else self._verify(key, header, view)
