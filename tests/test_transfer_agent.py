@@ -403,3 +403,48 @@ def test_a_submit_racing_close_is_reported_or_refused():
     assert "error" not in result
     reported = _wait(agent.poll_completions, timeout_s=2.0)
     assert reported == [(result["id"], TransferStatus.FAILED)], reported
+
+
+def test_the_agent_reports_everything_and_closes_its_backend_when_its_links_close_under_it(monkeypatch):
+    """PDContext.close closed the emulated links after `agent.close()`, whose join times out while a
+    release waits (NIXL: up to 30 s for a copy); the agent thread then raised in its shutdown (a closed
+    link), never reported the transfer crossing the link and never closed its backend (NIXL memory left
+    registered; a review, 2026-12-04)."""
+    import tempfile
+
+    from pdserve.netem.traffic import NodeConfig, TrafficManager
+    from pdserve.transfer.fake_backend import FakeBackend
+
+    recv = FakeBackend("cl-recv")
+    recv.register([(0, 1 << 30)])
+    agent = TransferAgent("fake", "cl-send", [(0, 1 << 30)], delay_s=5.0)
+    agent.add_peer("cl-recv", b"cl-recv")
+    agent.metadata()
+    closed = []
+    release, close = FakeBackend.release, FakeBackend.close
+
+    def slow_release(self, handle):  # (as NIXL's, waiting for a copy)
+        time.sleep(1.0)
+        release(self, handle)
+
+    def recording_close(self):
+        closed.append(self.agent_name)
+        close(self)
+
+    monkeypatch.setattr(FakeBackend, "release", slow_release)
+    monkeypatch.setattr(FakeBackend, "close", recording_close)
+    in_backend = agent.submit("cl-recv", [(0, 10)], [(0, 10)], b"a")
+    time.sleep(0.05)
+    traffic = TrafficManager(
+        NodeConfig(node="n", node_dir=tempfile.mkdtemp(), cnic_bytes_per_s=1e6, engine="e")
+    )
+    agent.traffic = traffic
+    crossing = agent.submit("cl-recv", [(0, 10_000_000)], [(0, 10_000_000)], b"b")  # 10 s on the link
+    time.sleep(0.05)
+    agent.close(timeout_s=0.2)  # (the join times out ...)
+    traffic.close()  # (... and the links close under the running thread)
+    reported = _wait(agent.poll_completions, timeout_s=5.0, until=lambda acc: len(acc) == 2)
+    recv.close()
+    assert "cl-send" in closed
+    assert {t for t, _ in reported} == {in_backend, crossing}
+    assert all(status == TransferStatus.FAILED for _, status in reported)

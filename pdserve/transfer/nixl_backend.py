@@ -287,12 +287,8 @@ class NixlBackend(TransferBackend):
         xfer = self._xfers.pop(handle, None)
         if xfer is None:
             return
-        try:
-            xfer.release()  # cancels an in-flight transfer if the backend can
-            return
-        except Exception as e:
-            log.info("nixl: cannot cancel transfer %d (%r); waiting for it to end", handle, e)
-        # Invariant of release(): no bytes land after we return -> wait until the copy is over.
+        # NIXL's UCX release "succeeds" on an in-flight transfer but cannot stop posted puts: wait
+        # for the copy to end first (invariant of release(): no bytes land after we return).
         deadline = time.monotonic() + RELEASE_WAIT_S
         while time.monotonic() < deadline:
             try:
