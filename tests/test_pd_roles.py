@@ -2389,3 +2389,85 @@ def test_a_late_failure_or_router_abort_of_a_room_that_succeeded_changes_nothing
     assert [list(o.outputs[0].token_ids) for o in finished()] == [list(ref[0].outputs[0].token_ids)] * 2
     assert p.pe_role.failures == failures
     p.assert_clean()
+
+
+# ---- a review of the PD protocol (2026-12-04, evening) -------------------------------------------------
+def test_the_inflight_gauge_counts_a_transferring_room_once(make_pair):
+    """`inflight` added the Transferring rooms and the rooms with writes in flight: a Transferring room
+    with a write in flight, the ordinary case, counted twice."""
+    p = make_pair(pe_budget=8, pe_backend={"delay_s": 2.0})
+    room = p.submit_both(prompt(30), 8, "q")
+    p.drive(lambda: len(p.submits) >= 1)
+    assert p.pe_role.by_room[room].in_flight and p.pe_role.rooms.state(room) == KVState.Transferring
+    assert p.pe_role.queue_sizes() == {"bootstrap": 0, "waiting": 0, "inflight": 1}
+
+
+def test_a_failed_room_waiting_for_its_writes_is_not_load_to_compute(make_pair):
+    """A room that failed after token 1 with writes still in flight: its request is freed (computed
+    tokens back to 0), and `/pd/load` reported its whole prompt as tokens to compute, and the room as a
+    sequence, until it was reaped: placement kept away from an idle prefill."""
+    from pdserve.engine.pd_load import load_report
+
+    p = make_pair(pe_budget=64, pe_backend={"delay_s": 2.0})
+    room = p.submit_both(prompt(30), 8, "ld")
+    p.drive(lambda: p.pe_role.by_room[room].sent_last)  # token 1 out, writes in flight
+    before = load_report(p.pe_role, "n")
+    p.pe_role.abort("ld", client_abort=True)
+    assert p.pe_role.by_room[room].in_flight and p.pe_role.rooms.state(room) == KVState.Failed
+    after = load_report(p.pe_role, "n")
+    assert (before.num_seqs, before.num_tokens) == (1, 0)
+    assert (after.num_seqs, after.num_tokens) == (0, 0)
+
+
+def test_a_room_started_from_an_early_kv_request_lives_from_that_request(make_pair):
+    """The decode's KVRequest beat the router's request (parked up to a deadline); the decode's abort
+    right after it was lost, so the decode's lease ran from then. The room's life (its writes' expiry
+    in the agent, which holds while the prefill's engine thread is stalled) counted from the router's
+    request: up to a deadline after the lease, a write was still in flight into pages the decode had
+    freed. It now counts from the KVRequest."""
+    p = make_pair(fake_clocks=True, pe_budget=8, pe_backend={"delay_s": 60.0})
+    lost = _lossy(p.de_control, lambda body, lost: isinstance(body, Abort))
+    room = new_room()
+    preq, dreq = p.requests(prompt(30), 8, "early", room)
+    p.de_role.add(dreq, None)
+    p.drive(lambda: room in p.pe_role.early)  # the KVRequest is parked on the prefill
+    p.de_role.abort("early", client_abort=True)  # its Abort is lost: the lease runs from here
+    assert lost and room in p.de_role.releasing
+    dt = DEADLINE_S - 0.01  # the router's request arrives just inside the parked bound
+    p.pe_clock.advance(dt)
+    p.de_clock.advance(dt)
+    p.pe_role.add(preq, None)
+    p.drive(lambda: len(p.submits) >= 1, decode=False)
+    assert p.pe_role.by_room[room].in_flight
+    remaining = p.config.lease_s - dt + 0.01  # the prefill's engine thread stalls from here
+    p.pe_clock.advance(remaining)
+    p.de_clock.advance(remaining)
+    p.turn(prefill=False)
+    assert room not in p.de_role.releasing  # the decode's lease is over: pages freed
+    stats = p.pe_agent.stats
+
+    def alive() -> int:
+        return stats.transfers_submitted - stats.transfers_done - stats.transfers_failed
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:  # (the agent's thread reads its clock)
+        time.sleep(0.01)
+    assert alive() == 0, "a write of the room is still in flight after the decode freed its pages"
+
+
+def test_a_weight_update_after_the_wall_clock_stepped_back_registers_a_newer_route(ckpt, monkeypatch):
+    """The bootstrap route's epoch was the wall clock: after an NTP step back the route a weight update
+    registers was "not newer" (StaleRoute), and the update ended as weights lost."""
+    import pdserve.server.pd_context as pd_context
+
+    engine = make_engine(ckpt)
+    config = PDConfig(cluster_secret=b"s", transfer_backend="fake", bootstrap_port=0)
+    ctx = pd_context.PDContext(engine, "prefill", config)
+    try:
+        first = ctx._route_epoch
+        now_ns = time.time_ns()
+        monkeypatch.setattr(pd_context.time, "time_ns", lambda: now_ns - 60 * 10**9)  # stepped back 60 s
+        ctx.on_new_weights("other-weights")
+        assert ctx._route_epoch == first + 1
+    finally:
+        ctx.close()

@@ -25,6 +25,8 @@ import time
 
 import msgspec
 
+from pdserve.disagg.state import TERMINAL
+
 
 class LoadReport(msgspec.Struct, forbid_unknown_fields=True):
     role: str
@@ -59,6 +61,14 @@ def _pending_read_tokens(rooms, block_size: int) -> int:
     return sum(num_blocks_by_read.values()) * block_size
 
 
+def _computing(role, room: int) -> bool:
+    """A prefill room not yet ended (read off the engine thread: one removed meanwhile is not)."""
+    try:
+        return role.rooms.state(room) not in TERMINAL
+    except KeyError:  # (UnknownRoom)
+        return False
+
+
 def load_report(role, node: str, traffic=None) -> LoadReport:
     """The report of a `PrefillRole` or `DecodeRole` (duck-typed on `role.by_room`)."""
     engine = role.engine
@@ -73,7 +83,10 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
     pool = engine.kv.pool
     planned = 0
     if hasattr(role, "by_room"):  # prefill
-        rooms = list(role.by_room.values())
+        # (rooms that ended -- failed, or succeeded -- and wait only for their writes to settle have
+        # nothing left to compute: a failed one's freed request read as its whole prompt to compute,
+        # and placement kept away from a prefill with nothing to do; a review, 2026-12-04)
+        rooms = [pr for room, pr in list(role.by_room.items()) if _computing(role, room)]
         reqs = [pr.req for pr in rooms]
         num_seqs = len(rooms)
         num_tokens = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs)

@@ -158,12 +158,16 @@ class PrefillRole(PDRoleBase, EngineRole):
             self.rooms.fail(room, "duplicate request id")
             self.rooms.remove(room)
             raise
-        pr = PrefillRoom(room, req, created_s=self.rooms.now())
+        early = self.early.pop(room, None)
+        # Its life (the agent's expiry of its writes) counts from the decode's KVRequest when that came
+        # first: the decode's lease does. From the router's request, parked up to a deadline later, a
+        # stalled thread's writes could outlive the lease into freed pages (a review, 2026-12-04).
+        created_s = self.rooms.now() if early is None else early[0]
+        pr = PrefillRoom(room, req, created_s=created_s)
         self.by_room[room] = pr
         self.by_request[req.request_id] = room
         if req.read_path == "pe" and self.store is not None:
             self._start_store_read(pr)
-        early = self.early.pop(room, None)
         if early is not None:
             self._on_kv_request(room, early[1], early[2])
 
@@ -233,10 +237,13 @@ class PrefillRole(PDRoleBase, EngineRole):
         heard) and never while an abandoned pull may still read from a decode (it has no room)."""
         if self.abandoned_reads or (now := self.peer_gc_due()) is None:
             return
-        in_use = {id(pr.peer) for pr in self.by_room.values() if pr.peer is not None}
+        # By agent name: a renewed registration replaces the peer's entry, and a room started before
+        # it holds the old one, so an identity check left the new entry unprotected under that room's
+        # writes (a review, 2026-12-04: reachable with peer_idle_s below a room's life).
+        in_use = {pr.peer.agent_name for pr in self.by_room.values() if pr.peer is not None}
         for table in (self.peers, self.stale_peers):
             for sender, peer in list(table.items()):
-                if now - peer.heard_s > self.config.peer_idle_s and id(peer) not in in_use:
+                if now - peer.heard_s > self.config.peer_idle_s and peer.agent_name not in in_use:
                     del table[sender]
                     self.num_peers_forgotten += 1
                     left = (*self.peers.values(), *self.stale_peers.values())
@@ -772,7 +779,13 @@ class PrefillRole(PDRoleBase, EngineRole):
         return {
             "bootstrap": counts[KVState.Bootstrapping],
             "waiting": counts[KVState.WaitingForInput],
-            "inflight": counts[KVState.Transferring] + sum(1 for p in self.by_room.values() if p.in_flight),
+            # (Transferring rooms, and ended ones whose writes are still in flight: once each)
+            "inflight": counts[KVState.Transferring]
+            + sum(
+                1
+                for room, p in self.by_room.items()
+                if p.in_flight and self.rooms.state(room) != KVState.Transferring
+            ),
         }
 
     def check_integrity(self) -> None:

@@ -49,6 +49,7 @@ class PDContext:
             raise ValueError(f"PD role must be prefill or decode, got {role_name!r}")
         self.role_name = role_name
         self.config = config
+        self._route_epoch = 0  # the epoch of this engine's last bootstrap route (`_register_route`)
         name = f"{role_name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.name = name
         self.control = ControlChannel(host, config.cluster_secret, name)
@@ -112,6 +113,10 @@ class PDContext:
 
     def _register_route(self, fingerprint: str) -> None:
         layout = self.engine.runner.kv_cache.layout
+        # Strictly newer than the last, whatever the wall clock did: an NTP step back made the route
+        # after a weight update "not newer" (StaleRoute), and the update ended as weights lost (a
+        # review, 2026-12-04). (Wall time still: a restarted engine's first route must be newer too.)
+        self._route_epoch = max(time.time_ns(), self._route_epoch + 1)
         self.bootstrap.register_local(
             bootstrap.RankRoute(
                 rank=0,
@@ -120,7 +125,7 @@ class PDContext:
                 layout_fingerprint=fingerprint,
                 page_size=layout.page_size,
                 kv_dtype=layout.dtype,
-                epoch=time.time_ns(),
+                epoch=self._route_epoch,
                 engine_name=self.name,
             )
         )
