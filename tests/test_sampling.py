@@ -151,6 +151,8 @@ def test_logprobs_beyond_the_vocabulary_and_stop_strings_without_a_tokenizer_are
     with pytest.raises(InvalidRequest, match="vocabulary of 16"):
         engine.make_request([5, 6], SamplingParams(logprobs=17))
     assert engine.make_request([5, 6], SamplingParams(logprobs=16)).sampling_params.logprobs == 16
+    with pytest.raises(InvalidRequest, match="prompt_logprobs=17 exceeds the vocabulary of 16"):
+        engine.make_request([5, 6], SamplingParams(prompt_logprobs=17))  # (it crashed the step too)
     with pytest.raises(InvalidRequest, match="tokenizer"):
         engine.make_request([5, 6], SamplingParams(stop=["\n"]))
     assert engine.make_request([5, 6], SamplingParams(stop_token_ids=[3])).sampling_params.stop_token_ids == [
@@ -295,3 +297,39 @@ def test_outputs_in_input_order_with_per_prompt_params(llm):
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in (3, 9, 5)])
     assert [o.prompt for o in outs] == prompts
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 5]
+
+
+def _history(prompt_ids, output_ids=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        prompt_token_ids=list(prompt_ids),
+        output_token_ids=list(output_ids),
+        eos_token_ids=(1,),
+        prompt_unique_ids=None,
+        grammar=None,
+    )
+
+
+def test_a_huge_temperature_is_a_uniform_draw_that_keeps_banned_tokens_out():
+    """1e39 is finite for SamplingParams and inf in float32: -inf (a banned token: min_tokens' EOS, a
+    grammar's mask) / inf was NaN, the whole row NaN, and the draw always token 0 (a review,
+    2026-12-04). Now a near-uniform draw over the allowed tokens."""
+    from pdserve.model.sampler import Sampler
+
+    sampler = Sampler("cpu", 0)
+    logits = torch.tensor([[1.0, 5.0, 2.0, 0.5, 0.0, 0.0]])
+    params = SamplingParams(temperature=1e39, min_tokens=1)  # bans EOS, id 1
+    picks = {sampler(logits.clone(), [params], [None], [_history([2])]).token_ids[0] for _ in range(60)}
+    assert 1 not in picks and len(picks) >= 3
+
+
+def test_a_huge_repetition_penalty_keeps_the_argmax():
+    """A seen token whose logit is exactly 0, times a penalty of 1e39 (inf in float32), was NaN, and
+    greedy picked it."""
+    from pdserve.model.sampler import Sampler
+
+    sampler = Sampler("cpu", 0)
+    logits = torch.tensor([[1.0, 5.0, 2.0, 0.0, -1.0, 0.5]])  # token 3, seen in the prompt, has logit 0
+    params = SamplingParams(temperature=0, repetition_penalty=1e39)
+    assert sampler(logits.clone(), [params], [None], [_history([3, 4])]).token_ids == [1]

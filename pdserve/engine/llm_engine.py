@@ -204,6 +204,10 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary of {vocab} tokens")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:  # (topk inside a step)
+            raise InvalidRequest(
+                f"prompt_logprobs={params.prompt_logprobs} exceeds the vocabulary of {vocab} tokens"
+            )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(
                 f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary of {vocab}"

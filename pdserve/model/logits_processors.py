@@ -124,11 +124,12 @@ def apply(logits: torch.Tensor, params: list[SamplingParams], histories: list[To
         vals = logits[r_idx, t_idx]
         # A tiny r (found by the HTTP fuzzing: 5e-324) is 0 in float32, making -inf * r NaN, and sends
         # positive logits to +inf, softmax to NaN: r is kept >= the smallest normal float, the
-        # quotient <= the largest.
+        # quotient <= the largest. A huge one (1e39) is inf in float32, and a seen token's logit 0
+        # times it NaN, which greedy picked (a review, 2026-12-04): r <= the largest float too.
         finfo = torch.finfo(logits.dtype)
-        r = r.clamp(min=finfo.tiny)
+        r = r.clamp(min=finfo.tiny, max=finfo.max)
         divided = (vals / r).clamp_(max=finfo.max)
-        logits[r_idx, t_idx] = torch.where(vals > 0, divided, vals * r)
+        logits[r_idx, t_idx] = torch.where(vals > 0, divided, vals * r)  # (-inf, a ban, stays -inf)
     out_rows = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
     if out_rows:
         uniq = [_counts(histories[i].output_token_ids) for i in out_rows]

@@ -96,7 +96,9 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     neighbours in the batch (seeded sampling stays batch-independent, bit for bit). Top-k keeps every
     token tied with the k-th logit, as vLLM does."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    # (a temperature finite for SamplingParams, 1e39, is inf in float32, and -inf / inf (a banned token)
+    # NaN: the whole row's draw was token 0, a token the request may forbid; a review, 2026-12-04)
+    logits = logits / temps.clamp(max=torch.finfo(logits.dtype).max)[:, None]
     vocab = logits.shape[-1]
     if any(p.min_p > 0 for p in params):
         # Drop tokens less likely than min_p x the most likely one (min_p = 0: nothing is below 0).
