@@ -93,6 +93,13 @@ class ModelConfig:
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
         arch = archs[0]
+        if raw.get("quantization_config"):  # (its scale tensors would be refused one by one, later)
+            method = (
+                raw["quantization_config"].get("quant_method", "?")
+                if isinstance(raw["quantization_config"], dict)
+                else "?"
+            )
+            raise ConfigError(f"quantized checkpoints ({method}) are not supported: use unquantized weights")
         traits = arch_traits(arch)
         raw = dict(traits.config_defaults) | raw
         num_heads = raw["num_attention_heads"]
@@ -176,11 +183,14 @@ def _rope(raw: dict) -> RopeConfig:
     # rope_scaling at the top level. A `rope_scaling` block is the whole RoPE config, as transformers
     # reads it, also beside `rope_parameters` (what model cards tell users to add for a longer
     # context: merged key by key, the saved "rope_type": "default" won and the scaling was silently
-    # dropped, a YaRN block included). Theta: the block's, else the top level's, else the saved one.
+    # dropped, a YaRN block included). Theta: the block's, else the top level's, else 10,000 -- with a
+    # `rope_scaling` block, transformers drops the saved `rope_parameters` (its theta with it); reading
+    # that theta here computed other logits than HF's (a review, 2026-12-04). So a block added to a
+    # v5 config must carry its model's rope_theta.
     saved = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = dict(scaling) if scaling else saved
-    theta = params.get("rope_theta", raw.get("rope_theta", saved.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")

@@ -7,18 +7,39 @@ with a sandboxed jinja2 environment configured the way HF renders them.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 SPACE_MARKER = "\u2581"  # SentencePiece's "▁": a piece's leading space
+# tokenizer_config keys of special tokens given to chat templates beside bos_token and eos_token
+SPECIAL_TOKEN_KEYS = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 DECODE_CONTEXT_TOKENS = 5  # prompt tokens an output is decoded after (vLLM: 5)
 
 
 class TokenizerError(ValueError):
     pass
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`, which training templates wrap the assistant's part in
+    (transformers marks it for its assistant-token mask): rendered as its body. Unknown, the template
+    did not compile and every chat request was a 400."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
 
 
 def _token_text(value) -> str | None:
@@ -36,16 +57,33 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        # Chat templates by name, as transformers reads them: tokenizer_config's (one, or a list of named
+        # ones), then `chat_template.jinja`, which replaces the default (it used to lose to the
+        # config's), then `additional_chat_templates/<name>.jinja`. A request with tools renders
+        # "tool_use" when there is one (Hermes-2-Pro's), else "default".
+        self.chat_templates: dict[str, str] = {}
         template = cfg.get("chat_template")
-        tmpl_file = model_dir / "chat_template.jinja"
-        if template is None and tmpl_file.is_file():
-            template = tmpl_file.read_text()
-        if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
-        self._template = None  # compiled on first use (_compiled_template)
+        if isinstance(template, list):
+            self.chat_templates = {
+                t["name"]: t["template"]
+                for t in template
+                if isinstance(t, dict) and {"name", "template"} <= set(t)
+            }
+        elif isinstance(template, str):
+            self.chat_templates["default"] = template
+        if (model_dir / "chat_template.jinja").is_file():
+            self.chat_templates["default"] = (model_dir / "chat_template.jinja").read_text()
+        extra = model_dir / "additional_chat_templates"
+        if extra.is_dir():
+            for f in sorted(extra.glob("*.jinja")):
+                self.chat_templates[f.stem] = f.read_text()
+        self._compiled: dict[str, jinja2.Template] = {}  # by name, compiled on first use
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
+        # The other special tokens a template may name (transformers passes its special-tokens map)
+        self.special_tokens = {
+            key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(cfg.get(key))) is not None
+        }
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
@@ -155,23 +193,44 @@ class Tokenizer:
         # (a decoder whose text of the context changes with what follows: the output alone)
         return full[len(head) :] if full.startswith(head) else self.decode(token_ids, skip_special_tokens)
 
-    def _compiled_template(self):
-        """The chat template, compiled once (compiling took ~6.5 ms per request for Qwen2.5's, with the
-        GIL held; rendering a compiled one ~0.05 ms). A race of two first callers compiles it twice."""
-        if self._template is None:
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (None: the model has none)."""
+        return self.chat_templates.get("default")
+
+    def set_chat_template(self, text: str | None, name: str = "default") -> None:
+        """Replace (or, with None, remove) a named chat template."""
+        if text is None:
+            self.chat_templates.pop(name, None)
+        else:
+            self.chat_templates[name] = text
+        self._compiled.pop(name, None)
+
+    def _compiled_template(self, name: str = "default"):
+        """A chat template, compiled once (compiling took ~6.5 ms per request for Qwen2.5's, with the
+        GIL held; rendering a compiled one ~0.05 ms). A race of two first callers compiles it twice.
+        The environment is transformers': its `tojson` (with `json.dumps`' options), the `generation`
+        tag of training templates, `raise_exception` and `strftime_now` (Llama 3.2's templates write
+        today's date with it, and a fixed one without)."""
+        compiled = self._compiled.get(name)
+        if compiled is None:
             env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
             )
 
             def raise_exception(message):
                 raise TokenizerError(f"chat template error: {message}")
 
+            def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                return json.dumps(
+                    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+                )
+
             env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent
-            )
-            self._template = env.from_string(self.chat_template)
-        return self._template
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = tojson
+            compiled = self._compiled[name] = env.from_string(self.chat_templates[name])
+        return compiled
 
     def apply_chat_template(
         self,
@@ -186,9 +245,11 @@ class Tokenizer:
         retrieval-augmented templates). `template_kwargs`: more variables
         for the template (the request's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); they
         cannot replace the ones above (TokenizerError)."""
-        if not self.chat_template:
+        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
+        if not self.chat_templates.get(name):
             raise TokenizerError("this model has no chat template; use /v1/completions")
         fixed = {
+            **self.special_tokens,
             "messages": messages,
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
@@ -201,7 +262,7 @@ class Tokenizer:
         if taken:
             raise TokenizerError(f"chat_template_kwargs may not set {taken}: give them as request fields")
         try:
-            return self._compiled_template().render(**(template_kwargs or {}), **fixed)
+            return self._compiled_template(name).render(**(template_kwargs or {}), **fixed)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from e
 

@@ -24,12 +24,12 @@ THINK_TEMPLATE = (
 @contextlib.contextmanager
 def template(engine, text):
     tok = engine.tokenizer
-    old = tok.chat_template, tok._template
-    tok.chat_template, tok._template = text, None
+    old = tok.chat_template
+    tok.set_chat_template(text)
     try:
         yield
     finally:
-        tok.chat_template, tok._template = old
+        tok.set_chat_template(old)
 
 
 def test_chat_template_kwargs_reach_the_template(demo_engine):

@@ -207,3 +207,66 @@ def test_unsupported_architecture_error_does_not_call_it_a_wrong_type(tmp_path):
     with pytest.raises(ConfigError, match="not supported") as e:
         ModelConfig.from_dir(tmp_path)
     assert "wrong type" not in str(e.value), str(e.value)
+
+
+# ---- a review of model loading (2026-12-04, evening) ------------------------------------------------
+
+
+def test_rope_scaling_beside_a_saved_theta_takes_transformers_theta(tmp_path):
+    """A v5 config (theta 1e6 inside `rope_parameters`) with a `rope_scaling` block added: transformers
+    drops the saved block, theta with it, and uses the top level's or 10,000. We took the saved 1e6:
+    greedy tokens and logprobs (2.15 off) other than HF's."""
+    tiny_hf_model("qwen3", seed=5).save_pretrained(tmp_path)
+
+    def edit(c):
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+        c["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+        c.pop("rope_theta", None)
+
+    _edit_config(tmp_path, edit)
+    ours, ref, err = _ours_vs_hf(tmp_path, _hf_from_dir(tmp_path), _prompt(120))
+    assert err < 1e-4 and ours == ref
+
+
+def test_a_tied_config_with_a_distinct_lm_head_is_refused_and_an_equal_one_loads(tmp_path):
+    """tie_word_embeddings true, and the checkpoint holds an lm_head.weight that is not the embedding:
+    transformers unties them and uses that head; the head was dropped here without a word (every
+    logit other than HF's). Now a CheckpointError says to fix the config; an equal head (some
+    checkpoints store both) loads as before and matches HF."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve import LLM
+    from pdserve.model.loader import CheckpointError
+
+    tiny_hf_model("qwen2", seed=11, tie=True).save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ours, ref, err = _ours_vs_hf(tmp_path, _hf_from_dir(tmp_path), _prompt(40))
+    assert err < 1e-4 and ours == ref
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"])
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="set tie_word_embeddings to false"):
+        LLM(str(tmp_path), dtype="float32", num_pages=16, max_model_len=64)
+
+
+def test_quantized_checkpoints_are_refused_with_a_clear_error(tmp_path):
+    """A quantization_config loaded until its first scale tensor, a raw KeyError for a fused
+    projection's (`q_proj.weight_scale`)."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve import LLM
+    from pdserve.config import ConfigError
+    from pdserve.model.loader import CheckpointError
+
+    tiny_hf_model("llama", seed=1).save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(1)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.weight_scale'"
+    ):
+        LLM(str(tmp_path), dtype="float32", num_pages=16, max_model_len=64)
+    _edit_config(tmp_path, lambda c: c.update(quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ConfigError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        LLM(str(tmp_path), dtype="float32", num_pages=16, max_model_len=64)

@@ -123,3 +123,68 @@ def test_the_chat_template_is_compiled_once(byte_level, monkeypatch):
     first = byte_level.apply_chat_template(messages)
     assert byte_level.apply_chat_template(messages) == first and "hi" in first
     assert len(compiled) == 1
+
+
+# ---- chat templates as transformers renders them (a review, 2026-12-04) ----------------------------------
+def _template_dir(tmp_path, **config):
+    """A small byte-level BPE tokenizer with `config` in its tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>", "<|pad|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["hello world the quick brown fox"] * 50, trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    base = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(base | config))
+    return tmp_path
+
+
+def _ours_and_hf(path, tools=None) -> tuple[str, str]:
+    import transformers
+
+    messages = [{"role": "user", "content": "hello"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(path))
+    ref = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return Tokenizer(path).apply_chat_template(messages, tools=tools), ref
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(
+    ("config", "jinja_file", "tools"),
+    [
+        # Llama 3.2's templates write today's date with strftime_now (a fixed 26 Jul 2024 without it)
+        (
+            {
+                "chat_template": '{%- if strftime_now is defined %}{%- set d = strftime_now("%d %b %Y") %}'
+                '{%- else %}{%- set d = "26 Jul 2024" %}{%- endif %}Today Date: {{ d }}'
+            },
+            None,
+            None,
+        ),
+        ({"chat_template": "OLD"}, "NEW", None),  # chat_template.jinja wins (it lost to the config's)
+        # training templates' {% generation %} tag (it did not compile: every chat request a 400)
+        ({"chat_template": "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"}, None, None),
+        # named templates: "tool_use" with tools (Hermes-2-Pro's), "default" without
+        ({"chat_template": [{"name": "default", "template": "DEFAULT"}, {"name": "tool_use", "template": "TOOLS"}]}, None, [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ({"chat_template": [{"name": "default", "template": "DEFAULT"}, {"name": "tool_use", "template": "TOOLS"}]}, None, None),
+        # tojson's json.dumps options, and the other special tokens (pad_token, ...)
+        ({"chat_template": "{{ messages | tojson(sort_keys=True, separators=(',', ':')) }}[{{ pad_token }}]", "pad_token": "<|pad|>"}, None, None),
+    ],
+    ids=["strftime_now", "jinja_file_wins", "generation_tag", "tool_use", "default_without_tools", "tojson_and_pad"],
+)  # fmt: skip
+def test_chat_templates_render_as_transformers_renders_them(tmp_path, config, jinja_file, tools):
+    path = _template_dir(tmp_path, **config)
+    if jinja_file is not None:
+        (path / "chat_template.jinja").write_text(jinja_file)
+    ours, ref = _ours_and_hf(path, tools)
+    assert ours == ref

@@ -150,9 +150,10 @@ def _entries(model_dir: str | Path, params: dict, cfg: ModelConfig):
                 if target is None:
                     continue
                 name, idx = target
-                if idx is None and name not in params:
+                if name not in params:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # (tied: the embedding is the head)
+                        continue  # (tied: the embedding is the head; `_check_tied_head`)
+                    # (a fused target too: a quantized checkpoint's q_proj.weight_scale was a KeyError)
                     raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}")
                 yield f, hf_name, name, idx
 
@@ -178,6 +179,26 @@ def load_weights_into(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) 
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if cfg.tie_word_embeddings:
+        _check_tied_head(model_dir, params["embed_tokens.weight"])
+
+
+def _check_tied_head(model_dir: str | Path, embedding: torch.Tensor) -> None:
+    """A config that ties the embeddings, with an `lm_head.weight` in the checkpoint that is not the
+    embedding: transformers then unties them and uses that head (warning that the config is wrong);
+    the head was dropped here without a word, and every logit differed from HF's (a review,
+    2026-12-04). CheckpointError, saying what to change."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if "lm_head.weight" in f.keys():
+                head = f.get_tensor("lm_head.weight").to(embedding.dtype)
+                if tuple(head.shape) != tuple(embedding.shape) or not torch.equal(head, embedding.cpu()):
+                    raise CheckpointError(
+                        "config.json ties the word embeddings (tie_word_embeddings), but the checkpoint's "
+                        "lm_head.weight differs from the embedding; transformers uses that head: set "
+                        "tie_word_embeddings to false"
+                    )
+                return
 
 
 def check_checkpoint(model: CausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
