@@ -215,8 +215,9 @@ def test_a_copy_that_fails_midway_restores_the_old_weights_or_takes_the_engine_o
 
 def test_a_good_checkpoint_after_the_weights_were_lost_brings_the_engine_back(checkpoints, tmp_path):
     """The trainer writes every step over the directory the engine serves. A diverged step (a NaN
-    weight) is refused, and the restore reads the same, now diverged, files and fails: the engine is
-    weights-lost (503s; `/pd/info` says so too, which the router reads). The next good step loaded
+    weight) is refused midway, and the directory it failed to load held the served weights, so nothing
+    is restored from it: the engine is weights-lost (503s; `/pd/info` says so too, which the router
+    reads). The next good step loaded
     every tensor, answered 200 and still left every request a 503 until a restart (a review of weight
     updates); now it clears the state and serves exactly what an engine loaded from it does."""
     a, b, _ = checkpoints
@@ -239,7 +240,7 @@ def test_a_good_checkpoint_after_the_weights_were_lost_brings_the_engine_back(ch
 
     lost, info, refused, recovered, after, health, info_after = run(engine, scenario)
     assert lost.status_code == 503 and refused.status_code == 503
-    assert info["status"] == "weights lost" and "restoring" in info["error"]
+    assert info["status"] == "weights lost" and "it held the served weights" in info["error"]
     assert recovered.status_code == 200, recovered.text
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == greedy_ref(b)
     assert health.status_code == 200 and info_after["status"] == "ok" and engine.weights_lost is None
@@ -328,3 +329,73 @@ def test_a_refused_update_body_carries_sglangs_success_false_and_message(checkpo
     assert [r.status_code for r in answers] == [400, 400, 400]
     for r in answers:
         assert r.json()["success"] is False and r.json()["message"] == r.json()["error"]["message"]
+
+
+# ---- a review of the RL control routes (2026-12-04, evening) -------------------------------------------
+def _lose_every_load(monkeypatch) -> None:
+    """Every load fails midway, after zeroing a parameter: the update's restore fails too."""
+
+    def broken(model, model_dir, cfg):
+        next(model.parameters()).data.zero_()
+        raise OSError("file changed while reading")
+
+    monkeypatch.setattr(loader, "load_weights_into", broken)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_requests_kept_or_held_across_a_pause_never_run_on_lost_weights(checkpoints, monkeypatch, mode):
+    """Paused in place (or retracted), an update fails and its restore too: the engine refused new
+    requests (503) but the kept request and one held by the pause finished as 200s on the broken
+    weights after /continue_generation. The kept one now ends as an abort, the held one a 503."""
+    from tests.conftest import until
+
+    a, b, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+
+    async def scenario(c):
+        kept = asyncio.ensure_future(completion(c, 200))
+        await until(lambda: any(r.num_output_tokens >= 3 for r in engine.requests.values()))
+        await c.post("/pause_generation", json={"mode": mode})
+        held = asyncio.ensure_future(completion(c, 8))  # validated now, waits for the pause to end
+        await until(lambda: c._transport.app.state.engine.num_held >= 1)
+        _lose_every_load(monkeypatch)
+        update = await c.post("/update_weights_from_disk", json={"model_path": b})
+        await c.post("/continue_generation")
+        return update, await kept, await held
+
+    update, kept, held = run(engine, scenario)
+    assert update.status_code == 503
+    assert kept.status_code == 200 and kept.json()["choices"][0]["finish_reason"] == "abort"
+    assert held.status_code == 503 and "inconsistent" in held.json()["error"]["message"]
+
+
+def test_a_failed_load_of_the_served_directory_is_not_restored_from_it(checkpoints, tmp_path, monkeypatch):
+    """A trainer that rewrites one directory each step: the load of its new files failed midway, and the
+    restore read the same directory -- the new files -- then answered "the previous weights are back"
+    while serving the new ones (no update counted). Now the weights are lost (503s) until an update
+    succeeds."""
+    a, b, _ = checkpoints
+    served = shutil.copytree(a, tmp_path / "latest")
+    engine = LLMEngine(EngineConfig.create(str(served), dtype="float32", **KW))
+    real = loader.load_weights_into
+    calls = []
+
+    def fails_once(model, model_dir, cfg):
+        calls.append(model_dir)
+        if len(calls) == 1:
+            next(model.parameters()).data.zero_()
+            raise OSError("file changed while reading")
+        real(model, model_dir, cfg)
+
+    async def scenario(c):
+        shutil.copy(f"{b}/model.safetensors", served / "model.safetensors")  # the trainer's next step
+        monkeypatch.setattr(loader, "load_weights_into", fails_once)
+        failed = await c.post("/update_weights_from_disk", json={"model_path": str(served)})
+        refused = await completion(c)
+        again = await c.post("/update_weights_from_disk", json={"model_path": str(served)})
+        return failed, refused, again, (await completion(c)).json()["choices"][0]["text"]
+
+    failed, refused, again, text = run(engine, scenario)
+    assert failed.status_code == 503 and calls[0] == str(served) and len(calls) == 2  # (no restore)
+    assert refused.status_code == 503
+    assert again.status_code == 200 and text == greedy_ref(b)

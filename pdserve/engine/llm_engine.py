@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 
 from pdserve.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
@@ -234,6 +235,8 @@ class LLMEngine:
     def add(self, req: Request, prompt_text: str | None = None) -> None:
         """Queue a request built by `make_request` (engine thread only)."""
         self._check_awake()  # (checked again: memory may have been released since `make_request`)
+        if self.weights_lost:  # (and the weights lost since: a request held by a pause ran on them)
+            raise WeightsLost(f"this engine's weights are inconsistent: {self.weights_lost}")
         if req.request_id in self.requests:
             raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
         self.requests[req.request_id] = req
@@ -384,12 +387,19 @@ class LLMEngine:
         try:
             loader.load_weights_into(self.runner.model, model_dir, current)
         except Exception as e:
+            if Path(model_dir).resolve() == Path(self.weights_dir).resolve():
+                # A trainer that rewrites one directory: the served weights' files are these new ones
+                # (or half of them); "restored" from there, the engine served them while it answered
+                # that the previous weights were back (a review, 2026-12-04).
+                self._lose_weights(
+                    f"loading {model_dir} failed ({e!r}); it held the served weights", abort, on_abort
+                )
+                raise WeightsLost(self.weights_lost) from e
             try:
                 loader.load_weights_into(self.runner.model, self.weights_dir, current)
             except Exception as e2:
-                self.weights_lost = (
-                    f"loading {model_dir} failed ({e!r}), restoring {self.weights_dir} too ({e2!r})"
-                )
+                why = f"loading {model_dir} failed ({e!r}), restoring {self.weights_dir} too ({e2!r})"
+                self._lose_weights(why, abort, on_abort)
                 raise WeightsLost(self.weights_lost) from e2
             raise CheckpointError(f"loading failed midway ({e!r}); the previous weights are back") from e
         # Every tensor was loaded and checked: weights an earlier failed restore left inconsistent are
@@ -398,6 +408,16 @@ class LLMEngine:
         self.weights_dir = model_dir
         self.num_weight_updates += 1
         return dropped
+
+    def _lose_weights(self, why: str, abort, on_abort) -> None:
+        """The weights are neither the old nor the new ones: refuse requests until an update succeeds,
+        and end those kept across the update (paused in place or retracted), which went on to finish
+        as 200s on them (a review, 2026-12-04)."""
+        self.weights_lost = why
+        for rid in list(self.requests):
+            out = (abort or self.abort)(rid)
+            if out is not None and on_abort is not None:
+                on_abort(out)
 
     # ---- memory given back between rollouts -----------------------------------------------------
     def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS, keep_weights_on_host: bool = False) -> int:
