@@ -152,3 +152,34 @@ def test_offline_llm_sleeps_and_wakes_as_vllms(checkpoints):
     llm.wake_up(["weights"])
     llm.wake_up()
     assert llm.generate(PROMPT, params)[0].outputs[0].token_ids == before
+
+
+def test_a_resume_whose_checkpoint_is_gone_gives_the_memory_back_and_waits_for_an_update(
+    checkpoints, tmp_path
+):
+    """slime keeps only its newest checkpoint: release everything, the trainer deletes the served
+    step, resume the weights -- the reload from disk fails. That resume was a 503, which slime takes
+    as fatal, though SGLang's resume only gives memory back (the next update loads the weights). Now
+    it answers success, says why, and the engine refuses requests until the update (a review,
+    2026-12-04)."""
+    import shutil
+
+    a, b = checkpoints
+    served = shutil.copytree(a, tmp_path / "step1")
+    engine = engine_of(str(served))
+
+    async def scenario(c):
+        await c.post("/release_memory_occupation", json={})
+        shutil.rmtree(served)
+        weights = await c.post("/resume_memory_occupation", json={"tags": ["weights"]})
+        kv = await c.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+        refused = await completion(c, 4)
+        updated = await c.post("/update_weights_from_disk", json={"model_path": b})
+        return weights, kv, refused, updated, await completion(c, 8)
+
+    weights, kv, refused, updated, after = run(engine, scenario)
+    assert weights.status_code == 200 and weights.json()["success"]
+    assert "requests are refused until /update_weights_from_disk" in weights.json()["message"]
+    assert kv.status_code == 200 and refused.status_code == 503
+    assert updated.status_code == 200 and ids_of(after) == greedy_ids(b, PROMPT, 8)
+    engine.check_integrity()

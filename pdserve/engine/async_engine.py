@@ -331,13 +331,21 @@ class AsyncEngine:
         self.release_held()
         self._resumed.set()
 
-    def release_held(self) -> None:
+    @property
+    def pause_seq(self) -> int:
+        """Pauses and resumes so far (a caller's `release_held(since=...)`)."""
+        return self._pause_seq
+
+    def release_held(self, since: int | None = None) -> None:
         """Event-loop thread (`resume`, and a weight update without SGLang's `keep_pause`): the requests
         a pause froze or retracted go on (new ones still wait for `resume()`). Queued behind any hold a
-        pause sent the engine thread before, so it runs after it."""
+        pause sent the engine thread before, so it runs after it. `since` (a `pause_seq`): skipped if
+        a pause or resume came after it -- an update's release, queued once the update ended, undid a
+        pause that arrived during the update (a review, 2026-12-04)."""
 
         def release() -> None:
-            self._hold_steps = False
+            if since is None or self._pause_seq == since:
+                self._hold_steps = False
 
         self.call_soon(release)
 

@@ -160,6 +160,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                 raise WeightsLost(engine.weights_lost) from e
             return dropped
 
+        pause_seq = aengine.pause_seq  # (a pause that comes during the update is not ended by it)
         try:
             dropped = await aengine.run(update)
         except EngineBusy as e:
@@ -171,7 +172,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         if body.weight_version is not None:
             engine.weight_version = body.weight_version
         if not body.keep_pause:  # (SGLang's: the requests a pause froze go on; new ones still wait)
-            aengine.release_held()
+            aengine.release_held(since=pause_seq)
         return {
             "success": True,
             "message": f"serving the weights of {body.model_path}",
@@ -251,13 +252,20 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
         except EngineDeadError as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
 
-    async def resume_memory(tags: tuple[str, ...]) -> None:
+    async def resume_memory(tags: tuple[str, ...]) -> str | None:
+        """None, or why the weights could not be loaded again. The memory is back either way: SGLang's
+        and vLLM's resumes give memory back and an RL loop then updates the weights, and a trainer that
+        keeps only its newest checkpoint has deleted the one served (the resume was a 503, which slime
+        takes as fatal; a review, 2026-12-04). The engine refuses requests until an update succeeds."""
         try:
             await aengine.run(lambda: engine.resume_memory(tags))
         except InvalidRequest as e:
             raise APIError(str(e), param="tags") from None
-        except (WeightsLost, EngineDeadError) as e:
+        except WeightsLost as e:
+            return f"{e}; requests are refused until /update_weights_from_disk loads weights"
+        except EngineDeadError as e:
             raise APIError(str(e), 503, "ServiceUnavailable") from None
+        return None
 
     def tags_of(raw) -> tuple[str, ...]:
         """The tags asked for (None: all); SGLang's "cuda_graph" left out (no graphs here)."""
@@ -278,11 +286,12 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
     @router.post("/wake_up")
     async def wake_up(http: Request):
         """vLLM's: `tags` (repeated query parameter; default both) says what comes back."""
-        await resume_memory(tags_of(http.query_params.getlist("tags") or None))
-        return {
+        lost = await resume_memory(tags_of(http.query_params.getlist("tags") or None))
+        out = {
             "status": "awake" if not engine.released else "partly awake",
             "released": sorted(engine.released),
         }
+        return out if lost is None else out | {"weights": lost}
 
     @router.get("/is_sleeping")
     async def is_sleeping():
@@ -308,7 +317,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
     @router.post("/resume_memory_occupation")
     async def resume_memory_occupation(http: Request):
         tags = tags_of((await sglang_body(http)).get("tags"))
-        await resume_memory(tags)
-        return {"success": True, "message": "resumed"}
+        lost = await resume_memory(tags)
+        return {"success": True, "message": "resumed" if lost is None else f"resumed; {lost}"}
 
     return router
