@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -286,3 +287,107 @@ def test_online_search_never_reports_a_max_below_an_aps_that_passed(monkeypatch)
     res = scenarios.online(Overrides(policy=("dualpath",)), lambda s: None)
     passed = max(r["aps"] for r in res.runs if r["slo_ok"])
     assert {r["max_aps"] for r in res.runs} == {passed}, (passed, {r["max_aps"] for r in res.runs})
+
+
+# ---------------------------------------------------------------- a review of the simulator (2026-12-04)
+
+
+def test_a_run_past_a_hundred_thousand_simulated_seconds_ends():
+    """Past ~1.3e5 s a decode step's time is below `now`'s resolution: the group's token clock stayed a
+    rounding short of its head's finish, and the tick set itself again at the same `now` for ever (the
+    run hung, its bar frozen). 0.001 Gbit/s SNICs stretch 4 agents' run to ~3e5 s."""
+    import threading
+
+    from pdserve.sim.cluster import ClusterSim
+    from pdserve.sim.config import HardwareConfig, SimConfig
+
+    result = []
+    sim = ClusterSim(SimConfig(hw=HardwareConfig(snic_gbps=0.001), mode="basic"), load_workload("32k", 4, 0))
+    t = threading.Thread(target=lambda: result.append(sim.run()), daemon=True)
+    t.start()
+    t.join(60)
+    assert result, "the simulation was still running after 60 s"
+    assert result[0].jct_s > 1.3e5
+
+
+def test_an_online_search_past_a_traces_requests_keeps_its_runs(monkeypatch):
+    """The doubling search asked a trace for more requests than it holds (APS x horizon): the
+    ValueError ended the scenario, every run before it was lost and no JSON written. The search stops
+    there; its max is reported as a lower bound."""
+
+    def fake(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress=None):
+        if aps * horizon_s + 1 > 12_031:
+            raise scenarios.TraceExhausted(f"{wl_name}: the trace has 12031 requests")
+        return {"policy": cfg.mode, "aps": aps, "ttft_mean_s": 0.1, "ttft_p50_s": 0.1, "tpot_mean_s": 0.02}
+
+    monkeypatch.setattr(scenarios, "_online_run", fake)
+    res = scenarios.online(
+        Overrides(workload="mooncake", horizon_s=2000.0, policy=("dualpath",)), lambda s: None
+    )
+    assert res.runs and all(r["slo_ok"] for r in res.runs)
+    assert {r["max_aps"] for r in res.runs} == {max(r["aps"] for r in res.runs)}
+    assert any("search stopped" in c and "lower bound" in c for c in res.checks)
+
+
+def test_the_trace_exhausted_error_comes_from_the_workload(tmp_path):
+    """(`_online_run` turns the workload's refusal into TraceExhausted, which the search catches)"""
+    trace = tmp_path / "conversation_trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 100, "output_length": 10,
+                                           "hash_ids": [i]}) for i in range(3)))  # fmt: skip
+    with pytest.raises(ValueError, match="the trace has 3 requests"):
+        load_workload("mooncake", 5, 0, 1.0, data_dir=tmp_path)
+
+
+@pytest.mark.parametrize("gbps", ["1e308", "1e-300", "1e8", "0.0001"])
+def test_a_link_rate_the_arithmetic_cannot_hold_is_a_usage_error(capsys, gbps):
+    """1e308 overflowed to an infinite int, 1e-300 to windows past an index's size: tracebacks."""
+    with pytest.raises(SystemExit) as e:
+        parse(*TINY, "--snic-gbps", gbps)
+    assert e.value.code == 2 and "must be ≥ 0.001 and ≤ 1e+07" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"num_experts": -4}, "experts must be >= 0"),  # ran, with negative routed weights
+        ({"num_hidden_layers": 1e400}, "model config"),  # OverflowError (JSON Infinity)
+        ({"num_key_value_heads": 0}, "num_key_value_heads 0 must be >= 1"),  # was read as MHA
+    ],
+    ids=["negative-experts", "infinite-layers", "zero-kv-heads"],
+)
+def test_more_bad_hf_config_values_are_value_errors(tmp_path, extra, match):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA, **extra}))
+    with pytest.raises(ValueError, match=match):
+        get_profile(str(cfg))
+
+
+def test_a_config_saved_with_dtype_not_torch_dtype_is_read(tmp_path):
+    """Newer transformers save "dtype": an fp8 model's KV was costed as bf16."""
+    fp8, bf16 = tmp_path / "fp8.json", tmp_path / "bf16.json"
+    fp8.write_text(json.dumps({**LLAMA, "dtype": "float8_e4m3fn"}))
+    bf16.write_text(json.dumps({**LLAMA, "dtype": "bfloat16"}))
+    assert get_profile(str(fp8)).kv_bytes_per_token * 2 == get_profile(str(bf16)).kv_bytes_per_token
+
+
+def test_json_and_plot_to_one_file_or_an_unwritable_one_are_errors_not_tracebacks(tmp_path, capsys):
+    same = str(tmp_path / "out.png")
+    assert run(parse("--scenario", "ablation", *TINY, "--json", same, "--plot", same)) == 2
+    assert "name the same file" in capsys.readouterr().err
+    if os.access("/proc", os.W_OK):  # (as root the parse-time check passes /proc: the write fails)
+        assert run(parse("--scenario", "ablation", *TINY, "--json", "/proc/pdserve-sim.json")) == 2
+        assert "error: cannot write /proc/pdserve-sim.json" in capsys.readouterr().err
+
+
+def test_too_many_agents_are_refused_before_the_workload_is_drawn(monkeypatch):
+    """Drawing 3 M agents of 64k took more memory than the machine had: the check after the draw came
+    too late. Now the Table 2 row's mean turns per agent are checked first."""
+    monkeypatch.setattr(scenarios, "available_memory_bytes", lambda: 1 << 30)
+    drawn = []
+    monkeypatch.setattr(scenarios, "load_workload", lambda *a, **k: drawn.append(a))
+    from pdserve.sim.config import SimConfig
+    from pdserve.sim.errors import SimulationTooLarge
+
+    with pytest.raises(SimulationTooLarge, match="agents of 64k"):
+        scenarios.run_one(SimConfig(), "64k", 3_000_000)
+    assert not drawn

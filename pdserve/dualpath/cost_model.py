@@ -207,7 +207,7 @@ def get_profile(name_or_path: str) -> ModelProfile:
             raise ValueError(
                 f"model config {str(path)!r} is not an HF config.json: missing or bad {e}"
             ) from None
-        except ValueError as e:  # (a size out of range, or weights too big for the GPU)
+        except (ValueError, OverflowError) as e:  # (a size out of range or infinite, or weights too big)
             raise ValueError(f"model config {str(path)!r}: {e}") from None
     if path.suffix == ".json" or "/" in name_or_path:
         raise ValueError(f"model config {name_or_path!r}: no such file (nor a directory holding config.json)")
@@ -243,10 +243,12 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     layers = _positive(cfg, "num_hidden_layers")
     heads = _positive(cfg, "num_attention_heads")
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    # (absent or null: MHA; 0 is not "absent", it was read as MHA silently: a review, 2026-12-04)
+    kv_heads = heads if cfg.get("num_key_value_heads") is None else int(cfg["num_key_value_heads"])
     if head_dim < 1 or kv_heads < 1:  # (a zero or negative size divided by zero, or overflowed, later)
         raise ValueError(f"head_dim {head_dim} and num_key_value_heads {kv_heads} must be >= 1")
-    dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype", "")) else 2
+    # (newer transformers save "dtype", older "torch_dtype")
+    dtype_bytes = 1 if "float8" in str(cfg.get("torch_dtype") or cfg.get("dtype") or "") else 2
     mla = bool(cfg.get("kv_lora_rank"))
     if mla:
         kv_elems = _positive(cfg, "kv_lora_rank") + _positive(cfg, "qk_rope_head_dim", 64)
@@ -258,6 +260,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
     n_experts = int(
         cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     )
+    if n_experts < 0:  # (a negative count ran, with negative routed weights)
+        raise ValueError(f"the number of experts must be >= 0, got {n_experts}")
     # MLP parameters per layer: on every GPU (dense MLP or shared experts), routed (spread over the EP
     # group), and activated per token.
     if n_experts:

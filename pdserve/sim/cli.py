@@ -28,6 +28,9 @@ _positive_int = _number(int, 0, low_ok=False)
 _positive = _number(float, 0.0, low_ok=False)
 _positive_or_inf = _number(float, 0.0, low_ok=False, inf_ok=True)
 _non_negative = _number(float, 0.0, low_ok=True)
+# A link rate in Gbit/s: 1 Mbit/s to 10 Pbit/s. Past these the simulator's arithmetic overflows (1e308:
+# an infinite int; 1e-300: windows past an index's size) or builds GBs of windows (a review, 2026-12-04).
+_link_gbps = _number(float, 1e-3, low_ok=True, high=1e7)
 
 
 def _list(item: Callable[[str], object]) -> Callable[[str], tuple]:
@@ -93,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_list(_policy),
         help="basic (alias round_robin), layerwise, dual_path, dualpath, split, oracle; comma separated",
     )
-    g.add_argument("--snic-gbps", type=_positive, help="storage NIC per node, Gbit/s (default 400)")
-    g.add_argument("--cnic-gbps", type=_positive, help="compute NIC per GPU, Gbit/s (default 400)")
+    g.add_argument("--snic-gbps", type=_link_gbps, help="storage NIC per node, Gbit/s (default 400)")
+    g.add_argument("--cnic-gbps", type=_link_gbps, help="compute NIC per GPU, Gbit/s (default 400)")
     g.add_argument(
         "--dram-gbytes-per-s", type=_positive, help="host DRAM bandwidth per node, GB/s (default 500)"
     )
@@ -298,6 +301,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown scenario {args.scenario!r}; use --list", file=sys.stderr)
         return 2
     sc = SCENARIOS[args.scenario]
+    if args.json and args.plot and Path(args.json).absolute() == Path(args.plot).absolute():
+        print(
+            "error: --json and --plot name the same file (the plot would overwrite the JSON)", file=sys.stderr
+        )
+        return 2
     overrides = _overrides(args)
     if unused := sc.unused(overrides):
         print(f"error: {sc.name} does not use {', '.join(unused)}", file=sys.stderr)
@@ -327,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
     for note in dict.fromkeys(notes):  # (each once: a scenario's runs often share a setting)
         print(note, file=sys.stderr)
     print(f"total wall {time.perf_counter() - t0:.1f} s")
+    # (a write that fails -- a full disk, /proc -- is an error line, and the other output is still
+    # written: it was a traceback after the run, and the rest lost; a review, 2026-12-04)
+    rc = 0
     if args.json:
         payload = {
             "scenario": sc.name,
@@ -334,7 +345,11 @@ def run(args: argparse.Namespace) -> int:
             "runs": result.runs,
             "checks": result.checks,
         }
-        Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))
+        try:
+            Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))
+        except OSError as e:
+            print(f"error: cannot write {args.json}: {e}", file=sys.stderr)
+            rc = 2
     if args.plot and result.plot is not None:
         import matplotlib
 
@@ -343,9 +358,13 @@ def run(args: argparse.Namespace) -> int:
 
         fig = result.plot(result.runs, plt)
         fig.tight_layout()
-        fig.savefig(make_parent(args.plot), dpi=110)
+        try:
+            fig.savefig(make_parent(args.plot), dpi=110)
+        except OSError as e:
+            print(f"error: cannot write {args.plot}: {e}", file=sys.stderr)
+            rc = 2
         plt.close(fig)
-    return 0
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1063,6 +1063,11 @@ class ClusterSim:
             return
         self._advance(grp)
         heap = grp.heap
+        # This (current) tick was set for the head's finish, so only rounding leaves the token clock
+        # short of it: past ~1e5 simulated seconds a step's time is below `now`'s resolution, and the
+        # tick set itself again at the same `now` for ever (a review, 2026-12-04: the run hung).
+        if heap and heap[0][0] > grp.v:
+            grp.v = heap[0][0]
         dec = self.dec
         changed: list[int] = []
         while heap and heap[0][0] <= grp.v + 1e-9:

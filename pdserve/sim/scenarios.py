@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.bench.workloads import load_workload
+from pdserve.bench.workloads import TABLE2, load_workload
 from pdserve.dualpath.cost_model import ModelProfile, get_profile
 from pdserve.sim.cluster import ClusterSim, SimResult
 from pdserve.sim.config import HardwareConfig, SimConfig
@@ -147,6 +147,7 @@ def run_one(
     aps: float | None = None,
     progress: Progress | None = None,
 ) -> SimResult:
+    _check_fits_before_drawing(workload_name, agents)
     wl = load_workload(workload_name, agents, cfg.seed, aps)
     return _new_sim(cfg, wl, progress).run()
 
@@ -178,6 +179,20 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return free
+
+
+def _check_fits_before_drawing(workload_name: str, agents: int) -> None:
+    """SimulationTooLarge before a Table 2 workload is drawn, from its mean turns per agent: drawing
+    3 M agents alone took more memory than the machine had, so the check after the draw came too late
+    (a review, 2026-12-04). Traces are bounded by their files."""
+    row = TABLE2.get(workload_name)
+    free = available_memory_bytes()
+    if row is not None and free is not None and agents * row.turns * MEMORY_BYTES_PER_TURN > free:
+        raise SimulationTooLarge(
+            f"~{agents * row.turns:,} turns ({agents:,} agents of {workload_name}) need"
+            f" ~{agents * row.turns * MEMORY_BYTES_PER_TURN / 1e9:,.2f} GB of memory to simulate;"
+            f" {free / 1e9:,.2f} GB is free: fewer agents, or a shorter horizon for online runs"
+        )
 
 
 def _new_sim(cfg: SimConfig, wl, progress: Progress | None) -> ClusterSim:
@@ -407,7 +422,13 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress |
     bound), so an overloaded system cannot look good by leaving its slow turns out.
     """
     agents = int(aps * horizon_s) + 1
-    wl = load_workload(wl_name, agents, cfg.seed, aps)
+    _check_fits_before_drawing(wl_name, agents)
+    try:
+        wl = load_workload(wl_name, agents, cfg.seed, aps)
+    except ValueError as e:
+        if "the trace has" in str(e):  # (a trace's requests, not the cluster, end this search)
+            raise TraceExhausted(str(e)) from None
+        raise
     res = _new_sim(replace(cfg, horizon_s=horizon_s), wl, progress).run()
     keep = res.turn_submit_s >= warmup_s
     pend = res.unanswered_submit_s
@@ -428,6 +449,34 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress |
 
 
 MAX_ONLINE_APS = 3.0 * 2**8  # the bisection's ceiling never grows past this (a runaway search)
+
+
+class TraceExhausted(ValueError):
+    """An online run asked a trace workload for more requests than it holds (APS x horizon)."""
+
+
+def _search_max_aps(ov: Overrides, out: ScenarioResult, pol: str, trial) -> float:
+    """The highest APS tried that met the SLO: the given grid walked (`--aps`), else bisection."""
+    if ov.aps:
+        best = 0.0
+        for aps in sorted(ov.aps):  # (the walk stops at the first failure above a pass)
+            if trial(aps):
+                best = aps
+            elif best > 0:
+                break
+        return best
+    lo, hi = _bisect(0.0, 3.0, trial)  # APS; 3.0 is far past any 2P4D knee at 64K
+    # A bigger cluster's knee may lie above 3 APS: every trial passed, and the search's ceiling was
+    # reported as the max. Then the ceiling is tried, doubled while it passes, and the bracket it
+    # leaves bisected again.
+    if not any(not r["slo_ok"] for r in out.runs if r["policy"] == pol):
+        while hi <= MAX_ONLINE_APS and trial(hi):
+            lo, hi = hi, hi * 2
+        if hi > MAX_ONLINE_APS:  # (every APS tried passed, the cap too: it is the max found)
+            out.checks.append(f"[INFO] {pol}: the SLO held up to the search's cap, {lo:g} APS")
+        else:
+            lo, hi = _bisect(lo, hi, trial)
+    return lo
 
 
 def online(ov: Overrides, progress: Progress) -> ScenarioResult:
@@ -456,26 +505,17 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
             out.runs.append(row)
             return row["slo_ok"]
 
-        if ov.aps:
-            best = 0.0
-            for aps in sorted(ov.aps):  # (the walk stops at the first failure above a pass)
-                if trial(aps):
-                    best = aps
-                elif best > 0:
-                    break
-        else:
-            lo, hi = _bisect(0.0, 3.0, trial)  # APS; 3.0 is far past any 2P4D knee at 64K
-            # A bigger cluster's knee may lie above 3 APS: every trial passed, and the search's ceiling
-            # was reported as the max. Then the ceiling is tried, doubled while it passes, and the
-            # bracket it leaves bisected again.
-            if not any(not r["slo_ok"] for r in out.runs if r["policy"] == pol):
-                while hi <= MAX_ONLINE_APS and trial(hi):
-                    lo, hi = hi, hi * 2
-                if hi > MAX_ONLINE_APS:  # (every APS tried passed, the cap too: it is the max found)
-                    out.checks.append(f"[INFO] {pol}: the SLO held up to the search's cap, {lo:g} APS")
-                else:
-                    lo, hi = _bisect(lo, hi, trial)
-            best = lo
+        # A trace holds so many requests: an APS past them cannot be tried. The search stops there and
+        # keeps its runs (it raised mid-scenario: every run lost, no JSON; a review, 2026-12-04).
+        def search(trial=trial, pol=pol) -> float:
+            try:
+                return _search_max_aps(ov, out, pol, trial)
+            except TraceExhausted as e:
+                passed = [r["aps"] for r in out.runs if r["policy"] == pol and r["slo_ok"]]
+                out.checks.append(f"[INFO] {pol}: search stopped: {e}; its max is a lower bound")
+                return max(passed, default=0.0)
+
+        best = search()
         mine = [r for r in out.runs if r["policy"] == pol]
         knee, bracket = _interpolated_knee(mine, best)
         max_aps[pol] = (best, knee, bracket)
