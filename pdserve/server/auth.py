@@ -8,11 +8,11 @@ same key to its engines."""
 from __future__ import annotations
 
 import hmac
-import json
 import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.server.limits import send_json
 from pdserve.server.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
@@ -47,9 +47,5 @@ class ApiKey:
         if hmac.compare_digest(given.strip(), self.expected):  # (constant time: no key by timing)
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            error_body("missing or wrong API key (Authorization: Bearer ...)", 401, "AuthenticationError")
-        ).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        message = "missing or wrong API key (Authorization: Bearer ...)"
+        await send_json(send, 401, error_body(message, 401, "AuthenticationError"))

@@ -26,11 +26,11 @@ The refusal is an OpenAI-style error, nothing read, the app never called.
 
 from __future__ import annotations
 
-import json
 from email.message import Message
 from urllib.parse import urlsplit
 
-from pdserve.server.limits import ASGIApp, Receive, Scope, Send
+from pdserve.server.limits import ASGIApp, Receive, Scope, Send, send_json
+from pdserve.server.protocol import error_body
 
 CONTROL_PATHS = frozenset(
     {"/update_weights_from_disk", "/abort_request", "/reset_prefix_cache", "/flush_cache", "/debug/faults"}
@@ -57,7 +57,11 @@ class JsonBodies:
             return
         headers = {name.lower(): value for name, value in scope.get("headers", ())}
         if is_cross_origin(headers):
-            await _refuse(send, 403, "cross-origin requests from a browser are refused", "ForbiddenError")
+            await send_json(
+                send,
+                403,
+                error_body("cross-origin requests from a browser are refused", 403, "ForbiddenError"),
+            )
             return
         content_type = headers.get(b"content-type")
         if content_type is not None:
@@ -69,12 +73,8 @@ class JsonBodies:
         if ok:
             await self.app(scope, receive, send)
             return
-        await _refuse(
-            send,
-            415,
-            "request body must be JSON (Content-Type: application/json)",
-            "UnsupportedMediaTypeError",
-        )
+        message = "request body must be JSON (Content-Type: application/json)"
+        await send_json(send, 415, error_body(message, 415, "UnsupportedMediaTypeError"))
 
 
 def is_cross_origin(headers: dict[bytes, bytes]) -> bool:
@@ -87,12 +87,3 @@ def is_cross_origin(headers: dict[bytes, bytes]) -> bool:
         return False
     host = headers.get(b"host", b"").strip().lower()
     return urlsplit(origin.decode("latin-1").strip()).netloc.lower() != host.decode("latin-1")
-
-
-async def _refuse(send: Send, status: int, message: str, error_type: str) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-    ).encode()
-    headers_out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers_out})
-    await send({"type": "http.response.body", "body": body})

@@ -33,6 +33,17 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
+async def send_json(send: Send, status: int, body: dict, close: bool = False) -> None:
+    """A middleware's whole answer: `body` as JSON with `status` (the app is never called). `close`: the
+    request's body was not read, so the connection cannot be reused."""
+    content = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
 def too_large_body(max_bytes: int) -> dict:
     return {
         "error": {
@@ -89,17 +100,5 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        content = json.dumps(too_large_body(self.max_bytes)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(content)).encode()),
-                    # The rest of the body is never read: the connection cannot be reused.
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": content, "more_body": False})
+        # (the rest of the body is never read: the connection cannot be reused)
+        await send_json(send, 413, too_large_body(self.max_bytes), close=True)

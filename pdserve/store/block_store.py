@@ -29,7 +29,7 @@ fails as a whole and must be redone with preadv to find the bad block) and paral
 the pool, where the NIXL transfer advances on one polling thread. NIXL stays selectable for backends only
 it reaches (GDS, O_DIRECT with io_uring/aio, which the notes measure ~2x faster for small cold reads).
 
-Length (~500 lines): the index, eviction and the read and write paths share one lock and one view of
+Length (~600 lines): the index, eviction and the read and write paths share one lock and one view of
 the directory; the file format, keys and index structure are their own modules.
 """
 
@@ -164,7 +164,7 @@ class KVBlockStore:
           parent at every put, leaving a 3-block prefix and an orphan);
         * they are marked used after it, the head last, so that eviction takes a chain's tail first
           (`_chain_used`), and the new file's mtime is set just below its parent's, so that a restart,
-          which orders eviction by mtime, takes the tail first too (`_stamp`).
+          which orders eviction by mtime, takes the tail first too (`_stamp_ns`).
         """
         arr = _as_u8(data)
         if arr.size != self.layout.block_nbytes:
@@ -176,12 +176,10 @@ class KVBlockStore:
             with self._lock:
                 self._stats.num_put_orphans += 1
             return False
-        stored = self._put(key, arr, overwrite, protect=(key, *ancestors))
-        if stored:
-            self._stamp(key, parent)
-            if parent is not None:
-                with self._lock:
-                    self._chain_used(ancestors)
+        stored = self._put(key, arr, overwrite, (key, *ancestors), self._stamp_ns(parent))
+        if stored and parent is not None:
+            with self._lock:
+                self._chain_used(ancestors)
         return stored
 
     def _is_stored(self, key: bytes) -> bool:
@@ -191,20 +189,18 @@ class KVBlockStore:
                 return True
         return self._adopt([key]) == 1
 
-    def _stamp(self, key: bytes, parent: bytes | None) -> None:
-        """Set `key`'s file mtime to now, in ns, or 1 ns below its parent's if that is older: on disk
-        too a chain's blocks then get older from head to tail, so the rescan at a restart (LRU = mtime
-        order) evicts a chain tail first, as this process's index does. Before, the head was the oldest
-        file (written first) and the first eviction after a restart left the rest of its chain
+    def _stamp_ns(self, parent: bytes | None) -> int:
+        """The mtime a block's file gets when it is put: now, in ns, or 1 ns below its parent's if that is
+        older. On disk too a chain's blocks then get older from head to tail, so the rescan at a restart
+        (LRU = mtime order) evicts a chain tail first, as this process's index does. Before, the head was
+        the oldest file (written first) and the first eviction after a restart left the rest of its chain
         unreachable. (The kernel stamps a new file with a clock of a few ms: files written in a row got
-        equal mtimes, ordered by key bytes.) Best effort: one utime per put, and a stat with a parent."""
-        try:
-            t_ns = time.time_ns()
-            if parent is not None:
+        equal mtimes, ordered by key bytes.) One stat with a parent."""
+        t_ns = time.time_ns()
+        if parent is not None:
+            with contextlib.suppress(OSError):
                 t_ns = min(t_ns, os.stat(block_path(self.dir, parent)).st_mtime_ns - 1)
-            os.utime(block_path(self.dir, key), ns=(t_ns, t_ns))
-        except OSError:
-            pass
+        return t_ns
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` this process's index holds, for a write-back that then skips them
@@ -222,7 +218,7 @@ class KVBlockStore:
 
     def touch_files(self, keys: Sequence[bytes]) -> int:
         """Mark the files of `keys` (a chain's, head first) used: their mtimes, which order eviction
-        after a restart, are set to now for the head and 1 ns older per block after it (`_stamp`'s
+        after a restart, are set to now for the head and 1 ns older per block after it (`_stamp_ns`'s
         order). The write-back writer does it for the blocks `stored_prefix` counted. A key whose file
         is gone (another process sharing the directory evicted it) is forgotten, as `put` and reads do:
         its chain is a miss from there, and the turn that recomputes it writes it back. Returns how many
@@ -253,7 +249,11 @@ class KVBlockStore:
         for key in reversed(keys):
             self._index.touch(key)
 
-    def _put(self, key: bytes, arr: np.ndarray, overwrite: bool, protect: Sequence[bytes]) -> bool:
+    def _put(
+        self, key: bytes, arr: np.ndarray, overwrite: bool, protect: Sequence[bytes], stamp_ns: int
+    ) -> bool:
+        """(`put` past its checks: `protect`, the keys room is never made from; `stamp_ns`, its file's
+        mtime, set whether it is written now or was there already)"""
         path = block_path(self.dir, key)
         with self._lock:
             if key in self._index and not overwrite:
@@ -265,7 +265,7 @@ class KVBlockStore:
         if dedup:
             # Recency lives in the file's mtime too (as on a read), so a restart keeps this use.
             try:
-                os.utime(path)
+                os.utime(path, ns=(stamp_ns, stamp_ns))
                 return True
             except FileNotFoundError:
                 # Indexed but gone: another process sharing the directory evicted it (or a rescan of
@@ -281,6 +281,8 @@ class KVBlockStore:
         if not overwrite and self._adopt([key]) == 1:  # another process wrote it
             with self._lock:
                 self._stats.num_put_dedup += 1
+            with contextlib.suppress(OSError):
+                os.utime(path, ns=(stamp_ns, stamp_ns))
             return True
         with self._lock:
             # A whole block's room, an overwrite's too: the key may be evicted while its file is
@@ -308,6 +310,7 @@ class KVBlockStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 self._write_all(fd, [header, memoryview(arr)])
+                os.utime(fd, ns=(stamp_ns, stamp_ns))  # (the rename keeps it)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -342,11 +345,7 @@ class KVBlockStore:
             if n <= 0:
                 break
             total += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            _consume(views, n)
         return total
 
     @staticmethod
@@ -356,11 +355,7 @@ class KVBlockStore:
             n = os.writev(fd, views)
             if n <= 0:
                 raise OSError(errno.EIO, "writev wrote nothing")
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+            _consume(views, n)
 
     # ---- lookups -----------------------------------------------------------------------------------
     def lookup(self, token_ids) -> int:
@@ -596,3 +591,12 @@ class KVBlockStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _consume(views: list[memoryview], num_bytes: int) -> None:
+    """Drop the first `num_bytes` from a list of buffers (a short `readv` or `writev` goes on from there)."""
+    while views and num_bytes >= len(views[0]):
+        num_bytes -= len(views[0])
+        views.pop(0)
+    if views and num_bytes:
+        views[0] = views[0][num_bytes:]
