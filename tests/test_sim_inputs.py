@@ -330,7 +330,7 @@ def test_an_online_search_past_a_traces_requests_keeps_its_runs(monkeypatch):
 
 
 def test_the_trace_exhausted_error_comes_from_the_workload(tmp_path):
-    """(`_online_run` turns the workload's refusal into TraceExhausted, which the search catches)"""
+    """(the workload raises TraceExhausted, which the online search catches)"""
     trace = tmp_path / "conversation_trace.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": i, "input_length": 100, "output_length": 10,
                                            "hash_ids": [i]}) for i in range(3)))  # fmt: skip

@@ -32,6 +32,10 @@ import numpy as np
 BLOCK_TOKENS = 64  # store block (DESIGN.md glossary)
 
 
+class TraceExhausted(ValueError):
+    """A trace workload was asked for more requests than its file holds (an online run: APS x horizon)."""
+
+
 @dataclass(frozen=True)
 class Table2Row:
     """One row of the paper's Table 2 (means over 500 trajectories)."""
@@ -307,7 +311,7 @@ def load_workload(
             raise ValueError(f"{name}: no trace file {data_dir / fname} (the repository's ../shared/data)")
         wl = mooncake_trace(data_dir / fname, limit=num_agents)
         if wl.num_agents < num_agents:  # (it had fewer agents than asked and said nothing: an online
-            raise ValueError(  # run's arrivals just stopped, and its measured window saw no load)
+            raise TraceExhausted(  # run's arrivals just stopped, and its measured window saw no load)
                 f"{name}: the trace has {wl.num_agents} requests, {num_agents} asked for (online: "
                 "APS x horizon); ask for fewer, or a lower --aps or --horizon-s"
             )

@@ -297,13 +297,13 @@ def build_app(
     def envelope(rid: str, obj: str, created: int, choices: list) -> dict:
         return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
 
+    def num_returned(o, num_dropped_tokens: int) -> int:
+        """Output tokens the answer counts: `num_dropped_tokens` were run but not returned (echo's
+        scoring), never below 0 (a scoring request aborted before its one token ran)."""
+        return max(0, len(o.token_ids) - num_dropped_tokens)
+
     def usage(out: RequestOutput, num_dropped_tokens: int = 0) -> dict:
-        """(`num_dropped_tokens`: output tokens run but not returned, not counted: echo's scoring)"""
-        # (never below 0: a scoring request aborted before its one token ran)
-        n_prompt, n_out = (
-            len(out.prompt_token_ids),
-            max(0, len(out.outputs[0].token_ids) - num_dropped_tokens),
-        )
+        n_prompt, n_out = len(out.prompt_token_ids), num_returned(out.outputs[0], num_dropped_tokens)
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
@@ -467,9 +467,7 @@ def build_app(
                     made = chunk_fn(delta, o, sent_tokens, o.finish_reason if out.finished else None)
                     for c in made if isinstance(made, list) else (made,):  # (tool calls: 0..n chunks)
                         yield sse(
-                            c | {"usage": so_far(max(0, len(o.token_ids) - num_dropped_tokens))}
-                            if continuous
-                            else c
+                            c | {"usage": so_far(num_returned(o, num_dropped_tokens))} if continuous else c
                         )
                     sent_text, sent_tokens = max(sent_text, upto), len(o.token_ids)  # (never back)
         except InvalidRequest as e:  # the stream already started: report in-band

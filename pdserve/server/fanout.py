@@ -58,7 +58,7 @@ MAX_CHILDREN = 1024  # prompts x choices per request: lm-eval's largest batches,
 class StreamThen(StreamingResponse):
     """A streamed response that calls `then()` (idempotent) once it has ended, however it ended: also
     when its body never started -- its client left before the headers went out, or a merged request
-    (server/fanout.py) closed it unread -- where the body's own `finally` never runs."""
+    (`merged`) closed it unread -- where the body's own `finally` never runs."""
 
     def __init__(self, content: AsyncIterator, then, **kwargs) -> None:
         super().__init__(_IterThen(content, then), **kwargs)

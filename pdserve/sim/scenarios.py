@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.bench.workloads import TABLE2, load_workload
+from pdserve.bench.workloads import TABLE2, TraceExhausted, load_workload
 from pdserve.dualpath.cost_model import ModelProfile, get_profile
 from pdserve.sim.cluster import ClusterSim, SimResult
 from pdserve.sim.config import HardwareConfig, SimConfig
@@ -181,17 +181,25 @@ def available_memory_bytes() -> int | None:
     return free
 
 
-def _check_fits_before_drawing(workload_name: str, agents: int) -> None:
-    """SimulationTooLarge before a Table 2 workload is drawn, from its mean turns per agent: drawing
-    3 M agents alone took more memory than the machine had, so the check after the draw came too late
-    (a review, 2026-12-04). Traces are bounded by their files."""
-    row = TABLE2.get(workload_name)
+def _check_memory(num_turns: float, what: str) -> None:
+    """SimulationTooLarge unless `num_turns` fit in free memory (`what` names them in the message)."""
+    need = num_turns * MEMORY_BYTES_PER_TURN
     free = available_memory_bytes()
-    if row is not None and free is not None and agents * row.turns * MEMORY_BYTES_PER_TURN > free:
+    if free is not None and need > free:
         raise SimulationTooLarge(
-            f"~{agents * row.turns:,} turns ({agents:,} agents of {workload_name}) need"
-            f" ~{agents * row.turns * MEMORY_BYTES_PER_TURN / 1e9:,.2f} GB of memory to simulate;"
-            f" {free / 1e9:,.2f} GB is free: fewer agents, or a shorter horizon for online runs"
+            f"{what} need ~{need / 1e9:,.2f} GB of memory to simulate; {free / 1e9:,.2f} GB is free:"
+            " fewer agents, or a shorter horizon for online runs"
+        )
+
+
+def _check_fits_before_drawing(workload_name: str, agents: int) -> None:
+    """`_check_memory` before a Table 2 workload is drawn, from its mean turns per agent: drawing 3 M
+    agents alone took more memory than the machine had, so the check after the draw came too late (a
+    review, 2026-12-04). Traces are bounded by their files."""
+    row = TABLE2.get(workload_name)
+    if row is not None:
+        _check_memory(
+            agents * row.turns, f"~{agents * row.turns:,} turns ({agents:,} agents of {workload_name})"
         )
 
 
@@ -199,14 +207,7 @@ def _new_sim(cfg: SimConfig, wl, progress: Progress | None) -> ClusterSim:
     """The run's simulator, once its workload is known to fit in free memory: a typo such as
     ``--agents 1000000`` on the scale scenario (127 M turns, ~50 GB) used to run until the kernel
     killed it."""
-    need = wl.num_turns * MEMORY_BYTES_PER_TURN
-    free = available_memory_bytes()
-    if free is not None and need > free:
-        raise SimulationTooLarge(
-            f"{wl.num_turns:,} turns ({wl.num_agents:,} agents) need ~{need / 1e9:,.2f} GB of memory to"
-            f" simulate (~{MEMORY_BYTES_PER_TURN} B per turn); {free / 1e9:,.2f} GB is free: fewer agents,"
-            " or a shorter horizon for online runs"
-        )
+    _check_memory(wl.num_turns, f"{wl.num_turns:,} turns ({wl.num_agents:,} agents)")
     return ClusterSim(cfg, wl, _ticker(progress, wl))
 
 
@@ -423,12 +424,7 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress |
     """
     agents = int(aps * horizon_s) + 1
     _check_fits_before_drawing(wl_name, agents)
-    try:
-        wl = load_workload(wl_name, agents, cfg.seed, aps)
-    except ValueError as e:
-        if "the trace has" in str(e):  # (a trace's requests, not the cluster, end this search)
-            raise TraceExhausted(str(e)) from None
-        raise
+    wl = load_workload(wl_name, agents, cfg.seed, aps)  # (TraceExhausted: the trace ends the search)
     res = _new_sim(replace(cfg, horizon_s=horizon_s), wl, progress).run()
     keep = res.turn_submit_s >= warmup_s
     pend = res.unanswered_submit_s
@@ -449,10 +445,6 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress |
 
 
 MAX_ONLINE_APS = 3.0 * 2**8  # the bisection's ceiling never grows past this (a runaway search)
-
-
-class TraceExhausted(ValueError):
-    """An online run asked a trace workload for more requests than it holds (APS x horizon)."""
 
 
 def _search_max_aps(ov: Overrides, out: ScenarioResult, pol: str, trial) -> float:
