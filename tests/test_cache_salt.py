@@ -28,14 +28,24 @@ def test_salted_roots_differ_per_salt_and_none_is_the_root():
 
 def test_router_estimates_hits_among_prompts_of_the_same_salt_only():
     idx = PrefixIndex(block_tokens=16)
-    assert idx.hit_tokens_then_record(PROMPT_IDS, "alice") == 0
-    assert idx.hit_tokens_then_record(PROMPT_IDS, "bob") == 0
-    assert idx.hit_tokens_then_record(PROMPT_IDS) == 0
-    assert idx.hit_tokens_then_record(PROMPT_IDS, "alice") == 96
-    text = {"prompt": "x" * 1024}
-    assert idx.estimated_hits_then_record(prompt_pieces(text), 300, "alice") == 0
-    assert idx.estimated_hits_then_record(prompt_pieces(text), 300, "bob") == 0
-    assert idx.estimated_hits_then_record(prompt_pieces(text), 300, "alice") == 256
+
+    def ids_then_record(salt=None) -> int:
+        hits, keys = idx.hit_tokens_and_keys(PROMPT_IDS, salt)
+        idx.record_keys(keys)
+        return hits
+
+    def text_then_record(salt) -> int:
+        hits, keys = idx.estimated_hits_and_keys(prompt_pieces({"prompt": "x" * 1024}), 300, salt)
+        idx.record_keys(keys)
+        return hits
+
+    assert ids_then_record("alice") == 0
+    assert ids_then_record("bob") == 0
+    assert ids_then_record() == 0
+    assert ids_then_record("alice") == 96
+    assert text_then_record("alice") == 0
+    assert text_then_record("bob") == 0
+    assert text_then_record("alice") == 256
 
 
 @pytest.fixture(scope="module")

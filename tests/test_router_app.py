@@ -862,6 +862,42 @@ def test_under_dualpath_placement_the_choices_of_one_prompt_share_its_prefill(pa
     assert all(d.in_flight == 0 for d in router.decodes)
 
 
+def test_a_prompt_the_engines_refuse_is_no_hit_for_the_next_one_and_a_taken_one_is():
+    """The router's hit estimates count a prompt once an engine has taken it. It recorded every
+    prompt at placement, so one the engines refused (a 400: nothing computed, nothing stored) made
+    the next request with that prefix read 128 "hit" tokens that no store held."""
+    prompt = list(range(1, 150))  # two whole 64-token blocks and a tail
+
+    async def go():
+        engines = Engines(blocking=())
+
+        async def answers(request: httpx.Request) -> httpx.Response | None:
+            if request.method != "POST" or request.url.path != "/v1/completions":
+                return None
+            sent = json.loads(await request.aread())
+            if sent.get("temperature") == -1:  # (what the engines refuse; the router does not look)
+                return httpx.Response(400, json={"error": {"message": "temperature must be >= 0"}})
+            if request.url.host.startswith("pe"):
+                return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            answer = {"choices": [{"index": 0, "text": "y", "finish_reason": "length"}]}
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=Once(answer))
+
+        engines.intercept = answers
+        router = await started_router(engines, "dualpath")
+        index = router.placement.index
+        got = []
+        async with client_of(router) as c:
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": -1})
+            got.append((r.status_code, index.hit_tokens(prompt + [7])))
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            got.append((r.status_code, index.hit_tokens(prompt + [7])))
+        return got, router
+
+    got, router = asyncio.run(go())
+    assert got == [(400, 0), (200, 128)]
+    assert router.placement.num_placed == 2 and all(d.in_flight == 0 for d in router.decodes)
+
+
 def test_abort_and_cache_resets_go_to_every_engine_with_the_clients_body():
     """/abort_request, /flush_cache and /reset_prefix_cache reach every live engine with the body as
     sent (an abort of a rid with the router's id and count of named aborts added); the answer maps each

@@ -52,7 +52,7 @@ def place_all(pl: Placement, prompts: list[list[int]], max_tokens: int = 16):
     async def go():
         return await asyncio.gather(*(pl.place(p, len(p), max_tokens) for p in prompts))
 
-    return asyncio.run(go())
+    return [placed.assignment for placed in asyncio.run(go())]
 
 
 def test_prefix_index_counts_whole_blocks_seen_before_and_leaves_one_token():
@@ -65,14 +65,25 @@ def test_prefix_index_counts_whole_blocks_seen_before_and_leaves_one_token():
     assert idx.hit_tokens([0, 1, 2, 7] + list(range(4, 10))) == 0  # chained: a changed block breaks it
 
 
-def test_hit_tokens_then_record_is_both_with_one_hashing():
-    """Placement hashes each token-id prompt once (~1 ms per 32k tokens), not once per step."""
+def est_then_record(idx: PrefixIndex, pieces, num_tokens: int) -> int:
+    """A text or chat prompt's estimate, then the prompt recorded (as the router does once an engine
+    took it)."""
+    hits, keys = idx.estimated_hits_and_keys(pieces, num_tokens)
+    idx.record_keys(keys)
+    return hits
+
+
+def test_hit_tokens_and_keys_are_both_with_one_hashing():
+    """Placement hashes each token-id prompt once (~1 ms per 32k tokens), not once per step; its keys
+    recorded give the index `record` gives."""
     one, two = PrefixIndex(block_tokens=4, capacity=6), PrefixIndex(block_tokens=4, capacity=6)
     prompts = [list(range(10)), list(range(8)), list(range(13)), [5] * 9, list(range(17)), list(range(3))]
     for ids in prompts:
         hits = one.hit_tokens(ids)
         one.record(ids)
-        assert two.hit_tokens_then_record(ids) == hits
+        hits_two, keys = two.hit_tokens_and_keys(ids)
+        two.record_keys(keys)
+        assert hits_two == hits
         assert list(one._keys) == list(two._keys)  # the same keys in the same LRU order (capacity 6)
 
 
@@ -82,28 +93,28 @@ def test_text_and_chat_prompts_get_hit_estimates_from_their_pieces():
     idx = PrefixIndex(block_tokens=64)
     text = "".join(chr(97 + i % 26) for i in range(1000))  # 3 full chunks (the 232-char tail is not one)
     assert [c for _, c in prompt_pieces({"prompt": text})] == [256, 256, 256]
-    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": text}), 250) == 0
+    assert est_then_record(idx, prompt_pieces({"prompt": text}), 250) == 0
     longer = text + "x" * 600  # 6 chunks: the first 3 seen before = 768 chars = 192 tokens = 3 blocks
-    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": longer}), 400) == 192
-    assert idx.estimated_hits_then_record(prompt_pieces({"prompt": "b" + longer}), 400) == 0  # chained
+    assert est_then_record(idx, prompt_pieces({"prompt": longer}), 400) == 192
+    assert est_then_record(idx, prompt_pieces({"prompt": "b" + longer}), 400) == 0  # chained
     assert prompt_pieces({"prompt": "\ud800" * 300}) is not None  # (a lone surrogate: no crash)
 
     system = {"role": "system", "content": "s" * 1200}
     turn1 = {"messages": [system, {"role": "user", "content": "u" * 400}]}
-    assert idx.estimated_hits_then_record(prompt_pieces(turn1), prompt_shape(turn1)[1]) == 0
+    assert est_then_record(idx, prompt_pieces(turn1), prompt_shape(turn1)[1]) == 0
     reply = {"role": "assistant", "content": "a" * 300}
     turn2 = {"messages": turn1["messages"] + [reply, {"role": "user", "content": "v" * 200}]}
     # The first turn's messages (1,600 chars = 400 tokens) are hits: 6 whole blocks.
-    assert idx.estimated_hits_then_record(prompt_pieces(turn2), prompt_shape(turn2)[1]) == 384
+    assert est_then_record(idx, prompt_pieces(turn2), prompt_shape(turn2)[1]) == 384
     # Key order inside a message does not matter; another tool list changes everything after it.
     reordered = {"messages": [{"content": "s" * 1200, "role": "system"}] + turn2["messages"][1:]}
-    assert idx.estimated_hits_then_record(prompt_pieces(reordered), prompt_shape(reordered)[1]) == 512
+    assert est_then_record(idx, prompt_pieces(reordered), prompt_shape(reordered)[1]) == 512
     tools = {"tools": [{"type": "function", "function": {"name": "ls"}}]}
-    assert idx.estimated_hits_then_record(prompt_pieces(turn2 | tools), prompt_shape(turn2 | tools)[1]) == 0
+    assert est_then_record(idx, prompt_pieces(turn2 | tools), prompt_shape(turn2 | tools)[1]) == 0
     assert prompt_pieces({"prompt": [1, 2, 3]}) is None
     # The template's own fields are part of the first piece (they change every rendered token).
     thinking = turn2 | {"chat_template_kwargs": {"enable_thinking": False}}
-    assert idx.estimated_hits_then_record(prompt_pieces(thinking), prompt_shape(thinking)[1]) == 0
+    assert est_then_record(idx, prompt_pieces(thinking), prompt_shape(thinking)[1]) == 0
     # A crafted body costs bounded work: 4,096 pieces at most; nesting too deep to write: no estimate.
     assert len(prompt_pieces({"messages": [{}] * 10_000})) == 4096
     assert len(prompt_pieces({"prompt": "x" * (256 * 5000)})) == 4096
@@ -128,7 +139,9 @@ def test_a_chat_agents_next_turn_reads_by_the_read_queues_not_always_on_the_pref
         out = []
         for body in turns:
             ids, n = prompt_shape(body)
-            out.append(await pl.place(ids, n, 16, prompt_pieces(body)))
+            placed = await pl.place(ids, n, 16, prompt_pieces(body))
+            pl.record(placed)  # (an engine took it)
+            out.append(placed.assignment)
         return out
 
     out = asyncio.run(go())
@@ -200,7 +213,7 @@ def test_waits_for_decode_pages_then_places_in_order():
         pl.on_load(de[1], report("d1", "decode", num_free_pages=10, num_seqs=49, num_tokens=15_000))
         return await asyncio.wait_for(task, 1.0)
 
-    a = asyncio.run(go())
+    a = asyncio.run(go()).assignment
     assert a.decode_engine == 1 and not pl.queue
 
 
@@ -243,7 +256,7 @@ def test_a_dead_decode_leaves_its_groups_z_to_the_live_engines():
          ("n", dict(num_seqs=2, num_tokens=200, num_free_pages=980)), ("n", {})],
         dead=[2],
     )  # fmt: skip
-    assert asyncio.run(pl.place(list(range(40)), 40, 16)).decode_engine == 1
+    assert asyncio.run(pl.place(list(range(40)), 40, 16)).assignment.decode_engine == 1
 
 
 def test_a_dead_decode_does_not_take_its_live_node_mates_out_of_placement():
@@ -255,7 +268,7 @@ def test_a_dead_decode_does_not_take_its_live_node_mates_out_of_placement():
         queue_timeout_s=2.0,
         dead=[0],
     )
-    assert asyncio.run(pl.place(list(range(40)), 40, 16)).decode_engine == 1
+    assert asyncio.run(pl.place(list(range(40)), 40, 16)).assignment.decode_engine == 1
 
 
 def test_a_request_only_a_dead_decode_could_hold_is_refused_at_once():
@@ -281,8 +294,8 @@ def test_phase_1_skips_a_decode_group_whose_pools_could_never_hold_the_request()
          ("big", dict(num_free_pages=1900, num_total_pages=2000, num_seqs=1, num_tokens=1500))],
         queue_timeout_s=2.0,
     )  # fmt: skip
-    assert asyncio.run(pl.place(list(range(100)), 100, 1000 * 16)).decode_engine == 1
-    small = asyncio.run(pl.place(list(range(50)), 50, 16))  # (a small one: the least loaded group)
+    assert asyncio.run(pl.place(list(range(100)), 100, 1000 * 16)).assignment.decode_engine == 1
+    small = asyncio.run(pl.place(list(range(50)), 50, 16)).assignment  # (a small one: the least loaded group)
     assert small.decode_engine == 0
 
 
@@ -333,7 +346,7 @@ def test_a_request_to_a_router_just_started_waits_for_the_first_reports(monkeypa
         later(0.15, pl.on_load, de[0], report("d0", "decode"))
         return await pl.place(list(range(40)), 40, 8)
 
-    assert asyncio.run(go()).decode_engine == 0
+    assert asyncio.run(go()).assignment.decode_engine == 0
     monkeypatch.setattr(placement, "FIRST_REPORTS_WAIT_S", 0.05)
     fresh = Placement("dualpath", pe, de)
     with pytest.raises(PlacementError, match="retry shortly"):

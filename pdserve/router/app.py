@@ -599,7 +599,8 @@ class Router:
                 num_choices,
                 salt if isinstance(salt, str) else None,
             )
-            a = await unless_gone(http, placing)
+            assigned = await unless_gone(http, placing)
+            a = assigned.assignment
         except ClientGone:
             return client_gone()
         except PlacementAborted:  # an abort named it (or all) while it waited: any live engines answer
@@ -623,7 +624,10 @@ class Router:
             return unavailable(STOPPING if self.stopping.is_set() else str(e))
         if lead is not None:
             lead.settle((pe, a.read_path))
-        return await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
+        response = await self._dispatch(path, body, http, a.read_path, arrival, first=(pe, de))
+        if response.status_code < 400:  # (taken: its prompt is a hit for the next ones from now on)
+            self.placement.record(assigned)
+        return response
 
     async def _dispatch(
         self,

@@ -29,6 +29,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdserve.dualpath.scheduler import (
     POLICY_KNOBS,
@@ -75,6 +76,14 @@ def _only_down_decodes(num_pages: int, what: str = "") -> NotPlaceableNow:
 
 class PlacementAborted(Exception):
     """`abort_waiting` ended the wait: an `/abort_request` of everything reached the router."""
+
+
+class Placed(NamedTuple):
+    """What `place` returns: the scheduler's assignment, and the prompt's keys in the hit index
+    (block keys of a token-id prompt, piece keys of a text or chat one) for `Placement.record`."""
+
+    assignment: Assignment
+    prompt_keys: list[bytes]
 
 
 @dataclass
@@ -267,8 +276,9 @@ class Placement:
         name: tuple[str, ...] = (),
         num_choices: int = 1,
         cache_salt: str | None = None,
-    ) -> Assignment:
+    ) -> Placed:
         """Wait until the scheduler assigns this request; raises PlacementError or TimeoutError.
+        The prompt's keys come back unrecorded: `record(placed)` once an engine has taken it.
         A text or chat prompt (`prompt_ids` None) gives its `prompt_pieces` for a hit estimate; hits
         are estimated among the prompts of the same `cache_salt` only (the engines' keys are salted).
         `num_choices` > 1: the first of that many choices of one prompt (`PendingRequest.num_choices`).
@@ -302,11 +312,11 @@ class Placement:
         if need_pages > self._biggest_live_decode():  # (it waited to the queue timeout; then a 400)
             raise _only_down_decodes(need_pages, what)
         if prompt_ids:
-            hits = self.index.hit_tokens_then_record(prompt_ids, cache_salt)
+            hits, keys = self.index.hit_tokens_and_keys(prompt_ids, cache_salt)
         elif prompt_pieces:
-            hits = self.index.estimated_hits_then_record(prompt_pieces, prompt_len, cache_salt)
+            hits, keys = self.index.estimated_hits_and_keys(prompt_pieces, prompt_len, cache_salt)
         else:
-            hits = 0
+            hits, keys = 0, []
         # (its decode tokens as the engines count its slots: the last token sampled holds no KV; with
         # all `num_tokens`, one that filled a decode's pool exactly never fit, and waited to the queue
         # timeout)
@@ -317,11 +327,19 @@ class Placement:
         self.queue.append(waiting)
         self._pump()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiting.future), self.queue_timeout_s)
+            assignment = await asyncio.wait_for(asyncio.shield(waiting.future), self.queue_timeout_s)
+            return Placed(assignment, keys)
         except (TimeoutError, asyncio.CancelledError):
             if waiting in self.queue:
                 self.queue.remove(waiting)
             raise
+
+    def record(self, placed: Placed) -> None:
+        """Who calls: the router, when an engine has taken the placed request (its answer is not an
+        error). Its prompt counts as hits for the prompts after it from then on; a refused one never
+        does (the engines computed nothing of it)."""
+        if self.index is not None:
+            self.index.record_keys(placed.prompt_keys)
 
     def _biggest_live_decode(self) -> int:
         return max((self._report(e)["num_total_pages"] for e in self.decodes if e.healthy), default=0)

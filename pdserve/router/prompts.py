@@ -6,7 +6,7 @@ Hit tokens: the scheduler needs each request's hit tokens (stored KV to read) be
 it -- without any, a request is all new tokens and always reads on the PE side. The router estimates
 them from the prompts it has routed, in a bounded index of chained hashes: a prompt's leading pieces
 that an earlier prompt had are counted as hits (the decode wrote them back when that request
-committed). Token-id prompts are cut into the store's blocks; the router has no tokenizer, so a text
+committed; the router records a prompt once an engine has taken it). Token-id prompts are cut into the store's blocks; the router has no tokenizer, so a text
 prompt is cut into TEXT_CHUNK_CHARS-character chunks and a chat into its tools and messages (an
 agent's next turn repeats the last turn's messages and appends to them), their hits counted at
 CHARS_PER_TOKEN and rounded down to whole blocks. Estimates only steer placement; the engines read
@@ -48,21 +48,23 @@ class PrefixIndex:
         return self._hits(keys, max_blocks)
 
     def record(self, token_ids: list[int], cache_salt: str | None = None) -> None:
-        self._record(page_keys(token_ids, self.block_tokens, salted_root(self.root, cache_salt)))
+        self.record_keys(page_keys(token_ids, self.block_tokens, salted_root(self.root, cache_salt)))
 
-    def hit_tokens_then_record(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """`hit_tokens`, then `record`, hashing the prompt once (a 32k-token prompt: ~1 ms each)."""
+    def hit_tokens_and_keys(
+        self, token_ids: list[int], cache_salt: str | None = None
+    ) -> tuple[int, list[bytes]]:
+        """`hit_tokens`, and the prompt's block keys for `record_keys` once an engine has taken it
+        (the prompt is hashed once: a 32k-token prompt costs ~1 ms)."""
         keys = page_keys(token_ids, self.block_tokens, salted_root(self.root, cache_salt))
-        hits = self._hits(keys, (len(token_ids) - 1) // self.block_tokens)
-        self._record(keys)
-        return hits
+        return self._hits(keys, (len(token_ids) - 1) // self.block_tokens), keys
 
-    def estimated_hits_then_record(
+    def estimated_hits_and_keys(
         self, pieces: list[tuple[bytes, int]], num_tokens: int, cache_salt: str | None = None
-    ) -> int:
+    ) -> tuple[int, list[bytes]]:
         """Text and chat prompts: `pieces` are the prompt's pieces in order, (bytes, characters), from
         `prompt_pieces`. The leading pieces seen before count as hits, at CHARS_PER_TOKEN, in whole
-        blocks, at least one token left of the estimated `num_tokens`; then all are recorded."""
+        blocks, at least one token left of the estimated `num_tokens`; and the pieces' keys, for
+        `record_keys`."""
         keys, parent = [], salted_root(self.text_root, cache_salt)
         for data, _ in pieces:
             parent = hashlib.blake2b(parent + data, digest_size=16).digest()
@@ -73,9 +75,8 @@ class PrefixIndex:
                 break
             self._keys.move_to_end(key)
             matched_chars += chars
-        self._record(keys)
         hit_tokens = min(matched_chars // CHARS_PER_TOKEN, num_tokens - 1)
-        return max(0, hit_tokens) // self.block_tokens * self.block_tokens
+        return max(0, hit_tokens) // self.block_tokens * self.block_tokens, keys
 
     def _hits(self, keys: list[bytes], max_blocks: int) -> int:
         hits = 0
@@ -86,7 +87,9 @@ class PrefixIndex:
             hits += 1
         return hits * self.block_tokens
 
-    def _record(self, keys: list[bytes]) -> None:
+    def record_keys(self, keys: list[bytes]) -> None:
+        """Who calls: the router, once an engine has taken the request whose keys these are (a prompt
+        the engines refused was never computed, so it must not count as a hit for the next ones)."""
         for key in keys:
             self._keys[key] = None
             self._keys.move_to_end(key)
