@@ -235,6 +235,46 @@ def test_a_full_emulated_link_delays_transfers_instead_of_failing_them(fake_agen
         tm.close()
 
 
+def test_the_agent_reads_its_emulated_link_once_per_step_not_once_per_delayed_transfer(fake_agents, tmp_path):
+    """200 writes crossing a slow emulated CNIC together: each agent step asked the link `done()` for
+    every one of them, and each ask reads and advances the whole slot table (~0.4 ms at 256 flows:
+    ~80 ms per step here, behind which every completion and notification waited). Now a step reads
+    the link once for all of them; the transfers complete as before."""
+    from pdserve.netem import NodeConfig, TrafficManager
+
+    tm = TrafficManager(NodeConfig(node="n0", node_dir=str(tmp_path), cnic_bytes_per_s=2e4))
+    passes = steps = 0
+    state, step = tm.cnic._state, None
+
+    def counted_state():
+        nonlocal passes
+        passes += 1
+        return state()
+
+    tm.cnic._state = counted_state
+    try:
+        c, d = fake_agents("C-once"), fake_agents("D-once")
+        c.add_peer("D-once", d.metadata())
+        step = c._step
+
+        def counted_step(*a):
+            nonlocal steps
+            steps += 1
+            return step(*a)
+
+        c._step = counted_step
+        c.traffic = tm
+        ids = [c.submit("D-once", [(0, 64)], [(0, 64)], b"w") for _ in range(200)]
+        got = _wait(c.poll_completions, timeout_s=30.0, until=lambda acc: len(acc) == len(ids))
+        assert sorted(i for i, _ in got) == ids
+        assert {st for _, st in got} == {TransferStatus.DONE}
+        # One start per transfer, one read per step (plus the odd flow that starts inside a step).
+        assert passes <= 200 + steps + 5, (passes, steps)
+        assert steps > 5  # (they crossed the link over many steps: 12.8 kB at 20 kB/s)
+    finally:
+        tm.close()
+
+
 def test_fake_agent_close_fails_pending(fake_agents):
     a, b = fake_agents("cl-a", delay_s=5.0), fake_agents("cl-b")
     _connect(a, b)

@@ -263,6 +263,15 @@ class SharedLink:
     def done(self, flow_id: int) -> bool:
         return self._remaining(flow_id)[0] == 0
 
+    def active_flow_ids(self) -> set[int]:
+        """The ids of the flows still crossing the link, in one locked pass: an issued id not in it is
+        done. (A caller with many flows to check asks once, not `done` per flow: each call reads and
+        advances the whole slot table, ~0.4 ms at 256 flows.)"""
+        if self.unlimited:
+            return set()
+        with self._state() as (_, flows):
+            return {f.flow_id for f in flows}
+
     def wait(self, flow_id: int, timeout_s: float | None = None) -> None:
         """Block until the flow is done: sleep to its predicted finish (at most MAX_POLL_S), re-check."""
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,16 @@ class Flow:
                 return False
         return self.flow_id is not None
 
-    def done(self) -> bool:
-        return self._try_start() and self.link.done(self.flow_id)
+    def done(self, active_ids: AbstractSet[int] | None = None) -> bool:
+        """Whether the flow has crossed its link. `active_ids`: the link's `active_flow_ids()` taken
+        just before, for a caller that checks many flows at once (one pass over the link, not one per
+        flow); a flow that starts in this call is looked up on the link itself."""
+        started = self.flow_id is not None
+        if not self._try_start():
+            return False
+        if active_ids is None or not started:
+            return self.link.done(self.flow_id)
+        return self.flow_id not in active_ids
 
     def wait(self, timeout_s: float | None = None) -> None:
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s

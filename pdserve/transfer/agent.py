@@ -298,11 +298,12 @@ class TransferAgent:
                 return False
             self._apply(backend, pending, cmd)
         now = self.clock()
+        active_ids = self._active_flow_ids() if self._delayed and self.traffic is not None else None
         for transfer_id, (flow, cmd) in list(self._delayed.items()):
             if _past(cmd.expires_s, now):  # (still crossing the emulated link, or stalled: nothing copied)
                 self._expired(transfer_id)
                 self._drop_delayed(pending, transfer_id)
-            elif self._flow_done(pending, transfer_id, flow):
+            elif self._flow_done(pending, transfer_id, flow, active_ids):
                 del self._delayed[transfer_id]
                 self._submit(backend, pending, cmd)
         self._check_pending(backend, pending)
@@ -366,12 +367,21 @@ class TransferAgent:
                 self.stats.backend_errors += 1
                 log.exception("transfer agent %s: remove_peer(%s) failed", self.agent_name, cmd[1])
 
-    def _flow_done(self, pending: dict[int, _Pending], transfer_id: int, flow) -> bool:
+    def _active_flow_ids(self) -> set[int] | None:
+        """The flows still crossing this engine's emulated link, read once per step for every delayed
+        transfer (each flow's own `done()` read the whole link: O(flows) per transfer per step). None
+        when the link cannot say: each flow is then asked alone, and a failing one dropped alone."""
+        try:
+            return self.traffic.cnic.active_flow_ids()
+        except Exception:
+            return None
+
+    def _flow_done(self, pending: dict[int, _Pending], transfer_id: int, flow, active_ids=None) -> bool:
         """Whether a transfer has crossed its emulated link; one whose link fails (closed) is dropped
         as failed, alone: it raised out of the whole step, and every other transfer's reporting
         waited behind it."""
         try:
-            return flow.done()
+            return flow.done(active_ids)
         except Exception:
             log.exception("transfer agent: emulated link of transfer %d failed", transfer_id)
             self.stats.backend_errors += 1
@@ -468,7 +478,7 @@ class TransferAgent:
 class _NeverDone:
     """The flow of a stalled transfer (fault injection): it never completes."""
 
-    def done(self) -> bool:
+    def done(self, active_ids=None) -> bool:
         return False
 
     def cancel(self) -> None:
