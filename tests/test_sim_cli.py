@@ -484,6 +484,29 @@ def test_each_scenario_refuses_exactly_the_overrides_its_code_does_not_read(caps
         assert f"{name} does not use {flag}" in err and "simulator:" not in err, err
 
 
+def test_a_seed_that_would_change_nothing_is_refused(capsys):
+    """`--workload mooncake --seed 3` in an offline scenario replays the trace as recorded: every seed
+    gave the same figures, silently. A seed draws Table 2 trajectories, weka_cc sessions and online
+    arrival times; with a Mooncake trace it is refused offline and with `@trace` timing."""
+    from pdserve.sim.scenarios import SCENARIOS, Overrides
+
+    def refused(scenario: str, workload: str) -> bool:
+        return any(
+            u.startswith("--seed") for u in SCENARIOS[scenario].unused(Overrides(workload=workload, seed=3))
+        )
+
+    assert refused("ablation", "mooncake") and refused("offline-660b", "mooncake-synthetic")
+    assert refused("online", "mooncake@trace")
+    assert not refused("online", "mooncake")  # (arrivals are drawn)
+    assert not refused("ablation", "64k") and not refused("ablation", "weka_cc")
+    assert SCENARIOS["ablation"].unused(Overrides(workload="mooncake")) == []  # (no seed given)
+    assert (
+        run(parse("--accel", "off", "--scenario", "ablation", "--workload", "mooncake", "--seed", "3")) == 2
+    )
+    err = capsys.readouterr().err
+    assert "ablation does not use --seed (with --workload mooncake" in err and "simulator:" not in err, err
+
+
 def test_a_missing_trace_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
     from pdserve.bench import workloads
 
