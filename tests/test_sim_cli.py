@@ -544,3 +544,34 @@ def test_pdserve_simulate_reaches_the_simulator_before_any_of_its_modules_is_imp
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "clean", argv
+
+
+def test_ablation_checks_print_the_change_on_the_side_of_the_band_they_decide():
+    """A check printed its change from the JSON's 2-decimal rounding (-7.354% -> -7.35 -> "-7.3%")
+    beside a verdict on the band -27.21..-7.21%. Now the verdict and the text both come from the
+    unrounded change, with as many decimals as keep the text on the verdict's side."""
+    import re
+
+    from pdserve.sim.scenarios import Overrides, _step_check, ablation
+
+    assert _step_check("layerwise", -7.354, -17.21, -5.0).startswith("[OK] +layerwise: -7.4% mean JCT")
+    assert _step_check("layerwise", -7.2049, -17.21, -5.0).startswith("[MISS] +layerwise: -7.2% mean")
+    assert _step_check("layerwise", -7.2149, -17.21, -5.0).startswith("[OK] +layerwise: -7.215% mean")
+    assert _step_check("layerwise", -7.2051, -17.21, -5.0).startswith("[MISS] +layerwise: -7.2% mean")
+    assert _step_check("layerwise", 1.04, -17.21, 2.0).startswith("[MISS] +layerwise: +1.0% mean")
+
+    ov = Overrides(prefill_nodes=1, decode_nodes=1, gpus_per_node=2, agents=(24,), seed=4)
+    res = ablation(ov, lambda label: None)
+    paper = {"layerwise": -17.21, "dual_path": -38.19, "dualpath": -45.62}
+    base = next(r for r in res.runs if r["policy"] == "basic")["jct_mean_s"]
+    assert len(res.checks) == 3
+    for check in res.checks:
+        m = re.match(r"\[(OK|MISS)\] \+(\w+): ([+-][0-9.]+)% mean JCT", check)
+        assert m, check
+        verdict, policy, shown = m.group(1), m.group(2), float(m.group(3))
+        run = next(r for r in res.runs if r["policy"] == policy)
+        change = 100 * (run["jct_mean_s"] / base - 1)
+        inside = abs(change - paper[policy]) <= 10
+        assert (verdict == "OK") == inside, check
+        assert (abs(shown - paper[policy]) <= 10) == inside, check  # the text agrees with the verdict
+        assert abs(shown - change) < 0.051, check
