@@ -237,6 +237,13 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         "--pd-deadline-s + 10 s (a lease below 3 x the deadline + 1 s is refused)",
     )
     p.add_argument(
+        "--pd-store-read-timeout-s",
+        type=float,
+        default=0.0,
+        help="a KV store read still in flight after this long is left behind and its prompt computed "
+        "instead (a stuck disk costs time, not the request); 0 (default): half --pd-deadline-s",
+    )
+    p.add_argument(
         "--pd-peer-idle-s",
         type=positive,
         default=600.0,
@@ -326,6 +333,7 @@ def _pd_config(a: argparse.Namespace, secret: bytes):
         bootstrap_port=a.bootstrap_port,
         deadline_s=a.pd_deadline_s,
         abort_lease_s=a.pd_abort_lease_s or None,  # 0: derived from the deadline
+        store_read_timeout_s=a.pd_store_read_timeout_s or None,  # 0: half the deadline
         peer_idle_s=a.pd_peer_idle_s,
         staging_threshold=a.pd_staging_threshold,
         kv_store_dir=a.kv_store,

@@ -221,6 +221,8 @@ def pd_flags(a) -> list[str]:
         str(a.pd_deadline_s),
         "--pd-abort-lease-s",
         str(a.pd_abort_lease_s),
+        "--pd-store-read-timeout-s",
+        str(a.pd_store_read_timeout_s),
         "--pd-peer-idle-s",
         str(a.pd_peer_idle_s),
         "--pd-staging-threshold",

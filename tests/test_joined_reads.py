@@ -5,6 +5,7 @@ are counted once. Reads are held in flight by a gate in front of the store's rea
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -63,6 +64,28 @@ def test_reads_of_a_prefix_in_flight_join_it_and_longer_ones_read_their_own(stor
     again = reads.read(store, chain[:3], alloc)  # (nothing in flight: a read of its own)
     assert not again.shared and again.future.result(10).num_ok == 3
     assert reads.num_blocks_bad == 0
+
+
+def test_a_read_in_flight_longer_than_the_join_age_is_not_joined_and_a_new_one_takes_its_keys(store):
+    """A read still in flight past `max_join_age_s` is stuck as far as its callers are concerned (they
+    leave it behind): a request of that prefix reads anew, and the next ones join the new read."""
+    reads = JoinedReads()
+    chain = store.chain
+    stuck = reads.read(store, chain[:3], alloc, now_s=0.0, max_join_age_s=5.0)
+    assert reads.read(store, chain[:3], alloc, now_s=5.0, max_join_age_s=5.0).shared  # (at the age: joins)
+    fresh = reads.read(store, chain[:3], alloc, now_s=5.5, max_join_age_s=5.0)
+    assert not fresh.shared and fresh.started_s == 5.5 and fresh.buffer is not stuck.buffer
+    joined = reads.read(store, chain[:2], alloc, now_s=6.0, max_join_age_s=5.0)
+    assert joined.shared and joined.future is fresh.future and joined.started_s == 5.5
+    reads.check_integrity()
+    store.gate.set()
+    for r in (stuck, fresh):
+        assert r.num_prefix_ok(r.future.result(10)) == 3
+    deadline = time.monotonic() + 5  # (a read leaves the index in its future's callback, just after)
+    while reads.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert reads.num_in_flight == 0
+    reads.check_integrity()
 
 
 def test_an_ended_read_is_joined_while_its_owner_holds_it_then_forgotten_and_freed_at_once(store):

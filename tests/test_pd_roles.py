@@ -1424,7 +1424,9 @@ def test_room_that_failed_while_its_store_read_was_in_flight_never_computes(make
     p.pe_role.store = SimpleNamespace(
         layout=SimpleNamespace(block_size=2 * PAGE_SIZE),
         lookup=lambda req: 2,
-        start_read=lambda req, n: PendingRead([b"k0", b"k1"], [None, None], read),
+        start_read=lambda req, n, now_s=0.0, *_: PendingRead(
+            [b"k0", b"k1"], [None, None], read, started_s=now_s
+        ),
         reads=JoinedReads(),  # (none in flight: this read is the test's own)
     )
     room = new_room()
@@ -1468,7 +1470,7 @@ def test_decode_admission_counts_evictable_prefix_hits_and_store_reads(make_pair
         p.de_role.store = SimpleNamespace(
             layout=SimpleNamespace(block_size=7 * PAGE_SIZE),  # one block: 28 tokens > the 24 hit tokens
             lookup=lambda req: 1,
-            start_read=lambda req, n: PendingRead([b"k0"], [None], read),
+            start_read=lambda req, n, now_s=0.0, *_: PendingRead([b"k0"], [None], read, started_s=now_s),
             persist=lambda req, final=False: None,
             reads=JoinedReads(),  # (none in flight: this read is the test's own)
         )
@@ -1750,6 +1752,16 @@ def test_decode_waits_out_a_prefill_whose_rooms_live_longer_than_its_own_lease(m
     assert peer.lease_s == slow.room_life_s + MIN_LEASE_MARGIN_S
 
 
+def test_a_store_read_budget_is_below_the_state_deadline():
+    """`store_read_budget_s`: half the state deadline unless set; one at or past the deadline would
+    leave nothing to leave behind (the room fails first), so it is refused."""
+    assert PDConfig(cluster_secret=b"s").store_read_budget_s == 15.0
+    assert PDConfig(cluster_secret=b"s", deadline_s=8.0, store_read_timeout_s=2.0).store_read_budget_s == 2.0
+    for timeout_s in (0.0, -1.0, 8.0, 9.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="store_read_timeout_s must be in"):
+            PDConfig(cluster_secret=b"s", deadline_s=8.0, store_read_timeout_s=timeout_s)
+
+
 def test_abort_lease_is_never_below_the_prefills_longest_room_life():
     """state.min_lease_s: a lease shorter than the prefill's three deadlines lets the decode reuse pages
     a partitioned prefill may still write. The defaults were 60 s against a bound of 90 s (and 60 s
@@ -1791,7 +1803,7 @@ def test_a_waiting_de_path_request_looks_the_store_up_once_per_refresh_interval(
     p.de_role.store = SimpleNamespace(  # a store that has one 7-page block of every prompt
         layout=SimpleNamespace(block_size=7 * PAGE_SIZE),
         lookup=lambda req: lookups.append(req.request_id) or 1,
-        start_read=lambda req, n: PendingRead([b"k0"], [None], Future()),
+        start_read=lambda req, n, now_s=0.0, *_: PendingRead([b"k0"], [None], Future(), started_s=now_s),
         persist=lambda req, final=False: None,
         reads=JoinedReads(),  # (none in flight: this read is the test's own)
     )

@@ -297,3 +297,53 @@ def test_no_tensor_outlives_its_requests_in_a_reference_cycle(hf_checkpoints, tm
             gc.enable()
         store.close()
         p.close()
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de"])
+def test_a_stuck_store_read_is_left_behind_and_its_prompt_computed(hf_checkpoints, tmp_path, read_path):
+    """A store read that hangs (a stuck disk or mount, not an error) held its request until the room's
+    state deadline failed it (a 503: "prefill failed: deadline in WaitingForInput" on the PE path;
+    the prefill's Bootstrapping deadline on the DE path), and the router's retry joined the same
+    hung read and failed the same way (a review, 2026-12-04 late). Past `store_read_budget_s` the
+    read is left behind and the prompt computed (the decode asks the prefill for all of it); a
+    later request of that prompt reads anew rather than join the stuck read. Both answer the
+    colocated tokens, and once the disk wakes up nothing is left held."""
+    p = Pair(hf_checkpoints["llama"][0], copy_bytes=True, fake_clocks=True)
+    store = _with_store(p, tmp_path)
+    role = p.pe_role if read_path == "pe" else p.de_role
+    gate = threading.Event()
+    try:
+        ids = pd_roles._stored_turn(p, store, "seed")  # 47 tokens: 5 stored blocks of 8
+        _hold_reads(store, gate)
+        held = store.read_blocks
+        num_reads = [0]
+
+        def counted(*args):
+            num_reads[0] += 1
+            return held(*args)
+
+        store.read_blocks = counted
+        budget_s = role.config.store_read_budget_s
+        assert budget_s == pd_roles.DEADLINE_S / 2
+        for n, rid in enumerate(("a", "b"), start=1):
+            # (only the store holds the prompt: "a"'s computed pages are in neither prefix cache)
+            p.pe_engine.kv.pool.reset_prefix_cache()
+            p.de_engine.kv.pool.reset_prefix_cache()
+            _submit_read_path(p, ids, 3, rid, read_path)
+            p.drive(lambda n=n: num_reads[0] == n)  # ("b" reads anew: it did not join "a"'s stuck read)
+            assert role.store.reads.num_blocks_joined == 0
+            p.settle(0.05)
+            assert not any(o.finished for o in p.de_sink.outputs(rid))  # (waiting for the read)
+            p.pe_clock.advance(budget_s + 0.01)
+            p.de_clock.advance(budget_s + 0.01)
+            p.drive(lambda rid=rid: any(o.finished for o in p.de_sink.outputs(rid)))
+            assert p.pe_sink.errors(rid) == [] and p.de_sink.errors(rid) == []
+            assert role.num_store_reads_left == n
+        _assert_colocated_tokens(p, hf_checkpoints, ids, ["a", "b"], cached_tokens_storage=0)
+        gate.set()  # (the disk wakes up: the reads left behind end, their buffers go)
+        p.drive(lambda: p.idle() and role.store.reads.num_in_flight == 0)
+        p.assert_clean()
+    finally:
+        gate.set()
+        store.close()
+        p.close()

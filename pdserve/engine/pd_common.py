@@ -76,12 +76,22 @@ class PDConfig:
     # it has sent nothing to in `peer_renew_s` before its next KVRequest, so a live decode is never
     # forgotten under it. A decode forgets a prefill it has not used in `peer_idle_s` likewise.
     peer_idle_s: float = 600.0
+    # A store read still in flight after this long (None: half of `deadline_s`) is left behind and its
+    # prompt computed instead (the decode asks the prefill for all of it); no request joins such a
+    # read. A hung disk failed the request at its state deadline (a 503), and every retry joined the
+    # same hung read.
+    store_read_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.peer_idle_s < math.inf:  # (NaN fails too)
             raise ValueError(f"peer_idle_s must be finite and > 0 s, got {self.peer_idle_s}")
         if not 0.0 < self.deadline_s <= MAX_DEADLINE_S:  # (NaN fails too)
             raise ValueError(f"deadline_s must be in (0, {MAX_DEADLINE_S:.0f}] s, got {self.deadline_s}")
+        if self.store_read_timeout_s is not None and not 0.0 < self.store_read_timeout_s < self.deadline_s:
+            raise ValueError(
+                f"store_read_timeout_s must be in (0, deadline_s = {self.deadline_s}) s, got "
+                f"{self.store_read_timeout_s} (past the deadline the request fails before its read is left)"
+            )
         # A lease shorter than the prefill's longest room life lets the decode reuse pages that a
         # prefill which never got the Abort (partitioned, ack lost) may still write: refuse it.
         floor_s = min_lease_s(self.deadlines(), margin_s=MIN_LEASE_MARGIN_S)
@@ -102,6 +112,11 @@ class PDConfig:
         """A decode re-registers before asking a prefill it has been silent to for this long: a
         quarter of the prefill's `peer_idle_s`, a wide margin for messages still on their way."""
         return self.peer_idle_s / 4
+
+    @property
+    def store_read_budget_s(self) -> float:
+        """How long a store read may stay in flight before it is left behind (`store_read_timeout_s`)."""
+        return self.deadline_s / 2 if self.store_read_timeout_s is None else self.store_read_timeout_s
 
     @property
     def lease_s(self) -> float:

@@ -17,6 +17,7 @@ pages' K rows, contiguous, byte for byte.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -77,12 +78,15 @@ class StoreConnector:
             return 0
         return self.store.lookup_keys(self.keys_for(req, max_blocks))
 
-    def start_read(self, req: Request, num_blocks: int) -> PendingRead:
+    def start_read(
+        self, req: Request, num_blocks: int, now_s: float = 0.0, max_join_age_s: float = math.inf
+    ) -> PendingRead:
         """Read the request's first `num_blocks` (> 0) blocks into host memory; or join a read in flight
-        of a chain that starts with them (a sibling's): the same buffer and future, no I/O."""
+        of a chain that starts with them (a sibling's), unless it was submitted more than
+        `max_join_age_s` before `now_s` (the caller's clock): the same buffer and future, no I/O."""
         nbytes = self.layout.block_nbytes
         alloc = lambda n: torch.empty((n, nbytes), dtype=torch.uint8)  # noqa: E731
-        return self.reads.read(self.store, self.keys_for(req, num_blocks), alloc)
+        return self.reads.read(self.store, self.keys_for(req, num_blocks), alloc, now_s, max_join_age_s)
 
     # ---- pool <-> blocks -----------------------------------------------------------------------
     def gather_blocks(self, page_ids: list[int], first: int, last: int) -> torch.Tensor:

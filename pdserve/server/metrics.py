@@ -189,6 +189,11 @@ class PDMetrics:
             "Prefills with stored KV too long for the layerwise staging pool, prefilled whole",
             r,
         )
+        self.store_reads_left = _Mirror(
+            "pdserve_pd_store_reads_left",
+            "Store reads still in flight past their budget, left behind: their prompts were computed",
+            r,
+        )
         self.store_written = _Mirror("pdserve_store_blocks_written", "Blocks this engine wrote back", r)
         self.store_skipped = _Mirror(
             "pdserve_store_blocks_skipped",
@@ -238,6 +243,7 @@ class PDMetrics:
         self.peers.set(getattr(role, "num_peers", 0))
         self.peers_forgotten.set(getattr(role, "num_peers_forgotten", 0))
         self.staged.set(getattr(role, "num_staged", 0))
+        self.store_reads_left.set(getattr(role, "num_store_reads_left", 0))
         if hasattr(role, "layerwise"):
             self.layerwise.set(role.layerwise.num_runs)
             self.layerwise_fallbacks.set(role.num_layerwise_fallbacks)

@@ -16,6 +16,7 @@ request's last key holds that request's blocks as its own first rows.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -34,6 +35,7 @@ class PendingRead:
     buffer: object  # uint8 [>= len(keys), block_nbytes] host memory: rows [0, len(keys)) are its blocks
     future: Future  # Future[ReadResult] of the read's own keys
     shared: bool = False  # joined another request's read: no I/O of its own
+    started_s: float = 0.0  # when the read (the owner's, for a joined one) was submitted, caller's clock
 
     def num_prefix_ok(self, result) -> int:
         """This request's leading good blocks, of a shared read's result too."""
@@ -59,19 +61,36 @@ class JoinedReads:
         # when no request is left to use it and however many joined it.
         self.num_blocks_bad = 0
 
-    def read(self, store: KVBlockStore, keys: list[bytes], alloc: Callable[[int], object]) -> PendingRead:
+    def read(
+        self,
+        store: KVBlockStore,
+        keys: list[bytes],
+        alloc: Callable[[int], object],
+        now_s: float = 0.0,
+        max_join_age_s: float = math.inf,
+    ) -> PendingRead:
         """Read `keys` (> 0) from `store` into `alloc(len(keys))`; or join a read in flight whose keys
-        start with them: the same buffer and future, no I/O."""
+        start with them, submitted at most `max_join_age_s` before `now_s` (one in flight longer is
+        stuck, as far as its callers are concerned: they leave it behind), or an ended one: the same
+        buffer and future, no I/O."""
+
+        def fresh(r: PendingRead | None) -> bool:
+            return r is not None and now_s - r.started_s <= max_join_age_s
+
         with self._lock:
-            covering = self._reads.get(keys[-1]) or self._ended_reads.get(keys[-1])
+            in_flight = self._reads.get(keys[-1])
+            covering = in_flight if fresh(in_flight) else self._ended_reads.get(keys[-1])
         if covering is not None:
             self.num_blocks_joined += len(keys)
-            return PendingRead(keys, covering.buffer, covering.future, shared=True)
+            return PendingRead(
+                keys, covering.buffer, covering.future, shared=True, started_s=covering.started_s
+            )
         buffer = alloc(len(keys))
-        read = PendingRead(keys, buffer, store.submit_read(keys, buffer))
+        read = PendingRead(keys, buffer, store.submit_read(keys, buffer), started_s=now_s)
         with self._lock:
             for key in keys:
-                self._reads.setdefault(key, read)  # (a key an older read covers stays with it)
+                if not fresh(self._reads.get(key)):  # (a key a younger read covers stays with it)
+                    self._reads[key] = read
         # (at once if it has ended; weakly: the future refers to the read no more than the read to it)
         read.future.add_done_callback(lambda _, ref=weakref.ref(read): self._ended(ref()))
         return read
