@@ -305,3 +305,70 @@ def test_compute_quota_leaves_out_a_request_that_will_be_put_off():
         for r, n in zip(out.requests, out.num_new_tokens, strict=True)
     )
     assert cost_s <= cfg.prefill_quota_s
+
+
+def _step_fake(s: Scheduler, out_token: int = 7):
+    """One engine step without a model: every scheduled token computed, a finished prefill samples."""
+    out = s.schedule()
+    for r, n in zip(out.requests, out.num_new_tokens, strict=True):
+        if r.prompt_logprobs is not None:  # (the engine adds one entry per computed prompt token)
+            while len(r.prompt_logprobs) < min(r.num_computed_tokens + n, r.num_prompt_tokens):
+                r.prompt_logprobs.append(None)
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_output(out_token)
+        s.kv.cache_computed_pages(r)
+    return out
+
+
+def _committed(kv: KVManager, rid: str, prompt: list[int], max_tokens: int = 50) -> Request:
+    """A PD decode's committed request: its prompt KV in its pages, its first token sampled."""
+    r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens)
+    assert kv.allocate(r, len(prompt))
+    r.num_computed_tokens = len(prompt)
+    r.append_output(1)
+    kv.cache_computed_pages(r)
+    return r
+
+
+def test_a_lone_head_admitted_in_chunks_releases_a_waiting_holder_instead_of_preempting_itself_forever():
+    """A preempted request whose recompute is longer than the step budget is admitted with a chunk
+    (the chunk fits), grows into pages a waiting committed request keeps, preempts itself (nothing
+    else runs) and is admitted again with a chunk: for ever (67 preemptions in 200 steps, the holder
+    never ran; 10 of 800 random schedules hung so). Holders were released only for a head that could
+    not be admitted at all; now also for a lone head of which only a chunk fits."""
+    kv = KVManager(4, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=64), kv)
+    a = _committed(kv, "a", list(range(7)))
+    s.add_prefilled(a)
+    _step_fake(s)
+    b = _committed(kv, "b", list(range(100, 107)))
+    s.add_prefilled(b)
+    for _ in range(200):
+        _step_fake(s)
+        kv.check_integrity()
+        if b.status != RequestStatus.WAITING:
+            break
+    assert a.num_preemptions <= 1 and b.num_preemptions == 1  # (b released once, then recomputed)
+    assert b.status == RequestStatus.RUNNING or a.status == RequestStatus.RUNNING
+
+
+def test_a_preempted_request_with_every_prompt_logprob_reuses_its_whole_cached_context():
+    """prompt_logprobs: a cached token has no logits, so hits stop before the first missing entry. The
+    cap stayed once every entry existed: a request preempted 30 tokens into its output reused 1 of
+    its 9 cached pages and recomputed all 30 output tokens."""
+    kv = KVManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), kv)
+    r = Request("a", list(range(8)), SamplingParams(max_tokens=100, prompt_logprobs=0), 100)
+    s.add(r)
+    for _ in range(30):
+        _step_fake(s, out_token=5)
+    assert len(r.prompt_logprobs) == 8 and r.num_tokens == 38  # every prompt entry is there
+    s.retract_all()
+    assert len(s._prefix_hits(r)[0]) == (r.num_tokens - 1) // 4 == 9  # (was 1)
+    # Part-way through the prompt the cap holds: of the 3 cached pages this prompt could hit, only
+    # page 0 is used (entries for tokens 0..4 exist; token 5's needs token 4's logits, on page 1).
+    q = Request("q", list(range(8)) + [5] * 8, SamplingParams(max_tokens=4, prompt_logprobs=0), 4)
+    assert len(kv.match_prefix(q)[0]) == 3
+    q.prompt_logprobs += [None] * 4
+    assert len(s._prefix_hits(q)[0]) == 1

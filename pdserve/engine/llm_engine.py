@@ -648,8 +648,13 @@ class LLMEngine:
         self.kv.check_integrity()
         expected = [0] * self.kv.pool.num_pages
         for req in self.requests.values():
+            # (a page twice in one table: two positions would share one page's KV, and the counts
+            # would still agree)
+            assert len(set(req.page_ids)) == len(req.page_ids), f"request {req.request_id} holds a page twice"
             for page in req.page_ids:
                 expected[page] += 1
+        queued = [r.request_id for r in itertools.chain(self.scheduler.waiting, self.scheduler.running)]
+        assert len(set(queued)) == len(queued), "a request queued twice (or both waiting and running)"
         for hook in self.extra_page_refs:
             for page in hook():
                 expected[page] += 1

@@ -117,7 +117,18 @@ class Scheduler:
                     self.num_prefix_waits += 1
                 continue
             num_hit_tokens = len(hit_pages) * self.kv.page_size
-            num_new = min(req.num_tokens - req.num_computed_tokens - num_hit_tokens, budget)
+            num_left = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            num_new = min(num_left, budget)
+            if (
+                num_new < num_left
+                and not self.running
+                and not self.kv.can_allocate(req, num_left, hit_pages, num_reserved_pages)
+                and self._release_a_waiting_holder()
+            ):
+                # Alone, and only a chunk of it fits: it would grow into the pages waiting holders
+                # keep, preempt itself, and be admitted again with a chunk, for ever (the holders
+                # are released only for a head that cannot be admitted at all; a review, 2026-12-04).
+                continue
             if not self.kv.allocate(req, num_new, hit_pages, hit_keys, num_reserved_pages):
                 if self.running or not self._release_a_waiting_holder():
                     break
@@ -167,7 +178,10 @@ class Scheduler:
         if req.page_ids:
             return [], []
         hit_pages, hit_keys = self.kv.match_prefix(req)
-        if req.prompt_logprobs is not None:  # only pages whose tokens' entries exist (after preemption)
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+            # Only pages before the first missing entry (its logits come from the token before it).
+            # Once every entry exists (after a preemption past the prompt) the whole cached context
+            # is a hit: capped, a preempted request recomputed all its output tokens.
             n = (len(req.prompt_logprobs) - 1) // self.kv.page_size
             hit_pages, hit_keys = hit_pages[:n], hit_keys[:n]
         return hit_pages, hit_keys

@@ -54,6 +54,24 @@ class KVManager:
             hits.append(page)
         return hits, keys[: len(hits)]
 
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, hit_page_ids: list[int] = (), num_reserved_pages: int = 0
+    ) -> bool:
+        """Whether `allocate` with these arguments would succeed now (it changes nothing)."""
+        return self._num_fresh(req, num_new_tokens, hit_page_ids) <= self._num_allocatable(
+            hit_page_ids, num_reserved_pages
+        )
+
+    def _num_fresh(self, req: Request, num_new_tokens: int, hit_page_ids) -> int:
+        num_hit_tokens = len(hit_page_ids) * self.page_size
+        needed = self.num_pages_for(req.num_computed_tokens + num_hit_tokens + num_new_tokens)
+        return needed - len(req.page_ids) - len(hit_page_ids)
+
+    def _num_allocatable(self, hit_page_ids, num_reserved_pages: int) -> int:
+        # Hit pages that sit in the LRU stop being allocatable once acquired.
+        num_hits_evictable = sum(1 for p in hit_page_ids if self.pool.ref_count(p) == 0)
+        return self.pool.num_free_pages - num_hits_evictable - num_reserved_pages
+
     def allocate(
         self,
         req: Request,
@@ -68,11 +86,8 @@ class KVManager:
         `num_reserved_pages`: free pages to leave untouched (kept for requests ahead of this one).
         """
         num_hit_tokens = len(hit_page_ids) * self.page_size
-        needed = self.num_pages_for(req.num_computed_tokens + num_hit_tokens + num_new_tokens)
-        num_fresh = needed - len(req.page_ids) - len(hit_page_ids)
-        # Hit pages that sit in the LRU stop being allocatable once acquired.
-        num_hits_evictable = sum(1 for p in hit_page_ids if self.pool.ref_count(p) == 0)
-        if num_fresh > self.pool.num_free_pages - num_hits_evictable - num_reserved_pages:
+        num_fresh = self._num_fresh(req, num_new_tokens, hit_page_ids)
+        if num_fresh > self._num_allocatable(hit_page_ids, num_reserved_pages):
             return False
         if hit_page_ids:
             self.pool.acquire(hit_page_ids)
