@@ -316,3 +316,80 @@ def test_the_plotted_completion_times_end_at_the_summarys_jct():
     ]
     assert done_times(records) == pytest.approx([0.505, 2.275])
     assert done_times(records)[-1] == pytest.approx(summarize(records)["jct_s"])
+
+
+# ---- answers the server cut short (a review of the bench tools, 2026-12-04 late) --------------------
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _stream_answer(text_chunks: int, finish_reason: str, completion_tokens: int) -> bytes:
+    chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": None}]} for _ in range(text_chunks)]
+    chunks[-1]["choices"][0]["finish_reason"] = finish_reason
+    chunks.append({"choices": [], "usage": {"completion_tokens": completion_tokens}})
+    return _sse(*chunks)
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "num_tokens", "ok"),
+    [("length", 8, True), ("abort", 3, False), ("length", 3, False), (None, 8, False)],
+)
+def test_bench_serve_and_soak_count_an_aborted_or_short_answer_as_failed(finish_reason, num_tokens, ok):
+    """An `/abort_request` (or a weight update, or a shutdown) ends a request with a 200 and
+    `finish_reason` "abort": `bench serve` counted 6 of 6 such answers "ok" (895 of 2,400 tokens) and
+    exited 0, and `bench soak` counted them as successes, latencies and all. The benches send
+    `ignore_eos`: an answer counts only when it is finished with all its tokens."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.bench.serve import one
+    from pdserve.bench.soak import _send
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body.get("stream"):
+            content = _stream_answer(max(num_tokens, 1), finish_reason, num_tokens)
+            return httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+        answer = {"choices": [{"index": 0, "text": "x" * num_tokens, "finish_reason": finish_reason}],
+                  "usage": {"completion_tokens": num_tokens}}  # fmt: skip
+        return httpx.Response(200, json=answer)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            served = await one(client, "http://s", "m", {"prompt": "p", "max_tokens": 8, "stream": True})
+            soaked = [
+                await _send(client, "http://s", {"prompt": [1], "max_tokens": 8, "stream": stream})
+                for stream in (True, False)
+            ]
+            return served, soaked
+
+    served, soaked = asyncio.run(go())
+    assert served.ok is ok, served
+    assert [s[0] for s in soaked] == [ok, ok], soaked
+    if finish_reason == "abort":
+        assert "aborted by the server after 3 of 8 tokens" in served.error
+
+
+def test_bench_serve_percentiles_interpolate_and_a_one_token_answer_has_no_tpot():
+    """`pct` read rank int(q/100 * n): p50 of [10, 20] was 20, p99 of 1..100 the maximum; one-token
+    answers gave TPOT 0.0 (it is undefined) and no answers a JSON file with bare NaN."""
+    from pdserve.bench.serve import Result, pct, summarize
+
+    assert pct([10.0, 20.0], 50) == 15.0
+    assert pct([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
+    assert pct([], 50) is None
+    row = summarize("x", [Result(True, 0.1, None, [], 1), Result(False, error="e")], 1.0)
+    assert row["tpot_p50_ms"] is None and row["ttft_p50_ms"] == 100.0
+    json.dumps(row, allow_nan=False)  # (strict JSON: no NaN)
+    json.dumps(summarize("y", [Result(False, error="e")], 1.0), allow_nan=False)
+
+
+def test_bench_serve_model_that_is_not_a_checkpoint_is_an_error_not_a_demo_model(tmp_path):
+    """A typo in `--model` was filled with a random-weight demo checkpoint (config, weights, tokenizer
+    written into that directory) and benchmarked, rc 0."""
+    typo = tmp_path / "no-such-model"
+    assert _main(["bench", "serve", "--model", str(typo), "--num-requests", "1"]) == 2
+    assert not typo.exists()

@@ -15,3 +15,18 @@ def served_model_card(url: str) -> dict:
     if r.status_code != 200 or not r.json().get("data"):
         raise ValueError(f"{url.rstrip('/')}/v1/models answered {r.status_code}: {r.text[:200]}")
     return r.json()["data"][0]
+
+
+def short_answer(finish_reason: str | None, num_tokens: int, max_tokens: int) -> str:
+    """Why an answer to a benchmark request (sent with `ignore_eos`) does not count: "" when it is
+    whole (finished by its length with `max_tokens` tokens, or by a stop); else the reason. An
+    answer the server aborted (an `/abort_request`, a weight update, a shutdown) comes back as a
+    200 with `finish_reason` "abort" and fewer tokens: counted as a success, it made latencies and
+    throughput those of cut-short answers."""
+    if finish_reason == "abort":
+        return f"aborted by the server after {num_tokens} of {max_tokens} tokens"
+    if finish_reason not in ("length", "stop"):
+        return f"no finish reason (finish_reason {finish_reason!r}, {num_tokens} of {max_tokens} tokens)"
+    if finish_reason == "length" and num_tokens != max_tokens:
+        return f"{num_tokens} of {max_tokens} tokens"
+    return ""

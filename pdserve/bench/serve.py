@@ -17,15 +17,17 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.argtypes import DEVICES, DTYPES, count, make_parent, number, output_file, positive
-from pdserve.bench import served_model_card
+from pdserve.bench import served_model_card, short_answer
 
 
 @dataclass
 class Result:
     ok: bool
     ttft_s: float = 0.0
-    tpot_s: float = 0.0
+    tpot_s: float | None = None  # None for an answer of one token (no time per output token)
     itl_s: list[float] = field(default_factory=list)
     num_tokens: int = 0
     error: str = ""
@@ -57,6 +59,7 @@ async def one(client, url: str, model: str, body: dict) -> Result:
     t0 = time.perf_counter()
     stamps: list[float] = []
     num_tokens = 0
+    finish_reason = None
     try:
         async with client.stream("POST", url + "/v1/completions", json={"model": model, **body}) as r:
             if r.status_code != 200:
@@ -69,14 +72,19 @@ async def one(client, url: str, model: str, body: dict) -> Result:
                     return Result(False, error=chunk["error"]["message"])
                 if chunk.get("usage"):
                     num_tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
-                    stamps.append(time.perf_counter())
+                if chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    if choice.get("text"):
+                        stamps.append(time.perf_counter())
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         return Result(False, error=repr(e))
     if not stamps:
         return Result(False, error="no tokens")
+    if why := short_answer(finish_reason, num_tokens, body["max_tokens"]):
+        return Result(False, error=why)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    tpot = (stamps[-1] - stamps[0]) / max(num_tokens - 1, 1)
+    tpot = (stamps[-1] - stamps[0]) / (num_tokens - 1) if num_tokens > 1 else None
     return Result(True, stamps[0] - t0, tpot, gaps, num_tokens)
 
 
@@ -98,11 +106,17 @@ async def run_load(
         return await asyncio.gather(*tasks)
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile, interpolated between ranks as numpy's (and `bench agentic`'s); None with
+    no values (JSON has no NaN). Read at rank int(q/100 * n), p50 of [10, 20] was 20 and p99 of a
+    hundred values their maximum."""
     if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+        return None
+    return float(np.percentile(values, q))
+
+
+def _ms(value_s: float | None) -> float | None:
+    return None if value_s is None else round(value_s * 1000, 1)
 
 
 def summarize(name: str, results: list[Result], wall_s: float) -> dict:
@@ -115,10 +129,11 @@ def summarize(name: str, results: list[Result], wall_s: float) -> dict:
         "wall_s": round(wall_s, 2),
         "output_tok_s": round(sum(r.num_tokens for r in ok) / wall_s, 1),
     }
-    for label, vals in (("ttft", [r.ttft_s for r in ok]), ("tpot", [r.tpot_s for r in ok]), ("itl", itl)):
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    for label, vals in (("ttft", [r.ttft_s for r in ok]), ("tpot", tpot), ("itl", itl)):
         for q in (50, 90, 99):
-            out[f"{label}_p{q}_ms"] = round(pct(vals, q) * 1000, 1)
-        out[f"{label}_mean_ms"] = round(statistics.fmean(vals) * 1000, 1) if vals else float("nan")
+            out[f"{label}_p{q}_ms"] = _ms(pct(vals, q))
+        out[f"{label}_mean_ms"] = _ms(statistics.fmean(vals)) if vals else None
     failed = [r.error for r in results if not r.ok]
     if failed:  # (why they failed: a table of 0 ok and nan latencies said nothing)
         out["first_error"] = failed[0]
@@ -139,7 +154,7 @@ def print_table(rows: list[dict]) -> None:
     ]
     print(" | ".join(f"{c:>13}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r[c]!s:>13}" for c in cols))
+        print(" | ".join(f"{'-' if r[c] is None else r[c]!s:>13}" for c in cols))
     for r in rows:
         if "first_error" in r:
             print(
@@ -214,6 +229,10 @@ def side_by_side(a: argparse.Namespace, requests: list[dict]) -> list[dict]:
 
     model = a.model or ".demo-model"
     if not (Path(model) / "config.json").is_file():
+        if a.model is not None:  # (a typo was filled with a random demo checkpoint and benchmarked)
+            raise ValueError(
+                f"--model {a.model}: no config.json there (omit --model for the demo checkpoint)"
+            )
         make_demo_model(model)
     eng = cluster_args(
         model,

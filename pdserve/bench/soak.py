@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.argtypes import count, make_parent, non_negative, number, output_file, plot_file, positive
+from pdserve.bench import short_answer
 from pdserve.server.auth import client_headers
 
 _METRIC = re.compile(r"^pdserve_kv_pages_used(?:\{[^}]*\})? ([-+0-9.eE]+)$", re.M)
@@ -85,6 +86,7 @@ class Traffic:
             "temperature": 0,
             "ignore_eos": True,
             "stream": rng.random() < 0.5,
+            "stream_options": {"include_usage": True},  # (streamed answers' token counts)
         }
 
 
@@ -94,13 +96,34 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict) -> tuple[bool, 
         if body["stream"]:
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 text = (await r.aread()).decode(errors="replace")
-                events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: {")]
-                bad = [e for e in events if json.loads(e).get("error")]
+                events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+                bad = [e for e in events if e.get("error")]
                 ok = r.status_code == 200 and not bad and text.rstrip().endswith("[DONE]")
-                err = "" if ok else f"HTTP {r.status_code}: " + (bad[0][:200] if bad else text[-200:])
+                err = (
+                    ""
+                    if ok
+                    else f"HTTP {r.status_code}: " + (json.dumps(bad[0])[:200] if bad else text[-200:])
+                )
+                if ok:
+                    reasons = [c.get("finish_reason") for e in events for c in e.get("choices") or ()]
+                    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), {})
+                    err = short_answer(
+                        next((x for x in reversed(reasons) if x), None),
+                        usage.get("completion_tokens", 0),
+                        body["max_tokens"],
+                    )
+                    ok = not err
         else:
             r = await client.post(url + "/v1/completions", json=body)
             ok, err = r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}"
+            if ok:  # (an aborted answer is a 200 too)
+                answer = r.json()
+                err = short_answer(
+                    answer["choices"][0].get("finish_reason"),
+                    answer.get("usage", {}).get("completion_tokens", 0),
+                    body["max_tokens"],
+                )
+                ok = not err
     except httpx.HTTPError as e:
         ok, err = False, type(e).__name__
     return ok, time.perf_counter() - t0, "" if ok else err
