@@ -361,3 +361,79 @@ def test_a_stop_signal_while_launch_starts_stops_every_engine(demo_model_dir, si
             if _alive(k):
                 os.kill(k, signal.SIGKILL)
         p.wait(10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child pids from /proc")
+@pytest.mark.parametrize("command", ["bench-serve", "demo"])
+def test_a_stop_signal_to_a_command_that_starts_a_cluster_stops_every_process(
+    demo_model_dir, tmp_path, command
+):
+    """`pdserve demo` and the benches that start clusters (serve, dualpath, soak) had no handler for
+    SIGTERM: killed by it (a CI timeout, `docker stop`), they left their router and engines running,
+    re-parented to init. SIGTERM now ends them as Ctrl-C does: every child stopped, exit code 143."""
+    argv = {
+        "bench-serve": ["bench", "serve", "--model", demo_model_dir, "--num-requests", "50", "--rate", "0.2"],
+        "demo": ["demo", "--model-dir", demo_model_dir],
+    }[command]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := _children(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(kids) >= 2, "no engines started"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, out[-2000:])
+        assert "interrupted" in out and "Traceback" not in out, out[-2000:]
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "engines left running after the command stopped"
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+        p.wait(10)
+
+
+def test_demo_port_in_use_bench_on_a_missing_cuda_and_bad_demo_model_paths_are_error_lines(
+    demo_model_dir, tmp_path, capsys, monkeypatch
+):
+    """Each was a traceback: `demo --port` in use (after loading both engines), `bench offline
+    --device cuda` without CUDA (an AssertionError from torch), `make-demo-model` onto a file or under
+    /proc; `make-demo-model ""` wrote the checkpoint into the current directory."""
+    import torch
+
+    from pdserve.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["demo", "--model-dir", demo_model_dir, "--port", str(port)]) == 2
+        assert f"router port {port} is in use" in capsys.readouterr().err
+    assert (
+        main(["bench", "offline", "--model", demo_model_dir, "--device", "cuda", "--num-requests", "1"]) == 2
+    )
+    assert "no CUDA device here" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.chdir(tmp_path)
+    for target in (str(afile), "", "/proc/no-such/x"):
+        assert main(["make-demo-model", target]) == 2, target
+        assert "error:" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # (nothing written here)
