@@ -110,3 +110,23 @@ def test_mooncake_follows_offline_and_online_like_every_workload(tmp_path):
         load_workload("mooncake@trace", 3, seed=0, aps=1.0, data_dir=tmp_path)
     with pytest.raises(ValueError, match="unknown workload"):
         load_workload("mooncake@later", 3, seed=0, data_dir=tmp_path)
+
+
+def test_an_empty_weka_session_is_no_agent_and_shifts_no_think_time(tmp_path):
+    """A session with no requests gave 0 turns but one think time: every later agent's think times
+    moved by one turn (agent 2's first turn took the previous session's last think time)."""
+    import json
+
+    from pdserve.bench.workloads import weka_workload
+
+    def session(path, thinks):
+        reqs = [{"in": 64 * (i + 1), "out": 4, "hash_ids": list(range(i + 1)), "think_time": t}
+                for i, t in enumerate(thinks)]  # fmt: skip
+        path.write_text(json.dumps({"requests": reqs, "block_size": 64}))
+
+    (tmp_path / "trace_0000.json").write_text(json.dumps({"requests": []}))
+    session(tmp_path / "trace_0001.json", [0, 12.0, 8.0])
+    session(tmp_path / "trace_0002.json", [0, 170.0])
+    wl = weka_workload(sorted(tmp_path.glob("trace_*.json")), 2, seed=0)
+    assert wl.num_agents == 2 and list(wl.offsets) == [0, 3, 5]
+    assert wl.think_s.tolist() == [0.0, 12.0, 8.0, 0.0, 170.0]

@@ -146,6 +146,9 @@ def _assemble(
     hits: list[np.ndarray] | None = None,
 ) -> Workload:
     lens = np.array([len(a) for a in appends], dtype=np.int64)
+    for per_turn in (gens, think, hits):  # (one agent's arrays of unequal lengths shifted the next's)
+        if per_turn is not None and [len(x) for x in per_turn] != lens.tolist():
+            raise ValueError(f"{name}: per-turn arrays of unequal lengths")
     offsets = np.zeros(len(appends) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     total = int(offsets[-1])
@@ -258,6 +261,9 @@ def weka_trace(
     """One coding-agent session: per turn (append, gen, think_s, hit) from its 64-token block hashes."""
     d = json.loads(Path(path).read_text())
     reqs = d["requests"]
+    if not reqs:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0), empty
     block = int(d.get("block_size", BLOCK_TOKENS))
     hits = _prefix_hits([r["hash_ids"] for r in reqs], block, [r["in"] for r in reqs])
     hits = [h // BLOCK_TOKENS * BLOCK_TOKENS for h in hits]
@@ -270,9 +276,10 @@ def weka_trace(
 
 def weka_workload(paths: list[str | Path], num_agents: int, seed: int, aps: float | None = None) -> Workload:
     """``num_agents`` agents, each replaying one of the coding-agent sessions (round robin over files)."""
-    sessions = [weka_trace(p) for p in sorted(paths)]
+    # (a session with no requests is no agent: kept, its one think time shifted every later agent's)
+    sessions = [s for s in (weka_trace(p) for p in sorted(paths)) if len(s[0])]
     if not sessions:
-        raise ValueError("no weka_cc traces given")
+        raise ValueError("no weka_cc trace with a request given")
     picks = [sessions[i % len(sessions)] for i in range(num_agents)]
     return _assemble(
         "weka_cc",

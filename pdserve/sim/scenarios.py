@@ -88,9 +88,10 @@ class Scenario:
         if ov.seed is not None and ov.workload is not None:
             base, _, timing = ov.workload.partition("@")
             online = "aps" not in self.ignores
-            if base in ("mooncake", "mooncake-synthetic") and (timing == "trace" or not online):
-                # (a seed draws Table 2 trajectories, weka_cc sessions and online arrival times; a
-                # Mooncake trace replayed as recorded gave the same figures for every seed)
+            traces = ("mooncake", "mooncake-synthetic", "weka_cc")
+            if base in traces and (timing == "trace" or not online):
+                # (a seed draws Table 2 trajectories and online arrival times; a trace replayed as
+                # recorded gave the same figures for every seed)
                 out.append(f"--seed (with --workload {ov.workload}: the trace is replayed as recorded)")
         return out
 
