@@ -393,3 +393,63 @@ def test_bench_serve_model_that_is_not_a_checkpoint_is_an_error_not_a_demo_model
     typo = tmp_path / "no-such-model"
     assert _main(["bench", "serve", "--model", str(typo), "--num-requests", "1"]) == 2
     assert not typo.exists()
+
+
+def test_bench_dualpath_online_marks_a_censored_max_aps_and_compares_outputs_across_rates(
+    demo_model_dir, monkeypatch, tmp_path, capsys
+):
+    """Online: a policy that met the SLO at every rate tried has a maximum of at least the top rate,
+    not that rate; the ratio was printed as exact ("5.00x") where it is a floor. And every rate
+    replays the same prompts, yet outputs were compared only offline (an online mismatch exited 0)."""
+    from pdserve.bench import dualpath_compare
+
+    def fake(a, model_dir, policy, agents, online):
+        calls[policy].append(len(calls[policy]))
+        n = len(calls[policy])  # (this policy's n-th rate, ascending)
+        # round_robin meets the SLO at its first rate only; dualpath at every rate, but its second
+        # rate's greedy outputs differ from all the others'
+        goodput = 1.0 if policy == "dualpath" or n == 1 else 0.5
+        sha = "y" if policy == "dualpath" and n == 2 else "x"
+        run = _fake_run(policy, sha, 0)
+        return run | {"summary": run["summary"] | {"goodput": goodput}}
+
+    calls = {"round_robin": [], "dualpath": []}
+    monkeypatch.setattr(dualpath_compare, "run_policy", fake)
+    monkeypatch.setattr(dualpath_compare, "_divergences", lambda *a: [])  # (none found: unexplained)
+    out = tmp_path / "dp.json"
+    argv = ["bench", "dualpath", "--model", demo_model_dir, "--num-agents", "2", "--mode", "online"]
+    rc = _main([*argv, "--aps", "0.5,1,2", "--json", str(out)])
+    got = json.loads(out.read_text())
+    maxima = [r for r in got["runs"] if "max_aps" in r]
+    assert [(r["max_aps"], r["max_aps_is_lower_bound"]) for r in maxima] == [(0.5, False), (2.0, True)]
+    assert got["max_aps_ratio_last_vs_first"] == 4.0 and got["max_aps_ratio_bound"] == "lower"
+    printed = capsys.readouterr().out
+    assert "last policy / first: >= 4.00x" in printed
+    assert got["outputs_identical"] is False and rc == 1  # (dualpath's second rate answered otherwise)
+    assert "identical across policies and rates: False" in printed
+
+
+def test_the_plotted_completion_times_leave_out_agents_that_did_not_finish():
+    """The summary leaves agents that lost a turn out of the agent times (and has no JCT); the plots
+    drew their cut-short times, a CDF reaching 1.0 over agents the summary says did not finish."""
+    from pdserve.bench.agentic import TurnRecord, agent_times, summarize
+    from pdserve.bench.dualpath_compare import done_times
+
+    records = [
+        TurnRecord(agent=0, turn=0, prompt_tokens=8, gen_tokens=2, start_s=0.0, e2e_s=1.0, ok=True),
+        TurnRecord(agent=0, turn=1, prompt_tokens=9, gen_tokens=2, start_s=1.1, e2e_s=1.2, ok=True),
+        TurnRecord(agent=1, turn=0, prompt_tokens=8, gen_tokens=2, start_s=0.0, e2e_s=0.5, ok=False),
+    ]
+    planned = {0: 2, 1: 2}
+    assert summarize(records, planned_turns=planned)["agents_unfinished"] == 1
+    assert list(agent_times(records, planned)) == [0]
+    assert done_times(records, planned) == pytest.approx([2.3])
+
+
+def test_the_benches_refuse_a_trace_timed_workload_whose_timing_they_would_not_replay():
+    """`mooncake@trace` keeps the trace's arrival times in the simulator; the benches replaced them by
+    all-zero (offline) or Poisson (online) ones without a word."""
+    from pdserve.bench.agentic import WorkloadConfig, build_agents
+
+    with pytest.raises(ValueError, match="not its timing"):
+        build_agents(WorkloadConfig(workload="mooncake@trace", num_agents=2, vocab_size=100))

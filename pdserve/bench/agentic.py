@@ -97,6 +97,11 @@ def build_agents(cfg: WorkloadConfig) -> list[AgentPlan]:
     server's warm prefix cache or store without hitting what an earlier run left there."""
     if cfg.max_context_tokens < 2:
         raise ValueError("max_context_tokens must be >= 2")
+    if "@" in cfg.workload:  # (its arrival times were replaced by all-zero or Poisson ones, silently)
+        raise ValueError(
+            f"{cfg.workload}: the benches replay a trace's turns, not its timing (arrivals: --aps, think"
+            f" time: --think-s); use {cfg.workload.partition('@')[0]}, or the simulator for the trace's timing"
+        )
     data_dir = Path(cfg.data_dir) if cfg.data_dir else None
     wl = load_workload(cfg.workload, cfg.num_agents, cfg.seed, None, data_dir)
     start_s = arrivals(wl.num_agents, cfg.aps, cfg.seed)
@@ -362,13 +367,21 @@ def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def agent_times(records: list[TurnRecord]) -> dict[int, tuple[float, float]]:
-    """agent -> (first send, last turn end), seconds from the run's start."""
+def agent_times(
+    records: list[TurnRecord], planned_turns: dict[int, int] | None = None
+) -> dict[int, tuple[float, float]]:
+    """agent -> (first send, last turn end), seconds from the run's start; with ``planned_turns``
+    (agent -> its turns) only the agents that finished all their turns (as `summarize` counts them:
+    a plot of the others drew cut-short agents that the summary leaves out)."""
     spans: dict[int, tuple[float, float]] = {}
+    num_ok: dict[int, int] = {}
     for r in records:
         end = r.start_s + (r.e2e_s or 0.0)
         s0, s1 = spans.get(r.agent, (r.start_s, end))
         spans[r.agent] = (min(s0, r.start_s), max(s1, end))
+        num_ok[r.agent] = num_ok.get(r.agent, 0) + bool(r.ok)
+    if planned_turns is not None:
+        spans = {a: span for a, span in spans.items() if num_ok[a] >= planned_turns.get(a, 0)}
     return spans
 
 
@@ -448,13 +461,16 @@ def print_table(mode: str, summary: dict) -> None:
     wide_console().print(table)
 
 
-def plot(records: list[TurnRecord], path: str, title: str = "") -> None:
-    """CDF of agent completion times and per-turn TTFT over time, as a PNG (Agg, no global backend)."""
+def plot(
+    records: list[TurnRecord], path: str, title: str = "", planned_turns: dict[int, int] | None = None
+) -> None:
+    """CDF of agent completion times (of the agents that finished, given ``planned_turns``) and
+    per-turn TTFT over time, as a PNG (Agg, no global backend)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4), tight_layout=True)
     ax1, ax2 = fig.subplots(1, 2)
-    durations = sorted(e - s for s, e in agent_times(records).values())
+    durations = sorted(e - s for s, e in agent_times(records, planned_turns).values())
     cdf = np.arange(len(durations) + 1) / max(len(durations), 1)
     ax1.step([0.0, *durations], cdf, where="post")
     ax1.set(xlabel="agent completion time (s)", ylabel="CDF", ylim=(0, 1.02), title=title)
@@ -496,7 +512,13 @@ def add_agentic_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"online: agent arrivals per second, Poisson (default: {DEFAULT_APS})",
     )
-    p.add_argument("--think-s", type=non_negative, default=0.0, help="tool latency between turns")
+    p.add_argument(
+        "--think-s",
+        type=non_negative,
+        default=0.0,
+        help="tool latency between turns, every turn alike (a trace's own think times, e.g. "
+        "weka_cc's, are not replayed: the bench scales lengths to run on small models, not timing)",
+    )
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="goodput: time to first token, at most")
     p.add_argument(
         "--slo-tpot-s", type=positive, default=0.05, help="goodput: time per output token, at most"
@@ -574,5 +596,6 @@ def run_agentic(args: argparse.Namespace) -> dict:
     if args.json:
         Path(make_parent(args.json)).write_text(json.dumps(payload, indent=1))
     if args.plot:
-        plot(result.records, make_parent(args.plot), f"{cfg.workload}, {len(agents)} agents, {result.mode}")
+        title = f"{cfg.workload}, {len(agents)} agents, {result.mode}"
+        plot(result.records, make_parent(args.plot), title, planned)
     return payload
