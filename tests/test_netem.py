@@ -353,3 +353,74 @@ def test_transmit_all_crosses_links(make_link):
     transmit_all([fast, slow], 1_000_000, KV, TAG_TRANSFER)  # bounded by the slow link: 0.2 s
     assert 0.2 * 0.99 <= time.monotonic() - t0 <= 0.2 * 1.15
     assert served_bytes(fast) == pytest.approx(1_000_000) and served_bytes(slow) == pytest.approx(1_000_000)
+
+
+# ---- queued flows (a review of the link emulation, 2026-12-04 late; each failed before its fix) ------
+
+
+def test_queued_flows_start_oldest_first_and_are_not_overtaken(make_link):
+    """A queued flow retried only at its own polls: a newer flow that found the freed slot took it, every
+    time (the agent applies new submits before it looks at its delayed ones), and the old one waited
+    until its transfer expired. Now a new flow queues behind any waiting one, and waiting flows start
+    oldest first."""
+    from pdserve.netem.traffic import Flow
+
+    clock = FakeClock()
+    link = make_link(max_flows=1, clock=clock)
+    first = Flow.start_or_queue(link, 1000, KV, TAG_READ)  # (takes the only slot)
+    old = Flow.start_or_queue(link, 1000, KV, TAG_READ)
+    assert first.flow_id is not None and old.flow_id is None
+    clock.now_s += 0.002  # (the slot frees)
+    new = Flow.start_or_queue(link, 1000, KV, TAG_READ)
+    assert new.flow_id is None  # (behind `old`)
+    assert not new.done()  # its poll starts `old` (the oldest), not itself
+    assert old.flow_id is not None and new.flow_id is None
+    clock.now_s += 0.002
+    assert old.done() and not new.done() and new.flow_id is not None  # (started at its poll)
+
+
+def test_a_cancelled_queued_flow_is_done_and_leaves_the_queue(make_link):
+    """`wait()` returned for a flow cancelled before it started, but `done()` stayed False for ever."""
+    from pdserve.netem.traffic import Flow
+
+    link = make_link(max_flows=1, clock=FakeClock())
+    Flow.start_or_queue(link, 1000, KV, TAG_READ)
+    queued = Flow.start_or_queue(link, 1000, KV, TAG_READ)
+    queued.cancel()
+    queued.wait(0.1)
+    assert queued.done() and not link.waiting
+
+
+def test_the_read_queue_counts_reads_waiting_for_a_flow_slot(tmp_path):
+    """With every slot taken the node's read queue (what the scheduler balances on) was capped at what
+    the 256 active flows held, exactly when the SNIC was most behind."""
+    tm = TrafficManager(NodeConfig(node="n", node_dir=str(tmp_path), snic_bytes_per_s=1e3))
+    try:
+        flows = [tm.storage_read_start(1_000_000) for _ in range(300)]
+        assert sum(f.flow_id is None for f in flows) == 300 - tm.snic.max_flows
+        assert tm.read_queue_bytes() >= 300 * 1_000_000 - 1_000  # (was 255,999,924)
+        for f in flows:
+            f.cancel()
+        assert tm.read_queue_bytes() == 0
+    finally:
+        tm.close()
+
+
+def test_a_store_read_that_cannot_be_submitted_leaves_nothing_on_the_snic(tmp_path):
+    """`submit_read` started the read's flow, then the submit raised (a closed store): the flow used the
+    SNIC and counted in the node's read queue until served."""
+    import numpy as np
+
+    from pdserve.store import BlockLayout, KVBlockStore
+
+    layout = BlockLayout(num_layers=2, block_size=4, bytes_per_token_layer=16, fingerprint="x|fp")
+    store = KVBlockStore(tmp_path / "s", layout, 1 << 20, num_io_threads=1)
+    tm = TrafficManager(NodeConfig(node="n", node_dir=str(tmp_path / "net"), snic_bytes_per_s=1e3))
+    try:
+        store.traffic = tm
+        store.close()
+        with pytest.raises(RuntimeError):
+            store.submit_read([b"k" * 16], np.zeros(layout.block_nbytes, np.uint8))
+        assert tm.read_queue_bytes() == 0  # (was 4,224)
+    finally:
+        tm.close()

@@ -32,6 +32,7 @@ class via `UCX_IB_TRAFFIC_CLASS`, with PFC and proportional (ETS) weights on the
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import math
 import mmap
@@ -107,6 +108,9 @@ class SharedLink:
         self.weights = (float(weights[0]), float(weights[1]))
         self.max_flows, self.reap_interval_s, self._clock = max_flows, reap_interval_s, clock
         self._tlock = threading.Lock()
+        # This process's flows waiting for a slot, oldest first (`traffic.Flow`: FIFO among them).
+        self.waiting: collections.deque = collections.deque()
+        self.waiting_lock = threading.Lock()
         self._fd, self._mm = -1, None
         self.eps_bytes = 1e-6 + self.bytes_per_s * 1e-9  # rounding slack: 1 ns of link time
         self.unlimited = math.isinf(self.bytes_per_s)

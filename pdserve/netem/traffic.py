@@ -61,8 +61,12 @@ class Flow:
     """Handle of one started move: `done()` (non-blocking), `wait(timeout_s)`, `cancel()`.
 
     A flow may be queued rather than started (`flow_id` None): its link had every flow slot taken.
-    It starts at the first `done()` or `wait()` that finds a free slot, as a real NIC queues work
-    instead of refusing it. (Its bytes count in the link's backlog only once started.)"""
+    A real NIC queues work instead of refusing it; so do we, first come first served among this
+    process's flows of the link (`link.waiting`): a new flow queues behind any waiting one, and a
+    waiting flow's `done()` or `wait()` starts waiting flows from the oldest, up to itself, as slots
+    free. (A queued flow retried
+    only at its own polls, and a newer flow took every freed slot first: an old transfer waited until
+    it expired. Flows of other processes sharing the link are not ordered with these.)"""
 
     __slots__ = ("link", "flow_id", "_queued")
 
@@ -71,18 +75,34 @@ class Flow:
 
     @classmethod
     def start_or_queue(cls, link: SharedLink, nbytes: int, traffic: TrafficClass, tag: int) -> Flow:
-        try:
-            return cls(link, link.start(nbytes, traffic, tag))
-        except LinkFullError:
-            return cls(link, None, (nbytes, traffic, tag))
+        with link.waiting_lock:
+            if not link.waiting:
+                try:
+                    return cls(link, link.start(nbytes, traffic, tag))
+                except LinkFullError:
+                    pass
+            flow = cls(link, None, (nbytes, traffic, tag))
+            link.waiting.append(flow)
+            return flow
 
     def _try_start(self) -> bool:
         if self.flow_id is None and self._queued is not None:
-            try:
-                self.flow_id = self.link.start(*self._queued)
-            except LinkFullError:
-                return False
+            with self.link.waiting_lock:
+                waiting = self.link.waiting
+                while waiting and self.flow_id is None:  # (oldest first, up to this one)
+                    head = waiting[0]
+                    try:
+                        head.flow_id = self.link.start(*head._queued)
+                    except LinkFullError:
+                        break
+                    head._queued = None
+                    waiting.popleft()
         return self.flow_id is not None
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of a flow still waiting for a slot (0 once started or cancelled)."""
+        return 0 if self._queued is None else int(self._queued[0])
 
     def done(self, active_ids: AbstractSet[int] | None = None) -> bool:
         """Whether the flow has crossed its link. `active_ids`: the link's `active_flow_ids()` taken
@@ -90,7 +110,7 @@ class Flow:
         flow); a flow that starts in this call is looked up on the link itself."""
         started = self.flow_id is not None
         if not self._try_start():
-            return False
+            return self._queued is None  # (cancelled before it started: nothing left to cross)
         if active_ids is None or not started:
             return self.link.done(self.flow_id)
         return self.flow_id not in active_ids
@@ -106,9 +126,13 @@ class Flow:
         self.link.wait(self.flow_id, None if deadline_s is None else max(0.0, deadline_s - time.monotonic()))
 
     def cancel(self) -> None:
-        if self.flow_id is not None:
-            self.link.cancel(self.flow_id)
-        self._queued = None
+        with self.link.waiting_lock:
+            if self.flow_id is None:  # (still waiting for a slot: it leaves the queue, never starts)
+                if self._queued is not None:
+                    self._queued = None
+                    self.link.waiting.remove(self)
+                return
+        self.link.cancel(self.flow_id)
 
 
 class TrafficManager:
@@ -151,8 +175,12 @@ class TrafficManager:
         return Flow.start_or_queue(self.cnic, nbytes, cls, TAG_TRANSFER)
 
     def read_queue_bytes(self) -> int:
-        """Unserved bytes of storage reads on this node's SNIC, from every engine of the node."""
-        return self.snic.pending_bytes(tag=TAG_READ)
+        """Unserved bytes of storage reads on this node's SNIC, from every engine of the node, and
+        this engine's reads still waiting for a flow slot (the scheduler's read queue: with every slot
+        taken, it was capped at what 256 flows held, exactly when the SNIC was most behind)."""
+        with self.snic.waiting_lock:
+            queued = sum(f.queued_bytes for f in self.snic.waiting if f._queued[2] == TAG_READ)
+        return self.snic.pending_bytes(tag=TAG_READ) + queued
 
     def snapshot(self) -> dict:
         return {

@@ -434,7 +434,12 @@ class KVBlockStore:
         # The flow joins the node's storage link now, so the node's read queue counts this read while
         # it waits for a store thread.
         flow = self.traffic.storage_read_start(len(keys) * self.file_nbytes) if self.traffic else None
-        return self._submit_pool.submit(self.read_blocks, keys, out, flow)
+        try:
+            return self._submit_pool.submit(self.read_blocks, keys, out, flow)
+        except BaseException:  # (a closed store: the flow took the SNIC and counted in its read queue)
+            if flow is not None:
+                flow.cancel()
+            raise
 
     def _open(self, key: bytes) -> tuple[int | None, os.stat_result | None, str]:
         """(fd, fstat, "") for a readable block file of the right size, else (None, fstat|None, status)."""
