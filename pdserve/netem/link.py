@@ -40,6 +40,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from enum import IntEnum
@@ -85,6 +86,21 @@ class _Flow:
         self.total_bytes, self.remaining_bytes = total_bytes, remaining_bytes
 
 
+# Every open link of this process: a forked child gets fresh thread locks (one a thread held at the
+# fork stays held in the child, which then blocked on its first use of the link).
+_LINKS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    for link in list(_LINKS):
+        link._tlock = threading.Lock()
+        link.waiting_lock = threading.Lock()
+        link.waiting = collections.deque()  # (the parent's queued flows are the parent's)
+
+
+os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+
+
 class SharedLink:
     """One rate-limited link shared by every process that opens the same `path` (see module doc)."""
 
@@ -108,6 +124,8 @@ class SharedLink:
         self.weights = (float(weights[0]), float(weights[1]))
         self.max_flows, self.reap_interval_s, self._clock = max_flows, reap_interval_s, clock
         self._tlock = threading.Lock()
+        self._state_buf: bytearray | None = None  # inside `_state`: the private copy being changed
+        _LINKS.add(self)
         # This process's flows waiting for a slot, oldest first (`traffic.Flow`: FIFO among them).
         self.waiting: collections.deque = collections.deque()
         self.waiting_lock = threading.Lock()
@@ -168,28 +186,41 @@ class SharedLink:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _read_header(self) -> list:
-        return list(_HEADER.unpack_from(self._mm, 0))
+        return list(_HEADER.unpack_from(self._state_buf if self._state_buf is not None else self._mm, 0))
 
     def _read_flows(self) -> list[_Flow]:
-        raw = self._mm[_HEADER.size : _HEADER.size + self.max_flows * _SLOT.size]
+        src = self._state_buf if self._state_buf is not None else self._mm
+        raw = src[_HEADER.size : _HEADER.size + self.max_flows * _SLOT.size]
         return [_Flow(i, *t) for i, t in enumerate(_SLOT.iter_unpack(raw)) if t[0] != 0]
 
     def _write_slot(self, f: _Flow) -> None:
         vals = (f.flow_id, f.pid, f.cls, f.tag, f.total_bytes, f.remaining_bytes)
-        _SLOT.pack_into(self._mm, _HEADER.size + f.slot * _SLOT.size, *vals)
+        dst = self._state_buf if self._state_buf is not None else self._mm
+        _SLOT.pack_into(dst, _HEADER.size + f.slot * _SLOT.size, *vals)
 
     @contextmanager
     def _state(self):
-        """Locked, advanced to now: yields (header list, active flows); writes both back on exit."""
+        """Locked, advanced to now: yields (header list, active flows); writes both back on exit.
+
+        Every change goes to a private copy of the file's state, written back in one copy at the end:
+        written piece by piece (freed slots during the advance, the header, then each slot), a process
+        killed in between left a mix of old and new (ids issued != completed + cancelled + reaped +
+        active; a flow's bytes served twice, faster than the rate)."""
         with self._locked():
-            h, flows = self._read_header(), self._read_flows()
-            self._advance(h, flows, self._clock())
+            size = _HEADER.size + self.max_flows * _SLOT.size
+            self._state_buf = bytearray(self._mm[:size])
             try:
-                yield h, flows  # callers raise only before they mutate, so writing back is always safe
+                h, flows = self._read_header(), self._read_flows()
+                self._advance(h, flows, self._clock())
+                try:
+                    yield h, flows  # callers raise only before they mutate, so writing back is always safe
+                finally:
+                    _HEADER.pack_into(self._state_buf, 0, *h)
+                    for f in flows:
+                        self._write_slot(f)
+                    self._mm[:size] = self._state_buf
             finally:
-                _HEADER.pack_into(self._mm, 0, *h)
-                for f in flows:
-                    self._write_slot(f)
+                self._state_buf = None
 
     # ---- fluid model --------------------------------------------------------------------------------
     def _rates(self, flows: list[_Flow]) -> list[float]:
