@@ -313,6 +313,33 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _signal_when_engines_start(p: subprocess.Popen, sig: int) -> str:
+    """Send `sig` to `p` once it has started two children (its engines), wait for it; its output.
+    Asserts that every child it had is gone soon after; kills whatever is left either way."""
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := _children(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(kids) >= 2, "no engines started"
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)], "engines left running after the command stopped"
+        return out
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+        p.wait(10)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child pids from /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_while_launch_starts_stops_every_engine(demo_model_dir, sig):
@@ -338,29 +365,9 @@ def test_a_stop_signal_while_launch_starts_stops_every_engine(demo_model_dir, si
         start_new_session=True,  # (its own group: the cleanup below takes any orphan too)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    kids: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(kids := _children(p.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(kids) >= 2, "launch did not start its engines"
-        p.send_signal(sig)
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 128 + sig, (p.returncode, out[-2000:])
-        assert f"{signal.Signals(sig).name} while starting; stopped" in out and "Traceback" not in out, out
-        deadline = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if _alive(k)], "engines left running after the launcher stopped"
-    finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for k in kids:
-            if _alive(k):
-                os.kill(k, signal.SIGKILL)
-        p.wait(10)
+    out = _signal_when_engines_start(p, sig)
+    assert p.returncode == 128 + sig, (p.returncode, out[-2000:])
+    assert f"{signal.Signals(sig).name} while starting; stopped" in out and "Traceback" not in out, out
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child pids from /proc")
@@ -384,29 +391,9 @@ def test_a_stop_signal_to_a_command_that_starts_a_cluster_stops_every_process(
         text=True,
         start_new_session=True,
     )
-    kids: list[int] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(kids := _children(p.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(kids) >= 2, "no engines started"
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, out[-2000:])
-        assert "interrupted" in out and "Traceback" not in out, out[-2000:]
-        deadline = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if _alive(k)], "engines left running after the command stopped"
-    finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for k in kids:
-            if _alive(k):
-                os.kill(k, signal.SIGKILL)
-        p.wait(10)
+    out = _signal_when_engines_start(p, signal.SIGTERM)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, out[-2000:])
+    assert "interrupted" in out and "Traceback" not in out, out[-2000:]
 
 
 def test_demo_port_in_use_bench_on_a_missing_cuda_and_bad_demo_model_paths_are_error_lines(
