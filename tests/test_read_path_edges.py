@@ -326,7 +326,9 @@ def test_a_stuck_store_read_is_left_behind_and_its_prompt_computed(hf_checkpoint
         budget_s = role.config.store_read_budget_s
         assert budget_s == pd_roles.DEADLINE_S / 2
         for n, rid in enumerate(("a", "b"), start=1):
-            # (only the store holds the prompt: "a"'s computed pages are in neither prefix cache)
+            # (only the store holds the prompt: "a"'s computed pages are in neither prefix cache, once
+            # both halves have let them go)
+            p.drive(lambda: p.idle())
             p.pe_engine.kv.pool.reset_prefix_cache()
             p.de_engine.kv.pool.reset_prefix_cache()
             _submit_read_path(p, ids, 3, rid, read_path)
