@@ -8,6 +8,7 @@ decode knows the room's KV has landed when it holds the last notification and `t
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -26,6 +27,8 @@ MIN_LEASE_MARGIN_S = 1.0
 # A room lives at most three deadlines, sent in RegisterAck.room_life_s (bounded there by 1e6 s).
 MAX_DEADLINE_S = 1e5
 
+
+log = logging.getLogger(__name__)
 
 # A prefill's refusal of a KVRequest from a decode that registered before the prefill's weights
 # changed (Status(Failed).error): the decode registers again (refused unless its weights match too).
@@ -203,7 +206,24 @@ class PDRoleBase:
         self.rooms = RoomTable(config.deadlines())
         self.failures: dict[str, int] = {}  # reason -> count (metrics)
         self.num_peers_forgotten = 0  # peers dropped after `peer_idle_s` unused (metrics)
+        self.num_store_reads_left = 0  # store reads past `store_read_budget_s`: their prompts computed
         self._next_peer_gc_s = 0.0
+
+    def _read_store(self, req, num_blocks: int):
+        """Start (or join) the store read of `req`'s first `num_blocks` blocks, stamped with the room
+        clock; a read in flight longer than the budget is not joined (`_store_read_overdue`)."""
+        return self.store.start_read(req, num_blocks, self.rooms.now(), self.config.store_read_budget_s)
+
+    def _store_read_overdue(self, pending, room: int, now: float, instead: str) -> bool:
+        """Whether `pending` (not done) has been in flight past `store_read_budget_s` (a stuck disk);
+        if so it is counted and logged, and the caller leaves it behind and does `instead`. The read
+        ends on the store's I/O threads whenever it does; its buffer goes with it."""
+        budget_s = self.config.store_read_budget_s
+        if now - pending.started_s <= budget_s:
+            return False
+        self.num_store_reads_left += 1
+        log.warning("room %d: store read in flight for over %.1f s; %s", room, budget_s, instead)
+        return True
 
     def peer_gc_due(self) -> float | None:
         """The room clock's time when idle peers are due for a look (at most every

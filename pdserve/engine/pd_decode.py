@@ -112,7 +112,6 @@ class DecodeRole(PDRoleBase, EngineRole):
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         self.num_staged = 0
-        self.num_store_reads_left = 0  # DE store reads past `store_read_budget_s`: the prefill computed them
         self.store = None  # StoreConnector: write-back of full blocks; the DE read path
         engine.step_hooks.append(self._write_back)
         engine.finish_hooks.append(self._write_back_last)
@@ -282,15 +281,8 @@ class DecodeRole(PDRoleBase, EngineRole):
                 continue
             if dr.store_read.future.done():
                 self._on_store_read_done(dr)
-            elif now - dr.store_read.started_s > self.config.store_read_budget_s:
-                # A stuck disk: the prefill computes the whole prompt (it waits for our KVRequest in
-                # Bootstrapping, whose deadline failed the request before)
-                self.num_store_reads_left += 1
-                log.warning(
-                    "room %d: store read in flight for over %.1f s; asking the prefill for all of it",
-                    dr.room,
-                    self.config.store_read_budget_s,
-                )
+            elif self._store_read_overdue(dr.store_read, dr.room, now, "asking the prefill for all of it"):
+                # (the prefill waits for our KVRequest in Bootstrapping, whose deadline failed it before)
                 dr.store_read = None
                 self._request_kv(dr)
         for room in self.rooms.expired():
@@ -396,9 +388,7 @@ class DecodeRole(PDRoleBase, EngineRole):
             self.prealloc.remove(dr)
             self.transfer[dr.room] = dr
             if plan.num_store_blocks:  # DE read path: read first, ask the prefill once the blocks are in
-                dr.store_read = self.store.start_read(
-                    req, plan.num_store_blocks, self.rooms.now(), self.config.store_read_budget_s
-                )
+                dr.store_read = self._read_store(req, plan.num_store_blocks)
             elif req.read_path == "de" and self.store is not None and plan.num_hit_tokens:
                 # Our prefix cache covers at least what the store holds (we served the previous turn):
                 # the prefill pulls those pages layer by layer, as it would the store's, rather than

@@ -124,7 +124,6 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.layerwise = LayerwisePrefill(self)
         self.awaited: dict[int, object] = {}  # transfer id -> status once done (None: pending)
         self.num_layerwise_fallbacks = 0  # stored-KV prompts too long for the staging pool: prefilled whole
-        self.num_store_reads_left = 0  # store reads past `store_read_budget_s`: their prompts computed
         self.by_room: dict[int, PrefillRoom] = {}
         self.by_request: dict[str, int] = {}
         self.peers: dict[str, DecodePeer] = {}  # by decode agent name
@@ -219,8 +218,9 @@ class PrefillRole(PDRoleBase, EngineRole):
                 continue
             if pr.store_read.future.done():
                 self._on_store_read_done(pr)
-            elif now - pr.store_read.started_s > self.config.store_read_budget_s:
-                self._leave_store_read(pr)
+            elif self._store_read_overdue(pr.store_read, pr.room, now, "computing the prompt instead"):
+                pr.store_read = None
+                self._maybe_schedule(pr)
         for room, (t, _, _) in list(self.early.items()):
             if now - t > self.config.deadline_s:
                 del self.early[room]
@@ -586,21 +586,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         num_blocks = self.store.lookup(pr.req)
         own = len(self.engine.kv.match_prefix(pr.req)[0]) * self.page_size
         if num_blocks and num_blocks * self.store.layout.block_size > own:
-            pr.store_read = self.store.start_read(
-                pr.req, num_blocks, self.rooms.now(), self.config.store_read_budget_s
-            )
-
-    def _leave_store_read(self, pr: PrefillRoom) -> None:
-        """A store read in flight past its budget (a stuck disk): its prompt is computed instead. The
-        read ends on the store's I/O threads whenever it does; its buffer goes with it."""
-        self.num_store_reads_left += 1
-        log.warning(
-            "room %d: store read in flight for over %.1f s; computing the prompt instead",
-            pr.room,
-            self.config.store_read_budget_s,
-        )
-        pr.store_read = None
-        self._maybe_schedule(pr)
+            pr.store_read = self._read_store(pr.req, num_blocks)
 
     def _on_store_read_done(self, pr: PrefillRoom) -> None:
         pending, pr.store_read = pr.store_read, None
