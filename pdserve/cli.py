@@ -481,74 +481,24 @@ def cmd_make_demo_model(a: argparse.Namespace) -> int:
     return 0
 
 
-class _Signalled:
-    """SIGTERM and SIGHUP end a command that starts clusters as Ctrl-C does (KeyboardInterrupt), so
-    the clusters it started are stopped on the way out: killed outright, `pdserve demo` and the
-    benches left their router and engines running without a parent (a CI timeout, `docker stop`).
-    The first stop signal raises; the ones after it are ignored while the clusters stop. One that
-    comes while a cluster spawns or stops a process (`launch._unstoppable`: raised inside Popen,
-    after its fork, it left a child no one knew of) is raised when that section ends, as `launch`'s."""
-
-    SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
-
-    def __enter__(self):
-        import signal
-
-        from pdserve import launch
-
-        self.signum: int | None = None
-        launch._STOP.armed, launch._STOP.signum = True, None
-        self._old = {}
-        for name in self.SIGNALS:
-            sig = getattr(signal, name)
-            self._old[sig] = signal.signal(sig, self._stop)
-        return self
-
-    def _stop(self, signum, _frame):
-        import signal
-
-        from pdserve import launch
-
-        for sig in self._old:
-            signal.signal(sig, signal.SIG_IGN)
-        self.signum = launch._STOP.signum = signum
-        if launch._STOP.depth == 0:
-            launch._STOP.armed = False  # (raised once: the clusters' stops after it run to their end)
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc):
-        import signal
-
-        from pdserve import launch
-
-        launch._STOP.armed = False
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        return False
-
-    def exit_code(self) -> int:
-        return 128 + (self.signum or 2)  # (Ctrl-C: 130, SIGTERM: 143)
-
-
-def _stopped() -> type[BaseException]:
-    from pdserve.launch import _Stopped
-
-    return _Stopped
+def _interrupted_code(signum: int | None) -> int:
+    return 128 + (signum or 2)  # (Ctrl-C: 130, SIGTERM: 143)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
     from pdserve.demo import run_demo
     from pdserve.launch import _port_free
+    from pdserve.stop_signals import Stopped, stop_signals_stop_clusters
 
     if a.port and not _port_free(a.port):  # (before the engines load: the router would fail last)
         print(f"error: router port {a.port} is in use", file=sys.stderr)
         return 2
-    with _Signalled() as stop:
+    with stop_signals_stop_clusters() as stop:
         try:
             return run_demo(a.model_dir, port=a.port)
-        except (KeyboardInterrupt, _stopped()):
+        except (KeyboardInterrupt, Stopped):
             print("interrupted: the cluster was stopped", file=sys.stderr)
-            return stop.exit_code()
+            return _interrupted_code(stop.signum)
         except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why)
             print(f"error: the demo cluster did not start: {e}", file=sys.stderr)
             return 1
@@ -558,7 +508,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     """One benchmark; a bad setting or an unreachable server is one `error:` line, not a traceback."""
     import httpx
 
-    with _Signalled() as stop:
+    from pdserve.stop_signals import Stopped, stop_signals_stop_clusters
+
+    with stop_signals_stop_clusters() as stop:
         try:
             if getattr(a, "device", None) == "cuda":
                 import torch
@@ -575,9 +527,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError) as e:  # e.g. a cluster process that failed to start (said why)
             print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        except (KeyboardInterrupt, _stopped()):  # Ctrl-C or a stop signal: its clusters were stopped
+        except (KeyboardInterrupt, Stopped):  # Ctrl-C or a stop signal: its clusters were stopped
             print("interrupted: nothing written", file=sys.stderr)
-            return stop.exit_code()
+            return _interrupted_code(stop.signum)
 
 
 def _bench(a: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ tears everything down; if any child dies, the launcher stops the rest and exits 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
@@ -22,8 +21,7 @@ import time
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 from pdserve.server.auth import API_KEY_ENV
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from pdserve.stop_signals import STOP, STOP_SIGNALS, Stopped, stop_starting, unstoppable
 
 ENGINE_FLAGS = (
     "tool_call_parser",
@@ -73,42 +71,6 @@ def parse_nodes(spec: str) -> list[tuple[str, int, int]]:
     return nodes
 
 
-class _Stopped(BaseException):
-    """A stop signal while the cluster was starting (start_cluster stops what it started)."""
-
-
-class _StopState:
-    """`launch`'s stop signal while the cluster starts. Python runs a signal's handler at the next
-    bytecode of the main thread, wherever that is (inside Popen after its fork, inside the teardown):
-    there it only records the signal, and the stop is raised when the section ends."""
-
-    armed = False  # launch is starting the cluster: a stop signal raises _Stopped
-    signum: int | None = None
-    depth = 0  # inside `_unstoppable` sections
-
-
-_STOP = _StopState()
-
-
-@contextlib.contextmanager
-def _unstoppable():
-    _STOP.depth += 1
-    try:
-        yield
-    finally:
-        _STOP.depth -= 1
-    if _STOP.armed and _STOP.depth == 0 and _STOP.signum is not None:
-        raise _Stopped(_STOP.signum)
-
-
-def _stop_starting(signum, _frame) -> None:
-    for sig in STOP_SIGNALS:  # (one is enough)
-        signal.signal(sig, signal.SIG_IGN)
-    _STOP.signum = signum
-    if _STOP.armed and _STOP.depth == 0:
-        raise _Stopped(signum)
-
-
 class Cluster:
     """The child processes of one launch; `stop()` is idempotent."""
 
@@ -137,7 +99,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         # (a stop raised inside Popen, after the fork, left a child the launcher never knew of,
         # running on after `stop`: found by a test)
-        with _unstoppable():
+        with unstoppable():
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], env=env)
             if name in dict(self.procs):
                 self.procs = [(n, proc if n == name else p) for n, p in self.procs]
@@ -178,7 +140,7 @@ class Cluster:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         # (a stop raised in here would leave the remaining children running)
-        with _unstoppable():
+        with unstoppable():
             self._stop(timeout_s)
 
     def _stop(self, timeout_s: float) -> None:
@@ -380,21 +342,21 @@ def launch(a) -> int:
     if a.port and not _port_free(a.port):  # (before the engines load: the router would fail last)
         print(f"error: router port {a.port} is in use", file=sys.stderr)
         return 2
-    _STOP.armed, _STOP.signum = True, None
+    STOP.armed, STOP.signum = True, None
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _stop_starting)
+        signal.signal(sig, stop_starting)
     try:
         cluster = start_cluster(a, a.prefill, a.decode, a.port)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except _Stopped as e:
+    except Stopped as e:
         return _stopped_while_starting(e.args[0])
     except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why above)
         print(f"error: the cluster did not start: {e}", file=sys.stderr)
         return 1
     finally:
-        _STOP.armed = False
+        STOP.armed = False
     stopping = False
 
     def on_signal(signum, _frame):
@@ -403,9 +365,9 @@ def launch(a) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
-    if _STOP.signum is not None:  # (one that came as start_cluster returned: recorded, not raised)
+    if STOP.signum is not None:  # (one that came as start_cluster returned: recorded, not raised)
         cluster.stop()
-        return _stopped_while_starting(_STOP.signum)
+        return _stopped_while_starting(STOP.signum)
     n_p, n_d = len(cluster.urls["prefill"]), len(cluster.urls["decode"])
     print(
         f"pdserve cluster up: router {cluster.router_url} ({n_p} prefill, {n_d} decode); Ctrl-C stops it",
