@@ -64,9 +64,9 @@ class Flow:
     A real NIC queues work instead of refusing it; so do we, first come first served among this
     process's flows of the link (`link.waiting`): a new flow queues behind any waiting one, and a
     waiting flow's `done()` or `wait()` starts waiting flows from the oldest, up to itself, as slots
-    free. (A queued flow retried
-    only at its own polls, and a newer flow took every freed slot first: an old transfer waited until
-    it expired. Flows of other processes sharing the link are not ordered with these.)"""
+    free. (A queued flow retried only at its own polls, and a newer flow took every freed slot
+    first: an old transfer waited until it expired. Flows of other processes sharing the link are
+    not ordered with these.)"""
 
     __slots__ = ("link", "flow_id", "_queued")
 
