@@ -453,3 +453,96 @@ def test_the_benches_refuse_a_trace_timed_workload_whose_timing_they_would_not_r
 
     with pytest.raises(ValueError, match="not its timing"):
         build_agents(WorkloadConfig(workload="mooncake@trace", num_agents=2, vocab_size=100))
+
+
+def test_time_per_output_token_counts_only_the_tokens_after_the_first_chunk():
+    """A stream whose chunks carry several tokens (the server coalesces the steps its client has not
+    read yet): TPOT was (last - first) / (tokens - 1), so a first chunk of 3 tokens of 6 gave 0.06 s
+    for tokens that came 0.1 s apart."""
+    from pdserve.bench import time_per_output_token
+
+    assert time_per_output_token([(1.0, 3), (1.1, 4), (1.3, 6)]) == pytest.approx(0.1)
+    assert time_per_output_token([(1.0, 1), (1.1, 2), (1.2, 3)]) == pytest.approx(0.1)
+    assert time_per_output_token([(1.0, 4)]) is None  # (every token in the first chunk)
+    assert time_per_output_token([]) is None
+
+
+class _Clock:
+    """`time` for a bench module under test: `perf_counter` returns the given instants in turn."""
+
+    def __init__(self, *instants: float) -> None:
+        self._instants = iter(instants)
+
+    def perf_counter(self) -> float:
+        return next(self._instants)
+
+
+@pytest.mark.parametrize("continuous_usage", [True, False])
+def test_bench_serve_tpot_uses_each_chunks_token_count(monkeypatch, continuous_usage):
+    """`bench serve` asks for the usage in every chunk (vLLM's `continuous_usage_stats`) and counts a
+    chunk's tokens from it; from a server that leaves it out, one token per chunk."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.bench import serve
+
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen["stream_options"] = body["stream_options"]  # (as `make_requests` builds it)
+        chunks = []
+        for so_far in (3, 4, 6):  # tokens received after each chunk
+            chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+            if continuous_usage:
+                chunk["usage"] = {"completion_tokens": so_far}
+            chunks.append(chunk)
+        chunks[-1]["choices"][0]["finish_reason"] = "length"
+        chunks.append({"choices": [], "usage": {"completion_tokens": 6}})
+        return httpx.Response(200, content=_sse(*chunks), headers={"content-type": "text/event-stream"})
+
+    monkeypatch.setattr(serve, "time", _Clock(0.0, 1.0, 1.1, 1.3))  # sent, then one per chunk
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            body = serve.make_requests(1, 0.0, 8, 8, max_tokens=6, seed=0)[0]
+            return await serve.one(client, "http://s", "m", body)
+
+    result = asyncio.run(go())
+    assert seen["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert result.ok and result.num_tokens == 6
+    assert result.ttft_s == pytest.approx(1.0)
+    assert result.itl_s == pytest.approx([0.1, 0.2])
+    # 0.3 s over the 3 tokens after the first chunk; without the usage, 0.3 s over 2 chunks
+    assert result.tpot_s == pytest.approx(0.1 if continuous_usage else 0.15)
+
+
+def test_bench_agentic_tpot_counts_the_token_ids_of_each_chunk(monkeypatch):
+    import asyncio
+
+    import httpx
+
+    from pdserve.bench import agentic
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        chunks = [
+            {"choices": [{"index": 0, "text": "x", "token_ids": ids}]} for ids in ([5, 6, 7], [8], [9, 10])
+        ]
+        chunks.append({"choices": [], "usage": {"completion_tokens": 6}})
+        return httpx.Response(200, content=_sse(*chunks), headers={"content-type": "text/event-stream"})
+
+    monkeypatch.setattr(agentic, "time", _Clock(0.0, 1.0, 1.1, 1.3, 1.4))  # sent, chunks, end
+
+    async def go():
+        rec = agentic.TurnRecord(agent=0, turn=0, prompt_tokens=4, gen_tokens=6)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            ids = await agentic._turn(client, "http://s", {"prompt": [1, 2, 3, 4]}, 0.0, rec)
+        return rec, ids
+
+    rec, ids = asyncio.run(go())
+    assert ids == [5, 6, 7, 8, 9, 10] and rec.ok, rec
+    assert rec.ttft_s == pytest.approx(1.0)
+    assert rec.ttst_s == pytest.approx(1.0)  # (the second token came in the first chunk)
+    assert rec.tpot_s == pytest.approx(0.1)  # was 0.3 / 5 = 0.06
+    assert rec.e2e_s == pytest.approx(1.4)

@@ -30,3 +30,16 @@ def short_answer(finish_reason: str | None, num_tokens: int, max_tokens: int) ->
     if finish_reason == "length" and num_tokens != max_tokens:
         return f"{num_tokens} of {max_tokens} tokens"
     return ""
+
+
+def time_per_output_token(stamps: list[tuple[float, int]]) -> float | None:
+    """TPOT (s) from a stream's chunks, each `(arrival time, tokens received so far)`: the time
+    after the first chunk over the tokens that came after it. None when no token came after the
+    first chunk. Why not `(last - first) / (tokens - 1)`: a chunk may carry several tokens (the
+    server coalesces the outputs of steps its client has not read yet, as vLLM and SGLang do), and
+    a first chunk of k tokens then divided the time of tokens - k tokens by tokens - 1: a TPOT
+    understated by up to (k - 1) / (tokens - 1)."""
+    if not stamps:
+        return None
+    (t_first, n_first), (t_last, n_last) = stamps[0], stamps[-1]
+    return (t_last - t_first) / (n_last - n_first) if n_last > n_first else None

@@ -42,7 +42,7 @@ from pdserve.argtypes import (
     positive,
     wide_console,
 )
-from pdserve.bench import served_model_card
+from pdserve.bench import served_model_card, time_per_output_token
 from pdserve.bench.workloads import TABLE2, arrivals, load_workload
 from pdserve.server.auth import client_headers
 
@@ -219,7 +219,7 @@ async def _turn(client: httpx.AsyncClient, url: str, body: dict, t0: float, rec:
         rec.ttft_s = stamps[0][0] - sent
         if len(ids) >= 2:
             rec.ttst_s = next(t for t, n in stamps if n >= 2) - sent
-            rec.tpot_s = (stamps[-1][0] - stamps[0][0]) / (len(ids) - 1)
+            rec.tpot_s = time_per_output_token(stamps)
     if not rec.error and len(ids) != rec.gen_tokens:
         rec.error = f"{len(ids)} of {rec.gen_tokens} tokens" + ("" if ids else " (no token_ids in stream)")
     rec.ok = not rec.error

@@ -2,8 +2,11 @@
 side-by-side run of 1 prefill + 1 decode against 2 colocated engines (same number of engine
 processes, same requests, same arrival times).
 
-Metrics per request (streamed): TTFT (send -> first token), TPOT ((last - first) / (tokens - 1)),
-ITL (every gap between streamed chunks). The workload mixes long prompts (prefill-heavy) with short
+Metrics per request (streamed): TTFT (send -> first token), TPOT (time after the first chunk over
+the tokens after it: `bench.time_per_output_token`; each chunk's token count from the usage that
+`continuous_usage_stats` puts in every chunk, one per chunk from a server that leaves it out), ITL
+(every gap between streamed chunks, as vLLM's `benchmark_serving` reports it: a gap before a chunk of
+several tokens is one gap). The workload mixes long prompts (prefill-heavy) with short
 ones, the case where PD disaggregation keeps long prefills from stalling running decodes.
 """
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.argtypes import DEVICES, DTYPES, count, make_parent, number, output_file, positive
-from pdserve.bench import served_model_card, short_answer
+from pdserve.bench import served_model_card, short_answer, time_per_output_token
 
 
 @dataclass
@@ -49,7 +52,7 @@ def make_requests(
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             }
         )
     return out
@@ -57,7 +60,7 @@ def make_requests(
 
 async def one(client, url: str, model: str, body: dict) -> Result:
     t0 = time.perf_counter()
-    stamps: list[float] = []
+    stamps: list[tuple[float, int]] = []  # (arrival time, tokens so far) per chunk with text
     num_tokens = 0
     finish_reason = None
     try:
@@ -76,16 +79,16 @@ async def one(client, url: str, model: str, body: dict) -> Result:
                     choice = chunk["choices"][0]
                     finish_reason = choice.get("finish_reason") or finish_reason
                     if choice.get("text"):
-                        stamps.append(time.perf_counter())
+                        so_far = num_tokens if chunk.get("usage") else (stamps[-1][1] if stamps else 0) + 1
+                        stamps.append((time.perf_counter(), so_far))
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         return Result(False, error=repr(e))
     if not stamps:
         return Result(False, error="no tokens")
     if why := short_answer(finish_reason, num_tokens, body["max_tokens"]):
         return Result(False, error=why)
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    tpot = (stamps[-1] - stamps[0]) / (num_tokens - 1) if num_tokens > 1 else None
-    return Result(True, stamps[0] - t0, tpot, gaps, num_tokens)
+    gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]
+    return Result(True, stamps[0][0] - t0, time_per_output_token(stamps), gaps, num_tokens)
 
 
 async def run_load(
