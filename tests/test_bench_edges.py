@@ -208,6 +208,47 @@ def test_bench_dualpath_outputs_identical_needs_two_comparable_runs(demo_model_d
     assert json.loads(out.read_text())["outputs_identical"] is not True
 
 
+def test_bench_dualpath_repeats_alternate_the_policies_order_and_compare_medians(
+    demo_model_dir, monkeypatch, tmp_path, capsys
+):
+    """Basic always ran first: on a machine that warms up (or that another job loads later) one policy
+    always met it alone. `--repeats 3` runs A B, B A, A B; each repeat's speedup is against its own
+    baseline run, and the medians are compared."""
+    from pdserve.bench import dualpath_compare
+
+    calls = []
+    jct = {"round_robin": [30.0, 20.0, 22.0], "dualpath": [10.0, 11.0, 40.0]}  # per repeat
+
+    def fake_run_policy(a, model_dir, policy, agents, online):
+        calls.append(policy)
+        run = _fake_run(policy, "same", 0)
+        run["summary"] = run["summary"] | {"jct_s": jct[policy][calls.count(policy) - 1]}
+        return run
+
+    monkeypatch.setattr(dualpath_compare, "run_policy", fake_run_policy)
+    monkeypatch.setattr(dualpath_compare, "_plot", lambda runs, path: None)
+    out = tmp_path / "dp.json"
+    args = ["bench", "dualpath", "--model", demo_model_dir, "--num-agents", "2", "--repeats", "3"]
+    assert _main([*args, "--json", str(out)]) == 0
+    assert calls == ["round_robin", "dualpath", "dualpath", "round_robin", "round_robin", "dualpath"]
+    got = json.loads(out.read_text())
+    rows = [(r["policy"], r["repeat"], r["jct_s"], r["jct_speedup_vs_first"]) for r in got["runs"]]
+    assert rows == [
+        ("round_robin", 0, 30.0, 1.0),
+        ("dualpath", 0, 10.0, 3.0),
+        ("dualpath", 1, 11.0, 20.0 / 11.0),
+        ("round_robin", 1, 20.0, 1.0),
+        ("round_robin", 2, 22.0, 1.0),
+        ("dualpath", 2, 40.0, 22.0 / 40.0),
+    ]
+    assert got["median_jct_s"] == {"round_robin": 22.0, "dualpath": 11.0}
+    assert got["median_jct_speedup_vs_first"] == {"round_robin": 1.0, "dualpath": 2.0}
+    assert "dualpath: median JCT 11 s, 2x the first policy's median" in capsys.readouterr().out
+    # online sweeps are not repeated (hours): refused before any cluster starts
+    calls.clear()
+    assert _main([*args, "--mode", "online"]) == 2 and calls == []
+
+
 def test_first_divergences_name_each_agents_first_differing_token():
     from pdserve.bench.agentic import AgentPlan, TurnPlan
     from pdserve.bench.divergence import first_divergences

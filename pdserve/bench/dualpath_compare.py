@@ -9,6 +9,9 @@ of the policies are identical (they must be: placement changes where KV is read,
 they differ, each agent's first differing token is judged on a colocated engine, and only a difference
 that is not at a float near-tie fails the run: `bench/divergence.py`).
 Online mode sweeps agent arrival rates and reports each policy's highest rate meeting the SLO.
+Offline, `--repeats N` runs every policy N times in alternating order (A B, B A, A B, ...), so that
+neither policy always runs first, on a machine that warms up or that another job starts to load; each
+repeat's ratio is reported and the policies' median JCTs compared.
 
 Engines run without a prefix cache (`--no-prefix-caching`): in the paper's setting thousands of
 agents' contexts do not fit in HBM, so every turn reads its history from the store — the regime
@@ -65,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="online: arrival rates tried in ascending order until one misses the SLO, agents/s "
         f"(default: {','.join(map(str, DEFAULT_APS))})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=count,
+        default=1,
+        help="offline: run every policy this many times, in alternating order (A B, B A, ...); the "
+        "table shows each run, the summary each policy's median JCT",
     )
     p.add_argument("--slo-ttft-s", type=positive, default=4.0, help="online: time to first token, at most")
     p.add_argument(
@@ -157,6 +167,8 @@ def run(a: argparse.Namespace) -> int:
 
     if a.aps is not None and a.mode != "online":  # (was ignored: an offline run taken for a sweep)
         raise ValueError("--aps sets the online sweep's rates: add --mode online")
+    if a.repeats > 1 and a.mode != "offline":  # (an online sweep per repeat: hours; not offered)
+        raise ValueError("--repeats is for --mode offline")
     model_dir = a.model or ensure_demo_model(".demo-model")
     policies = a.policies
     cfg = dict(
@@ -173,13 +185,34 @@ def run(a: argparse.Namespace) -> int:
     runs: list[dict] = []
     if a.mode == "offline":
         agents = build_agents(WorkloadConfig(**cfg))
-        for policy in policies:
-            runs.append(run_policy(a, model_dir, policy, agents, online=False))
-        rows = [_row(r) for r in runs]
-        base = rows[0]["jct_s"]
-        for r in rows:
-            r["jct_speedup_vs_first"] = base / r["jct_s"] if base and r["jct_s"] else None  # None: lost turns
+        rows = []
+        for repeat in range(a.repeats):
+            # Alternating order: a policy that always ran first (or last) met the machine's warm-up (or
+            # a load that grew) alone. Each repeat's speedup is against the first policy's run of it.
+            base = None
+            for policy in policies if repeat % 2 == 0 else policies[::-1]:
+                runs.append(run_policy(a, model_dir, policy, agents, online=False))
+                if a.repeats > 1:
+                    runs[-1]["repeat"] = repeat
+                rows.append(_row(runs[-1]) | ({"repeat": repeat} if a.repeats > 1 else {}))
+            for r in rows[-len(policies) :]:
+                if r["policy"] == policies[0]:
+                    base = r["jct_s"]
+            for r in rows[-len(policies) :]:
+                r["jct_speedup_vs_first"] = (
+                    base / r["jct_s"] if base and r["jct_s"] else None
+                )  # None: lost turns
         out["runs"] = rows
+        if a.repeats > 1:
+            out["median_jct_s"] = median_jct = {
+                p: _median([r["jct_s"] for r in rows if r["policy"] == p]) for p in policies
+            }
+            out["median_jct_speedup_vs_first"] = {
+                p: median_jct[policies[0]] / median_jct[p]
+                if median_jct[policies[0]] and median_jct[p]
+                else None
+                for p in policies
+            }
     else:
         rows = []
         rates = a.aps or DEFAULT_APS
@@ -246,7 +279,7 @@ def _print(out: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"DualPath on {out['nodes']} (SNIC {out['snic_mbps']} MB/s per node), {out['mode']}")
-    cols = ["policy", "aps", "max_aps", "jct_s", "jct_speedup_vs_first", "ttft_p50_s", "tpot_p50_s"]
+    cols = ["policy", "repeat", "aps", "max_aps", "jct_s", "jct_speedup_vs_first", "ttft_p50_s", "tpot_p50_s"]
     cols += ["goodput", "snic_max_over_avg", "storage_hit_tokens"]
     cols = [c for c in cols if any(c in r for r in out["runs"])]
     for c in cols:
@@ -260,6 +293,9 @@ def _print(out: dict) -> None:
             bound, f"unknown (both met the SLO at every rate tried; {ratio:.2f}x of the rates)"
         )
         print(f"max APS under the SLO, last policy / first: {shown}")
+    for policy, speedup in (out.get("median_jct_speedup_vs_first") or {}).items():
+        jct = out["median_jct_s"][policy]
+        print(f"{policy}: median JCT {_fmt(jct)} s, {_fmt(speedup)}x the first policy's median")
     if out.get("outputs_identical") is not None:
         across = "policies" if out["mode"] == "offline" else "policies and rates"
         print(f"greedy outputs identical across {across}: {out['outputs_identical']}")
@@ -269,6 +305,13 @@ def _print(out: dict) -> None:
             f"  agent {d['agent']} turn {d['turn']} token {d['token_index']}: {d['token_a']} vs {d['token_b']}"
             f" ({' vs '.join(d['policies'])}); colocated top-two gap {d['gap']:.2g}: {what}"
         )
+
+
+def _median(values: list[float | None]) -> float | None:
+    """The median of a policy's JCTs over the repeats; None when a repeat lost turns (no JCT)."""
+    import statistics
+
+    return None if any(v is None for v in values) else statistics.median(values)
 
 
 def _fmt(v) -> str:
@@ -297,6 +340,8 @@ def _plot(runs: list[dict], path: str) -> None:
     last_rate = {r["policy"]: r.get("aps") for r in runs}
     for run_ in runs:
         label = run_["policy"] if run_.get("aps") is None else f"{run_['policy']} {run_['aps']:g} APS"
+        if run_.get("repeat") is not None:
+            label += f" #{run_['repeat']}"
         ends = done_times(run_["records"], run_.get("planned_turns"))
         ax1.step(ends, [(i + 1) / len(ends) for i in range(len(ends))], where="post", label=label)
         snic = run_["snic"] or {}
