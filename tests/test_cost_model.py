@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pdserve.dualpath.cost_model import (
+    DS_660B,
     PROFILES,
     QWEN32B_PREFILL_S_PER_TOKEN,
     QWEN_32B,
@@ -66,6 +67,18 @@ def test_mla_moe_config_stores_the_latent_and_counts_active_experts_only():
         profile_from_hf_config({**DEEPSEEK_V3, "torch_dtype": "float8_e4m3fn"}).kv_bytes_per_token_layer
         == 576
     )
+
+
+def test_moe_config_puts_its_all_to_all_on_the_cnics_as_the_named_profile():
+    """DeepEP per token per MoE layer: FP8 dispatch + bf16 combine, 3 B per hidden element; DeepSeek-V3's
+    58 MoE layers (3 dense first) give ds-660b's 58 x 21 KiB. It was 0 (the dense profile's)."""
+    p = profile_from_hf_config({**DEEPSEEK_V3, "first_k_dense_replace": 3})
+    assert (
+        p.model_cnic_bytes_per_prefill_token == DS_660B.model_cnic_bytes_per_prefill_token == 58 * 21 * 1024
+    )
+    assert p.model_cnic_bytes_per_decode_token == DS_660B.model_cnic_bytes_per_decode_token
+    assert profile_from_hf_config(DEEPSEEK_V3).model_cnic_bytes_per_prefill_token == 61 * 7168 * 3
+    assert profile_from_hf_config(QWEN25_32B).model_cnic_bytes_per_prefill_token == 0.0  # (dense)
 
 
 def test_moe_config_spreads_its_experts_over_an_ep_group_that_leaves_half_the_hbm():

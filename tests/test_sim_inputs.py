@@ -346,6 +346,57 @@ def test_a_link_rate_the_arithmetic_cannot_hold_is_a_usage_error(capsys, gbps):
     assert e.value.code == 2 and "must be ≥ 0.001 and ≤ 1e+07" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("gbytes", ["1e-300", "1e7"])
+def test_a_dram_rate_the_arithmetic_cannot_hold_is_a_usage_error(capsys, gbytes):
+    """`--dram-gbytes-per-s 1e-300` ran into an OverflowError traceback (the link rates had a range)."""
+    with pytest.raises(SystemExit) as e:
+        parse(*TINY, "--dram-gbytes-per-s", gbytes)
+    assert e.value.code == 2 and "must be ≥ 0.001 and ≤ 1e+06" in capsys.readouterr().err
+
+
+def _cnic_shares(**config) -> tuple[float, float]:
+    """The KV share of the first prefill and the first decode GPU's CNIC."""
+    from pdserve.sim.cluster import ClusterSim
+    from pdserve.sim.config import SimConfig
+
+    sim = ClusterSim(SimConfig(**config), load_workload("32k", 1, 0))
+    first_de = sim.num_pe
+    return (
+        sim.cnic_rd[0].rate / sim.cnic_rd[0].capacity,
+        sim.cnic_rd[first_de].rate / sim.cnic_rd[first_de].capacity,
+    )
+
+
+def test_an_ep_group_inside_one_node_reserves_no_cnic_share_for_its_all_to_all():
+    """The all-to-all of an EP group inside one node stays on NVLink. `--prefill-ep-gpus 1` (no
+    all-to-all at all) still reserved 10% of each prefill CNIC, DS-27B's EP8 on 8-GPU nodes 8%."""
+    from pdserve.dualpath.cost_model import DS_27B, DS_660B
+    from pdserve.sim.config import HardwareConfig
+
+    pe, de = _cnic_shares(model=DS_660B, num_prefill_nodes=2, num_decode_nodes=4)  # EP16, EP32
+    assert pe == pytest.approx(0.898, abs=1e-3) and de == pytest.approx(0.9626, abs=1e-4)
+    one = _cnic_shares(model=DS_660B, num_prefill_nodes=2, num_decode_nodes=4, prefill_ep_gpus=1)
+    assert one == (1.0, de)
+    assert _cnic_shares(model=DS_27B, num_prefill_nodes=1, num_decode_nodes=1) == (1.0, 1.0)
+    # on 4-GPU nodes DS-27B's EP8 spans two: reserved
+    pe4, de4 = _cnic_shares(model=DS_27B, num_prefill_nodes=2, num_decode_nodes=2, hw=HardwareConfig(4))
+    assert pe4 < 0.95 and de4 < 1.0
+
+
+def test_a_cnic_too_slow_for_the_all_to_all_is_an_error_not_a_link_above_capacity(capsys):
+    """Below ~41 Gbit/s a DS-660B prefill CNIC's reservation passed 99%: KV kept its 1% floor on top,
+    model + KV above the link's capacity, and JCT jumped 19x between 50 and 40 Gbit/s."""
+    from pdserve.dualpath.cost_model import DS_660B
+    from pdserve.sim.config import HardwareConfig
+
+    assert _cnic_shares(model=DS_660B, num_prefill_nodes=2, hw=HardwareConfig(cnic_gbps=50.0))[0] > 0.1
+    with pytest.raises(ValueError, match=r"prefill EP16 all-to-all needs \d+ Gbit/s .* --cnic-gbps 40"):
+        _cnic_shares(model=DS_660B, num_prefill_nodes=2, hw=HardwareConfig(cnic_gbps=40.0))
+    args = ["--scenario", "ablation", "--agents", "2", "--policy", "basic", "--cnic-gbps", "40"]
+    assert run(parse(*args)) == 2
+    assert "error: ds-660b: the prefill EP16 all-to-all needs" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

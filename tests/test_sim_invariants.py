@@ -256,6 +256,9 @@ def test_single_request_timing_is_exact():
     h2d = r.prompt * kv / hw.cnic_bytes_per_s
     assert r.t_join == pytest.approx(r.t_first + h2d, rel=1e-9)
     assert r.t_done - r.t_join == pytest.approx((gen - 1) * decode_step_s(m, 1, r.prompt), rel=1e-9)
+    # TPOT from the first token, as a client measures it: the decode's H2D wait is in it (it was
+    # measured from the decode join, leaving that gap counted nowhere)
+    assert res.tpot_s.tolist() == pytest.approx([(r.t_done - r.t_first) / (gen - 1)], rel=1e-12)
 
 
 def test_basic_is_serial_load_compute_send():
@@ -394,6 +397,50 @@ def test_requests_ready_at_the_same_instant_share_one_group_step():
     assert {a.pe, b.pe} == {0, 1}
     assert a.t_first == b.t_first
     assert res.attn_max_over_avg == pytest.approx(1.0)
+
+
+def test_reads_that_end_at_the_same_instant_share_one_group_step():
+    """Two requests of one EP2 group whose reads (one per path, on the two nodes' SNICs) end at the
+    same instant: the first read's end started the group's step at once, and the second request
+    waited for the next step (its first token 11 ms later)."""
+    m = replace(DS27_ONE_RANK, prefill_ep_gpus=2)
+    cfg = SimConfig(1, 1, hw=HW2, model=m, mode="dualpath", submit_us_per_copy=0)
+    one = [np.array([300])]
+    wl = _assemble("two", one * 2, [np.array([2])] * 2, np.zeros(2), hits=[np.array([6400])] * 2)
+    a, b = ClusterSim(cfg, wl, keep_requests=True).run().reqs
+    assert {a.path, b.path} == {"pe", "de"} and {a.pe, b.pe} == {0, 1}
+    assert a.t_first == b.t_first
+
+
+def test_a_fetch_cut_by_max_fetch_fetches_the_rest_an_interval_later():
+    """Eight first turns and at most three per fetch: fetches at 0, 10 and 20 ms. The fetch that hit
+    the cap asked for no next one: the rest waited for an unrelated event (a step's end)."""
+    cfg = SimConfig(1, 1, hw=HW2, model=DS27_ONE_RANK, mode="dualpath", max_fetch=3)
+    wl = _assemble("eight", [np.array([300])] * 8, [np.array([2])] * 8, np.zeros(8))
+    sim = ClusterSim(cfg, wl, keep_requests=True)
+    fetched_at = []
+    fetch = sim._fetch
+
+    def logged_fetch():
+        before = len(sim.queue)
+        fetch()
+        fetched_at.append((round(sim.now, 6), before - len(sim.queue)))
+
+    sim._fetch = logged_fetch
+    sim.run()
+    assert fetched_at[:3] == [(0.0, 3), (cfg.fetch_interval_s, 3), (2 * cfg.fetch_interval_s, 2)]
+
+
+def test_mean_jct_counts_from_each_agents_arrival():
+    """Agents that arrive late (`mooncake@trace` keeps the trace's arrivals): the mean JCT was the mean
+    of their end times, arrival included. One agent, shifted by 100 s, keeps its completion time."""
+    cfg = SimConfig(1, 1, hw=HW2, model=DS27_ONE_RANK, mode="dualpath")
+    wl = one_turn(6400, 300, 20)
+    at_zero = ClusterSim(cfg, wl).run()
+    late = replace(wl, start_s=wl.start_s + 100.0)
+    shifted = ClusterSim(cfg, late).run()
+    assert shifted.agent_done_s[0] == pytest.approx(at_zero.agent_done_s[0] + 100.0, rel=1e-9)
+    assert shifted.jct_mean_s == pytest.approx(at_zero.jct_mean_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])

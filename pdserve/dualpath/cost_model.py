@@ -274,9 +274,15 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         mlp_fixed = 3 * hidden * shared_inter
         mlp_routed = 3 * hidden * moe_inter * n_experts
         mlp_active = 3 * hidden * moe_inter * top_k + mlp_fixed
+        # EP all-to-all per token, as ds-660b's: FP8 dispatch (1 B) + bf16 combine (2 B) per hidden
+        # element per MoE layer, to ~1 remote node (DeepSeek's first dense layers have none). Before,
+        # an HF MoE config took the dense profile's 0: its CNICs carried no model traffic.
+        moe_layers = max(layers - int(cfg.get("first_k_dense_replace", 0) or 0), 0)
+        a2a_bytes_per_token = float(moe_layers * hidden * 3)
     else:
         mlp_fixed = mlp_active = 3 * hidden * inter
         mlp_routed = 0
+        a2a_bytes_per_token = 0.0
     attn_params = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     vocab = _positive(cfg, "vocab_size", 32000)
     active = layers * (attn_params + mlp_active) + vocab * hidden
@@ -316,6 +322,8 @@ def profile_from_hf_config(cfg: dict, name: str = "hf") -> ModelProfile:
         host_buffer_bytes=DS_660B.host_buffer_bytes if mla else QWEN_32B.host_buffer_bytes,
         prefill_ep_gpus=ep,
         decode_ep_gpus=ep,
+        model_cnic_bytes_per_prefill_token=a2a_bytes_per_token,
+        model_cnic_bytes_per_decode_token=a2a_bytes_per_token,
         routed_weight_bytes=float(routed_bytes),
         other_weight_bytes=float(other_bytes),
         fp8_weights=weight_bytes == 1,

@@ -31,6 +31,9 @@ _non_negative = _number(float, 0.0, low_ok=True)
 # A link rate in Gbit/s: 1 Mbit/s to 10 Pbit/s. Past these the simulator's arithmetic overflows (1e308:
 # an infinite int; 1e-300: windows past an index's size) or builds GBs of windows (a review, 2026-12-04).
 _link_gbps = _number(float, 1e-3, low_ok=True, high=1e7)
+_link_gbytes_per_s = _number(
+    float, 1e-3, low_ok=True, high=1e6
+)  # (the same for DRAM in GB/s: 1 MB/s to 1 PB/s)
 
 
 def _list(item: Callable[[str], object]) -> Callable[[str], tuple]:
@@ -99,7 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--snic-gbps", type=_link_gbps, help="storage NIC per node, Gbit/s (default 400)")
     g.add_argument("--cnic-gbps", type=_link_gbps, help="compute NIC per GPU, Gbit/s (default 400)")
     g.add_argument(
-        "--dram-gbytes-per-s", type=_positive, help="host DRAM bandwidth per node, GB/s (default 500)"
+        "--dram-gbytes-per-s",
+        type=_link_gbytes_per_s,
+        help="host DRAM bandwidth per node, GB/s (default 500)",
     )
     g.add_argument("--seed", type=_number(int, 0, low_ok=True), help="workload seed")
     g.add_argument("--quota-ms", type=_positive, help="PE compute quota per batch (default 300)")
