@@ -358,6 +358,12 @@ def test_policy_names_and_validation():
         SchedulerConfig(alpha_tokens=-1, beta_tokens=1)
     with pytest.raises(ValueError):
         DualPathScheduler(cfg(), [EngineLoad(1, 0)], [EngineLoad(0, 1)], 2)
+    with pytest.raises(ValueError, match="block_tokens and page_tokens must be > 0"):
+        SchedulerConfig(alpha_tokens=1, beta_tokens=1, page_tokens=0)
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        DualPathScheduler(cfg(), [], [EngineLoad(0, 1)], 2)
+    with pytest.raises(ValueError, match="decode engine ids must be 0..n-1"):
+        DualPathScheduler(cfg(), [EngineLoad(0, 0)], [EngineLoad(1, 1)], 2)
     assert make(cfg(), [0], [1]).assign([]) == []
 
 
@@ -402,6 +408,57 @@ def test_batch_progress_when_one_page_exceeds_quota():
     plan = build_prefill_batch([PrefillItem(1, 0, 10)], linear_cost, quota_s=0.001, page_tokens=PAGE)
     assert plan.items == (PrefillItem(1, 0, 10),) and plan.chunk is None
     assert build_prefill_batch([], linear_cost, 0.3).items == ()
+
+
+class CountingCost(AdditiveBatchCost):
+    """An additive cost that counts its item-cost evaluations."""
+
+    def __init__(self, overhead_s, item_cost_s):
+        self.calls = 0
+
+        def counted(cached, new):
+            self.calls += 1
+            return item_cost_s(cached, new)
+
+        super().__init__(overhead_s, counted)
+
+
+def test_additive_batch_chunks_from_its_linear_estimate_and_gallops_up():
+    """The builder's additive path (the one the simulator and the engines run): the chunk's page count
+    is estimated from the item's cost per token, confirmed, and one step up refuses it."""
+    cost = CountingCost(1.0, lambda cached, new: 0.01 * new)
+    w = [PrefillItem(1, 0, 50), PrefillItem(2, 0, 100)]
+    plan = build_prefill_batch(w, cost, quota_s=2.0, page_tokens=PAGE)
+    # 2.0 - 1.0 - 0.5 = 0.5 s left -> 50 tokens -> 3 pages (estimate 3.125): 3 fits, 4 does not
+    assert plan == (
+        (PrefillItem(1, 0, 50),), PrefillItem(2, 0, 48), pytest.approx(1.0 + 0.5 + 0.48)
+    )  # fmt: skip
+    assert cost.calls == 2 + 2 + 1  # (the two items once each, pages 3 and 4, the plan's cost)
+    assert (
+        build_prefill_batch(w, lambda pairs: AdditiveBatchCost(1.0, cost.item_cost_s)(pairs), 2.0, PAGE)
+        == plan
+    )
+
+
+def test_additive_batch_gallops_down_when_the_estimate_overshoots():
+    """A concave item cost (0.1 s x sqrt(new)): the linear estimate from the whole item, 22 pages, is far
+    too many. The gallop goes down by doubling steps (20, 17, 12 do not fit; 3 does) and the binary
+    search between 3 and 11 finds 5 pages (80 tokens: 0.894 s; 96 would be 0.980 s, past 0.9)."""
+    cost = AdditiveBatchCost(0.1, lambda cached, new: 0.1 * new**0.5)
+    plan = build_prefill_batch([PrefillItem(7, 0, 1600)], cost, quota_s=1.0, page_tokens=PAGE)
+    assert plan == ((), PrefillItem(7, 0, 80), pytest.approx(0.1 + 0.1 * 80**0.5))
+    asked = []
+
+    def fits_logged(cached, num_pages):
+        asked.append(num_pages)
+        return 0.1 + 0.1 * (num_pages * PAGE) ** 0.5 <= 1.0
+
+    from pdserve.dualpath.scheduler import _gallop_bracket
+
+    assert _gallop_bracket(fits_logged, 0, 22.5, 99) == (3, 11)
+    assert asked == [22, 20, 17, 12, 3]
+    # the plain callable (binary search over all 99 pages) gives the same plan
+    assert build_prefill_batch([PrefillItem(7, 0, 1600)], lambda pairs: cost(pairs), 1.0, PAGE) == plan
 
 
 # ---------------- property test ----------------
