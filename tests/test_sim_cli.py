@@ -576,3 +576,99 @@ def test_ablation_checks_print_the_change_on_the_side_of_the_band_they_decide():
         assert (verdict == "OK") == inside, check
         assert (abs(shown - paper[policy]) <= 10) == inside, check  # the text agrees with the verdict
         assert abs(shown - change) < 0.051, check
+
+
+def test_online_slo_and_warm_up_are_overrides_recorded_in_each_run(tmp_path):
+    """The SLO (4 s, 50 ms) and the warm-up (half the horizon) were fixed in code."""
+    out = tmp_path / "o.json"
+    base = ("--scenario", "online", "--policy", "basic", "--aps", "0.05", "--horizon-s", "120")
+    assert run(parse(*base, "--warmup-s", "30", "--slo-ttft-s", "0.001", "--json", str(out))) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert (row["warmup_s"], row["slo_ttft_s"], row["slo_tpot_ms"], row["slo_ok"]) == (
+        30.0,
+        0.001,
+        50.0,
+        False,
+    )
+    assert row["ttft_mean_s"] > 0.001
+    assert run(parse(*base, "--slo-ttft-s", "1000", "--slo-tpot-ms", "1e6", "--json", str(out))) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert (row["warmup_s"], row["slo_ok"]) == (60.0, True)
+
+
+def test_scale_factor_and_shapes_are_overrides(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    argv = ("--scenario", "scale", "--agents", "8", "--prefill-nodes", "1", "--decode-nodes", "1")
+    assert run(parse(*argv, "--scale-factor", "2", "--gpus-per-node", "1", "--json", str(out))) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["shape"], r["agents"]) for r in runs] == [("1P1D", 8), ("2P2D", 16)]
+    argv = ("--scenario", "pd-ratio", "--agents", "8", "--gpus-per-node", "1", "--shapes", "1P1D,3p2d")
+    assert run(parse(*argv, "--json", str(out))) == 0
+    shapes = {r["shape"] for r in json.loads(out.read_text())["runs"]}
+    assert shapes == {"1P1D", "3P2D"}
+    capsys.readouterr()
+    assert run(parse(*argv, "--prefill-nodes", "2")) == 2
+    assert "give it or --prefill-nodes/--decode-nodes, not both" in capsys.readouterr().err
+    assert "is not a shape like 2P1D" in _usage_error(capsys, "--shapes", "2X1")
+    assert "is not a shape like 2P1D" in _usage_error(capsys, "--shapes", "0P1D")
+    # (a scenario without a P/D sweep refuses it, as every override it does not read)
+    assert run(parse("--scenario", "ablation", "--shapes", "1P1D")) == 2
+    assert "ablation does not use --shapes" in capsys.readouterr().err
+
+
+def test_balance_window_and_scheduler_knobs_are_overrides(tmp_path, capsys):
+    """The SNIC balance window (10 s) and busy threshold (20%), and the scheduler's α, β and Z."""
+    out = tmp_path / "n.json"
+    argv = ("--scenario", "nic-balance", "--agents", "64", "--gpus-per-node", "2", "--json", str(out))
+    assert run(parse(*argv)) == 0
+    default = json.loads(out.read_text())["runs"]
+    knobs = ("--window-s", "2", "--balance-min-util", "0", "--alpha-read-s", "0.5", "--beta-compute-s", "1")
+    assert run(parse(*argv, *knobs, "--z-factor", "1.5")) == 0
+    changed = json.loads(out.read_text())["runs"]
+    for d, c in zip(default, changed, strict=True):
+        assert (d["window_s"], d["balance_min_util"], d["alpha_read_s"], d["z_factor"]) == (
+            10.0,
+            0.2,
+            3.0,
+            1.05,
+        )
+        assert (c["window_s"], c["balance_min_util"], c["alpha_read_s"], c["beta_compute_s"], c["z_factor"]) == (
+            2.0, 0.0, 0.5, 1.0, 1.5,
+        )  # fmt: skip
+        # too little load for a window at 20% (undefined); every window with reads counts at 0
+        assert d["snic_max_over_avg"] is None and c["snic_max_over_avg"] >= 1.0
+    assert "must be ≥ 1" in _usage_error(capsys, "--z-factor", "0.5")
+    assert "must be ≥ 0 and ≤ 1" in _usage_error(capsys, "--balance-min-util", "1.5")
+
+
+TINY_SHAPE = ("--prefill-nodes", "1", "--decode-nodes", "1", "--gpus-per-node", "1")
+
+
+@pytest.mark.parametrize(
+    ("scenario", "argv", "figures"),
+    [
+        ("offline-660b", ("--agents", "4", *TINY_SHAPE, "--policy", "basic,dualpath"), ("jct_s", "snic_max_over_avg")),
+        ("ablation", ("--agents", "4", *TINY_SHAPE), ("jct_s", "jct_mean_s", "snic_max_over_avg")),
+        ("pd-ratio", ("--agents", "4", "--gpus-per-node", "1", "--shapes", "1P1D"), ("jct_s", "snic_max_over_avg")),
+        ("online", ("--aps", "0.5", "--horizon-s", "60", *TINY_SHAPE, "--policy", "basic"), ("max_aps",)),
+        ("nic-balance", ("--agents", "4", *TINY_SHAPE), ("jct_s", "snic_max_over_avg")),
+        ("scale", ("--agents", "4", "--scale-factor", "2", *TINY_SHAPE), ("jct_s",)),
+        ("bandwidth-model", ("--agents", "2", "--shapes", "1P1D"), ("jct_s",)),
+        ("submit-cost", ("--agents", "4", *TINY_SHAPE, "--submit-us", "0,1"), ("jct_s",)),
+        ("split", ("--agents", "4", "--gpus-per-node", "1", "--shapes", "1P1D"), ("jct_s", "snic_max_over_avg")),
+        ("emulated", ("--agents", "2",), ("jct_s", "snic_max_over_avg")),
+    ],
+)  # fmt: skip
+def test_every_scenarios_json_holds_the_policy_the_setting_and_its_figures(tmp_path, scenario, argv, figures):
+    """The issue's `--json` contract, per scenario (it was checked for the ablation only): one object per
+    (policy, setting) with the policy, the setting's parameters and the figures that apply."""
+    out = tmp_path / "s.json"
+    assert run(parse("--scenario", scenario, *argv, "--json", str(out))) == 0
+    data = json.loads(out.read_text())
+    assert data["scenario"] == scenario and data["runs"]
+    setting = ("prefill_nodes", "decode_nodes", "gpus_per_node", "model", "seed", "snic_gbps", "cnic_gbps")
+    for r in data["runs"]:
+        for key in ("policy", *setting, "ttft_p50_s", "tpot_p50_s", "wall_s", *figures):
+            assert key in r, (scenario, key)
+        assert r["ttft_p50_s"] is not None and r["wall_s"] >= 0
+        assert ("aps" in r) == (scenario == "online") and ("agents" in r) == (scenario != "online")

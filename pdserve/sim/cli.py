@@ -61,6 +61,16 @@ def _policy(text: str) -> str:
     return name
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """A P/D shape as the paper writes it: "2P1D" -> (2, 1)."""
+    p, sep, d = text.strip().upper().removesuffix("D").partition("P")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape like 2P1D (prefill nodes P, decode nodes D)"
+        )
+    return int(p), int(d)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", help="scenario name (see --list)")
     parser.add_argument("--list", action="store_true", help="list scenarios and exit")
@@ -131,6 +141,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " Qwen; inf = unbounded)",
     )
     g.add_argument("--horizon-s", type=_positive, help="online: simulated seconds per run (default 3600)")
+    g.add_argument(
+        "--warmup-s",
+        type=_non_negative,
+        help="online: seconds left out of the figures (default: half the horizon)",
+    )
+    g.add_argument("--slo-ttft-s", type=_positive, help="online: mean TTFT bound of the SLO, s (default 4)")
+    g.add_argument(
+        "--slo-tpot-ms", type=_positive, help="online: mean TPOT bound of the SLO, ms (default 50)"
+    )
+    g.add_argument(
+        "--scale-factor",
+        type=_positive_int,
+        help="scale: the large run's nodes and agents x this (default 24)",
+    )
+    g.add_argument(
+        "--shapes",
+        type=_list(_shape),
+        help="P/D sweeps (pd-ratio, bandwidth-model, split): the shapes, comma separated (e.g. 1P1D,2P1D)",
+    )
+    g.add_argument(
+        "--window-s",
+        type=_positive,
+        help="SNIC balance window, s (default 10; also every link's byte windows)",
+    )
+    g.add_argument(
+        "--balance-min-util",
+        type=_number(float, 0.0, low_ok=True, high=1.0),
+        help="SNIC balance: a window counts when the SNICs' mean utilization is at least this (default 0.2)",
+    )
+    g.add_argument("--alpha-read-s", type=_non_negative, help="scheduler α: read-queue seconds (default 3)")
+    g.add_argument("--beta-compute-s", type=_non_negative, help="scheduler β: compute seconds (default 5)")
+    g.add_argument(
+        "--z-factor",
+        type=_number(float, 1.0, low_ok=True),
+        help="scheduler Z: a DE is low-token below this x the group's mean tokens (default 1.05)",
+    )
 
 
 def _overrides(args: argparse.Namespace):
@@ -156,6 +202,16 @@ def _overrides(args: argparse.Namespace):
         decode_ep_gpus=args.decode_ep_gpus,
         host_buffer_gb=args.host_buffer_gb,
         horizon_s=args.horizon_s,
+        warmup_s=args.warmup_s,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_ms=args.slo_tpot_ms,
+        scale_factor=args.scale_factor,
+        shapes=args.shapes,
+        window_s=args.window_s,
+        balance_min_util=args.balance_min_util,
+        alpha_read_s=args.alpha_read_s,
+        beta_compute_s=args.beta_compute_s,
+        z_factor=args.z_factor,
     )
 
 

@@ -237,12 +237,15 @@ class SimResult:
         times = self.agent_done_s[finished] - self.agent_arrival_s[finished]
         return float(times.mean()) if len(times) else math.nan
 
-    def snic_max_over_avg(self, min_util: float = 0.2) -> float:
+    def snic_max_over_avg(self, min_util: float | None = None) -> float:
         """Mean over busy windows of (max SNIC bytes / mean SNIC bytes) across all nodes' SNICs.
 
-        A window counts when the mean SNIC utilization in it is ≥ ``min_util`` (idle tails say nothing
-        about balance). Returns nan if no window qualifies.
+        A window counts when the mean SNIC utilization in it is ≥ ``min_util`` (default: the config's
+        ``balance_min_util``, 0.2; idle tails say nothing about balance). Returns nan if no window
+        qualifies.
         """
+        if min_util is None:
+            min_util = self.config.balance_min_util
         snics = self.links["snic"]
         n_win = max(len(s.windows) for s in snics)
         mat = np.zeros((len(snics), n_win))
@@ -250,7 +253,7 @@ class SimResult:
             mat[i, : len(s.windows)] = s.windows
         cap = snics[0].capacity * snics[0].window_s
         means = mat.mean(axis=0)
-        ok = means >= min_util * cap
+        ok = (means >= min_util * cap) & (means > 0)  # (an idle window has no max/avg, even at min_util 0)
         if not ok.any():
             return math.nan
         return float((mat[:, ok].max(axis=0) / means[ok]).mean())

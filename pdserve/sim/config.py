@@ -101,6 +101,9 @@ class SimConfig:
     max_fetch: the router looks at most this many queue-head requests per fetch.
     fetch_interval_s: the router fetches at most this often (10 ms; adds ≤ 10 ms to a TTFT of seconds).
     horizon_s: stop the clock here (online runs); None = run until every agent finished.
+    window_s: the SNIC balance metric's window (and every link's byte-count window), s.
+    balance_min_util: a window counts in the SNIC balance metric when the SNICs' mean utilization in
+    it is at least this (idle tails say nothing about balance).
     record_intervals: keep every link booking (tests only; memory grows with the run).
     all_link_windows: per-window byte counts on every link, not only the SNICs.
     """
@@ -126,6 +129,7 @@ class SimConfig:
     max_fetch: int = 64
     fetch_interval_s: float = 0.010
     window_s: float = 10.0
+    balance_min_util: float = 0.2
     horizon_s: float | None = None
     record_intervals: bool = False
     all_link_windows: bool = False
@@ -139,6 +143,16 @@ class SimConfig:
                 raise ValueError(f"{name} must be ≥ 0 (0 = the model's), got {getattr(self, name)}")
         if not self.host_buffer_gb >= 0:
             raise ValueError(f"host_buffer_gb must be ≥ 0 (0 = the model's), got {self.host_buffer_gb}")
+        if not (0.0 < self.window_s < math.inf):
+            raise ValueError(f"window_s must be > 0 and finite, got {self.window_s}")
+        if not (0.0 <= self.balance_min_util <= 1.0):
+            raise ValueError(f"balance_min_util must be in [0, 1], got {self.balance_min_util}")
+        if not (0.0 <= self.alpha_read_s < math.inf and 0.0 <= self.beta_compute_s < math.inf):
+            raise ValueError(
+                f"alpha_read_s and beta_compute_s must be ≥ 0 and finite, got {self.alpha_read_s}, {self.beta_compute_s}"
+            )
+        if not (1.0 <= self.z_factor < math.inf):
+            raise ValueError(f"z_factor must be ≥ 1 and finite, got {self.z_factor}")
 
     @property
     def prefill_ep_group(self) -> int:

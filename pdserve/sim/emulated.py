@@ -100,7 +100,11 @@ def emulated(ov, progress):
             mode=mode,
             seed=_pick(ov.seed, 0),
             compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
-            window_s=5.0,
+            window_s=_pick(ov.window_s, 5.0),  # (the bench's --sample-s)
+            balance_min_util=_pick(ov.balance_min_util, 0.2),
+            alpha_read_s=_pick(ov.alpha_read_s, 3.0),
+            beta_compute_s=_pick(ov.beta_compute_s, 5.0),
+            z_factor=_pick(ov.z_factor, 1.05),
         )
         res = _new_sim(cfg, wl, progress).run()  # (as every scenario: memory check, ticks)
         row = record(res, agents=agents, workload=wl_name, snic_mbps=snic_mbps, cnic_mbps=cnic_mbps)

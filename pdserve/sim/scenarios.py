@@ -46,6 +46,16 @@ class Overrides:
     decode_ep_gpus: int | None = None
     host_buffer_gb: float | None = None
     horizon_s: float | None = None
+    warmup_s: float | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_ms: float | None = None
+    scale_factor: int | None = None
+    shapes: tuple[tuple[int, int], ...] | None = None
+    window_s: float | None = None
+    balance_min_util: float | None = None
+    alpha_read_s: float | None = None
+    beta_compute_s: float | None = None
+    z_factor: float | None = None
 
 
 @dataclass
@@ -67,8 +77,10 @@ class Progress(Protocol):
         """The running simulation's clock (every 5 simulated seconds) and turns done of its workload's."""
 
 
-# Overrides only some scenarios read (online: --aps, --horizon-s; submit-cost: --submit-us).
-SCENARIO_SPECIFIC = frozenset({"aps", "horizon_s", "submit_us"})
+# Overrides only some scenarios read (online: --aps, --horizon-s, --warmup-s and the SLO; submit-cost:
+# --submit-us; scale: --scale-factor; the P/D sweeps: --shapes).
+ONLINE_ONLY = frozenset({"aps", "horizon_s", "warmup_s", "slo_ttft_s", "slo_tpot_ms"})
+SCENARIO_SPECIFIC = ONLINE_ONLY | {"submit_us", "scale_factor", "shapes"}
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,14 @@ def _one(values: tuple | None, default, option: str, scenario: str):
 
 
 def _shapes(ov: Overrides, default: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """The (P, D) shapes of a sweep: the scenario's, or the one given by ``--prefill-nodes`` /
-    ``--decode-nodes`` (the other one defaulting to 1)."""
+    """The (P, D) shapes of a sweep: the scenario's, those of ``--shapes``, or the one given by
+    ``--prefill-nodes`` / ``--decode-nodes`` (the other one defaulting to 1)."""
+    if ov.shapes is not None:
+        if ov.prefill_nodes is not None or ov.decode_nodes is not None:
+            raise ValueError(
+                "--shapes lists the P/D shapes: give it or --prefill-nodes/--decode-nodes, not both"
+            )
+        return ov.shapes
     if ov.prefill_nodes is None and ov.decode_nodes is None:
         return default
     return ((_pick(ov.prefill_nodes, 1), _pick(ov.decode_nodes, 1)),)
@@ -145,6 +163,11 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
         prefill_ep_gpus=_pick(ov.prefill_ep_gpus, 0),
         decode_ep_gpus=_pick(ov.decode_ep_gpus, 0),
         host_buffer_gb=_pick(ov.host_buffer_gb, 0.0),
+        window_s=_pick(ov.window_s, 10.0),
+        balance_min_util=_pick(ov.balance_min_util, 0.2),
+        alpha_read_s=_pick(ov.alpha_read_s, 3.0),
+        beta_compute_s=_pick(ov.beta_compute_s, 5.0),
+        z_factor=_pick(ov.z_factor, 1.05),
         **kw,
     )
 
@@ -251,6 +274,11 @@ def record(res: SimResult, **setting) -> dict:
         "prefill_ep_gpus": cfg.prefill_ep_group,
         "decode_ep_gpus": cfg.decode_ep_group,
         "host_buffer_gb": _f(cfg.host_buffer_bytes / 1e9),
+        "alpha_read_s": cfg.alpha_read_s,
+        "beta_compute_s": cfg.beta_compute_s,
+        "z_factor": cfg.z_factor,
+        "window_s": cfg.window_s,
+        "balance_min_util": cfg.balance_min_util,
         **setting,
         "jct_s": _f(res.jct_s),
         "jct_mean_s": _f(res.jct_mean_s),
@@ -421,8 +449,11 @@ def pd_ratio(ov: Overrides, progress: Progress) -> ScenarioResult:
 # ---------------------------------------------------------------- online
 
 
-def slo_ok(row: dict, ttft_slo_s: float = 4.0, tpot_slo_s: float = 0.050) -> bool:
-    """SLO on the mean over measured turns (TTFT ≤ 4 s, TPOT ≤ 50 ms)."""
+SLO_TTFT_S, SLO_TPOT_MS = 4.0, 50.0  # the paper's online SLO (`--slo-ttft-s`, `--slo-tpot-ms`)
+
+
+def slo_ok(row: dict, ttft_slo_s: float = SLO_TTFT_S, tpot_slo_s: float = SLO_TPOT_MS / 1e3) -> bool:
+    """SLO on the mean over measured turns (default TTFT ≤ 4 s, TPOT ≤ 50 ms)."""
     return (
         row["ttft_mean_s"] is not None
         and row["ttft_mean_s"] <= ttft_slo_s
@@ -444,7 +475,7 @@ def _online_run(ov, cfg, wl_name, aps, horizon_s, warmup_s, progress: Progress |
     pend = res.unanswered_submit_s
     pend = horizon_s - pend[pend >= warmup_s]
     ttft = np.concatenate([res.ttft_s[keep], pend])
-    row = record(res, aps=aps, workload=wl_name, horizon_s=horizon_s)
+    row = record(res, aps=aps, workload=wl_name, horizon_s=horizon_s, warmup_s=warmup_s)
     # Agents keep arriving until the horizon: no job completes as a whole, so no JCT.
     row["jct_s"] = row["jct_mean_s"] = None
     row["ttft_p50_s"] = _f(np.median(ttft)) if len(ttft) else None
@@ -499,7 +530,10 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
     model = _model(ov, "ds-660b")
     wl = _pick(ov.workload, "64k")
     horizon = _pick(ov.horizon_s, 3600.0)
-    warmup = horizon / 2
+    warmup = _pick(ov.warmup_s, horizon / 2)
+    if warmup >= horizon:
+        raise ValueError(f"--warmup-s {warmup:g} leaves nothing of --horizon-s {horizon:g} to measure")
+    slo_ttft_s, slo_tpot_s = _pick(ov.slo_ttft_s, SLO_TTFT_S), _pick(ov.slo_tpot_ms, SLO_TPOT_MS) / 1e3
     max_aps = {}
     for pol in _pick(ov.policy, ("basic", "dualpath")):
         cfg = _config(ov, P, D, model, pol)
@@ -507,7 +541,8 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
         def trial(aps: float, pol=pol, cfg=cfg) -> bool:
             progress(f"{pol} {aps:.3f} APS")
             row = _online_run(ov, cfg, wl, aps, horizon, warmup, progress)
-            row["slo_ok"] = slo_ok(row)
+            row |= {"slo_ttft_s": slo_ttft_s, "slo_tpot_ms": _f(slo_tpot_s * 1e3)}
+            row["slo_ok"] = slo_ok(row, slo_ttft_s, slo_tpot_s)
             out.runs.append(row)
             return row["slo_ok"]
 
@@ -523,7 +558,7 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
 
         best = search()
         mine = [r for r in out.runs if r["policy"] == pol]
-        knee, bracket = _interpolated_knee(mine, best)
+        knee, bracket = _interpolated_knee(mine, best, slo_ttft_s, slo_tpot_s)
         max_aps[pol] = (best, knee, bracket)
         for r in mine:
             r["max_aps"] = best  # highest APS tried that met the SLO
@@ -559,7 +594,7 @@ def online(ov: Overrides, progress: Progress) -> ScenarioResult:
         if best == 0:
             out.checks.append(f"[INFO] {pol} met the SLO at no APS tried: no max APS, no ratio")
     out.plot = lambda runs, plt: _line_plot(
-        runs, plt, "aps", "ttft_mean_s", "mean TTFT (s)", "online", hline=4.0
+        runs, plt, "aps", "ttft_mean_s", "mean TTFT (s)", "online", hline=slo_ttft_s
     )
     return out
 
@@ -575,7 +610,9 @@ def _bisect(lo: float, hi: float, trial, num_steps: int = 6) -> tuple[float, flo
     return lo, hi
 
 
-def _interpolated_knee(runs: list[dict], best: float, ttft_slo_s: float = 4.0) -> tuple[float, tuple]:
+def _interpolated_knee(
+    runs: list[dict], best: float, ttft_slo_s: float = SLO_TTFT_S, tpot_slo_s: float = SLO_TPOT_MS / 1e3
+) -> tuple[float, tuple]:
     """APS where mean TTFT crosses the SLO, linear between the highest passing and lowest failing run.
 
     The bisection only brackets the knee (width 3/64 APS after 6 steps); taking the passing edge biases
@@ -590,7 +627,7 @@ def _interpolated_knee(runs: list[dict], best: float, ttft_slo_s: float = 4.0) -
     hi = min(fails, key=lambda r: r["aps"])
     if (
         hi["ttft_mean_s"] is None  # (a failing run that measured no turn: nothing to interpolate)
-        or not slo_ok({**hi, "ttft_mean_s": 0.0})
+        or not slo_ok({**hi, "ttft_mean_s": 0.0}, ttft_slo_s, tpot_slo_s)
         or hi["ttft_mean_s"] <= lo["ttft_mean_s"]
     ):
         return best, (best, hi["aps"])
@@ -653,7 +690,7 @@ def scale(ov: Overrides, progress: Progress) -> ScenarioResult:
     wl = _pick(ov.workload, "32k")
     base_agents = _one(ov.agents, 2048, "--agents", "scale")
     P0, D0 = _pick(ov.prefill_nodes, 2), _pick(ov.decode_nodes, 4)
-    factor = 24
+    factor = _pick(ov.scale_factor, 24)
     for pol in _pick(ov.policy, ("dualpath",)):
         pair = []
         for P, D, agents in ((P0, D0, base_agents), (P0 * factor, D0 * factor, base_agents * factor)):
@@ -710,6 +747,7 @@ def bandwidth_model(ov: Overrides, progress: Progress) -> ScenarioResult:
     # Only KV traffic, and compute far from binding, so the links alone decide.
     model = replace(
         base,
+        name=f"{base.name}/io-only",  # (its JSON said "ds-27b" for a profile it changed)
         model_cnic_bytes_per_prefill_token=0.0,
         model_cnic_bytes_per_decode_token=0.0,
         prefill_s_per_new_token=base.prefill_s_per_new_token / 10,
@@ -858,30 +896,44 @@ SCENARIOS: dict[str, Scenario] = {
             "DS-27B-like 48K at 1P1D, 2P1D, 1P2D: speedups and same-SNIC equivalences",
             6,
             pd_ratio,
+            ignores=SCENARIO_SPECIFIC - {"shapes"},
         ),
         Scenario(
             "online",
             "DS-660B 2P4D: APS sweep, max APS with mean TTFT ≤ 4 s and TPOT ≤ 50 ms",
             12,
             online,
-            ignores=frozenset({"submit_us"}),
+            ignores=frozenset({"submit_us", "scale_factor", "shapes"}),
         ),
         Scenario("nic-balance", "SNIC max/avg over 10 s windows: round robin vs scheduler", 2, nic_balance),
-        Scenario("scale", "2P4D 2K agents vs 48P96D (1,152 GPUs) 48K agents, 32K workload", 2, scale),
+        Scenario(
+            "scale",
+            "2P4D 2K agents vs 48P96D (1,152 GPUs) 48K agents, 32K workload",
+            2,
+            scale,
+            ignores=SCENARIO_SPECIFIC - {"scale_factor"},
+        ),
         Scenario(
             "bandwidth-model",
             "P/D sweep: where the bottleneck moves vs the bounds 1/7 and 7/2 (--agents: per node)",
             10,
             bandwidth_model,
+            ignores=SCENARIO_SPECIFIC - {"shapes"},
         ),
         Scenario(
             "submit-cost",
             "per-copy submit µs sweep: when does cheaper submission matter",
             7,
             submit_cost,
-            ignores=frozenset({"aps", "horizon_s"}),
+            ignores=SCENARIO_SPECIFIC - {"submit_us"},
         ),
-        Scenario("split", "split (per-request two-sided reads) vs dualpath over P/D shapes", 10, split_sweep),
+        Scenario(
+            "split",
+            "split (per-request two-sided reads) vs dualpath over P/D shapes",
+            10,
+            split_sweep,
+            ignores=SCENARIO_SPECIFIC - {"shapes"},
+        ),
         Scenario(
             "emulated",
             "pdserve bench dualpath's emulated 1P2D CPU cluster (demo model, 8 MB/s SNICs): sim vs real",
