@@ -21,7 +21,14 @@ import time
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 from pdserve.server.auth import API_KEY_ENV
-from pdserve.stop_signals import STOP, STOP_SIGNALS, Stopped, stop_starting, unstoppable
+from pdserve.stop_signals import (
+    STOP,
+    STOP_SIGNALS,
+    Stopped,
+    stop_starting,
+    swallowed_stops_resent,
+    unstoppable,
+)
 
 ENGINE_FLAGS = (
     "tool_call_parser",
@@ -346,7 +353,8 @@ def launch(a) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop_starting)
     try:
-        cluster = start_cluster(a, a.prefill, a.decode, a.port)
+        with swallowed_stops_resent():  # (a stop raised inside a weakref callback: raised again)
+            cluster = start_cluster(a, a.prefill, a.decode, a.port)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

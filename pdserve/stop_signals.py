@@ -68,17 +68,28 @@ def stop_signals_stop_clusters():
     the signal that came, if any."""
     STOP.armed, STOP.signum = True, None
     old = {sig: signal.signal(sig, stop_starting) for sig in STOP_SIGNALS}
-    old_hook, sys.unraisablehook = sys.unraisablehook, _swallowed(sys.unraisablehook)
     try:
-        yield STOP
+        with swallowed_stops_resent():
+            yield STOP
     finally:
         STOP.armed = False
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def swallowed_stops_resent():
+    """While armed (`stop_signals_stop_clusters`, `launch` starting its cluster): a `Stopped` that
+    Python swallowed is armed and signalled again (`_swallowed`); a redelivery still on its way when the
+    section ends is cancelled."""
+    old_hook, sys.unraisablehook = sys.unraisablehook, _swallowed(sys.unraisablehook)
+    try:
+        yield
+    finally:
         if STOP.redelivery is not None:
             STOP.redelivery.cancel()
             STOP.redelivery = None
         sys.unraisablehook = old_hook
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def _swallowed(previous_hook):

@@ -462,3 +462,45 @@ def test_a_stop_signal_raised_where_python_swallows_exceptions_still_stops_the_c
     )
     assert p.stdout.strip() == f"stopped {int(signal.SIGTERM)} {int(signal.SIGTERM)}", (p.stdout, p.stderr)
     assert "Exception ignored" not in p.stderr, p.stderr
+
+
+SWALLOWED_STOP_IN_LAUNCH = """
+import os, signal, sys, time, types, weakref
+from pdserve import launch
+
+class Thing:
+    pass
+
+def callback(_ref):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # (the handler runs here, inside a weakref callback: its raise is swallowed)
+        pass
+
+class Cluster:
+    def stop(self):
+        pass
+
+def start_cluster(a, num_prefill, num_decode, port):  # engines that take 3 s to load
+    thing = Thing()
+    ref = weakref.ref(thing, callback)
+    del thing
+    for _ in range(300):
+        time.sleep(0.01)
+    return Cluster()
+
+launch.start_cluster = start_cluster
+t0 = time.monotonic()
+rc = launch.launch(types.SimpleNamespace(port=None, prefill=1, decode=1))
+print(rc, round(time.monotonic() - t0, 2))
+"""
+
+
+def test_a_stop_signal_that_python_swallows_while_launch_starts_stops_it_at_once():
+    """`pdserve launch` arms its own stop while the engines load: a SIGTERM swallowed there waited for
+    every engine to load (3 s here) before launch stopped."""
+    p = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_STOP_IN_LAUNCH], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    rc, elapsed_s = p.stdout.split()
+    assert rc == "143" and float(elapsed_s) < 2.0, (p.stdout, p.stderr)
+    assert "Exception ignored" not in p.stderr, p.stderr

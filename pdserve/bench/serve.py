@@ -62,6 +62,7 @@ async def one(client, url: str, model: str, body: dict) -> Result:
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []  # (arrival time, tokens so far) per chunk with text
     num_tokens = 0
+    counted = True  # every text chunk carried the usage so far (else its tokens are not known)
     finish_reason = None
     try:
         async with client.stream("POST", url + "/v1/completions", json={"model": model, **body}) as r:
@@ -79,6 +80,7 @@ async def one(client, url: str, model: str, body: dict) -> Result:
                     choice = chunk["choices"][0]
                     finish_reason = choice.get("finish_reason") or finish_reason
                     if choice.get("text"):
+                        counted = counted and bool(chunk.get("usage"))
                         so_far = num_tokens if chunk.get("usage") else (stamps[-1][1] if stamps else 0) + 1
                         stamps.append((time.perf_counter(), so_far))
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
@@ -88,6 +90,12 @@ async def one(client, url: str, model: str, body: dict) -> Result:
     if why := short_answer(finish_reason, num_tokens, body["max_tokens"]):
         return Result(False, error=why)
     gaps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:], strict=False)]
+    if not counted and len(stamps) > 1:
+        # A server that leaves the usage out of its chunks (no `continuous_usage_stats`): a chunk's
+        # tokens are not known, and one per chunk made TPOT a time per chunk (4x too long with 4-token
+        # chunks). The first chunk is taken as one token, the rest from the final usage: the old
+        # (last - first) / (tokens - 1), which understates only a coalesced first chunk.
+        stamps = [stamps[0], (stamps[-1][0], max(num_tokens, stamps[-1][1]))]
     return Result(True, stamps[0][0] - t0, time_per_output_token(stamps), gaps, num_tokens)
 
 
