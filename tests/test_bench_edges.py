@@ -249,6 +249,42 @@ def test_bench_dualpath_repeats_alternate_the_policies_order_and_compare_medians
     assert _main([*args, "--mode", "online"]) == 2 and calls == []
 
 
+def test_bench_dualpath_repeats_compare_the_whole_repeats_and_keep_the_finished_ones(
+    demo_model_dir, monkeypatch, tmp_path, capsys
+):
+    """A repeat in which a policy lost turns (no JCT) voided every median; a cluster that failed to start
+    in a later repeat lost the earlier repeats' figures (no JSON)."""
+    from pdserve.bench import dualpath_compare
+
+    calls = []
+    jct = {"round_robin": [30.0, None, 20.0], "dualpath": [10.0, 11.0, 12.0]}
+
+    def fake_run_policy(a, model_dir, policy, agents, online):
+        calls.append(policy)
+        n = calls.count(policy) - 1
+        if n >= len(jct[policy]):
+            raise RuntimeError("the prefill engine did not start")
+        run = _fake_run(policy, "same", 0 if jct[policy][n] else 2)
+        run["summary"] = run["summary"] | {"jct_s": jct[policy][n]}
+        return run
+
+    monkeypatch.setattr(dualpath_compare, "run_policy", fake_run_policy)
+    monkeypatch.setattr(dualpath_compare, "_plot", lambda runs, path: None)
+    out = tmp_path / "dp.json"
+    args = ["bench", "dualpath", "--model", demo_model_dir, "--num-agents", "2", "--json", str(out)]
+    assert _main([*args, "--repeats", "3"]) == 1  # (a repeat lost turns: the run fails, as before)
+    got = json.loads(out.read_text())
+    assert got["repeats_compared"] == 2  # repeats 0 and 2; repeat 1's round_robin lost turns
+    assert got["median_jct_s"] == {"round_robin": 25.0, "dualpath": 11.0}
+    assert got["median_jct_speedup_vs_first"]["dualpath"] == pytest.approx(25.0 / 11.0)
+    calls.clear()
+    # the 4th repeat (dualpath first) does not start its cluster: the three before it are kept
+    assert _main([*args, "--repeats", "4"]) == 1
+    partial = json.loads(out.read_text())
+    assert "RuntimeError: the prefill engine did not start" in partial["incomplete"]
+    assert [r["repeat"] for r in partial["runs"]] == [0, 0, 1, 1, 2, 2]
+
+
 def test_first_divergences_name_each_agents_first_differing_token():
     from pdserve.bench.agentic import AgentPlan, TurnPlan
     from pdserve.bench.divergence import first_divergences

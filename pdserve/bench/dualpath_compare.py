@@ -186,33 +186,27 @@ def run(a: argparse.Namespace) -> int:
     if a.mode == "offline":
         agents = build_agents(WorkloadConfig(**cfg))
         rows = []
-        for repeat in range(a.repeats):
-            # Alternating order: a policy that always ran first (or last) met the machine's warm-up (or
-            # a load that grew) alone. Each repeat's speedup is against the first policy's run of it.
-            base = None
-            for policy in policies if repeat % 2 == 0 else policies[::-1]:
-                runs.append(run_policy(a, model_dir, policy, agents, online=False))
-                if a.repeats > 1:
-                    runs[-1]["repeat"] = repeat
-                rows.append(_row(runs[-1]) | ({"repeat": repeat} if a.repeats > 1 else {}))
-            for r in rows[-len(policies) :]:
-                if r["policy"] == policies[0]:
-                    base = r["jct_s"]
-            for r in rows[-len(policies) :]:
-                r["jct_speedup_vs_first"] = (
-                    base / r["jct_s"] if base and r["jct_s"] else None
-                )  # None: lost turns
+        try:
+            for repeat in range(a.repeats):
+                # Alternating order: a policy that always ran first (or last) met the machine's warm-up
+                # (or a load that grew) alone. Each repeat's speedup is against its first policy's run.
+                for policy in policies if repeat % 2 == 0 else policies[::-1]:
+                    runs.append(run_policy(a, model_dir, policy, agents, online=False))
+                    if a.repeats > 1:
+                        runs[-1]["repeat"] = repeat
+                    rows.append(_row(runs[-1]) | ({"repeat": repeat} if a.repeats > 1 else {}))
+                mine = rows[-len(policies) :]
+                base = next(r["jct_s"] for r in mine if r["policy"] == policies[0])
+                for r in mine:  # (None: lost turns)
+                    r["jct_speedup_vs_first"] = base / r["jct_s"] if base and r["jct_s"] else None
+        except Exception as e:  # (a cluster that failed to start in a later repeat lost the earlier ones)
+            if a.json and rows:
+                partial = out | {"runs": rows, "incomplete": f"{type(e).__name__}: {e}"}
+                Path(make_parent(a.json)).write_text(json.dumps(partial, indent=2, default=str))
+            raise
         out["runs"] = rows
         if a.repeats > 1:
-            out["median_jct_s"] = median_jct = {
-                p: _median([r["jct_s"] for r in rows if r["policy"] == p]) for p in policies
-            }
-            out["median_jct_speedup_vs_first"] = {
-                p: median_jct[policies[0]] / median_jct[p]
-                if median_jct[policies[0]] and median_jct[p]
-                else None
-                for p in policies
-            }
+            out |= _medians(rows, policies)
     else:
         rows = []
         rates = a.aps or DEFAULT_APS
@@ -293,6 +287,10 @@ def _print(out: dict) -> None:
             bound, f"unknown (both met the SLO at every rate tried; {ratio:.2f}x of the rates)"
         )
         print(f"max APS under the SLO, last policy / first: {shown}")
+    if "repeats_compared" in out:
+        print(
+            f"medians over the {out['repeats_compared']} repeats in which every policy finished all its turns:"
+        )
     for policy, speedup in (out.get("median_jct_speedup_vs_first") or {}).items():
         jct = out["median_jct_s"][policy]
         print(f"{policy}: median JCT {_fmt(jct)} s, {_fmt(speedup)}x the first policy's median")
@@ -307,11 +305,25 @@ def _print(out: dict) -> None:
         )
 
 
-def _median(values: list[float | None]) -> float | None:
-    """The median of a policy's JCTs over the repeats; None when a repeat lost turns (no JCT)."""
+def _medians(rows: list[dict], policies: list[str]) -> dict:
+    """Each policy's median JCT over the repeats in which every policy finished all its turns (the
+    same repeats for all, so one that lost turns does not void the others), and their ratios."""
     import statistics
 
-    return None if any(v is None for v in values) else statistics.median(values)
+    repeats = sorted({r["repeat"] for r in rows})
+    whole = [n for n in repeats if all(r["jct_s"] for r in rows if r["repeat"] == n)]
+    median = {
+        p: statistics.median([r["jct_s"] for r in rows if r["policy"] == p and r["repeat"] in whole])
+        if whole
+        else None
+        for p in policies
+    }
+    first = median[policies[0]]
+    return {
+        "repeats_compared": len(whole),
+        "median_jct_s": median,
+        "median_jct_speedup_vs_first": {p: first / m if first and m else None for p, m in median.items()},
+    }
 
 
 def _fmt(v) -> str:
