@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Regenerates every figure docs/simulation.md quotes: docs/sim/<scenario>.{json,png} and the extra runs
 # in docs/sim/extra/ (each one scenario's command plus the flags its name says). Compiled simulator
-# (`--accel on` builds it first when the sources changed); ~6 min on two cores. Not re-run:
+# (`--accel on` builds it first when the sources changed); 14 min on two loaded cores. Not re-run:
 # docs/sim/extra/ablation-before-session.json (a historical model, kept for comparison).
-# Usage: bash scripts/sim_docs.sh [scenario ...]   (no argument: all of them)
+# Usage: bash scripts/sim_docs.sh [scenario ...]   (no argument: all of them; split includes split-ds27b)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIM=(.venv/bin/python -m pdserve.sim.cli --accel on)
 ONLY=("$@")
+KNOWN="offline-660b ablation nic-balance pd-ratio online scale bandwidth-model submit-cost split"
+for name in "$@"; do  # (a typo ran nothing and exited 0)
+  [[ " $KNOWN " == *" $name "* ]] || { echo "sim_docs.sh: unknown scenario $name (known: $KNOWN)" >&2; exit 2; }
+done
 main() {  # scenario [name] [flags...]
   local sc=$1 name=${2:-$1}; shift 2 || shift 1
   "${SIM[@]}" --scenario "$sc" "$@" --json "docs/sim/$name.json" --plot "docs/sim/$name.png"

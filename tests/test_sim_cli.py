@@ -672,3 +672,30 @@ def test_every_scenarios_json_holds_the_policy_the_setting_and_its_figures(tmp_p
             assert key in r, (scenario, key)
         assert r["ttft_p50_s"] is not None and r["wall_s"] >= 0
         assert ("aps" in r) == (scenario == "online") and ("agents" in r) == (scenario != "online")
+
+
+def test_a_sweep_refuses_a_setting_it_cannot_run_before_its_first_run(capsys, monkeypatch):
+    """A compute NIC too slow for DS-660B's all-to-all on 2P1D (EP16 spans the prefill nodes) but not on
+    1P1D (EP8 inside one): found at 2P1D's own run, it ended the sweep and the 1P1D runs were lost."""
+    from pdserve.sim import scenarios
+
+    runs = []
+    real = scenarios.run_one
+    monkeypatch.setattr(scenarios, "run_one", lambda *a, **k: runs.append(a) or real(*a, **k))
+    argv = ("--scenario", "split", "--agents", "4", "--cnic-gbps", "30", "--shapes", "1P1D,2P1D")
+    assert run(parse(*argv)) == 2
+    assert runs == [] and "the prefill EP16 all-to-all needs" in capsys.readouterr().err
+    argv = ("--scenario", "scale", "--agents", "4", "--cnic-gbps", "30", "--prefill-nodes", "1")
+    assert run(parse(*argv, "--decode-nodes", "1")) == 2 and runs == []  # (1P1D runs; 24P24D cannot)
+
+
+def test_more_sweep_and_window_refusals(capsys):
+    from pdserve.sim.config import SimConfig
+
+    argv = ("--scenario", "split", "--agents", "4", "--shapes", "1P1D,1p1d")
+    assert run(parse(*argv)) == 2
+    assert "--shapes names a shape twice: 1P1D, 1P1D" in capsys.readouterr().err
+    # each link keeps one byte count per window: 1e-6 s windows took GBs
+    assert "must be ≥ 0.1" in _usage_error(capsys, "--window-s", "1e-6")
+    with pytest.raises(ValueError, match="max_fetch must be ≥ 1"):
+        SimConfig(max_fetch=0)  # (it fetched nothing, every 10 ms, for ever)

@@ -162,8 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--window-s",
-        type=_positive,
-        help="SNIC balance window, s (default 10; also every link's byte windows)",
+        type=_number(float, 0.1, low_ok=True, high=1e6),
+        help="SNIC balance window, s (default 10, emulated 5; also every link's byte windows; at least 0.1:"
+        " each link keeps one count per window)",
     )
     g.add_argument(
         "--balance-min-util",

@@ -259,6 +259,21 @@ class SimResult:
         return float((mat[:, ok].max(axis=0) / means[ok]).mean())
 
 
+def model_cnic_shares(cfg: SimConfig) -> tuple[float, float]:
+    """The expected model-traffic (EP all-to-all) share of each prefill and each decode CNIC, reserved
+    for the high traffic class. ValueError when a side's share passes 99% (see `_model_cnic_share`);
+    the sweeps call it for every setting before their first run, so that none is lost to it."""
+    m, hw, g = cfg.model, cfg.hw, cfg.hw.gpus_per_node
+    pe_rate = prefill_tokens_per_s(m, 32_768)
+    u_pe = _model_cnic_share(
+        m.model_cnic_bytes_per_prefill_token * pe_rate, cfg.prefill_ep_group, g, hw, m.name, "prefill"
+    )
+    u_de = _model_cnic_share(  # ~1.5K tok/s/GPU
+        m.model_cnic_bytes_per_decode_token * 1500.0, cfg.decode_ep_group, g, hw, m.name, "decode"
+    )
+    return u_pe, u_de
+
+
 def _model_cnic_share(
     bytes_per_s: float, ep_gpus: int, gpus_per_node: int, hw: HardwareConfig, model: str, side: str
 ) -> float:
@@ -311,14 +326,7 @@ class ClusterSim:
         self.num_de = self.D * g
         self.kv_tok = m.kv_bytes_per_token
         self.layers = m.num_layers
-        # Expected model-traffic share of each CNIC (EP all-to-all), reserved for the high class.
-        pe_rate = prefill_tokens_per_s(m, 32_768)
-        u_pe = _model_cnic_share(
-            m.model_cnic_bytes_per_prefill_token * pe_rate, cfg.prefill_ep_group, g, hw, m.name, "prefill"
-        )
-        u_de = _model_cnic_share(  # ~1.5K tok/s/GPU
-            m.model_cnic_bytes_per_decode_token * 1500.0, cfg.decode_ep_group, g, hw, m.name, "decode"
-        )
+        u_pe, u_de = model_cnic_shares(cfg)
         W, rec = cfg.window_s, cfg.record_intervals
         n_nodes = self.P + self.D
         self.snic = [Link(f"snic{n}", hw.snic_bytes_per_s, W, 0.0, rec) for n in range(n_nodes)]

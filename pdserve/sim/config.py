@@ -151,6 +151,8 @@ class SimConfig:
             raise ValueError(
                 f"alpha_read_s and beta_compute_s must be ≥ 0 and finite, got {self.alpha_read_s}, {self.beta_compute_s}"
             )
+        if self.max_fetch < 1:  # (0 fetched nothing, for ever)
+            raise ValueError(f"max_fetch must be ≥ 1, got {self.max_fetch}")
         if not (1.0 <= self.z_factor < math.inf):
             raise ValueError(f"z_factor must be ≥ 1 and finite, got {self.z_factor}")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from pdserve.bench.workloads import TABLE2, TraceExhausted, load_workload
 from pdserve.dualpath.cost_model import ModelProfile, get_profile
-from pdserve.sim.cluster import ClusterSim, SimResult
+from pdserve.sim.cluster import ClusterSim, SimResult, model_cnic_shares
 from pdserve.sim.config import HardwareConfig, SimConfig
 from pdserve.sim.errors import SimulationTooLarge
 
@@ -126,6 +126,8 @@ def _shapes(ov: Overrides, default: tuple[tuple[int, int], ...]) -> tuple[tuple[
     """The (P, D) shapes of a sweep: the scenario's, those of ``--shapes``, or the one given by
     ``--prefill-nodes`` / ``--decode-nodes`` (the other one defaulting to 1)."""
     if ov.shapes is not None:
+        if len(set(ov.shapes)) < len(ov.shapes):  # (a shape twice: its rows and ratios mixed up)
+            raise ValueError(f"--shapes names a shape twice: {', '.join(f'{p}P{d}D' for p, d in ov.shapes)}")
         if ov.prefill_nodes is not None or ov.decode_nodes is not None:
             raise ValueError(
                 "--shapes lists the P/D shapes: give it or --prefill-nodes/--decode-nodes, not both"
@@ -134,6 +136,14 @@ def _shapes(ov: Overrides, default: tuple[tuple[int, int], ...]) -> tuple[tuple[
     if ov.prefill_nodes is None and ov.decode_nodes is None:
         return default
     return ((_pick(ov.prefill_nodes, 1), _pick(ov.decode_nodes, 1)),)
+
+
+def _check_shapes(ov: Overrides, shapes, model: ModelProfile) -> None:
+    """Refuse a setting the simulator cannot run (a compute NIC too slow for the model's all-to-all on
+    one of the shapes) before the first run: found at its own run, it ended the sweep and its finished
+    runs were lost (no JSON)."""
+    for P, D in shapes:
+        model_cnic_shares(_config(ov, P, D, model, "dualpath"))
 
 
 def _hw(ov: Overrides) -> HardwareConfig:
@@ -422,7 +432,9 @@ def pd_ratio(ov: Overrides, progress: Progress) -> ScenarioResult:
     model = _model(ov, "ds-27b")
     wl = _pick(ov.workload, "48k")
     agents = _one(ov.agents, 1536, "--agents", "pd-ratio")  # enough load that 2P1D is not latency-bound
-    for P, D in _shapes(ov, ((1, 1), (2, 1), (1, 2))):
+    shapes = _shapes(ov, ((1, 1), (2, 1), (1, 2)))
+    _check_shapes(ov, shapes, model)
+    for P, D in shapes:
         for pol in _pick(ov.policy, ("basic", "dualpath")):
             progress(f"{P}P{D}D {pol}")
             res = run_one(_config(ov, P, D, model, pol), wl, agents, progress=progress)
@@ -654,7 +666,8 @@ def nic_balance(ov: Overrides, progress: Progress) -> ScenarioResult:
         vals[pol] = row["snic_max_over_avg"]
     if any(v is None for v in vals.values()):
         out.checks.append(
-            "[INFO] some SNIC never reached 20% utilization in a window: max/avg undefined (too little load)"
+            f"[INFO] no window's mean SNIC utilization reached {_pick(ov.balance_min_util, 0.2):.0%}:"
+            " max/avg undefined (too little load)"
         )
     if vals.get("dual_path") is not None:
         out.checks.append(
@@ -691,6 +704,7 @@ def scale(ov: Overrides, progress: Progress) -> ScenarioResult:
     base_agents = _one(ov.agents, 2048, "--agents", "scale")
     P0, D0 = _pick(ov.prefill_nodes, 2), _pick(ov.decode_nodes, 4)
     factor = _pick(ov.scale_factor, 24)
+    _check_shapes(ov, ((P0, D0), (P0 * factor, D0 * factor)), model)
     for pol in _pick(ov.policy, ("dualpath",)):
         pair = []
         for P, D, agents in ((P0, D0, base_agents), (P0 * factor, D0 * factor, base_agents * factor)):
@@ -849,6 +863,7 @@ def split_sweep(ov: Overrides, progress: Progress) -> ScenarioResult:
     wl = _pick(ov.workload, "64k")
     agents = _one(ov.agents, 1024, "--agents", "split")
     shapes = _shapes(ov, ((1, 1), (1, 2), (2, 1), (2, 4), (1, 4)))
+    _check_shapes(ov, shapes, model)
     for P, D in shapes:
         for pol in _pick(ov.policy, ("dualpath", "split")):
             progress(f"{P}P{D}D {pol}")
