@@ -2,7 +2,8 @@
 
 Who uses it: the simulator (every prefill batch and decode step) and, later, a PE's batch builder
 (``build_prefill_batch`` needs a predicted batch time). A profile is a frozen dataclass; the functions
-below are pure.
+below are pure. Past 400 lines because every constant stays beside its source (this docstring and the
+profiles), and an HF config's profile is derived from the same constants.
 
 Constants and their sources:
 
