@@ -194,7 +194,7 @@ def test_a_chain_written_back_or_read_is_evicted_tail_first(tmp_path):
     assert read(s, keys[:2])[0].num_prefix_ok == 2
     assert s.keys_lru_first() == [keys[2], keys[1], keys[0]]  # (read head first, marked head last)
     assert s.put(other[0], payload(9))
-    assert s.keys_lru_first() == [keys[1], keys[0], other[0]] and s.lookup_keys(keys) == 2
+    assert s.keys_lru_first() == [keys[1], keys[0], other[0]]
     assert s.put(block_keys(list(range(600, 604)), 4, LAYOUT.fingerprint)[0], payload(8))
     assert s.lookup_keys(keys) == 1  # k1 (the tail) went before k0
     assert s.put(keys[2], payload(2), ancestors=keys[:2]) is False  # its parent k1 is gone
@@ -458,6 +458,124 @@ def test_random_operations_keep_integrity(tmp_path):
                 model.append(k)
         else:
             assert s.lookup_keys([k]) == (k in model)
+            if k in model:  # (a lookup hit is a use)
+                model.remove(k)
+                model.append(k)
         assert s.keys_lru_first() == model
         s.check_integrity()
     s.close()
+
+
+# ---- a review of the store (2026-12-05) --------------------------------------------------------------
+def test_a_put_that_adopts_another_processes_block_never_evicts_its_own_ancestors(tmp_path):
+    """Store B (same directory) wrote a 6-block chain; A (4 blocks) writes back the same turn. A's puts
+    adopt B's files, and the adoption made room from the chain itself: A's parent, just marked least
+    recently used, was unlinked for both (B's lookup fell from 6 to 3), and A indexed a hole."""
+    keys = block_keys(list(range(200, 224)), 4, LAYOUT.fingerprint)  # 6 blocks
+    a, b = make_store(tmp_path, capacity_blocks=4), make_store(tmp_path)
+    for i, k in enumerate(keys):
+        assert b.put(k, payload(i), ancestors=keys[:i])
+    assert [a.put(k, payload(i), ancestors=keys[:i]) for i, k in enumerate(keys)] == [True] * 4 + [False] * 2
+    assert a.keys_lru_first() == keys[:4][::-1] and a.lookup_keys(keys) == 4
+    assert all(a.path_for(k).exists() for k in keys) and b.lookup_keys(keys) == 6
+    a.close()
+    b.close()
+
+
+def test_a_lookup_hit_counts_as_a_use(tmp_path):
+    """A lookup left the blocks it counted least recently used: the next put (a write-back, or any put
+    between the lookup and its read) evicted exactly them, and the read found them missing."""
+    s = make_store(tmp_path, capacity_blocks=4)
+    chain_a, chain_b = (block_keys(list(range(t, t + 8)), 4, LAYOUT.fingerprint) for t in (300, 400))
+    for chain in (chain_a, chain_b):
+        for i, k in enumerate(chain):
+            assert s.put(k, payload(i), ancestors=chain[:i])
+    assert s.lookup_keys(chain_a) == 2
+    assert s.keys_lru_first() == [chain_b[1], chain_b[0], chain_a[1], chain_a[0]]
+    assert s.put(block_keys([1, 2, 3, 4], 4, LAYOUT.fingerprint)[0], payload(7))
+    assert read(s, chain_a)[0].num_prefix_ok == 2  # (chain B's tail went instead)
+    s.check_integrity()
+    s.close()
+
+
+def test_a_block_file_that_cannot_be_stated_is_an_io_error_of_that_block(tmp_path, monkeypatch):
+    """`fstat` failing after `open` (ESTALE on NFS: another client removed the file) raised out of the
+    whole read, losing the good blocks, and leaked the descriptor."""
+    import errno
+
+    from pdserve.store import block_store
+
+    s = make_store(tmp_path)
+    put_all(s)
+    bad_fd = []
+    real_open, real_fstat = os.open, os.fstat
+
+    def open_(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if str(path).endswith(KEYS[1].hex() + ".kvb"):
+            bad_fd.append(fd)
+        return fd
+
+    def fstat_(fd):
+        if fd in bad_fd:
+            bad_fd.remove(fd)  # (the descriptor's number is reused by the next open)
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_fstat(fd)
+
+    monkeypatch.setattr(block_store.os, "open", open_)
+    monkeypatch.setattr(block_store.os, "fstat", fstat_)
+    before = len(os.listdir("/proc/self/fd"))
+    assert read(s, KEYS)[0].status == ["ok", "ioerror", "ok"]
+    assert len(os.listdir("/proc/self/fd")) == before
+    s.close()
+
+
+def test_a_block_written_with_an_old_stamp_is_not_a_stale_temp_file_while_written(tmp_path, monkeypatch):
+    """A block's mtime is set just below its parent's (the chain's order on disk). It was set on the
+    temp file before the rename: a parent an hour old made the temp file look an hour old, and another
+    store opening the directory meanwhile (an engine start, a weight update back) deleted it: the put
+    failed, and the chain's later blocks were refused as orphans."""
+    from pdserve.store import block_store
+
+    s = make_store(tmp_path)
+    assert s.put(KEYS[0], payload(0))
+    hour_ago_ns = time.time_ns() - 3600 * 10**9
+    os.utime(s.path_for(KEYS[0]), ns=(hour_ago_ns, hour_ago_ns))
+    real_replace = os.replace
+
+    def open_another_store_then_rename(src, dst):  # (the temp file is written, not yet renamed)
+        make_store(tmp_path).close()  # (its start-up scan deletes stale temp files)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(block_store.os, "replace", open_another_store_then_rename)
+    assert s.put(KEYS[1], payload(1), ancestors=KEYS[:1])
+    assert (
+        os.stat(s.path_for(KEYS[1])).st_mtime_ns == hour_ago_ns - 1
+    )  # (the chain's order, after the rename)
+    s.check_integrity()
+    s.close()
+
+
+def test_an_empty_key_is_refused_and_an_unlistable_directory_skipped(tmp_path, monkeypatch):
+    """An empty key wrote `<dir>/.kvb`, outside the fan-out directories (check_integrity then failed);
+    a fan-out directory another user's engine made unreadable (umask 077) raised PermissionError at
+    the store's start (shown by the error itself: this test may run as root, whom modes do not stop)."""
+    from pdserve.store import index
+
+    s = make_store(tmp_path)
+    with pytest.raises(ValueError, match="must not be empty"):
+        s.put(b"", payload(0))
+    put_all(s)
+    s.close()
+    unreadable = str(s.path_for(KEYS[0]).parent)
+    real_scandir = index.os.scandir
+
+    def scandir(path):
+        if str(path) == unreadable:
+            raise PermissionError(13, "Permission denied", path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(index.os, "scandir", scandir)
+    t = make_store(tmp_path)  # (raised PermissionError)
+    assert KEYS[0] not in t.keys_lru_first()  # (its directory was not listed: its block not indexed)
+    t.close()

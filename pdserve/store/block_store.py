@@ -155,7 +155,7 @@ class KVBlockStore:
 
         True if the block is stored afterwards (written now, or already there). False if it could not be
         written (full or read-only disk, capacity smaller than one block): counted, never raised. Raises
-        BlockSizeError for a wrong-size payload. Thread-safe; blocks the caller for the write.
+        BlockSizeError for a wrong-size payload, ValueError for an empty key. Thread-safe; blocks the caller for the write.
         `ancestors`: the keys before `key` in its chain, head first (write-back passes them):
         * the block is written only if the one before it is stored: keys are chained, so a block past a
           missing one is never found by a lookup -- written, it only took room (a write-back that lost
@@ -171,8 +171,10 @@ class KVBlockStore:
             raise BlockSizeError(
                 f"block payload is {arr.size} bytes, layout needs {self.layout.block_nbytes}"
             )
+        if not key:  # (an empty key named `<dir>/.kvb`, outside the fan-out directories the scan reads)
+            raise ValueError("a block key must not be empty")
         parent = ancestors[-1] if ancestors else None
-        if parent is not None and not self._is_stored(parent):
+        if parent is not None and not self._is_stored(parent, protect=ancestors[:-1]):
             with self._lock:
                 self._stats.num_put_orphans += 1
             return False
@@ -182,12 +184,13 @@ class KVBlockStore:
                 self._chain_used(ancestors)
         return stored
 
-    def _is_stored(self, key: bytes) -> bool:
-        """In this process's index, or written by another process sharing the directory (adopted)."""
+    def _is_stored(self, key: bytes, protect: Sequence[bytes] = ()) -> bool:
+        """In this process's index, or written by another process sharing the directory (adopted, making
+        room never from `protect`: the chain's blocks before `key`)."""
         with self._lock:
             if key in self._index:
                 return True
-        return self._adopt([key]) == 1
+        return self._adopt([key], protect=protect) == 1
 
     def _stamp_ns(self, parent: bytes | None) -> int:
         """The mtime a block's file gets when it is put: now, in ns, or 1 ns below its parent's if that is
@@ -278,7 +281,10 @@ class KVBlockStore:
                         self._index.remove(key)
             except OSError:  # (no permission to touch it, ...: it is there)
                 return True
-        if not overwrite and self._adopt([key]) == 1:  # another process wrote it
+        # Another process wrote it: adopted, room made never from the chain before it (with no
+        # `protect`, the adoption evicted the chain's own parent, just marked least recently used, and
+        # unlinked it for every process sharing the directory; a review, 2026-12-05).
+        if not overwrite and self._adopt([key], protect=protect[1:]) == 1:
             with self._lock:
                 self._stats.num_put_dedup += 1
             with contextlib.suppress(OSError):
@@ -310,7 +316,6 @@ class KVBlockStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 self._write_all(fd, [header, memoryview(arr)])
-                os.utime(fd, ns=(stamp_ns, stamp_ns))  # (the rename keeps it)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -318,6 +323,10 @@ class KVBlockStore:
             with self._lock:  # rename + index under the lock: an eviction never unlinks a fresh file
                 os.replace(tmp, path)
                 tmp = None
+                # The chain's mtime order only once renamed: a temp file stamped with its parent's old
+                # time looked stale (> 300 s) to another store's start-up scan, which deleted it mid-write.
+                with contextlib.suppress(OSError):
+                    os.utime(path, ns=(stamp_ns, stamp_ns))
                 self._index.add(key, self.file_nbytes)
                 self._reserved_bytes -= need_bytes  # the room is now accounted in used_bytes
                 need_bytes = 0
@@ -369,6 +378,9 @@ class KVBlockStore:
         if n < len(keys):
             n += self._adopt(keys[n:], protect=keys[:n])  # (room made for them never evicts the first n)
         with self._lock:
+            # A hit is a use: left least recently used, the blocks just counted were the next put's
+            # victims, before the read that follows the lookup (a review, 2026-12-05).
+            self._chain_used(keys[:n])
             self._stats.lookup_hit_blocks += n
             self._stats.lookup_miss_blocks += len(keys) - n
         return n
@@ -449,7 +461,11 @@ class KVBlockStore:
             return None, None, "missing"
         except OSError:
             return None, None, "ioerror"
-        st = os.fstat(fd)
+        try:
+            st = os.fstat(fd)
+        except OSError:  # (ESTALE on NFS: it raised out of the whole read, and leaked the fd)
+            os.close(fd)
+            return None, None, "ioerror"
         if st.st_size != self.file_nbytes:
             os.close(fd)
             return None, st, "truncated"

@@ -8,19 +8,24 @@ keys of its key chain that are present -- `longest_prefix(keys)`.
 Persistence: the block files are the source of truth and there is no separate index file to keep in
 sync. At startup `scan_block_files` lists the directory (one `os.scandir` + `stat` per file, ~0.2 s per
 100k files) and rebuilds the index; the LRU order is the files' mtimes, which the store bumps
-(`os.utime`) whenever a block is read, so recency survives restarts and is shared by every process
-using the same directory. Files are `<root>/<key[0:1] hex>/<key hex>.kvb`; temporary files of
+(`os.utime`) whenever a block is read, so recency survives restarts. Between running processes it is
+not shared: each evicts by its own index's order, in which another process's reads of a block (they
+only move its file's mtime) do not count, so a block one engine keeps reading can be another's LRU
+victim (a review, 2026-12-05; left open: making it shared needs a stat per victim). Files are `<root>/<key[0:1] hex>/<key hex>.kvb`; temporary files of
 in-flight writes are `.tmp-<host>-<pid>-<random>` beside them and are never indexed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 BLOCK_SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
@@ -68,6 +73,9 @@ def _entries(path) -> list[os.DirEntry]:
         with os.scandir(path) as it:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except PermissionError:  # (made by another user's engine with umask 077: skipped, not a crash)
+        log.warning("kv store: cannot list %s (permission denied): its blocks are not used", path)
         return []
 
 
