@@ -1654,6 +1654,32 @@ def test_kv_request_out_of_the_decodes_registered_bounds_fails_the_room(make_pai
     p.assert_clean()
 
 
+@pytest.mark.parametrize("num_prompt_tokens", [7, 8])
+def test_kv_request_whose_decode_prefix_leaves_nothing_to_compute_fails_the_room(
+    make_pair, num_prompt_tokens
+):
+    """A decode prefix of 8 tokens for a 7-token prompt passed the page-count check (2 pages either
+    way); the layerwise lane started its first pull, failed before its forward, and left the pull in
+    flight: the room was never reaped, the decode never told, a staging slot held for ever (a review,
+    2026-12-05). Refused while Bootstrapping now, as a prefix of the whole prompt is."""
+    p = make_pair()
+    p.submit_both(prompt(12), 1, "warm")  # (the decode registers)
+    p.drive(lambda: p.idle())
+    room = new_room()
+    preq, _ = p.requests(prompt(num_prompt_tokens, start=2), 1, "x", room)
+    p.pe_role.add(preq, None)
+    p.de_control.send(p.prefill_addr, KVRequest(dst_page_ids=[], handoff_slot=0, decode_prefix_len=8,
+                                                hit_page_ids=[1, 2]), room)  # fmt: skip
+    p.drive(lambda: p.idle(), decode=False)
+    assert p.pe_sink.errors("x") == [
+        f"prefill failed: bad KVRequest: a decode prefix of 8 tokens leaves nothing of the prompt's "
+        f"{num_prompt_tokens} to compute"
+    ]
+    assert states(p.pe_log, room) == [KVState.Bootstrapping, KVState.Failed]
+    assert p.pe_role.layerwise.num_runs == 0
+    p.assert_clean()
+
+
 @pytest.mark.parametrize("state", [KVState.WaitingForInput, KVState.Transferring])
 def test_success_before_the_last_write_is_ignored(make_pair, state):
     """Status(Success) used to be accepted in any state: the room jumped to Success, `_reap` released it
@@ -2483,3 +2509,40 @@ def test_a_weight_update_after_the_wall_clock_stepped_back_registers_a_newer_rou
         assert ctx._route_epoch == first + 1
     finally:
         ctx.close()
+
+
+def test_a_first_token_logprob_the_handoff_cannot_carry_fails_its_room_not_the_engine(tmp_path, monkeypatch):
+    """fp16 logits that overflow give a NaN logprob. The colocated engine returns it; a PD prefill put
+    it in the handoff row, whose encoder refuses NaN (BadHandoffRow), raised from the step hook: the
+    prefill's engine thread ended, and every later request to it failed (a review, 2026-12-05). Now
+    that room fails, with the reason, and the prefill goes on serving."""
+    import sys
+
+    model = tiny_hf_model("llama")
+    with torch.no_grad():  # (logits of +-60000 in fp16: their softmax overflows to NaN)
+        signs = torch.rand(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+        model.lm_head.weight.copy_(torch.where(signs, -60000.0, 60000.0))
+    model.half().save_pretrained(tmp_path)
+
+    def fp16_engine(ckpt, num_pages=64, budget=64, page_size=PAGE_SIZE):
+        return LLMEngine(
+            EngineConfig.create(
+                ckpt, dtype="float16", device="cpu", page_size=page_size, num_pages=num_pages,
+                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget,
+            )
+        )  # fmt: skip
+
+    monkeypatch.setattr(sys.modules[__name__], "make_engine", fp16_engine)
+    p = Pair(str(tmp_path), copy_bytes=True)
+    try:
+        ids = list(range(1, 19))
+        p.submit_both(ids, 4, "nan", logprobs=1)
+        p.drive(lambda: p.idle(), timeout_s=20)
+        (error,) = p.de_sink.errors("nan")
+        assert "the first token cannot be handed off" in error and "NaN" in error, error
+        p.submit_both(ids, 4, "plain")  # (no logprobs asked: nothing NaN to hand off)
+        p.drive(lambda: p.idle(), timeout_s=20)
+        assert len(p.de_sink.final("plain").outputs[0].token_ids) == 4
+        p.assert_clean()
+    finally:
+        p.close()

@@ -173,8 +173,6 @@ class LayerwisePrefill:
                 start(layer + 1)  # overlaps with this layer's compute
             return current[layer]
 
-        start(0)
-
         def emit(layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
             k_hit, v_hit = current[layer]
             k_all = torch.cat((k_hit[send_from:], k_new[max(0, send_from - hit_tokens) :]))
@@ -191,6 +189,9 @@ class LayerwisePrefill:
         positions = torch.arange(hit_tokens, num_tokens, device=self.runner.device)
         with torch.inference_mode():
             try:
+                # (inside the try: anything that failed between the first layer's pull and the forward
+                # left that pull in flight, unabandoned, and its room and staging slot held for ever)
+                start(0)
                 hidden = self.runner.model.forward_layerwise(miss_ids, positions, load, emit)
             except Exception:
                 getattr(finish, "abandon", lambda: None)()

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pdserve.disagg.handoff import HandoffRow
+from pdserve.disagg.handoff import BadHandoffRow, HandoffRow
 from pdserve.disagg.messages import Abort, AbortAck, KVRequest, Register, RegisterAck, Status
 from pdserve.disagg.state import TRANSFER_FAILED, DuplicateRoom, KVState
 from pdserve.engine.async_engine import EngineRole, RequestAborted
@@ -528,6 +528,11 @@ class PrefillRole(PDRoleBase, EngineRole):
         dst, hits = msg.dst_page_ids, msg.hit_page_ids
         if msg.decode_prefix_len % ps or first + len(dst) != num_prompt_pages:
             return f"bad KVRequest: covers {first}+{len(dst)} pages, prompt has {num_prompt_pages}"
+        if msg.decode_prefix_len >= pr.req.num_prompt_tokens:  # (the prefill computes at least one token)
+            return (
+                f"bad KVRequest: a decode prefix of {msg.decode_prefix_len} tokens leaves nothing of the "
+                f"prompt's {pr.req.num_prompt_tokens} to compute"
+            )
         if hits and len(hits) * ps != msg.decode_prefix_len:
             return (
                 f"bad KVRequest: {len(hits)} hit pages for a decode prefix of {msg.decode_prefix_len} tokens"
@@ -707,19 +712,26 @@ class PrefillRole(PDRoleBase, EngineRole):
             return
         pr.local_slot = slot
         lp = req.logprobs[0] if req.logprobs else None
-        self.handoff.write_local(
-            slot,
-            HandoffRow(
-                room=pr.room,
-                first_token_id=req.output_token_ids[0],
-                cached_tokens_device=max(req.num_cached_tokens, 0),
-                cached_tokens_host=0,
-                cached_tokens_storage=req.num_storage_tokens,
-                first_logprob=lp.logprob if lp else None,
-                top_logprobs=tuple(lp.top) if lp else (),
-                first_logprob_rank=(lp.rank or 0) if lp else 0,
-            ),
-        )
+        try:
+            self.handoff.write_local(
+                slot,
+                HandoffRow(
+                    room=pr.room,
+                    first_token_id=req.output_token_ids[0],
+                    cached_tokens_device=max(req.num_cached_tokens, 0),
+                    cached_tokens_host=0,
+                    cached_tokens_storage=req.num_storage_tokens,
+                    first_logprob=lp.logprob if lp else None,
+                    top_logprobs=tuple(lp.top) if lp else (),
+                    first_logprob_rank=(lp.rank or 0) if lp else 0,
+                ),
+            )
+        except BadHandoffRow as e:
+            # A row the handoff cannot carry (a NaN logprob: an fp16 forward whose logits overflowed)
+            # fails this room; raised from the step hook it ended the engine thread, and every later
+            # request to this prefill failed (a review, 2026-12-05). The slot goes with the room.
+            self._fail(pr.room, f"the first token cannot be handed off: {e}")
+            return
         pr.sent_last = True
         self._send_pages(pr, pr.num_pages_sent, -(-req.num_prompt_tokens // self.page_size), last=True)
 
