@@ -2546,3 +2546,46 @@ def test_a_first_token_logprob_the_handoff_cannot_carry_fails_its_room_not_the_e
         p.assert_clean()
     finally:
         p.close()
+
+
+def test_a_prefill_serving_two_decodes_has_a_handoff_row_for_each_of_their_rooms(ckpt):
+    """The prefill's handoff rows (the source of each room's last write, held until its decode's Success
+    is reaped) were as many as one decode admits, and shared by every decode: two decodes of 8 rows
+    each, 12 requests (6 each, within their admission), and 4 rooms failed "no free handoff slot" once
+    their whole prompt was computed (a review, 2026-12-05)."""
+    from pdserve.engine.pd_decode import DecodeRole
+
+    p = Pair(ckpt, copy_bytes=True)
+    try:
+        engine2 = make_engine(ckpt)
+        role2, _, _ = p._role(
+            DecodeRole, engine2, f"decode2-{uuid.uuid4().hex[:6]}", fingerprint(engine2), None, None
+        )
+        sink2 = Sink()
+        role2.attach(sink2)
+        assert p.pe_role.handoff.num_slots == 16 * 8 and role2.handoff.num_slots == 8
+        rids = []
+        for i in range(12):
+            room = new_room()
+            preq, dreq = p.requests(prompt(4, start=10 + 7 * i), 3, f"r{i}", room)
+            p.pe_role.add(preq, None)
+            if i % 2:  # every other request to the second decode
+                dreq = engine2.make_request(list(dreq.prompt_token_ids), dreq.sampling_params, f"r{i}")
+                dreq.pd = (room, p.prefill_addr)
+                role2.add(dreq, None)
+            else:
+                p.de_role.add(dreq, None)
+            rids.append((f"r{i}", sink2 if i % 2 else p.de_sink))
+
+        def done() -> bool:
+            role2.tick()
+            if engine2.has_unfinished():
+                for out in engine2.step():
+                    sink2.deliver(out, out.request_id)
+            return all(sink.errors(rid) or any(o.finished for o in sink.outputs(rid)) for rid, sink in rids)
+
+        p.drive(done, timeout_s=20)
+        assert p.pe_role.failures == {}
+        assert [len(sink.final(rid).outputs[0].token_ids) for rid, sink in rids] == [3] * 12
+    finally:
+        p.close()

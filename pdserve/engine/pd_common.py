@@ -186,6 +186,9 @@ class PDRoleBase:
     staging buffers, so it is created once the role exists (see `PDContext`)."""
 
     answers_client = False  # the decode's stream is the client's answer (it counts a failed request)
+    # Handoff rows per `num_handoff_slots`: a decode's are its admission's (one per room it admits); a
+    # prefill's are the source rows of its last writes, to every decode it serves (PrefillRole).
+    handoff_slots_factor = 1
 
     def __init__(self, engine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         from pdserve.disagg.handoff import HandoffPool
@@ -198,7 +201,7 @@ class PDRoleBase:
         self.fingerprint = layout_fingerprint
         self.page_size = engine.kv.page_size
         self.local_kv = region_table(engine.runner.kv_cache)
-        self.handoff = HandoffPool(config.num_handoff_slots)
+        self.handoff = HandoffPool(config.num_handoff_slots * self.handoff_slots_factor)
         self.staging, self.kv_regions = make_staging(engine.runner.kv_cache, config.staging_capacity_pages)
         # KV and staging live on the engine's device, handoff slots in host memory: on a GPU a write
         # cannot carry pages and the handoff row together (see PrefillRole._send_pages).

@@ -108,6 +108,12 @@ class Tombstone(NamedTuple):
 
 
 class PrefillRole(PDRoleBase, EngineRole):
+    # A source row per room from its last write until the decode's Success is reaped, for every decode
+    # this prefill serves; each decode admits up to `num_handoff_slots` rooms. Sized for one decode,
+    # a prefill serving two ran out with both within their admission, and those rooms failed after
+    # their whole prompt was computed (a review, 2026-12-05). 256 B a row: 1 MiB at the default 256.
+    handoff_slots_factor = 16
+
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
         super().__init__(engine, config, control, agent, layout_fingerprint)
         engine.holds_prompt_kv_only = True  # (the decode checks prompt + max_tokens against its own pool)
