@@ -579,3 +579,26 @@ def test_an_empty_key_is_refused_and_an_unlistable_directory_skipped(tmp_path, m
     t = make_store(tmp_path)  # (raised PermissionError)
     assert KEYS[0] not in t.keys_lru_first()  # (its directory was not listed: its block not indexed)
     t.close()
+
+
+def test_a_block_another_process_keeps_reading_is_not_this_ones_lru_victim(tmp_path):
+    """Two stores on one directory (a decode writing back, a prefill reading on the PE path): the reads
+    of the other only move the files' mtimes, and the writer evicted by its own index's order, the hot
+    chain A first. Before evicting, it now compares the file's mtime with the one it last gave it."""
+    writer, reader = make_store(tmp_path, capacity_blocks=4), make_store(tmp_path, capacity_blocks=4)
+    chain_a, chain_b, chain_c = (
+        block_keys(list(range(t, t + 8)), 4, LAYOUT.fingerprint) for t in (0, 100, 200)
+    )
+    for chain in (chain_a, chain_b):
+        for i, k in enumerate(chain):
+            assert writer.put(k, payload(i), ancestors=chain[:i])
+    time.sleep(0.002)  # (the reader's stamps come after the writer's)
+    assert reader.lookup_keys(chain_a) == 2 and read(reader, chain_a)[0].num_prefix_ok == 2
+    for i, k in enumerate(chain_c):
+        assert writer.put(k, payload(i), ancestors=chain_c[:i])
+    assert [writer.path_for(k).exists() for k in chain_a + chain_b] == [True, True, False, False]
+    assert read(reader, chain_a)[0].num_prefix_ok == 2
+    assert writer.keys_lru_first() == [chain_a[1], chain_a[0], chain_c[1], chain_c[0]]
+    writer.check_integrity()
+    writer.close()
+    reader.close()

@@ -67,6 +67,11 @@ from pdserve.store.results import BAD_STATUSES, BlockSizeError, ReadResult, Stor
 log = logging.getLogger(__name__)
 
 
+# Blocks another process used since this one last saw them are spared by an eviction (made most
+# recently used here) at most this many times per eviction: one stat each, under the store's lock.
+MAX_SPARED_PER_EVICTION = 64
+
+
 class KVBlockStore:
     def __init__(
         self,
@@ -124,8 +129,9 @@ class KVBlockStore:
             self._unlink_quiet(path)
         with self._lock:
             self._index = BlockIndex()
-            for key, nbytes, _ in blocks:
+            for key, nbytes, mtime_ns in blocks:
                 self._index.add(key, nbytes)
+                self._index.note_mtime(key, mtime_ns)
             self._stats.num_corrupt += len(wrong_size)
             self._make_room_locked(0, protect=())
 
@@ -140,11 +146,36 @@ class KVBlockStore:
         over = self._index.used_bytes + self._reserved_bytes + need_bytes - self.capacity_bytes
         if over <= 0:
             return True
-        for key in self._index.victims(over, protect):
-            self._unlink_quiet(block_path(self.dir, key))
-            self._index.remove(key)
-            self._stats.num_evictions += 1
+        spared: set[bytes] = set()  # (each block is looked at once per call)
+        while over > 0:
+            victims = self._index.victims(over, [*protect, *spared])
+            if not victims:
+                break
+            for key in victims:
+                if self._used_elsewhere(key) and len(spared) < MAX_SPARED_PER_EVICTION:
+                    self._index.touch(key)  # another process used it since: most recently used here
+                    spared.add(key)
+                    continue
+                self._unlink_quiet(block_path(self.dir, key))
+                over -= self._index.remove(key)
+                self._stats.num_evictions += 1
         return self._index.used_bytes + self._reserved_bytes + need_bytes <= self.capacity_bytes
+
+    def _used_elsewhere(self, key: bytes) -> bool:
+        """Whether another process sharing the directory touched `key`'s file since this one last set
+        or saw its mtime (a read there moves only the file's mtime, not this index's order). One stat.
+        Caller holds the lock."""
+        known = self._index.known_mtime(key)
+        if known is None:
+            return False
+        try:
+            mtime_ns = os.stat(block_path(self.dir, key)).st_mtime_ns
+        except OSError:
+            return False
+        if mtime_ns <= known:
+            return False
+        self._index.note_mtime(key, mtime_ns)
+        return True
 
     def path_for(self, key: bytes) -> Path:
         return block_path(self.dir, key)
@@ -232,6 +263,8 @@ class KVBlockStore:
             path = block_path(self.dir, key)
             try:
                 os.utime(path, ns=(now_ns - i, now_ns - i))
+                with self._lock:
+                    self._index.note_mtime(key, now_ns - i)
             except FileNotFoundError:
                 with self._lock:
                     if not path.exists():
@@ -269,6 +302,8 @@ class KVBlockStore:
             # Recency lives in the file's mtime too (as on a read), so a restart keeps this use.
             try:
                 os.utime(path, ns=(stamp_ns, stamp_ns))
+                with self._lock:
+                    self._index.note_mtime(key, stamp_ns)
                 return True
             except FileNotFoundError:
                 # Indexed but gone: another process sharing the directory evicted it (or a rescan of
@@ -289,6 +324,8 @@ class KVBlockStore:
                 self._stats.num_put_dedup += 1
             with contextlib.suppress(OSError):
                 os.utime(path, ns=(stamp_ns, stamp_ns))
+                with self._lock:
+                    self._index.note_mtime(key, stamp_ns)
             return True
         with self._lock:
             # A whole block's room, an overwrite's too: the key may be evicted while its file is
@@ -328,6 +365,7 @@ class KVBlockStore:
                 with contextlib.suppress(OSError):
                     os.utime(path, ns=(stamp_ns, stamp_ns))
                 self._index.add(key, self.file_nbytes)
+                self._index.note_mtime(key, stamp_ns)
                 self._reserved_bytes -= need_bytes  # the room is now accounted in used_bytes
                 need_bytes = 0
                 self._stats.num_puts += 1
@@ -391,16 +429,21 @@ class KVBlockStore:
         that do not fit beside `protect` are left out from the tail (their files stay: the process that
         wrote them counts them)."""
         n = 0
+        mtimes_ns = []
         for key in keys:
             try:
-                if os.stat(block_path(self.dir, key)).st_size != self.file_nbytes:
-                    break
+                st = os.stat(block_path(self.dir, key))
             except OSError:
                 break
+            if st.st_size != self.file_nbytes:
+                break
+            mtimes_ns.append(st.st_mtime_ns)
             n += 1
         if n:
             with self._lock:
                 added = [self._index.add(key, self.file_nbytes) for key in keys[:n]]
+                for key, mtime_ns in zip(keys[:n], mtimes_ns, strict=True):
+                    self._index.note_mtime(key, mtime_ns)
                 if not self._make_room_locked(0, protect=[*protect, *keys[:n]]):
                     while n and self._index.used_bytes + self._reserved_bytes > self.capacity_bytes:
                         n -= 1
@@ -483,14 +526,14 @@ class KVBlockStore:
                 view[view.size // 2] ^= 0xFF  # a flipped byte in transit: the checksum must catch it
             status = "truncated" if n != self.file_nbytes else self._verify(key, header, view)
             if status == "ok":
-                self.touch(fd, stamp_ns)
+                self.touch(fd, stamp_ns, key)
         except OSError:
             status = "ioerror"
         finally:
             os.close(fd)
         return self._settle(key, status, st)
 
-    def touch(self, fd: int, stamp_ns: int) -> None:
+    def touch(self, fd: int, stamp_ns: int, key: bytes | None = None) -> None:
         """Mark a block just read as recently used: its mtime (which orders eviction after a restart)
         becomes `stamp_ns`, if `touch_on_read`. Best effort, as in `put`: on a read-only mount (EROFS)
         or a file another user owns (EPERM) the verified block is still served -- it used to read as
@@ -498,6 +541,9 @@ class KVBlockStore:
         if self.touch_on_read:
             with contextlib.suppress(OSError):
                 os.utime(fd, ns=(stamp_ns, stamp_ns))
+                if key is not None:
+                    with self._lock:
+                        self._index.note_mtime(key, stamp_ns)
 
     @staticmethod
     def _read_fault():

@@ -8,10 +8,11 @@ keys of its key chain that are present -- `longest_prefix(keys)`.
 Persistence: the block files are the source of truth and there is no separate index file to keep in
 sync. At startup `scan_block_files` lists the directory (one `os.scandir` + `stat` per file, ~0.2 s per
 100k files) and rebuilds the index; the LRU order is the files' mtimes, which the store bumps
-(`os.utime`) whenever a block is read, so recency survives restarts. Between running processes it is
-not shared: each evicts by its own index's order, in which another process's reads of a block (they
-only move its file's mtime) do not count, so a block one engine keeps reading can be another's LRU
-victim (a review, 2026-12-05; left open: making it shared needs a stat per victim). Files are `<root>/<key[0:1] hex>/<key hex>.kvb`; temporary files of
+(`os.utime`) whenever a block is read, so recency survives restarts, and it is shared between running
+processes through the same mtimes: each process evicts by its own index's order, but before it evicts
+a block it compares the file's mtime with the one it last gave or saw (`note_mtime`); a newer one means
+another process used the block since, which makes it most recently used here instead (a review,
+2026-12-05: a block one engine kept reading was another's LRU victim). Files are `<root>/<key[0:1] hex>/<key hex>.kvb`; temporary files of
 in-flight writes are `.tmp-<host>-<pid>-<random>` beside them and are never indexed.
 """
 
@@ -123,6 +124,17 @@ class BlockIndex:
     def __init__(self) -> None:
         self._entries: OrderedDict[bytes, int] = OrderedDict()
         self.used_bytes = 0
+        # The file mtime (ns) this process last gave or saw each block: a newer one on disk means
+        # another process sharing the directory used the block since (`KVBlockStore._make_room_locked`).
+        self._mtime_ns: dict[bytes, int] = {}
+
+    def note_mtime(self, key: bytes, mtime_ns: int) -> None:
+        """Record the mtime this process set or saw on `key`'s file (ignored for keys not indexed)."""
+        if key in self._entries:
+            self._mtime_ns[key] = mtime_ns
+
+    def known_mtime(self, key: bytes) -> int | None:
+        return self._mtime_ns.get(key)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,6 +162,7 @@ class BlockIndex:
     def remove(self, key: bytes) -> int:
         """Drop `key`; returns the bytes it accounted (0 if absent)."""
         nbytes = self._entries.pop(key, 0)
+        self._mtime_ns.pop(key, None)
         self.used_bytes -= nbytes
         return nbytes
 

@@ -136,7 +136,7 @@ def read_blocks_nixl(store, reader: NixlPosixReader, keys, views, stamps_ns: lis
                     views[i][views[i].size // 2] ^= 0xFF
             s = store._verify(keys[i], headers[i], views[i])
             if s == "ok":
-                store.touch(fd, stamps_ns[i])
+                store.touch(fd, stamps_ns[i], keys[i])
             return i, store._settle(keys[i], s, st)
 
         for i, s in store._io_pool.map(verify, opened):
