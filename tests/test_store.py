@@ -602,3 +602,30 @@ def test_a_block_another_process_keeps_reading_is_not_this_ones_lru_victim(tmp_p
     writer.check_integrity()
     writer.close()
     reader.close()
+
+
+def test_close_cancels_queued_reads_and_waits_for_running_ones_a_bounded_time(tmp_path, monkeypatch):
+    """`close()` waited for every read without a limit: a hung disk held a weight update (which closes
+    the old weights' store on the engine thread) or an engine's exit for as long as it hung."""
+    from concurrent.futures import CancelledError
+
+    from pdserve import faults
+    from pdserve.store import block_store
+
+    s = make_store(tmp_path)
+    put_all(s)
+    monkeypatch.setattr(block_store, "CLOSE_WAIT_S", 0.3)
+    faults.configure([{"point": "store.read", "action": "slow", "delay_s": 2.0}])
+    try:
+        outs = [np.zeros((1, LAYOUT.block_nbytes), dtype=np.uint8) for _ in range(3)]
+        reads = [s.submit_read(KEYS[i : i + 1], outs[i]) for i in range(3)]  # 2 store threads: 1 queued
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t0 < 1.5  # (was the slow reads' 2 s and then the queued one's 2 s)
+        assert reads[2].cancelled()
+        with pytest.raises(CancelledError):
+            reads[2].result()
+        assert [r.result(timeout=10).status for r in reads[:2]] == [["ok"], ["ok"]]  # (left to finish)
+    finally:
+        faults.configure([])

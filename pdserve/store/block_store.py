@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 # Blocks another process used since this one last saw them are spared by an eviction (made most
 # recently used here) at most this many times per eviction: one stat each, under the store's lock.
 MAX_SPARED_PER_EVICTION = 64
+# `close()` waits this long for reads already running (a hung disk must not hold a weight update or an
+# engine's exit); reads still queued are cancelled at once.
+CLOSE_WAIT_S = 10.0
 
 
 class KVBlockStore:
@@ -107,6 +111,7 @@ class KVBlockStore:
         self._stats = StoreStats(0, self.capacity_bytes, 0)
         self._io_pool = ThreadPoolExecutor(max(1, num_io_threads), thread_name_prefix="kvstore-io")
         self._submit_pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-read")
+        self._reads: set[Future] = set()  # submitted, not done (`close` waits for the running ones)
         # Node emulation (pdserve.netem.TrafficManager), set by the engine: reads and writes first
         # cross the node's emulated storage NIC (KV class). None: no emulation, no cost.
         self.traffic = None
@@ -490,11 +495,23 @@ class KVBlockStore:
         # it waits for a store thread.
         flow = self.traffic.storage_read_start(len(keys) * self.file_nbytes) if self.traffic else None
         try:
-            return self._submit_pool.submit(self.read_blocks, keys, out, flow)
+            future = self._submit_pool.submit(self.read_blocks, keys, out, flow)
         except BaseException:  # (a closed store: the flow took the SNIC and counted in its read queue)
             if flow is not None:
                 flow.cancel()
             raise
+        with self._lock:
+            self._reads.add(future)
+        future.add_done_callback(lambda f, flow=flow: self._read_ended(f, flow))
+        return future
+
+    def _read_ended(self, future: Future, flow) -> None:
+        """A submitted read's end: forgotten; one `close` cancelled before it started gives its emulated
+        storage-link flow back (it joined the link at submit)."""
+        with self._lock:
+            self._reads.discard(future)
+        if future.cancelled() and flow is not None:
+            flow.cancel()
 
     def _open(self, key: bytes) -> tuple[int | None, os.stat_result | None, str]:
         """(fd, fstat, "") for a readable block file of the right size, else (None, fstat|None, status)."""
@@ -644,13 +661,24 @@ class KVBlockStore:
         return gone
 
     def close(self) -> None:
-        """Wait for in-flight reads, stop the threads, release NIXL. Files stay: that is the point."""
+        """Cancel queued reads (their users see a failed read and recompute), wait up to `CLOSE_WAIT_S`
+        for running ones, stop the threads, release NIXL. Files stay: that is the point. It waited for
+        every read without a limit: a hung disk held a weight update (which closes the old weights'
+        store on the engine thread) or an engine's exit for as long as it hung (a review, 2026-12-05).
+        A read still running then is left to its thread, and NIXL (which it may be using) unreleased."""
         if self._closed:
             return
         self._closed = True
-        self._submit_pool.shutdown(wait=True)
-        self._io_pool.shutdown(wait=True)
-        if self._nixl is not None:
+        self._submit_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            running = list(self._reads)
+        _, hung = futures_wait(running, timeout=CLOSE_WAIT_S)
+        self._io_pool.shutdown(wait=not hung, cancel_futures=bool(hung))
+        if hung:
+            log.warning(
+                "kv store: closed with %d read(s) still running after %.0f s", len(hung), CLOSE_WAIT_S
+            )
+        elif self._nixl is not None:
             self._nixl.close()
 
     def __enter__(self) -> KVBlockStore:
