@@ -426,9 +426,9 @@ def test_demo_port_in_use_bench_on_a_missing_cuda_and_bad_demo_model_paths_are_e
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # (nothing written here)
 
 
-SWALLOWED_STOP = """
-import os, signal, time, weakref
-from pdserve.stop_signals import Stopped, stop_signals_stop_clusters
+# A SIGTERM sent from inside a weakref callback: its handler runs there, where Python swallows a raise.
+SWALLOWING_CALLBACK = """
+import os, signal, weakref
 
 class Thing:
     pass
@@ -437,6 +437,13 @@ def callback(_ref):
     os.kill(os.getpid(), signal.SIGTERM)
     for _ in range(1000):  # (the handler runs here, inside a weakref callback: its raise is swallowed)
         pass
+"""
+
+SWALLOWED_STOP = (
+    SWALLOWING_CALLBACK
+    + """
+import time
+from pdserve.stop_signals import Stopped, stop_signals_stop_clusters
 
 with stop_signals_stop_clusters() as stop:
     try:
@@ -450,6 +457,7 @@ with stop_signals_stop_clusters() as stop:
     except Stopped as e:
         print("stopped", e.args[0], stop.signum)
 """
+)
 
 
 def test_a_stop_signal_raised_where_python_swallows_exceptions_still_stops_the_command():
@@ -464,17 +472,11 @@ def test_a_stop_signal_raised_where_python_swallows_exceptions_still_stops_the_c
     assert "Exception ignored" not in p.stderr, p.stderr
 
 
-SWALLOWED_STOP_IN_LAUNCH = """
-import os, signal, sys, time, types, weakref
+SWALLOWED_STOP_IN_LAUNCH = (
+    SWALLOWING_CALLBACK
+    + """
+import time, types
 from pdserve import launch
-
-class Thing:
-    pass
-
-def callback(_ref):
-    os.kill(os.getpid(), signal.SIGTERM)
-    for _ in range(1000):  # (the handler runs here, inside a weakref callback: its raise is swallowed)
-        pass
 
 class Cluster:
     def stop(self):
@@ -493,6 +495,7 @@ t0 = time.monotonic()
 rc = launch.launch(types.SimpleNamespace(port=None, prefill=1, decode=1))
 print(rc, round(time.monotonic() - t0, 2))
 """
+)
 
 
 def test_a_stop_signal_that_python_swallows_while_launch_starts_stops_it_at_once():
