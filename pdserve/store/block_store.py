@@ -157,7 +157,7 @@ class KVBlockStore:
             if not victims:
                 break
             for key in victims:
-                if self._used_elsewhere(key) and len(spared) < MAX_SPARED_PER_EVICTION:
+                if len(spared) < MAX_SPARED_PER_EVICTION and self._used_elsewhere(key):
                     self._index.touch(key)  # another process used it since: most recently used here
                     spared.add(key)
                     continue
@@ -267,9 +267,7 @@ class KVBlockStore:
         for i, key in enumerate(keys):
             path = block_path(self.dir, key)
             try:
-                os.utime(path, ns=(now_ns - i, now_ns - i))
-                with self._lock:
-                    self._index.note_mtime(key, now_ns - i)
+                self._stamp(path, key, now_ns - i)
             except FileNotFoundError:
                 with self._lock:
                     if not path.exists():
@@ -306,9 +304,7 @@ class KVBlockStore:
         if dedup:
             # Recency lives in the file's mtime too (as on a read), so a restart keeps this use.
             try:
-                os.utime(path, ns=(stamp_ns, stamp_ns))
-                with self._lock:
-                    self._index.note_mtime(key, stamp_ns)
+                self._stamp(path, key, stamp_ns)
                 return True
             except FileNotFoundError:
                 # Indexed but gone: another process sharing the directory evicted it (or a rescan of
@@ -328,9 +324,7 @@ class KVBlockStore:
             with self._lock:
                 self._stats.num_put_dedup += 1
             with contextlib.suppress(OSError):
-                os.utime(path, ns=(stamp_ns, stamp_ns))
-                with self._lock:
-                    self._index.note_mtime(key, stamp_ns)
+                self._stamp(path, key, stamp_ns)
             return True
         with self._lock:
             # A whole block's room, an overwrite's too: the key may be evicted while its file is
@@ -550,17 +544,22 @@ class KVBlockStore:
             os.close(fd)
         return self._settle(key, status, st)
 
-    def touch(self, fd: int, stamp_ns: int, key: bytes | None = None) -> None:
+    def touch(self, fd: int, stamp_ns: int, key: bytes) -> None:
         """Mark a block just read as recently used: its mtime (which orders eviction after a restart)
         becomes `stamp_ns`, if `touch_on_read`. Best effort, as in `put`: on a read-only mount (EROFS)
         or a file another user owns (EPERM) the verified block is still served -- it used to read as
         "ioerror", every time."""
         if self.touch_on_read:
             with contextlib.suppress(OSError):
-                os.utime(fd, ns=(stamp_ns, stamp_ns))
-                if key is not None:
-                    with self._lock:
-                        self._index.note_mtime(key, stamp_ns)
+                self._stamp(fd, key, stamp_ns)
+
+    def _stamp(self, target, key: bytes, stamp_ns: int) -> None:
+        """Set block `key`'s file mtime (`target`: its path, or an open fd) and record it as this
+        process's own (`_used_elsewhere` tells another process's use by a newer one). Raises what
+        `os.utime` raises; the lock must not be held."""
+        os.utime(target, ns=(stamp_ns, stamp_ns))
+        with self._lock:
+            self._index.note_mtime(key, stamp_ns)
 
     @staticmethod
     def _read_fault():
