@@ -21,14 +21,7 @@ import time
 from pdserve.demo import free_port, wait_healthy
 from pdserve.engine.pd_common import SECRET_ENV, PDConfig
 from pdserve.server.auth import API_KEY_ENV
-from pdserve.stop_signals import (
-    STOP,
-    STOP_SIGNALS,
-    Stopped,
-    stop_starting,
-    swallowed_stops_resent,
-    unstoppable,
-)
+from pdserve.stop_signals import STOP, STOP_SIGNALS, Stopped, stops_armed, unstoppable
 
 ENGINE_FLAGS = (
     "tool_call_parser",
@@ -349,11 +342,8 @@ def launch(a) -> int:
     if a.port and not _port_free(a.port):  # (before the engines load: the router would fail last)
         print(f"error: router port {a.port} is in use", file=sys.stderr)
         return 2
-    STOP.armed, STOP.signum = True, None
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop_starting)
     try:
-        with swallowed_stops_resent():  # (a stop raised inside a weakref callback: raised again)
+        with stops_armed():
             cluster = start_cluster(a, a.prefill, a.decode, a.port)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -363,8 +353,6 @@ def launch(a) -> int:
     except (RuntimeError, TimeoutError, OSError) as e:  # a process that failed to start (said why above)
         print(f"error: the cluster did not start: {e}", file=sys.stderr)
         return 1
-    finally:
-        STOP.armed = False
     stopping = False
 
     def on_signal(signum, _frame):

@@ -1,7 +1,8 @@
 """Stop signals while clusters start and run: `pdserve launch` and the commands that start clusters of
 their own (`pdserve demo`, the benches).
 
-Who uses it: `launch.py` (`launch`, and `Cluster`'s spawns and stops as `unstoppable` sections),
+Who uses it: `launch.py` (`stops_armed` while `launch` starts its cluster, and `Cluster`'s spawns and
+stops as `unstoppable` sections),
 `cli.py` (`stop_signals_stop_clusters` around `demo` and `bench`). Kept apart from `launch.py`,
 which imports the engine (and torch): a bench against a running server needs none of it.
 """
@@ -60,40 +61,43 @@ def stop_starting(signum, _frame) -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_stop_clusters():
-    """For a command that starts clusters and stops them in `finally` blocks (`pdserve demo`, the
-    benches): a stop signal (SIGTERM, SIGINT, SIGHUP) raises `Stopped` as `launch`'s does, deferred
-    past any spawn or stop in progress. Killed outright by SIGTERM (a CI timeout, `docker stop`),
-    they left their routers and engines running without a parent. Yields the state: `.signum` is
-    the signal that came, if any."""
+def stops_armed():
+    """While the section runs a stop signal (SIGTERM, SIGINT, SIGHUP) raises `Stopped`, deferred past
+    any `unstoppable` spawn or stop in progress, and a `Stopped` Python swallowed (raised inside a
+    weakref callback) is raised again (`_swallowed`). Yields the state: `.signum` is the signal that
+    came, if any. On exit the stop is disarmed, a redelivery still on its way cancelled; the handlers
+    stay `stop_starting` (`launch` installs its own next; `stop_signals_stop_clusters` restores)."""
     STOP.armed, STOP.signum = True, None
-    old = {sig: signal.signal(sig, stop_starting) for sig in STOP_SIGNALS}
-    try:
-        with swallowed_stops_resent():
-            yield STOP
-    finally:
-        STOP.armed = False
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def swallowed_stops_resent():
-    """While armed (`stop_signals_stop_clusters`, `launch` starting its cluster): a `Stopped` that
-    Python swallowed is armed and signalled again (`_swallowed`); a redelivery still on its way when the
-    section ends is cancelled."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_starting)
     old_hook, sys.unraisablehook = sys.unraisablehook, _swallowed(sys.unraisablehook)
     try:
-        yield
+        yield STOP
     finally:
+        STOP.armed = False
         if STOP.redelivery is not None:
             STOP.redelivery.cancel()
             STOP.redelivery = None
         sys.unraisablehook = old_hook
 
 
+@contextlib.contextmanager
+def stop_signals_stop_clusters():
+    """For a command that starts clusters and stops them in `finally` blocks (`pdserve demo`, the
+    benches): `stops_armed` for the whole command, the previous handlers back after it. Killed
+    outright by SIGTERM (a CI timeout, `docker stop`), they left their routers and engines running
+    without a parent."""
+    old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        with stops_armed() as stop:
+            yield stop
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _swallowed(previous_hook):
-    """`sys.unraisablehook` under `stop_signals_stop_clusters`. A handler's Stopped raised inside code
+    """`sys.unraisablehook` under `stops_armed`. A handler's Stopped raised inside code
     whose exceptions Python cannot propagate (a weakref callback, such as the import system's module
     locks; a `__del__`) is printed as "Exception ignored" and lost: with the stop raised once and the
     signals then ignored, `pdserve demo` ran on after its SIGTERM (seen in a test run under load). Here
