@@ -263,26 +263,24 @@ def model_cnic_shares(cfg: SimConfig) -> tuple[float, float]:
     """The expected model-traffic (EP all-to-all) share of each prefill and each decode CNIC, reserved
     for the high traffic class. ValueError when a side's share passes 99% (see `_model_cnic_share`);
     the sweeps call it for every setting before their first run, so that none is lost to it."""
-    m, hw, g = cfg.model, cfg.hw, cfg.hw.gpus_per_node
+    m, hw = cfg.model, cfg.hw
     pe_rate = prefill_tokens_per_s(m, 32_768)
     u_pe = _model_cnic_share(
-        m.model_cnic_bytes_per_prefill_token * pe_rate, cfg.prefill_ep_group, g, hw, m.name, "prefill"
+        m.model_cnic_bytes_per_prefill_token * pe_rate, cfg.prefill_ep_group, hw, m.name, "prefill"
     )
     u_de = _model_cnic_share(  # ~1.5K tok/s/GPU
-        m.model_cnic_bytes_per_decode_token * 1500.0, cfg.decode_ep_group, g, hw, m.name, "decode"
+        m.model_cnic_bytes_per_decode_token * 1500.0, cfg.decode_ep_group, hw, m.name, "decode"
     )
     return u_pe, u_de
 
 
-def _model_cnic_share(
-    bytes_per_s: float, ep_gpus: int, gpus_per_node: int, hw: HardwareConfig, model: str, side: str
-) -> float:
+def _model_cnic_share(bytes_per_s: float, ep_gpus: int, hw: HardwareConfig, model: str, side: str) -> float:
     """The share of each of a side's CNICs its EP all-to-all takes at the expected token rate (the high
     traffic class's reservation). An EP group inside one node (EP1 included) keeps its all-to-all on
     NVLink: none (before, `--prefill-ep-gpus 1` and DS-27B's EP8 on 8-GPU nodes reserved 10% and 8%).
     ValueError past 99% (KV's floor): the all-to-all would slow the forward, which the model leaves out,
     and model + KV traffic ran above the link's capacity (from ~41 Gbit/s CNICs for DS-660B)."""
-    if ep_gpus <= gpus_per_node and gpus_per_node % ep_gpus == 0:
+    if ep_gpus <= hw.gpus_per_node and hw.gpus_per_node % ep_gpus == 0:
         return 0.0
     share = bytes_per_s / hw.cnic_bytes_per_s
     if share > 1.0 - KV_MIN_SHARE:

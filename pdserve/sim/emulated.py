@@ -74,7 +74,7 @@ def bench_workload(num_agents: int = 16, workload: str = "32k", seed: int = 0) -
 
 
 def emulated(ov, progress):
-    from pdserve.sim.scenarios import ScenarioResult, _bar_plot, _new_sim, _one, _pick, record
+    from pdserve.sim.scenarios import ScenarioResult, _bar_plot, _knobs, _new_sim, _one, _pick, record
 
     out = ScenarioResult("emulated")
     snic_mbps = _pick(ov.snic_gbps, 8 * MB_PER_S_TO_GBPS) / MB_PER_S_TO_GBPS
@@ -100,11 +100,7 @@ def emulated(ov, progress):
             mode=mode,
             seed=_pick(ov.seed, 0),
             compute_quota_s=_pick(ov.quota_ms, 300.0) / 1e3,
-            window_s=_pick(ov.window_s, 5.0),  # (the bench's --sample-s)
-            balance_min_util=_pick(ov.balance_min_util, 0.2),
-            alpha_read_s=_pick(ov.alpha_read_s, 3.0),
-            beta_compute_s=_pick(ov.beta_compute_s, 5.0),
-            z_factor=_pick(ov.z_factor, 1.05),
+            **({"window_s": 5.0} | _knobs(ov)),  # (5 s: the bench's --sample-s)
         )
         res = _new_sim(cfg, wl, progress).run()  # (as every scenario: memory check, ticks)
         row = record(res, agents=agents, workload=wl_name, snic_mbps=snic_mbps, cnic_mbps=cnic_mbps)

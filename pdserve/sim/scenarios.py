@@ -173,13 +173,22 @@ def _config(ov: Overrides, P: int, D: int, model: ModelProfile, mode: str, **kw)
         prefill_ep_gpus=_pick(ov.prefill_ep_gpus, 0),
         decode_ep_gpus=_pick(ov.decode_ep_gpus, 0),
         host_buffer_gb=_pick(ov.host_buffer_gb, 0.0),
-        window_s=_pick(ov.window_s, 10.0),
-        balance_min_util=_pick(ov.balance_min_util, 0.2),
-        alpha_read_s=_pick(ov.alpha_read_s, 3.0),
-        beta_compute_s=_pick(ov.beta_compute_s, 5.0),
-        z_factor=_pick(ov.z_factor, 1.05),
+        **_knobs(ov),
         **kw,
     )
+
+
+def _knobs(ov: Overrides) -> dict:
+    """The SNIC balance window and busy threshold and the scheduler's α, β and Z that the overrides
+    set (SimConfig's own defaults for the others)."""
+    given = {
+        "window_s": ov.window_s,
+        "balance_min_util": ov.balance_min_util,
+        "alpha_read_s": ov.alpha_read_s,
+        "beta_compute_s": ov.beta_compute_s,
+        "z_factor": ov.z_factor,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def run_one(
@@ -666,7 +675,7 @@ def nic_balance(ov: Overrides, progress: Progress) -> ScenarioResult:
         vals[pol] = row["snic_max_over_avg"]
     if any(v is None for v in vals.values()):
         out.checks.append(
-            f"[INFO] no window's mean SNIC utilization reached {_pick(ov.balance_min_util, 0.2):.0%}:"
+            f"[INFO] no window's mean SNIC utilization reached {out.runs[0]['balance_min_util']:.0%}:"
             " max/avg undefined (too little load)"
         )
     if vals.get("dual_path") is not None:
@@ -918,7 +927,7 @@ SCENARIOS: dict[str, Scenario] = {
             "DS-660B 2P4D: APS sweep, max APS with mean TTFT ≤ 4 s and TPOT ≤ 50 ms",
             12,
             online,
-            ignores=frozenset({"submit_us", "scale_factor", "shapes"}),
+            ignores=SCENARIO_SPECIFIC - ONLINE_ONLY,
         ),
         Scenario("nic-balance", "SNIC max/avg over 10 s windows: round robin vs scheduler", 2, nic_balance),
         Scenario(
