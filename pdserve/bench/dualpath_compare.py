@@ -159,6 +159,7 @@ def _row(run: dict) -> dict:
         "snic_bytes_by_node": snic.get("bytes_total"),
         "snic_windows": snic.get("windows"),
         "outputs_sha256": run["outputs_sha256"],
+        **{key: run[key] for key in ("repeat", "aps") if key in run},  # (which run of a sweep)
     }
 
 
@@ -194,7 +195,7 @@ def run(a: argparse.Namespace) -> int:
                     runs.append(run_policy(a, model_dir, policy, agents, online=False))
                     if a.repeats > 1:
                         runs[-1]["repeat"] = repeat
-                    rows.append(_row(runs[-1]) | ({"repeat": repeat} if a.repeats > 1 else {}))
+                    rows.append(_row(runs[-1]))
                 mine = rows[-len(policies) :]
                 base = next(r["jct_s"] for r in mine if r["policy"] == policies[0])
                 for r in mine:  # (None: lost turns)
@@ -215,7 +216,7 @@ def run(a: argparse.Namespace) -> int:
             for aps in sorted(rates):  # ascending; the first rate missing the SLO ends the sweep
                 agents = build_agents(WorkloadConfig(**cfg, aps=aps))
                 run_ = run_policy(a, model_dir, policy, agents, online=True) | {"aps": aps}
-                row = _row(run_) | {"aps": aps}
+                row = _row(run_)
                 row["meets_slo"] = (row["goodput"] or 0.0) >= a.slo_goodput and not row["turns_failed"]
                 rows.append(row)
                 runs.append(run_)
