@@ -185,18 +185,21 @@ class SharedLink:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    @property
+    def _view(self):
+        """Where the state is read and written: inside `_state` its private copy, else the file."""
+        return self._state_buf if self._state_buf is not None else self._mm
+
     def _read_header(self) -> list:
-        return list(_HEADER.unpack_from(self._state_buf if self._state_buf is not None else self._mm, 0))
+        return list(_HEADER.unpack_from(self._view, 0))
 
     def _read_flows(self) -> list[_Flow]:
-        src = self._state_buf if self._state_buf is not None else self._mm
-        raw = src[_HEADER.size : _HEADER.size + self.max_flows * _SLOT.size]
+        raw = self._view[_HEADER.size : _HEADER.size + self.max_flows * _SLOT.size]
         return [_Flow(i, *t) for i, t in enumerate(_SLOT.iter_unpack(raw)) if t[0] != 0]
 
     def _write_slot(self, f: _Flow) -> None:
         vals = (f.flow_id, f.pid, f.cls, f.tag, f.total_bytes, f.remaining_bytes)
-        dst = self._state_buf if self._state_buf is not None else self._mm
-        _SLOT.pack_into(dst, _HEADER.size + f.slot * _SLOT.size, *vals)
+        _SLOT.pack_into(self._view, _HEADER.size + f.slot * _SLOT.size, *vals)
 
     @contextmanager
     def _state(self):
