@@ -2589,3 +2589,51 @@ def test_a_prefill_serving_two_decodes_has_a_handoff_row_for_each_of_their_rooms
         assert [len(sink.final(rid).outputs[0].token_ids) for rid, sink in rids] == [3] * 12
     finally:
         p.close()
+
+
+def test_a_room_whose_last_write_finds_no_handoff_row_waits_for_one_instead_of_failing(make_pair):
+    """Every handoff row of the prefill taken (as by rooms of many decodes whose Successes are not yet
+    reaped): a room whose prompt is computed used to fail "no free handoff slot" after all its compute.
+    It now waits for a row, oldest first, and goes on as rows come back; nothing fails."""
+    p = make_pair(copy_bytes=True)
+    taken = [p.pe_role.handoff.alloc() for _ in range(p.pe_role.handoff.num_slots)]
+    assert None not in taken and p.pe_role.handoff.num_free == 0
+    rooms = [p.submit_both(prompt(9, start=3 + i), 3, f"w{i}") for i in range(2)]
+    p.drive(lambda: list(p.pe_role.rows_wanted) == rooms)
+    p.settle(0.05)
+    assert list(p.pe_role.rows_wanted) == rooms  # still waiting: nothing failed, nothing reordered
+    assert p.pe_role.failures == {} and p.pe_sink.errors("w0") == [] == p.pe_sink.errors("w1")
+    assert all(not p.de_sink.outputs(f"w{i}") for i in range(2))
+    p.pe_role.check_integrity()
+
+    # One row back: the older room takes it at the next reap, the other waits for that same row,
+    # freed once the decode's Success for the first is reaped.
+    p.pe_role.handoff.free(taken.pop())
+    p.pe_role.tick()
+    assert list(p.pe_role.rows_wanted) == rooms[1:] and p.pe_role.by_room[rooms[0]].sent_last
+    p.drive(lambda: all(any(o.finished for o in p.de_sink.outputs(f"w{i}")) for i in range(2)) and p.idle())
+    assert p.pe_role.handoff.num_free == 1
+    assert [len(p.de_sink.final(f"w{i}").outputs[0].token_ids) for i in range(2)] == [3, 3]
+    assert p.pe_role.failures == {} and not p.pe_role.rows_wanted
+    for slot in taken:
+        p.pe_role.handoff.free(slot)
+    p.assert_clean()
+
+
+def test_a_room_waiting_for_a_handoff_row_fails_at_its_deadline_and_leaves_the_queue(make_pair):
+    p = make_pair(fake_clocks=True)
+    taken = [p.pe_role.handoff.alloc() for _ in range(p.pe_role.handoff.num_slots)]
+    room = p.submit_both(prompt(9), 4, "wd")
+    p.drive(lambda: room in p.pe_role.rows_wanted)
+    state = p.pe_role.rooms.state(room)
+    assert state in (KVState.WaitingForInput, KVState.Transferring)
+    p.pe_clock.advance(DEADLINE_S + 0.01)
+    p.pe_role.tick()
+    assert not p.pe_role.rows_wanted and room not in p.pe_role.rooms
+    assert p.pe_role.failures == {f"deadline in {state.name}": 1}
+    p.drive(lambda: p.idle())
+    assert p.de_sink.errors("wd") == [f"PD transfer failed: prefill failed: deadline in {state.name}"]
+    for slot in taken:  # freed after the room ended: nothing is handed a row for it
+        p.pe_role.handoff.free(slot)
+    p.pe_role.tick()
+    p.assert_clean()

@@ -112,6 +112,8 @@ class PrefillRole(PDRoleBase, EngineRole):
     # this prefill serves; each decode admits up to `num_handoff_slots` rooms. Sized for one decode,
     # a prefill serving two ran out with both within their admission, and those rooms failed after
     # their whole prompt was computed (a review, 2026-12-05). 256 B a row: 1 MiB at the default 256.
+    # Past that (more than 16 decodes at full admission) a computed room waits for a row
+    # (`rows_wanted`) rather than fail.
     handoff_slots_factor = 16
 
     def __init__(self, engine: LLMEngine, config: PDConfig, control, agent, layout_fingerprint: str) -> None:
@@ -137,6 +139,10 @@ class PrefillRole(PDRoleBase, EngineRole):
         self.early: dict[int, tuple[float, str, KVRequest]] = {}  # KVRequests that beat the router's POST
         self.transfers: dict[int, int] = {}  # transfer id -> room
         self.tombstones: dict[int, Tombstone] = {}  # rooms that ended before one side knew them
+        # Rooms whose prompt is computed but whose last write waits for a free handoff row, oldest
+        # first (a dict as an ordered set). Rows come back as Successes are reaped; a room waits
+        # under its state's deadline, as for anything else, instead of failing a computed prompt.
+        self.rows_wanted: dict[int, None] = {}
         self.pruned_at_s = -math.inf  # (room clock) when `tick` last dropped old early and tombstones
         self.num_pages_sent = 0
         engine.step_hooks.append(self._after_step)
@@ -636,15 +642,7 @@ class PrefillRole(PDRoleBase, EngineRole):
         for req in sched.requests:
             room = self.by_request.get(req.request_id)
             pr = self.by_room.get(room) if room is not None else None
-            if (
-                pr is None
-                or pr.sent_last
-                or self.rooms.state(room)
-                not in (
-                    KVState.WaitingForInput,
-                    KVState.Transferring,
-                )
-            ):
+            if pr is None or pr.sent_last or not self._may_send(room):
                 continue
             if req.status.finished:
                 self._send_last(pr)
@@ -714,8 +712,9 @@ class PrefillRole(PDRoleBase, EngineRole):
         req = pr.req
         slot = self.handoff.alloc()
         if slot is None:
-            self._fail(pr.room, "no free handoff slot")
+            self.rows_wanted[pr.room] = None  # `_reap` hands it the next row freed
             return
+        self.rows_wanted.pop(pr.room, None)
         pr.local_slot = slot
         lp = req.logprobs[0] if req.logprobs else None
         try:
@@ -795,7 +794,22 @@ class PrefillRole(PDRoleBase, EngineRole):
             elif state == KVState.Failed:  # the decode has not asked yet: answer its KVRequest when it does
                 self.tombstones[room] = Tombstone(self.rooms.now(), pr.fail_reason, pr.client_abort, False)
             del self.by_room[room]
+            self.rows_wanted.pop(room, None)
             self.rooms.remove(room)
+        self._hand_out_rows()
+
+    def _hand_out_rows(self) -> None:
+        """Free handoff rows go to the rooms waiting for one, oldest first; a room that failed or
+        ended meanwhile is dropped (its own failure path tells the decode)."""
+        while self.rows_wanted and self.handoff.num_free:
+            room = next(iter(self.rows_wanted))
+            del self.rows_wanted[room]
+            pr = self.by_room.get(room)
+            if pr is not None and not pr.sent_last and self._may_send(room):
+                self._send_last(pr)
+
+    def _may_send(self, room: int) -> bool:
+        return self.rooms.state(room) in (KVState.WaitingForInput, KVState.Transferring)
 
     def queue_sizes(self) -> dict[str, int]:
         counts = self.rooms.counts()
@@ -824,6 +838,9 @@ class PrefillRole(PDRoleBase, EngineRole):
         assert set(self.staging_slots) <= set(self.transfers), "a staging slot outlived its transfer"
         assert set(self.pinned) <= set(self.transfers), "a pinned page outlived its write"
         assert not set(self.abandoned_reads) & set(self.awaited), "an abandoned read is still awaited"
+        for room in self.rows_wanted:  # (a room that ended waits to be reaped, then leaves the list)
+            pr = self.by_room.get(room)
+            assert pr is not None and pr.local_slot < 0 and not pr.sent_last, "a row wanted twice"
         self.staging.check_integrity()
         if self.store is not None:
             self.store.reads.check_integrity()
