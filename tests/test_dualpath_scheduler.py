@@ -344,6 +344,55 @@ def test_round_robin_skips_dead_engines_and_stops_only_when_none_is_alive():
     assert s.assign([req(9)]) == []
 
 
+def test_round_robin_passes_over_a_decode_whose_pool_could_never_hold_the_request():
+    """Decodes of unequal pools (1,000 and 100 pages): at the small one's turn a 200-page request
+    stopped the fetch and never moved the cursor, so it and everything behind it waited to the
+    router's queue timeout (a review, 2026-12-05). The small decode loses that turn; small requests
+    still go round."""
+    c = policy_config("round_robin", alpha_tokens=1, beta_tokens=1)
+    s = make(c, pe_nodes=[0], de_nodes=[1, 2], free_pages=0)
+    s.report_decode(0, 0, 0, 1000, num_total_pages=1000)
+    s.report_decode(1, 0, 0, 100, num_total_pages=100)
+    small, big = (lambda i: req(i, new=10, dec=16)), (lambda i: req(i, new=10, dec=200 * PAGE))
+    out = s.assign([small(0), big(1), small(2), big(3), small(4)])
+    assert [a.decode_engine for a in out] == [0, 0, 1, 0, 1]
+    s.report_decode(0, 0, 0, 1000, alive=False)  # the only decode that could hold a big one: it waits
+    assert s.assign([big(5), small(6)]) == []
+
+
+def test_a_dead_prefill_is_never_chosen_by_load_whatever_tokens_it_reported():
+    """Only the router's β+1 workaround kept a dead prefill out of the load-aware choice; reported dead
+    with 0 tokens, the PE choice named it (a review, 2026-12-05)."""
+    s = make(cfg(), pe_nodes=[0, 1], de_nodes=[2])
+    s.report_prefill(1, 0, 400)
+    s.report_prefill(0, 0, 0, alive=False)
+    assert [a.prefill_engine for a in s.assign([req(i) for i in range(2)])] == [1, 1]
+    s.report_prefill(0, 0, 0)  # back: the least loaded again
+    assert s.assign([req(9)])[0].prefill_engine == 0
+    dead_at_start = [EngineLoad(0, 0, alive=False), EngineLoad(1, 1)]
+    s = DualPathScheduler(cfg(), dead_at_start, [EngineLoad(0, 2, num_free_pages=100)], 3)
+    assert s.assign([req(1, dec=16)])[0].prefill_engine == 1
+
+
+def test_ids_outside_the_cluster_are_refused_before_anything_changes():
+    """A node id past the last node failed `assign` halfway (an IndexError after the cursors and loads
+    had moved); a negative engine or node id in a report silently named the last one."""
+    with pytest.raises(ValueError, match="node ids"):
+        DualPathScheduler(cfg(), [EngineLoad(0, 0)], [EngineLoad(0, 3)], num_nodes=3)
+    s = make(cfg(), pe_nodes=[0], de_nodes=[1], num_nodes=2)
+    before = (repr(s.prefill), repr(s.decode), list(s.read_queue_tokens))
+    for call in (
+        lambda: s.report_prefill(-1, 0, 777),
+        lambda: s.report_prefill(1, 0, 777),
+        lambda: s.report_decode(-1, 0, 0, 5),
+        lambda: s.report_read_queue(-1, 999),
+        lambda: s.report_read_queue(2, 999),
+    ):
+        with pytest.raises(ValueError, match="id"):
+            call()
+    assert (repr(s.prefill), repr(s.decode), list(s.read_queue_tokens)) == before
+
+
 def test_policy_names_and_validation():
     assert policy_config("dualpath", alpha_tokens=1, beta_tokens=2).read_path == "shorter_queue"
     assert policy_config("split", alpha_tokens=1, beta_tokens=2).read_path == "split"

@@ -371,3 +371,72 @@ def test_an_engine_down_at_the_build_is_moved_to_its_node_when_it_reports():
     assert pl.built_nodes["http://p1"] == "n0"
     assert pl.scheduler.prefill[1].node_id == pl.scheduler.prefill[0].node_id == pl.node_ids["n0"]
     assert set(pl.node_ids) == {"n0", "d0"}
+
+
+def test_a_dead_engines_last_report_leaves_its_nodes_read_queue():
+    """Without node emulation a node's read queue is its engines' reported reads. A prefill that died
+    with 500,000 tokens queued kept them in its node's queue until it came back, and α sent the work
+    of its idle node-mate elsewhere (a review, 2026-12-05)."""
+    pe = [Engine(f"http://p{i}", "prefill", healthy=True) for i in range(3)]
+    de = [Engine("http://d0", "decode", healthy=True)]
+    pl = Placement("dualpath", pe, de, alpha_tokens=1000)
+    no_emulation = dict(node_read_queue_bytes=-1)
+    pl.on_load(pe[0], report("n0", "prefill", read_queue_tokens=500_000, **no_emulation))
+    pl.on_load(pe[1], report("n0", "prefill", **no_emulation))
+    pl.on_load(pe[2], report("n1", "prefill", num_tokens=100, read_queue_tokens=500, **no_emulation))
+    pl.on_load(de[0], report("d0", "decode", **no_emulation))
+    n0 = pl.node_ids["n0"]
+    assert pl.scheduler.read_queue_tokens[n0] == 500_000
+    pe[0].healthy = False
+    pl.on_health(pe[0])
+    assert pl.scheduler.read_queue_tokens[n0] == 0
+    assert [a.prefill_engine for a in place_all(pl, [list(range(40))])] == [1]
+
+
+def test_an_engine_that_moved_node_and_died_before_the_rebuild_is_taken_out():
+    """A prefill reports a new node while the rebuild waits for an engine that has just come up; then
+    it dies. Its health change looked its new node up in the old scheduler: a KeyError that failed the
+    health round and left the dead prefill placeable (a review, 2026-12-05)."""
+    pe = [Engine("http://p0", "prefill", healthy=True), Engine("http://p1", "prefill", healthy=True)]
+    de = [Engine("http://d0", "decode", healthy=True), Engine("http://d1", "decode", healthy=False)]
+    pl = Placement("dualpath", pe, de)
+    for e, node in zip(pe + de[:1], ("n0", "n1", "d0"), strict=True):
+        pl.on_load(e, report(node, e.role))
+    de[1].healthy = True
+    pl.on_health(de[1])  # up, not yet reported: a rebuild must wait for it
+    pl.on_load(pe[0], report("n7", "prefill"))
+    assert "n7" not in pl.node_ids  # deferred
+    pe[0].healthy = False
+    pl.on_health(pe[0])
+    assert not pl.scheduler.prefill[0].alive
+    assert [a.prefill_engine for a in place_all(pl, [list(range(40))] * 2)] == [1, 1]
+    pl.on_load(de[1], report("d1", "decode"))  # the rebuild, with the moved node
+    assert "n7" in pl.node_ids
+
+
+def test_a_report_taken_before_an_assignment_arrived_does_not_free_its_booking():
+    """One 100-page decode. A load report taken before the first request reached it showed all 100 pages
+    free; it overwrote the booking and a second 60-page request was booked there too: 120 pages on a
+    100-page decode (a review, 2026-12-05). Bookings count until a report taken after them, as reads do."""
+    pl = _placement([("d0", dict(num_free_pages=100, num_total_pages=100))])
+    pe, de = pl.prefills[0], pl.decodes[0]
+    assigned_s = time.time()  # (the assignment is made at this time or a moment after)
+    assert place_all(pl, [list(range(40))], max_tokens=60 * 16 - 40 + 1)[0].decode_engine == 0
+    assert pl.scheduler.decode[0].num_free_pages == 40
+    pl.on_load(de, report("d0", "decode", num_free_pages=100, num_total_pages=100, time_s=assigned_s - 0.5))
+    pl.on_load(pe, report("p0", "prefill", time_s=assigned_s - 0.5))
+    assert pl.scheduler.decode[0].num_free_pages == 40
+    assert pl.scheduler.decode[0].num_seqs == 1 and pl.scheduler.prefill[0].num_tokens == 40
+
+    async def second():
+        task = asyncio.ensure_future(pl.place(list(range(100, 140)), 40, 60 * 16 - 40 + 1))
+        await asyncio.sleep(0.01)
+        assert not task.done()  # 60 pages do not fit in the 40 left
+        # The first request took its pages (a report after it), then finished: its pages are back.
+        pl.on_load(de, report("d0", "decode", num_free_pages=40, num_seqs=1, time_s=assigned_s + 1))
+        await asyncio.sleep(0.01)
+        assert not task.done()
+        pl.on_load(de, report("d0", "decode", num_free_pages=100, time_s=assigned_s + 2))
+        return await asyncio.wait_for(task, 1.0)
+
+    assert asyncio.run(second()).assignment.decode_engine == 0

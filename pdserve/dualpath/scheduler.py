@@ -150,7 +150,8 @@ class PendingRequest(NamedTuple):
 class EngineLoad:
     """The scheduler's view of one engine (seq_e, tok_e, free pages); node and group are fixed.
     `alive` False: the router's health checks lost it (the simulator's engines never die): it takes
-    nothing, and a dead decode's load counts neither in its group's sum nor in the group's Z (its
+    nothing (a dead prefill's tokens are held past β, so no choice by load can name it), and a dead
+    decode's load counts neither in its group's sum nor in the group's Z (its
     node-mates stay placeable). `num_total_pages` (decodes; 0 = not reported, no bound): the most a
     request can ever take there, so that phase 1 does not send a request to a group none of whose
     engines could ever hold it (decodes of unequal pools)."""
@@ -176,14 +177,24 @@ class Assignment(NamedTuple):
     num_de_read_tokens: int
 
 
-def _next_alive(engines: Sequence[EngineLoad], cursor: int) -> tuple[int, EngineLoad] | None:
-    """Round robin from `cursor`: (the cursor at the first alive engine, that engine); None if none is."""
+def _next_alive(
+    engines: Sequence[EngineLoad], cursor: int, num_pages: int = 0
+) -> tuple[int, EngineLoad] | None:
+    """Round robin from `cursor`: (the cursor at the first alive engine whose pool could ever hold
+    `num_pages`, that engine); None if none is."""
     n = len(engines)
     for k in range(n):
         e = engines[(cursor + k) % n]
-        if e.alive:
+        if e.alive and (not e.num_total_pages or e.num_total_pages >= num_pages):
             return cursor + k, e
     return None
+
+
+def _checked_id(i: int, items: Sequence, what: str) -> int:
+    """`i` if it names one of `items` (a negative one silently named the last engine or node)."""
+    if not 0 <= i < len(items):
+        raise ValueError(f"{what} id {i} is not in 0..{len(items) - 1}")
+    return i
 
 
 class DualPathScheduler:
@@ -210,7 +221,13 @@ class DualPathScheduler:
         for i, e in enumerate(decode):
             if e.engine_id != i:
                 raise ValueError("decode engine ids must be 0..n-1 in order")
+        # (an engine past the last node failed `assign` halfway, its cursors and loads already moved)
+        if any(not 0 <= e.node_id < num_nodes for e in (*prefill, *decode)):
+            raise ValueError(f"engine node ids must be 0..{num_nodes - 1}")
         self.config = config
+        for e in prefill:
+            if not e.alive:
+                e.num_tokens = self._dead_prefill_tokens(e.num_tokens)
         self.prefill = list(prefill)
         self.decode = list(decode)
         self.read_queue_tokens = [0] * num_nodes
@@ -246,9 +263,14 @@ class DualPathScheduler:
     # ---- load reports (absolute values; called by engines / the simulator) ----
 
     def report_prefill(self, engine_id: int, num_seqs: int, num_tokens: int, alive: bool = True) -> None:
-        e = self.prefill[engine_id]
+        e = self.prefill[_checked_id(engine_id, self.prefill, "prefill")]
         e.num_seqs, e.alive = num_seqs, alive
-        self._set_prefill_tokens(e, num_tokens)
+        self._set_prefill_tokens(e, num_tokens if alive else self._dead_prefill_tokens(num_tokens))
+
+    def _dead_prefill_tokens(self, num_tokens: int) -> int:
+        """A dead prefill's tokens as kept: past β, so neither the PE choice nor β's slack counts it
+        (it was chosen by load when reported with few tokens: a review, 2026-12-05)."""
+        return max(num_tokens, self.config.beta_tokens + 1)
 
     def report_decode(
         self,
@@ -260,7 +282,7 @@ class DualPathScheduler:
         num_total_pages: int | None = None,
     ) -> None:
         """`num_total_pages` None: as before (the simulator's engines never change size)."""
-        e = self.decode[engine_id]
+        e = self.decode[_checked_id(engine_id, self.decode, "decode")]
         g = e.group_id
         self._group_pages[g] += num_free_pages - e.num_free_pages
         e.num_free_pages = num_free_pages
@@ -293,7 +315,7 @@ class DualPathScheduler:
         return max(caps, default=0)
 
     def report_read_queue(self, node_id: int, num_tokens: int) -> None:
-        self.read_queue_tokens[node_id] = num_tokens
+        self.read_queue_tokens[_checked_id(node_id, self.read_queue_tokens, "node")] = num_tokens
 
     def _set_prefill_tokens(self, e: EngineLoad, num_tokens: int) -> None:
         beta = self.config.beta_tokens
@@ -328,14 +350,16 @@ class DualPathScheduler:
         out: list[Assignment] = []
         page_tokens = self.config.page_tokens
         for req in queue:
+            pages = req.num_decode_pages(page_tokens)
+            # (a decode whose pool can never hold the request loses its turn: waiting for it held the
+            # queue to its timeout, decodes of unequal pools, a review, 2026-12-05)
             de_turn, pe_turn = (
-                _next_alive(self.decode, self._rr_decode),
+                _next_alive(self.decode, self._rr_decode, pages),
                 _next_alive(self.prefill, self._rr_prefill),
             )
             if de_turn is None or pe_turn is None:
                 break
             (de_cursor, de), (pe_cursor, pe) = de_turn, pe_turn
-            pages = req.num_decode_pages(page_tokens)
             if de.num_free_pages < pages:
                 break
             self._rr_prefill, self._rr_decode = pe_cursor + 1, de_cursor + 1

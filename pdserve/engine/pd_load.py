@@ -8,7 +8,10 @@ one engine step stale, which is all a load report promises.
 
 Fields (paper §6, "seq_e, tok_e, read_q, free HBM"):
 * `num_seqs`, `num_tokens` — prefill: requests not yet handed off and their prompt tokens still to
-  compute or load; decode: requests held and their current lengths (prompt + generated).
+  compute (a stored hit being read, or the decode's hit pages, is not to compute: the scheduler books
+  a request's new tokens only, and the two must count alike, else a prefill's load jumped by the hit at
+  every report and fell back once it was loaded, a review, 2026-12-05); decode: requests held and
+  their current lengths (prompt + generated).
 * `num_free_pages` — decode: pages an allocation could get now (free + evictable cached) minus the
   growth reserved by requests whose KV is arriving and the prompt pages of requests not yet admitted.
 * `read_queue_tokens` — hit tokens of this engine's store reads in flight.
@@ -61,6 +64,20 @@ def _pending_read_tokens(rooms, block_size: int) -> int:
     return sum(num_blocks_by_read.values()) * block_size
 
 
+def _tokens_to_compute(pr, store_block_size: int, page_size: int) -> int:
+    """A prefill room's prompt tokens still to compute: its hit (a store read in flight or done, or
+    the decode's hit pages), once known, is loaded, not computed; at least one token is computed."""
+    req = pr.req
+    if (read := pr.store_read) is not None:  # (each attribute read once: the engine thread clears it)
+        hit = len(read.buffer) * store_block_size
+    elif (got := pr.store_hit) is not None:
+        hit = got[1] * store_block_size
+    else:
+        hit = len(pr.de_hit_page_ids) * page_size
+    done = max(req.num_computed_tokens, min(hit, req.num_prompt_tokens - 1))
+    return max(0, req.num_prompt_tokens - done)
+
+
 def _computing(role, room: int) -> bool:
     """A prefill room not yet ended (read off the engine thread: one removed meanwhile is not)."""
     try:
@@ -87,9 +104,8 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         # nothing left to compute: a failed one's freed request read as its whole prompt to compute,
         # and placement kept away from a prefill with nothing to do; a review, 2026-12-04)
         rooms = [pr for room, pr in list(role.by_room.items()) if _computing(role, room)]
-        reqs = [pr.req for pr in rooms]
         num_seqs = len(rooms)
-        num_tokens = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs)
+        num_tokens = sum(_tokens_to_compute(pr, block_size, role.page_size) for pr in rooms)
         num_free = pool.num_free_pages
     else:  # decode
         rooms = list(role.prealloc) + list(role.transfer.values())

@@ -12,7 +12,7 @@ Who calls what (all on the router's event loop, so no locks):
 Hit tokens: the scheduler needs each request's hit tokens (stored KV to read) before any engine sees
 it; the router estimates them from the prompts it has routed (`router/prompts.py`, `PrefixIndex`).
 
-Dead engines: a dead prefill reports β + 1 tokens forever (never chosen by `dualpath`); a dead decode
+Dead engines: a dead prefill is reported `alive` False (never chosen); a dead decode
 is reported `alive` False: it takes nothing, and its load counts neither in its group's token sum nor
 in the group's Z, so its live node-mates are placed as if it were not there (a fake huge load there
 once took them out of placement, and made every one of them "low" under Z); a request only a dead
@@ -195,6 +195,10 @@ class Placement:
         )
         self.index = PrefixIndex(block_tokens)
         self._recent_reads = [deque() for _ in nodes]  # per node: (wall time, hit tokens) assigned
+        # Per engine URL: (wall time, seqs, tokens, pages) this router booked on it, kept as the reads
+        # are: a report taken before an assignment reached its engine put back the engine's tokens
+        # and a decode's pages, and the next placement booked those pages again (a review, 2026-12-05).
+        self._recent_books: dict[str, deque] = {e.url: deque() for e in engines}
         for e in self.prefills + self.decodes:
             self._apply(e)
 
@@ -231,30 +235,42 @@ class Placement:
 
     def _apply(self, engine) -> None:
         s, r = self.scheduler, self._report(engine)
+        # Placeable once healthy *and* heard from: a decode back up but not yet reported stood in the
+        # scheduler with no pages and no bound on its pool, the least loaded group, and the queue
+        # stopped on it until its first report.
+        live = engine.healthy and engine.url in self.reports
+        seqs, tokens, pages = self._booked_since(engine.url, r["time_s"])
         if engine.role == "prefill":
             i = self.prefills.index(engine)
-            if engine.healthy:
-                s.report_prefill(i, r["num_seqs"], r["num_tokens"])
-            else:
-                s.report_prefill(i, 0, s.config.beta_tokens + 1, alive=False)
+            s.report_prefill(i, r["num_seqs"] + seqs, r["num_tokens"] + tokens, alive=live)
         else:
             i = self.decodes.index(engine)
-            if engine.healthy:
+            if live:
                 s.report_decode(
                     i,
-                    r["num_seqs"],
-                    r["num_tokens"],
-                    r["num_free_pages"],
+                    r["num_seqs"] + seqs,
+                    r["num_tokens"] + tokens,
+                    max(0, r["num_free_pages"] - pages),
                     num_total_pages=r["num_total_pages"],
                 )
             else:
                 s.report_decode(i, 0, 0, 0, alive=False)
-        node = self.node_ids[r["node"]]
+        # The node as the scheduler was built with it: an engine that moved node reports the new one
+        # before the rebuild (deferred while another engine has not reported: that lookup was a
+        # KeyError that failed the health round, a review, 2026-12-05).
+        built = self.built_nodes[engine.url]
+        node = self.node_ids[built]
         # Node read queue = reads the node's storage link still has to serve (the shared link's view
         # when emulated, else the node's engines' reads in flight) + reads its engines accepted but
         # have not submitted + reads this router assigned there after the report was taken (they
         # are on their way; without them a burst would see the node as idle until the next report).
-        same_node = [x for x in self.reports.values() if x["node"] == r["node"]] or [r]
+        # Live engines only: a dead one's last report kept its reads in its node's queue until it came
+        # back, and α and the read path shunned its idle node-mates (a review, 2026-12-05).
+        same_node = [
+            self.reports[e.url]
+            for e in self.prefills + self.decodes
+            if e.healthy and e.url in self.reports and self.built_nodes.get(e.url) == built
+        ]
         if r["node_read_queue_bytes"] >= 0:
             tokens = r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"])
         else:
@@ -265,6 +281,17 @@ class Placement:
             recent.popleft()
         tokens += sum(n for t, n in recent if t > r["time_s"] - DISPATCH_MARGIN_S)
         s.report_read_queue(node, int(tokens))
+
+    def _booked_since(self, url: str, report_s: float) -> tuple[int, int, int]:
+        """(seqs, tokens, pages) booked on the engine that its report taken at `report_s` cannot show
+        yet: those assigned after `report_s - DISPATCH_MARGIN_S`."""
+        books = self._recent_books.get(url)
+        if not books:
+            return 0, 0, 0
+        while books and books[0][0] < report_s - RECENT_READ_KEEP_S:
+            books.popleft()
+        late = [b for b in books if b[0] > report_s - DISPATCH_MARGIN_S]
+        return sum(b[1] for b in late), sum(b[2] for b in late), sum(b[3] for b in late)
 
     # ---- requests --------------------------------------------------------------------------------
     async def place(
@@ -380,6 +407,15 @@ class Placement:
             for node, tokens in ((pe, assignment.num_pe_read_tokens), (de, assignment.num_de_read_tokens)):
                 if tokens:
                     self._recent_reads[node].append((now, tokens))
+            # (as the scheduler booked them in `assign`: a prefill its new tokens, a decode its
+            # decode tokens and pages)
+            req = waiting.pending
+            self._recent_books[self.prefills[assignment.prefill_engine].url].append(
+                (now, 1, req.num_new_tokens, 0)
+            )
+            self._recent_books[self.decodes[assignment.decode_engine].url].append(
+                (now, 1, req.num_decode_tokens, waiting.num_pages)
+            )
             self.read_paths[assignment.read_path] = self.read_paths.get(assignment.read_path, 0) + 1
             if not waiting.future.done():
                 waiting.future.set_result(assignment)
