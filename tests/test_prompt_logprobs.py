@@ -367,3 +367,23 @@ def test_chat_refuses_echo_and_streamed_prompt_logprobs(demo_engine, path, extra
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
     (r,) = post_all(demo_engine, [(path, body)])
     assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+
+
+def test_an_explicit_prompt_logprobs_is_kept_under_echo_with_more_logprobs(demo_engine):
+    """`echo` with `logprobs` 5 raises the engine's prompt logprobs to 5 (the echoed logprobs need them);
+    an explicit `prompt_logprobs` 1 then listed 5 top entries (+ the token), where vLLM keeps the
+    client's 1 (a review, 2026-12-05)."""
+    body = {"prompt": "hello world there", "max_tokens": 1, "temperature": 0}
+    echoed, plain = post_all(
+        demo_engine,
+        [
+            ("/v1/completions", body | {"echo": True, "logprobs": 5, "prompt_logprobs": 1}),
+            ("/v1/completions", body | {"prompt_logprobs": 1}),
+        ],
+    )
+    assert echoed.status_code == plain.status_code == 200, (echoed.text, plain.text)
+    lengths = [None if p is None else len(p) for p in echoed.json()["choices"][0]["prompt_logprobs"]]
+    assert lengths == [None if p is None else len(p) for p in plain.json()["choices"][0]["prompt_logprobs"]]
+    assert all(n is None or n <= 2 for n in lengths), lengths
+    tops = echoed.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert max(len(t) for t in tops[1:]) >= 5  # (the echoed logprobs keep their 5)

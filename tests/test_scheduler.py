@@ -372,3 +372,38 @@ def test_a_preempted_request_with_every_prompt_logprob_reuses_its_whole_cached_c
     assert len(kv.match_prefix(q)[0]) == 3
     q.prompt_logprobs += [None] * 4
     assert len(s._prefix_hits(q)[0]) == 1
+
+
+def test_engine_integrity_check_sees_a_page_published_before_its_tokens_are_computed(
+    demo_model_dir, monkeypatch
+):
+    """An off-by-one put in on purpose (publishing the pages of `num_tokens`, which counts the sampled
+    token whose KV is not computed yet) made later prompts reuse a page with a slot never written:
+    their outputs diverged while every reference count still agreed, and `check_integrity` passed
+    at every step (a review, 2026-12-05). It now names the request."""
+    import pytest
+
+    from pdserve import LLM
+
+    llm = LLM(demo_model_dir, page_size=4, dtype="float32", num_pages=64, max_model_len=128)
+    engine = llm.engine
+
+    def off_by_one(self, req) -> None:
+        from pdserve.kvcache.hashing import cached_keys
+
+        num_full = req.num_tokens // self.page_size  # (the bug: not num_computed_tokens)
+        start = len(req.page_keys)
+        if num_full > start:
+            keys = cached_keys(
+                req.page_key_cache, req.all_token_ids, self.page_size, self.root_for(req), num_full
+            )
+            for i, key in enumerate(keys[start:], start=start):
+                self.pool.register(req.page_ids[i], key)
+                req.page_keys.append(key)
+
+    monkeypatch.setattr(KVManager, "cache_computed_pages", off_by_one)
+    engine.add_request(list(range(1, 8)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "r")
+    with pytest.raises(AssertionError, match="r: published an uncomputed page"):
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()

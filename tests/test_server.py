@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 MAX_MODEL_LEN = 512
 NUM_PAGES = 256
 PAGE_SIZE = 16
+MSGS_X = [{"role": "user", "content": "x"}]
 PROMPT = "def fibonacci(n):"
 
 
@@ -543,6 +544,10 @@ def test_bad_requests_get_openai_errors_and_leave_engine_clean(client, model_nam
     after_errors = metrics(url)
     finished = sum(v for k, v in after_errors.items() if k.startswith("pdserve_requests_finished_total"))
     assert finished == finished_before
+    # An empty model name is the default, as vLLM reads it (a 404 "The model `` does not exist" before)
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSGS_X})):
+        r = httpx.post(url + path, json=body | {"model": "", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 200 and r.json()["model"] == model_name, r.text
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
     off = {"echo": False, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1}

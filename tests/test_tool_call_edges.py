@@ -133,3 +133,41 @@ def test_stream_sends_text_after_a_bad_block_like_the_whole_answer(step):
     streamed = "".join(d.get("content", "") for d in deltas)
     assert P.parse(text) == (text, [])
     assert streamed == text
+
+
+# ---- 5. JSON nested past the parser's depth (a review, 2026-12-05) -------------------------------
+DEEP = "[" * 1200
+
+
+def test_a_model_call_nested_past_the_json_parsers_depth_is_content_not_a_500():
+    """A looping model writes `<tool_call>` and a thousand `[`: json.loads raises RecursionError, not a
+    ValueError; the whole answer was a 500, a stream an in-band 503 "engine failure" (RecursionError is
+    a RuntimeError) with every token lost. It is content, as any block that is not a call."""
+    text = f"<tool_call>{DEEP}</tool_call>"
+    assert P.parse(text) == (text, [])
+    s = ToolStream(P)
+    assert "".join(d.get("content", "") for d in s.feed(text, True)) == text
+    wrapped = '<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>'
+    _, calls = P.parse(wrapped)  # (arguments that are a string too deep to parse stay that string)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [DEEP]
+
+
+def test_a_history_tool_call_nested_past_the_json_parsers_depth_is_not_a_500(demo_engine):
+    """An assistant message whose tool call's `arguments` nests 2,000 deep: rendering the chat template
+    raised RecursionError, a plain-text 500 (and the same from /tokenize). The arguments stay the
+    string they were."""
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 2000}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    r = post(demo_engine, {"messages": history, "max_tokens": 1})
+    assert r.status_code in (200, 400), r.text
+    (t,) = post_in_process(demo_engine, [("/tokenize", {"messages": history})])
+    assert t.status_code in (200, 400), t.text

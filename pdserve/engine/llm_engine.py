@@ -653,8 +653,25 @@ class LLMEngine:
             assert len(set(req.page_ids)) == len(req.page_ids), f"request {req.request_id} holds a page twice"
             for page in req.page_ids:
                 expected[page] += 1
+            # A page is published to the prefix cache only once every one of its tokens is computed,
+            # under the key it was published with: else a later prompt reuses a page with a slot never
+            # written, and every count above still agrees (a review, 2026-12-05, by an off-by-one put
+            # in on purpose: outputs diverged, every check passed).
+            ps, rid = self.kv.page_size, req.request_id
+            # (a finished request may hold no pages for what it computed: a PD prefill's layerwise run
+            # writes its KV straight to the decode)
+            assert req.status.finished or req.num_computed_tokens <= len(req.page_ids) * ps, (
+                f"{rid}: computed past its pages ({req.num_computed_tokens} tokens, {len(req.page_ids)} pages"
+                f" of {ps})"
+            )
+            assert len(req.page_keys) <= req.num_computed_tokens // ps, f"{rid}: published an uncomputed page"
+            for page, key in zip(req.page_ids, req.page_keys, strict=False):
+                assert self.kv.pool.key_of(page) in (None, key), (
+                    f"{rid}: page {page} cached under another key"
+                )
         queued = [r.request_id for r in itertools.chain(self.scheduler.waiting, self.scheduler.running)]
         assert len(set(queued)) == len(queued), "a request queued twice (or both waiting and running)"
+        assert set(queued) <= set(self.requests), "a queued request the engine does not know"
         for hook in self.extra_page_refs:
             for page in hook():
                 expected[page] += 1

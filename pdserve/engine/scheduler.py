@@ -72,7 +72,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self._cost is not None:
             budget = min(budget, self._quota_tokens())
-        scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -87,7 +86,6 @@ class Scheduler:
             else:
                 out.requests.append(req)
                 out.num_new_tokens.append(num_new)
-                scheduled.add(req.request_id)
                 budget -= num_new
                 i += 1
                 continue

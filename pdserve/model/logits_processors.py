@@ -5,7 +5,7 @@ truncation; the chosen token's logprobs stay those of the raw logits (as vLLM v1
 order and formulas are vLLM v1's, so a client moving between the two gets the same distribution:
 
 1. min_tokens: while a row has fewer than `min_tokens` output tokens, its stop tokens (the request's
-   EOS ids, which are empty under `ignore_eos`, and `stop_token_ids`) get -inf.
+   EOS ids, kept under `ignore_eos` as vLLM keeps them, and `stop_token_ids`) get -inf.
 2. logit_bias: `logits[t] += bias[t]`.
 3. repetition_penalty r (tokens seen in the prompt or the output so far):
    `logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r`.

@@ -175,7 +175,7 @@ def build_app(
         return JSONResponse(body, status_code=400)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name and name != model_name:  # (an empty name is the default model, as vLLM reads it)
             raise APIError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
 
     async def validate(
@@ -341,17 +341,18 @@ def build_app(
             "text_offset": starts[start : len(lps)],
         }
 
-    def prompt_logprobs_body(entries, num_prompt_tokens: int) -> list | None:
+    def prompt_logprobs_body(entries, num_prompt_tokens: int, num_top: int) -> list | None:
         """vLLM's `prompt_logprobs`: [None, {token id: {logprob, rank, decoded_token}}, ...], each entry
-        holding the prompt's own token and the top-n at that position (null past what was computed:
-        a request aborted mid-prompt)."""
+        holding the prompt's own token and the top `num_top` at that position (null past what was
+        computed: a request aborted mid-prompt). The engine may keep more (`echo` with a larger
+        `logprobs` asks for them): a client's explicit `prompt_logprobs` is what it gets."""
         if entries is None:
             return None
         out: list = [None]
         for e in entries[1:num_prompt_tokens]:
             d = {
                 str(t): {"logprob": v, "rank": r, "decoded_token": token_str(t)}
-                for r, (t, v) in enumerate(e.top, 1)
+                for r, (t, v) in enumerate(e.top[:num_top], 1)
             }
             d[str(e.token_id)] = {
                 "logprob": e.logprob,
@@ -636,7 +637,9 @@ def build_app(
                 "logprobs": lps,
             }
             if first and body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_body(req.prompt_logprobs, req.num_prompt_tokens)
+                choice["prompt_logprobs"] = prompt_logprobs_body(
+                    req.prompt_logprobs, req.num_prompt_tokens, body.prompt_logprobs
+                )
             if want_ids and first:
                 choice["prompt_token_ids"] = list(req.prompt_token_ids)
             if want_ids and o is not None:
@@ -859,7 +862,7 @@ def build_app(
         resp = envelope(rid, "chat.completion", created, [choice]) | {"usage": usage(out)}
         if body.prompt_logprobs is not None:  # (vLLM puts them beside the choices in chat)
             resp["prompt_logprobs"] = await asyncio.to_thread(
-                prompt_logprobs_body, req.prompt_logprobs, req.num_prompt_tokens
+                prompt_logprobs_body, req.prompt_logprobs, req.num_prompt_tokens, body.prompt_logprobs
             )
         return resp
 

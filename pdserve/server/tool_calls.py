@@ -85,7 +85,7 @@ class HermesParser(ToolCallParser):
     def decode_call(self, block: str) -> dict | None:
         try:
             obj = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the parser's depth: a looping model)
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
@@ -96,7 +96,10 @@ class HermesParser(ToolCallParser):
             try:
                 json.loads(args)
                 return {"name": obj["name"], "arguments": args}
-            except ValueError:  # not JSON: encoded, so that the client's json.loads gives it back
+            except (
+                ValueError,
+                RecursionError,
+            ):  # not JSON: encoded, so the client's json.loads gives it back
                 pass
         return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
@@ -304,7 +307,7 @@ def _template_call(c) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested ~1,000 deep, a 500 before)
             pass  # left as the string it was: the template shows it as such
     return {**c, "function": {**fn, "arguments": args}}
 
