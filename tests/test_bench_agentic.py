@@ -97,6 +97,57 @@ def test_trace_workload_builds():
     assert len(agents) == 2 and all(1 <= len(p.turns) <= 4 for p in agents)
 
 
+def test_a_trace_sessions_prompts_are_the_traces_prompt_lengths(tmp_path):
+    """weka_cc: a turn's trace hit covers the earlier prompts only, so the previous output is inside its
+    append. The bench appended it to prompt + output, counting that output twice a turn (a session's
+    last prompt 1.8x the trace's: a review, 2026-12-05). Prompts: 200 -> 330 -> 460 as in the trace (it
+    was 200, 388, 578)."""
+    session = {
+        "block_size": 64,
+        "requests": [
+            {"in": 200, "out": 50, "hash_ids": [1, 2, 3]},
+            {"in": 330, "out": 50, "hash_ids": [1, 2, 3, 4, 5], "think_time": 1.0},
+            {"in": 460, "out": 50, "hash_ids": [1, 2, 3, 4, 5, 6, 7], "think_time": 1.0},
+        ],
+    }
+    (tmp_path / "weka_cc").mkdir()
+    (tmp_path / "weka_cc" / "trace_0001.json").write_text(json.dumps(session))
+    cfg = replace(CFG, workload="weka_cc", num_agents=1, length_scale=1.0, data_dir=str(tmp_path))
+    (plan,) = build_agents(cfg)
+    assert [plan.prompt_tokens(k) for k in range(3)] == [200, 330, 460]
+    assert [t.gen_tokens for t in plan.turns] == [50, 50, 50]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+def test_mooncake_prompts_share_the_blocks_their_trace_shares(tmp_path, scale):
+    """The simulator counts a Mooncake request's blocks shared with earlier requests as hits (37% of
+    the conversation trace); the bench drew every prompt fresh, so the real system saw none (a review,
+    2026-12-05). Blocks with equal hashes are now equal tokens, whatever the agent."""
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 0, "input_length": 1300, "output_length": 5, "hash_ids": [0, 1, 3]},
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [4, 5]},
+    ]
+    (tmp_path / "conversation_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = replace(
+        CFG,
+        workload="mooncake",
+        num_agents=3,
+        length_scale=scale,
+        max_context_tokens=8192,
+        data_dir=str(tmp_path),
+    )
+    plans = build_agents(cfg)
+    a, b, c = (p.turns[0].append_ids for p in plans)
+    block = round(512 * scale)
+    assert [len(x) for x in (a, b, c)] == [round(n * scale) for n in (1100, 1300, 600)]
+    shared = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
+    assert shared == 2 * block  # the two blocks both traces hold, and no more
+    assert a[0] != c[0] and build_agents(cfg)[1].turns[0].append_ids == b  # (and deterministic)
+    fresh = build_agents(replace(cfg, token_seed=99))
+    assert fresh[0].turns[0].append_ids[:block] != a[:block]  # a new token seed: a cold cache again
+
+
 # ---- statistics ------------------------------------------------------------------------------------
 def rec(agent, turn, start, e2e, ttft=0.1, tpot=0.01, ok=True, cached=0) -> TurnRecord:
     return TurnRecord(

@@ -405,14 +405,16 @@ def test_online_tpot_is_measured_over_the_same_turns_as_ttft():
     from pdserve.dualpath.cost_model import DS_27B
     from pdserve.sim.cluster import ClusterSim
     from pdserve.sim.config import HardwareConfig
-    from pdserve.sim.scenarios import Overrides, _config, _online_run
+    from pdserve.sim.scenarios import Overrides, _agents_until, _config, _online_run
 
     ov = Overrides(gpus_per_node=2)
     cfg = _config(ov, 1, 1, DS_27B, "dualpath")
     assert cfg.hw == HardwareConfig(gpus_per_node=2)
     row = _online_run(ov, cfg, "32k", 0.5, 120.0, 60.0)
-    # The same run by hand (``_online_run`` draws 0.5 x 120 + 1 agents).
-    res = ClusterSim(replace(cfg, horizon_s=120.0), load_workload("32k", 61, 0, 0.5)).run()
+    # The same run by hand (``_online_run`` draws the agents arriving before the horizon, and one more).
+    res = ClusterSim(
+        replace(cfg, horizon_s=120.0), load_workload("32k", _agents_until(0.5, 120.0, 0), 0, 0.5)
+    ).run()
     late = res.tpot_s[res.tpot_submit_s >= 60.0]
     assert 0 < len(late) < len(res.tpot_s)  # the warm-up's turns are left out
     assert row["tpot_mean_s"] == pytest.approx(float(np.mean(late)), abs=1e-4)

@@ -442,3 +442,37 @@ def test_too_many_agents_are_refused_before_the_workload_is_drawn(monkeypatch):
     with pytest.raises(SimulationTooLarge, match="agents of 64k"):
         scenarios.run_one(SimConfig(), "64k", 3_000_000)
     assert not drawn
+
+
+def test_a_traces_hits_are_cut_to_the_runs_block_size():
+    """Trace hits are in 64-token store blocks; a run with 256-token blocks used them as given (reads of
+    partial blocks). They are cut to whole blocks of the run, the rest computed: the prompt is the same
+    (a review, 2026-12-05)."""
+    import numpy as np
+
+    from pdserve.bench.workloads import _assemble
+    from pdserve.sim.cluster import ClusterSim
+    from pdserve.sim.config import SimConfig
+    from tests.test_sim_invariants import DS27_ONE_RANK, HW2
+
+    wl = _assemble(
+        "trace", [np.array([500, 100])], [np.array([10, 10])], np.zeros(1), hits=[np.array([0, 448])]
+    )
+    for bt, want in ((64, (448, 100)), (256, (256, 292))):
+        cfg = SimConfig(num_prefill_nodes=1, num_decode_nodes=1, hw=HW2, model=DS27_ONE_RANK, block_tokens=bt)
+        reqs = ClusterSim(cfg, wl, keep_requests=True).run().reqs
+        assert [(r.hit, r.new) for r in reqs] == [(0, 500), want]
+
+
+@pytest.mark.parametrize("aps", [0.1, 0.4])
+def test_online_arrivals_go_on_to_the_horizon(aps):
+    """An online run drew aps x horizon agents: the last of them arrived 141 s before a 3,600 s horizon
+    at 0.1 APS on seed 0, and nothing after, inside the measured window (a review, 2026-12-05). Every
+    arrival inside the horizon is drawn, and one past it."""
+    from pdserve.bench.workloads import arrivals
+    from pdserve.sim.scenarios import _agents_until
+
+    n = _agents_until(aps, 3600.0, seed=0)
+    times = arrivals(n, aps, 0)
+    assert times[-2] <= 3600.0 < times[-1]
+    assert n > int(aps * 3600) + 1 if aps == 0.1 else True  # (seed 0 at 0.1 APS: 372 arrive in time)

@@ -113,19 +113,48 @@ def build_agents(cfg: WorkloadConfig) -> list[AgentPlan]:
         turns: list[TurnPlan] = []
         context = 0
         for i in list(wl.turns_of(a))[: cfg.max_turns]:
-            append = int(wl.append[i]) + (0 if turns else max(int(wl.hit_override[i]), 0))
-            append = max(1, round(append * cfg.length_scale))
+            trace_hit = int(wl.hit_override[i])
+            if turns and trace_hit >= 0:
+                # A trace's later turn (weka_cc): its prompt is hit + append, and the hit covers only
+                # earlier *prompts*, so the previous output is inside its append already. Aim at the
+                # trace's prompt length: adding the append to our prompt + output counted that output
+                # twice a turn (a session's last prompt 1.8x the trace's: a review, 2026-12-05). A turn
+                # after which the trace compacts its context (a shorter prompt) appends one token:
+                # append-only prompts cannot shrink.
+                target = round((int(wl.append[i]) + trace_hit) * cfg.length_scale)
+                append = max(1, target - context)
+            else:
+                append = int(wl.append[i]) + (0 if turns else max(trace_hit, 0))
+                append = max(1, round(append * cfg.length_scale))
             gen = max(1, round(int(wl.gen[i]) * cfg.length_scale))
             if not turns:  # clip the first turn instead of dropping the agent
                 gen = min(gen, max(1, cfg.max_context_tokens // 4))
                 append = min(append, cfg.max_context_tokens - gen)
             if context + append + gen > cfg.max_context_tokens:
                 break
-            ids = rng.integers(lo, hi, append).tolist()
+            if wl.prompt_blocks is not None and not turns:
+                ids = _trace_block_ids(wl, a, cfg, token_seed, lo, hi)[:append]
+                ids += rng.integers(lo, hi, append - len(ids)).tolist()  # (rounding: a few at most)
+            else:
+                ids = rng.integers(lo, hi, append).tolist()
             turns.append(TurnPlan(ids, gen, cfg.think_s if turns else 0.0))
             context += append + gen
         agents.append(AgentPlan(a, float(start_s[a]), turns))
     return agents
+
+
+def _trace_block_ids(wl, agent: int, cfg: WorkloadConfig, token_seed: int, lo: int, hi: int) -> list[int]:
+    """Agent `agent`'s first prompt made of the trace's blocks: each block's ids drawn from an RNG seeded
+    by (token_seed, workload, block hash), so requests whose traces share blocks share those prompt
+    tokens, and the real system sees the prefix hits the simulator counts (a Mooncake replay had none:
+    every prompt was fresh, against the simulator's 37% hit ratio; a review, 2026-12-05). The hashes
+    name whole prefixes (a block's hash is the same only after the same blocks), as the trace's are."""
+    n = max(1, round(wl.prompt_block_tokens * cfg.length_scale))
+    name_crc = zlib.crc32(cfg.workload.encode())
+    ids: list[int] = []
+    for h in wl.prompt_blocks[agent]:
+        ids += np.random.default_rng([token_seed, name_crc, 1 << 32, h]).integers(lo, hi, n).tolist()
+    return ids
 
 
 def turn_prompts(plan: AgentPlan, outputs: list[list[int]]) -> list[list[int]]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 BLOCK_TOKENS = 64  # store block (DESIGN.md glossary)
+MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake traces' `hash_ids` blocks
 
 
 class TraceExhausted(ValueError):
@@ -83,7 +84,10 @@ class Workload:
     Turn t of agent a is index ``offsets[a] + t``; ``append[i]`` new prompt tokens, ``gen[i]`` generated
     tokens, ``think_s[i]`` delay before the turn is submitted (after the previous turn ends), and
     ``hit_override[i]`` the hit tokens when known from a trace (-1: derive from the previous context).
-    ``start_s[a]`` is when the agent's first turn is submitted.
+    ``start_s[a]`` is when the agent's first turn is submitted. ``prompt_blocks[a]`` (Mooncake: one-turn
+    agents) the trace's block hashes of agent a's prompt, ``prompt_block_tokens`` tokens each: equal
+    hashes are equal prompt blocks, so the real benchmark's prompts share the prefixes the simulator
+    counts as hits (None: no trace blocks).
     """
 
     name: str
@@ -93,6 +97,8 @@ class Workload:
     think_s: np.ndarray
     hit_override: np.ndarray
     start_s: np.ndarray
+    prompt_blocks: tuple[tuple[int, ...], ...] | None = None
+    prompt_block_tokens: int = 0
 
     @property
     def num_agents(self) -> int:
@@ -245,14 +251,18 @@ def mooncake_trace(path: str | Path, limit: int | None = None) -> Workload:
                 rows.append(json.loads(line))
             if limit is not None and len(rows) >= limit:
                 break
-    hits = _prefix_hits([r["hash_ids"] for r in rows], 512, [r["input_length"] for r in rows])
+    hits = _prefix_hits(
+        [r["hash_ids"] for r in rows], MOONCAKE_BLOCK_TOKENS, [r["input_length"] for r in rows]
+    )
     appends = [np.array([max(1, r["input_length"] - h)]) for r, h in zip(rows, hits, strict=True)]
     gens = [np.array([max(1, r["output_length"])]) for r in rows]
     hit_arr = [np.array([h // BLOCK_TOKENS * BLOCK_TOKENS]) for h in hits]
     # Fix appends so prompt = hit + append equals the trace's input length after block rounding.
     appends = [np.array([r["input_length"] - int(h[0])]) for r, h in zip(rows, hit_arr, strict=True)]
     start = np.array([r["timestamp"] / 1000.0 for r in rows])
-    return _assemble(Path(path).stem, appends, gens, start, hits=hit_arr)
+    wl = _assemble(Path(path).stem, appends, gens, start, hits=hit_arr)
+    blocks = tuple(tuple(int(h) for h in r["hash_ids"]) for r in rows)
+    return replace(wl, prompt_blocks=blocks, prompt_block_tokens=MOONCAKE_BLOCK_TOKENS)
 
 
 def weka_trace(

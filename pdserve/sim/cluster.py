@@ -535,8 +535,10 @@ class ClusterSim:
         ctx = self.agent_ctx[agent]
         override = self._hit_override[turn]
         bt = self.cfg.block_tokens
-        hit = override if override >= 0 else ctx // bt * bt
-        new = self._append[turn] + (ctx - hit if override < 0 else 0)
+        # (a trace's hit is in 64-token store blocks: on whole blocks of this run's size, the rest
+        # computed, so the prompt stays hit + append)
+        hit = (override if override >= 0 else ctx) // bt * bt
+        new = self._append[turn] + ((ctx if override < 0 else override) - hit)
         req = _Req(self.n_submitted, agent, turn, self.now, hit, new, self._gen[turn])
         self.n_submitted += 1
         self.open_turns[req.rid] = self.now
