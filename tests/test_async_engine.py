@@ -267,3 +267,49 @@ def test_an_output_box_never_replaces_an_error_or_the_final_output():
         4,
         5,
     ]
+
+
+def test_an_id_whose_caller_left_is_not_reused_before_its_request_ended(demo_model_dir, monkeypatch):
+    """A `/generate` whose client left mid-stream, retried at once under its rid: the id was free as
+    soon as the stream was dropped, while the step already running still held the old request, so
+    the retry's stream got the old request's outputs (its prompt, its tokens) and its own request ran
+    on unread (14 of 15 trials on a busy server: a review, 2026-12-05). The id stays active until the
+    engine thread has ended the old request; a retry that waits for it gets its own answer."""
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=128, max_model_len=512))
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    aengine = AsyncEngine(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def answer(prompt: str, rid: str):
+        req, text = aengine.validate(prompt, greedy, rid)
+        return [out async for out in aengine.generate(req, text)][-1]
+
+    async def run():
+        want = await answer("import os\n", "ref")
+        old, text = aengine.validate(
+            "def f(x):", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), "R"
+        )
+        stream = aengine.generate(old, text)
+        for _ in range(2):
+            await anext(stream)
+        await stream.aclose()  # the client left (the engine is mid-step)
+        assert aengine.is_active("R")
+        retry, text = aengine.validate("import os\n", greedy, "R")
+        assert await aengine.earlier_attempt_ended("R", retry)
+        assert not aengine.is_active("R")
+        outs = [out async for out in aengine.generate(retry, text)]
+        return want, outs
+
+    try:
+        want, outs = asyncio.run(run())
+    finally:
+        aengine.shutdown()
+    assert all(o.prompt_token_ids == want.prompt_token_ids for o in outs)
+    assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids and outs[-1].finished
+    assert not engine.requests

@@ -127,3 +127,30 @@ def test_requests_held_by_a_pause_count_in_no_total(demo_engine):
     (rank,) = load["loads"]
     assert rank["num_held_reqs"] == 1 and num_requests(load) == 0
     assert held.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_health_generate_is_healthy_while_a_full_batch_generates(demo_model_dir, monkeypatch):
+    """Every slot taken by long requests: the probe's own request waits for a slot, and a busy, healthy
+    engine answered 503 at the timeout while it generated hundreds of tokens (a review, 2026-12-05;
+    slime's fault monitor restarts an engine on that). Any output since the probe came is health, as
+    SGLang counts it; the probe's request is aborted, not left queued."""
+    import pdserve.server.engine_status as engine_status
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(engine_status, "HEALTH_GENERATE_TIMEOUT_S", 1.0)
+    engine = LLMEngine(EngineConfig.create(demo_model_dir, num_pages=256, max_model_len=1024, max_num_seqs=2))
+
+    async def scenario(c):
+        longs = [asyncio.ensure_future(long_completion(c, 600)) for _ in range(2)]
+        await until(lambda: engine.num_generated_tokens > 0 and len(engine.scheduler.running) == 2)
+        health = await c.get("/health_generate")
+        # (the probe's request is aborted, not left queued behind the batch)
+        await until(lambda: not any(rid.startswith("HEALTH_CHECK_") for rid in list(engine.requests)), 5.0)
+        running = len(engine.scheduler.running)
+        await c.post("/abort_request", json={"abort_all": True})
+        await asyncio.gather(*longs)
+        return health, running
+
+    health, running = run_in_process(engine, scenario)
+    assert health.status_code == 200 and running == 2

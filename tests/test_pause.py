@@ -397,3 +397,40 @@ def test_gauges_follow_an_abort_while_paused(checkpoints):
     frozen, after = run(engine, scenario)
     assert gauge(frozen, "pdserve_num_requests_running") == 1 and gauge(frozen, "pdserve_kv_pages_used") > 0
     assert gauge(after, "pdserve_num_requests_running") == 0 and gauge(after, "pdserve_kv_pages_used") == 0
+
+
+def test_a_request_held_by_a_pause_answers_an_abort_at_once_and_is_counted(checkpoints):
+    """Paused; a request waits for the pause's end; everything is aborted (as a server shutting down
+    does). The held request saw the abort only once the pause ended: at shutdown, never, and its
+    client got no answer when the grace period ran out; nor was its abort counted in /metrics (a
+    review, 2026-12-05). It answers "abort" now, counted once."""
+    a = checkpoints[0]
+    engine = engine_of(a)
+
+    def aborts(text: str) -> float:
+        line = next(
+            (
+                x
+                for x in text.splitlines()
+                if x.startswith('pdserve_requests_finished_total{finish_reason="abort"')
+            ),
+            None,
+        )
+        return float(line.split()[-1]) if line else 0.0
+
+    async def scenario(c):
+        before = aborts((await c.get("/metrics")).text)
+        assert (await c.post("/pause_generation", json={})).status_code == 200
+        held = asyncio.ensure_future(completion(c, 8))
+        await until(lambda: c._transport.app.state.engine.num_held == 1)
+        assert (await c.post("/abort_request", json={"abort_all": True})).status_code == 200
+        answer = await asyncio.wait_for(held, 5.0)  # (still paused)
+        still_paused = (await c.get("/is_paused")).json()
+        await asyncio.sleep(0.1)  # (counted on the engine thread)
+        after = aborts((await c.get("/metrics")).text)
+        await c.post("/continue_generation", json={})
+        return answer, still_paused, after - before
+
+    answer, still_paused, counted = run(engine, scenario)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "abort"
+    assert still_paused == {"is_paused": True} and counted == 1

@@ -7,6 +7,7 @@ block the update (409) or are aborted by it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import httpx
@@ -399,3 +400,34 @@ def test_a_failed_load_of_the_served_directory_is_not_restored_from_it(checkpoin
     assert failed.status_code == 503 and calls[0] == str(served) and len(calls) == 2  # (no restore)
     assert refused.status_code == 503
     assert again.status_code == 200 and text == greedy_ref(b)
+
+
+def test_a_request_held_by_a_pause_reports_the_weights_it_ran_on(checkpoints):
+    """Paused; a `/generate` arrives and waits; the weights are updated to "v2"; generation goes on.
+    The request ran on the new weights but its `meta_info.weight_version` said "default": the label
+    was read when the request came in, and set only after the update's route returned (a review,
+    2026-12-05; slime reads it to tell how off-policy a sample is). Streamed alike."""
+    a, b, _ = checkpoints
+    engine = LLMEngine(EngineConfig.create(a, dtype="float32", **KW))
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+
+    async def scenario(c):
+        assert (await c.post("/pause_generation", json={})).status_code == 200
+        held = asyncio.ensure_future(c.post("/generate", json=body))
+        streamed = asyncio.ensure_future(c.post("/generate", json=body | {"stream": True}))
+        for _ in range(500):
+            if aengine_held(c) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        updated = await c.post("/update_weights_from_disk", json={"model_path": b, "weight_version": "v2"})
+        assert updated.status_code == 200, updated.text
+        assert (await c.post("/continue_generation", json={})).status_code == 200
+        return await held, await streamed
+
+    def aengine_held(c) -> int:
+        return c._transport.app.state.engine.num_held  # (the AsyncEngine: requests waiting in a pause)
+
+    held, streamed = run(engine, scenario)
+    assert held.status_code == 200 and held.json()["meta_info"]["weight_version"] == "v2", held.text
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks and all(ch["meta_info"]["weight_version"] == "v2" for ch in chunks)

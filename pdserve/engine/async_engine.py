@@ -128,6 +128,9 @@ class EngineRole:
 # How long a router's retry of a `/generate` with a client rid waits for its earlier attempt to end
 # on this engine (AsyncEngine.earlier_attempt_ended): a few of the handlers' disconnect polls.
 RETRY_ID_WAIT_S = 2.0
+# An id whose caller left is kept from reuse until the engine thread has ended its request and holds
+# nothing under the id, or this long after the abort was handled (a role that keeps it longer).
+ENDING_ID_MAX_S = 10.0
 
 
 def _room(pd) -> int | None:
@@ -165,6 +168,14 @@ class AsyncEngine:
         # request id -> (its caller's loop, its OutputBox, the request): what is being streamed
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
+        # Ids whose caller stopped iterating, aborted but maybe not yet ended on the engine thread
+        # (event-loop thread; a count, as one id may end twice in a row). A retry under the id while
+        # the step already running still held the old request was handed the old request's outputs,
+        # and its own request ran on with nobody reading it (a review, 2026-12-05): the id stays
+        # active until the engine thread says the old one is gone (`_settle_ending`).
+        self._ending: dict[str, int] = {}
+        self.last_output_s = 0.0  # (monotonic) when a step last produced outputs (/health_generate)
+        self._ending_engine: list[tuple[str, asyncio.AbstractEventLoop, float]] = []  # (engine thread)
         # Every `abort_now()` so far, numbered: (number, the id it named or None for everything), the
         # last MAX_ABORT_LOG. A request remembers how many there were when it arrived (`abort_epoch`):
         # one that named it (or everything) since ends it as soon as it is streamed.
@@ -233,17 +244,27 @@ class AsyncEngine:
                 raise
             finally:
                 self.num_held -= 1
+            if self._aborted_since(req):
+                # Aborted while held (`/abort_request`, or a server shutting down, which aborts
+                # everything): it answers "abort" now. It saw the abort only once the pause ended,
+                # which at shutdown never comes: its client got no answer at all when the grace period
+                # ran out (a review, 2026-12-05).
+                break
         if not self.alive:
             raise EngineDeadError("engine is not running")
-        if req.request_id in self._streams or self._reserved.get(req.request_id, req) is not req:
+        rid = req.request_id
+        if rid in self._streams or rid in self._ending or self._reserved.get(rid, req) is not req:
             # Refused before touching the other stream: replacing its queue (and aborting the id on the
             # way out) would cut off the caller that owns it.
             raise DuplicateRequestId(f"request id {req.request_id!r} is already active")
         aborted = self._aborted_since(req)  # named (or everything was) while it was being checked
         if aborted and (self.role is None or req.abort_epoch == ROUTER_ABORTED_EPOCH):
             # Nothing to tell anyone: no token computed, no page taken (and a router-aborted PD half's
-            # peer half is aborted alike).
+            # peer half is aborted alike). Counted, as every answered abort is (it was not).
             self.unreserve(req)
+            if self._on_failed:
+                on_failed = self._on_failed
+                self._send(("call", lambda: on_failed("abort")))
             yield _aborted_output(req, None)
             return
         box = OutputBox()
@@ -276,7 +297,16 @@ class AsyncEngine:
             self._streams.pop(req.request_id, None)
             self._aborting.discard(req.request_id)
             if not finished:
-                self._send(("abort", req.request_id, False))
+                self._ending[req.request_id] = self._ending.get(req.request_id, 0) + 1
+                self._send(("abort", req.request_id, False, asyncio.get_running_loop()))
+
+    def _ended(self, rid: str) -> None:
+        """Event-loop thread: the engine thread holds nothing more of an id whose caller left."""
+        left = self._ending.get(rid, 0) - 1
+        if left > 0:
+            self._ending[rid] = left
+        else:
+            self._ending.pop(rid, None)
 
     async def pause(self, mode: str = "abort") -> int:
         """Event-loop thread (the pause routes of server/admin.py, for an RL trainer's weight update):
@@ -352,7 +382,7 @@ class AsyncEngine:
     def is_active(self, request_id: str) -> bool:
         """Event-loop thread: whether a caller is iterating `generate()` for this id, or holds it
         while it waits to start (`reserve`)."""
-        return request_id in self._streams or request_id in self._reserved
+        return request_id in self._streams or request_id in self._reserved or request_id in self._ending
 
     async def earlier_attempt_ended(self, rid: str, req: Request, timeout_s: float = RETRY_ID_WAIT_S) -> bool:
         """Event-loop thread: whether the request active under `rid` (`req`'s `/generate` rid) was an
@@ -361,6 +391,12 @@ class AsyncEngine:
         -- and has ended within `timeout_s` (its handler notices the closed connection within
         CLIENT_POLL_S). The retry was refused as a duplicate id before, and the client got a 409
         about its own request."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while rid in self._ending and rid not in self._streams and rid not in self._reserved:
+            if loop.time() > until:  # (an attempt whose caller left: its request ends on the engine thread)
+                return False
+            await asyncio.sleep(0.01)
         active = self._streams.get(rid) or self._reserved.get(rid)
         if active is None:
             return True
@@ -369,7 +405,6 @@ class AsyncEngine:
             return False
         if _room(other.pd) == _room(req.pd):
             return False  # (the same half twice: a real duplicate)
-        until = asyncio.get_running_loop().time() + timeout_s
         while self.is_active(rid):
             if asyncio.get_running_loop().time() > until:
                 return False
@@ -570,6 +605,20 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # (its loop closed: nobody is left to read it)
                 loop.call_soon_threadsafe(box.put, out)
 
+    def _settle_ending(self) -> None:
+        """Engine thread: ids whose caller left and whose request the engine no longer holds (or held
+        past ENDING_ID_MAX_S) are free for reuse again. (A PD role's own bookkeeping of an ended room
+        already tells a retry's request apart: `by_request` is checked against the room.)"""
+        now = time.monotonic()
+        keep = []
+        for rid, loop, until_s in self._ending_engine:
+            if rid in self.engine.requests and now < until_s:
+                keep.append((rid, loop, until_s))
+                continue
+            with contextlib.suppress(RuntimeError):  # (its loop closed: nobody is left to retry)
+                loop.call_soon_threadsafe(self._ended, rid)
+        self._ending_engine = keep
+
     def _loop(self) -> None:
         engine, role = self.engine, self.role
         idle_checked = True
@@ -592,8 +641,11 @@ class AsyncEngine:
                                 engine.add(req, text)
                         except Exception as e:  # duplicate id / room: report to that caller only
                             self._deliver(e, req.request_id)
-                    elif cmd[0] == "abort":  # ("abort", request id, whether /abort_request named it)
-                        _, rid, client_abort = cmd
+                    elif cmd[0] == "abort":  # ("abort", request id, whether /abort_request named it
+                        # [, the loop of a caller that left: told when nothing of the id is left])
+                        rid, client_abort = cmd[1], cmd[2]
+                        if len(cmd) > 3:
+                            self._ending_engine.append((rid, cmd[3], time.monotonic() + ENDING_ID_MAX_S))
                         if role is not None:
                             aborted = role.abort(rid, client_abort=client_abort)
                         else:
@@ -603,8 +655,12 @@ class AsyncEngine:
                     elif cmd[0] == "call":  # run a function on the engine thread (role plumbing)
                         cmd[1]()
                 role_busy = role.tick() if role is not None else False
+                if self._ending_engine:
+                    self._settle_ending()
                 if engine.has_unfinished() and not self._hold_steps:
                     outputs = engine.step()
+                    if outputs:
+                        self.last_output_s = time.monotonic()
                     if self._on_step:  # (first: a client that has its answer finds it counted)
                         self._on_step(engine, outputs)
                     for out in outputs:

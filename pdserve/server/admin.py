@@ -140,7 +140,7 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
                 keep = aengine.pause_mode in ("in_place", "retract") and not body.abort_running
                 dropped = engine.update_weights(body.model_path, body.abort_running, ended, keep_running=keep)
                 kept.append(len(engine.requests))
-                return dropped
+                return loaded(dropped)
 
             def end(rid: str):  # a PD request ends through its role: its room fails on purpose, and
                 out = pd.role.abort(rid, True)  # its peer's half answers "abort" too
@@ -158,6 +158,14 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             except Exception as e:  # the weights changed but the role would still name the old ones
                 engine.weights_lost = f"weights loaded, but the PD role could not follow them: {e!r}"
                 raise WeightsLost(engine.weights_lost) from e
+            return loaded(dropped)
+
+        def loaded(dropped: int) -> int:  # (engine thread)
+            # The new label with the new weights, on the engine thread before any step runs on them:
+            # set once the route resumed, a request held by a pause (or arriving during the load)
+            # reported the old label for tokens of the new weights (a review, 2026-12-05).
+            if body.weight_version is not None:
+                engine.weight_version = body.weight_version
             return dropped
 
         pause_seq = aengine.pause_seq  # (a pause that comes during the update is not ended by it)
@@ -169,8 +177,6 @@ def admin_routes(aengine: AsyncEngine, engine: LLMEngine, enable_weight_updates:
             raise failed(f"cannot load {body.model_path!r}: {e}", param="model_path") from None
         except (WeightsLost, EngineDeadError) as e:
             raise failed(str(e), 503, "ServiceUnavailable") from None
-        if body.weight_version is not None:
-            engine.weight_version = body.weight_version
         if not body.keep_pause:  # (SGLang's: the requests a pause froze go on; new ones still wait)
             aengine.release_held(since=pause_seq)
         return {

@@ -978,13 +978,14 @@ def build_app(
         """(`generate_one` past its checks, `req`'s rid reserved)"""
         await fanout.validated()  # (a child of a batch: every check above passed; wait for its siblings)
         token_text = token_str if body.return_text_in_logprobs else None
-        weight_version = engine.weight_version  # (the weights this request runs on: updates wait for it)
         if req.prompt_logprobs is None and not body.return_logprob:
             input_start = None
 
         def native(out: RequestOutput) -> dict:
             o = out.outputs[0]
-            meta = meta_info(out, weight_version)
+            # (read per output, as SGLang: a request held by a pause, or kept running through an update,
+            # runs on the weights loaded meanwhile; read at its start it named the old ones)
+            meta = meta_info(out, engine.weight_version)
             if o.logprobs is not None:  # (SGLang's [logprob, token id, text or null] entries)
                 meta["output_token_logprobs"] = [
                     logprob_entry(lp.logprob, lp.token_id, token_text) for lp in o.logprobs
@@ -1006,10 +1007,10 @@ def build_app(
 
             async def events():
                 # (the same bytes as sse(native(out)), O(new tokens))
-                chunks = CumulativeChunks(token_text, input_start, weight_version)
+                chunks = CumulativeChunks(token_text, input_start)
                 try:
                     async for out in aengine.generate(req, text):
-                        yield f"data: {chunks.encode(out)}\n\n"
+                        yield f"data: {chunks.encode(out, engine.weight_version)}\n\n"
                 except InvalidRequest as e:  # the stream already started: report in-band
                     yield sse(error_body(str(e), *in_band_status(e)))
                 except (RuntimeError, EngineDeadError) as e:

@@ -25,6 +25,7 @@ atomic under the GIL), a snapshot at most one step stale, as `pd_load` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -37,6 +38,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import APIError, now_iso
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # (SGLang's default health-check timeout)
+HEALTH_POLL_S = 0.05  # how often /health_generate looks for outputs of other requests
 LOAD_SECTIONS = ("core", "memory", "queues", "disagg")
 NO_SECTION = ("spec", "lora", "inflight")  # (SGLang's: nothing here to report under them)
 
@@ -180,10 +182,27 @@ def status_routes(aengine: AsyncEngine, engine: LLMEngine, pd=None) -> APIRouter
                     return len(out.outputs[0].token_ids) == 1
             return False
 
+        # Healthy once the probe has its token, or once any step has produced outputs since the probe
+        # came (SGLang's test): behind a full batch of long rollouts the probe itself waits for a
+        # slot, and a busy engine answered 503 at the timeout while it generated hundreds of tokens
+        # (a review, 2026-12-05; slime's fault monitor restarts an engine on that).
+        tic = time.monotonic()
+        probe = asyncio.ensure_future(one_token())
+        ok = False
         try:
-            ok = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-        except (TimeoutError, RuntimeError):  # (no token in time; the engine died or stopped)
-            ok = False
+            while time.monotonic() - tic < HEALTH_GENERATE_TIMEOUT_S:
+                done, _ = await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
+                if done:
+                    ok = not probe.cancelled() and probe.exception() is None and probe.result()
+                    break
+                if aengine.last_output_s > tic and aengine.alive:
+                    ok = True
+                    break
+        finally:
+            if not probe.done():  # (its request is aborted on the way out)
+                probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                    await probe
         return Response(status_code=200 if ok else 503)
 
     return router

@@ -97,8 +97,11 @@ class CumulativeChunks:
         self._logprobs = ""  # "[lp, id, text], ..."
         self._tops = ""  # "[[lp, id, text], ...], ..."
 
-    def encode(self, out: RequestOutput) -> str:
-        """json.dumps of {"output_ids", "text", "meta_info"} for `out` (server/api.py's `native`)."""
+    def encode(self, out: RequestOutput, weight_version: str | None = None) -> str:
+        """json.dumps of {"output_ids", "text", "meta_info"} for `out` (server/api.py's `native`);
+        `weight_version` (the weights served now) replaces the one given at construction."""
+        if weight_version is not None:
+            self._weight_version = weight_version
         o = out.outputs[0]
         new_ids = o.token_ids[self._num_ids :]
         if new_ids:
