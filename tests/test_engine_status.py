@@ -154,3 +154,26 @@ def test_health_generate_is_healthy_while_a_full_batch_generates(demo_model_dir,
 
     health, running = run_in_process(engine, scenario)
     assert health.status_code == 200 and running == 2
+
+
+def test_health_probes_are_not_counted_as_traffic(demo_engine):
+    """Three `/health_generate` probes added 3 to the finished requests, the generated and prompt
+    tokens and the latency histograms: a dashboard of an idle engine showed traffic (a review,
+    2026-12-05; SGLang sends its probe with log_metrics=False)."""
+
+    def counted(text: str) -> list[float]:
+        names = (
+            "pdserve_requests_finished_total",
+            "pdserve_generation_tokens_total",
+            "pdserve_prompt_tokens_total",
+        )
+        return [sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(n)) for n in names]
+
+    async def scenario(c):
+        before = counted((await c.get("/metrics")).text)
+        probes = [(await c.get("/health_generate")).status_code for _ in range(3)]
+        await asyncio.sleep(0.1)
+        return before, probes, counted((await c.get("/metrics")).text)
+
+    before, probes, after = run_in_process(demo_engine, scenario)
+    assert probes == [200] * 3 and after == before

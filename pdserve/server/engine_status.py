@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.metrics import HEALTH_PROBE_PREFIX
 from pdserve.server.protocol import APIError, now_iso
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # (SGLang's default health-check timeout)
@@ -173,7 +174,7 @@ def status_routes(aengine: AsyncEngine, engine: LLMEngine, pd=None) -> APIRouter
         req, text = aengine.validate(
             {"prompt_token_ids": [0]},
             SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-            request_id=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            request_id=f"{HEALTH_PROBE_PREFIX}{uuid.uuid4().hex}",
         )
 
         async def one_token() -> bool:

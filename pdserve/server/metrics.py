@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 
+HEALTH_PROBE_PREFIX = "HEALTH_CHECK_"  # /health_generate's request ids (engine_status.py, the router's probe)
+
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A whole request (agentic turns decode for minutes): vLLM's e2e buckets.
 _E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960)
@@ -109,6 +111,8 @@ class EngineMetrics:
         if self.pd is not None:
             self.pd.update()
         for out in outputs:
+            if out.request_id.startswith(HEALTH_PROBE_PREFIX):  # (a probe is not traffic: SGLang's
+                continue  # probes carry log_metrics=False)
             self.generated.inc()
             self.observe(out)
 
@@ -126,6 +130,8 @@ class EngineMetrics:
     def observe_end(self, out: RequestOutput) -> None:
         """A request's end (also the async engine's abort hook: an aborted request's first token, if it
         had one, was observed with the output that brought it)."""
+        if out.request_id.startswith(HEALTH_PROBE_PREFIX):
+            return
         m = out.metrics
         self.finished.labels(out.outputs[0].finish_reason or "abort").inc()
         if m.get("arrival_time") is not None:  # (monotonic, as the engine stamps it)
