@@ -2637,3 +2637,23 @@ def test_a_room_waiting_for_a_handoff_row_fails_at_its_deadline_and_leaves_the_q
         p.pe_role.handoff.free(slot)
     p.pe_role.tick()
     p.assert_clean()
+
+
+def test_a_decodes_load_report_counts_what_the_scheduler_books(make_pair):
+    """The scheduler books a request on a decode at its whole length, prompt + max_tokens - 1 (its
+    len(r)); the decode reported the current lengths of admitted requests only, so its load fell at
+    every report below what had been booked, and a request waiting for its KV counted nothing (a
+    review, 2026-12-05)."""
+    from pdserve.engine.pd_load import load_report
+
+    p = make_pair()
+    room = new_room()
+    _, dreq = p.requests(prompt(9), 4, "dl", room)
+    p.de_role.add(dreq, None)  # (waiting for its pages and KV: nothing admitted yet)
+    report = load_report(p.de_role, "n")
+    assert (report.num_seqs, report.num_tokens) == (1, 9 + 4 - 1)
+    preq, _ = p.requests(prompt(9), 4, "dl", room)
+    p.pe_role.add(preq, None)
+    p.drive(lambda: p.idle())
+    assert (load_report(p.de_role, "n").num_seqs, load_report(p.de_role, "n").num_tokens) == (0, 0)
+    p.assert_clean()

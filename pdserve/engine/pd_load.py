@@ -10,8 +10,8 @@ Fields (paper §6, "seq_e, tok_e, read_q, free HBM"):
 * `num_seqs`, `num_tokens` — prefill: requests not yet handed off and their prompt tokens still to
   compute (a stored hit being read, or the decode's hit pages, is not to compute: the scheduler books
   a request's new tokens only, and the two must count alike, else a prefill's load jumped by the hit at
-  every report and fell back once it was loaded, a review, 2026-12-05); decode: requests held and
-  their current lengths (prompt + generated).
+  every report and fell back once it was loaded, a review, 2026-12-05); decode: requests held (admitted
+  or waiting for their KV) and their whole lengths, prompt + max_tokens - 1 (the scheduler's len(r)).
 * `num_free_pages` — decode: pages an allocation could get now (free + evictable cached) minus the
   growth reserved by requests whose KV is arriving and the prompt pages of requests not yet admitted.
 * `read_queue_tokens` — hit tokens of this engine's store reads in flight.
@@ -109,9 +109,12 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         num_free = pool.num_free_pages
     else:  # decode
         rooms = list(role.prealloc) + list(role.transfer.values())
-        reqs = list(engine.requests.values())
-        num_seqs = len(reqs)
-        num_tokens = sum(r.num_tokens for r in reqs)
+        # Every request it holds, admitted or not, at its whole length (prompt + max_tokens - 1: the
+        # scheduler's len(r), what it books at assignment); current lengths, admitted ones only, made
+        # a decode's load fall at each report below what was booked (a review, 2026-12-05).
+        held = {id(r): r for r in list(engine.requests.values()) + [d.req for d in rooms]}
+        num_seqs = len(held)
+        num_tokens = sum(max(r.num_tokens, r.num_prompt_tokens + r.max_tokens - 1) for r in held.values())
         waiting_pages = sum(-(-d.req.num_prompt_tokens // role.page_size) for d in list(role.prealloc))
         num_free = max(0, pool.num_free_pages - role._reserved_pages() - waiting_pages)
         planned = sum(
