@@ -470,3 +470,18 @@ def test_a_forked_child_can_use_a_link_whose_lock_a_thread_held_at_the_fork(make
     link._tlock.release()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_transmit_all_that_cannot_start_on_a_later_link_leaves_no_flow_behind(make_link):
+    """A move over two links whose second has every flow slot taken: the flow started on the first kept
+    taking its bandwidth for a move that never happened (a review, 2026-12-05)."""
+    clock = FakeClock()
+    first, full = (
+        make_link("a", bytes_per_s=100.0, clock=clock),
+        make_link("b", bytes_per_s=100.0, clock=clock, max_flows=1),
+    )
+    blocker = full.start(10, KV)
+    with pytest.raises(LinkFullError):
+        transmit_all([first, full], 1_000, KV, TAG_TRANSFER)
+    assert first.pending_bytes() == 0 and first.stats()["cancelled_flows"] == 1
+    full.cancel(blocker)

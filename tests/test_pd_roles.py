@@ -2657,3 +2657,22 @@ def test_a_decodes_load_report_counts_what_the_scheduler_books(make_pair):
     p.drive(lambda: p.idle())
     assert (load_report(p.de_role, "n").num_seqs, load_report(p.de_role, "n").num_tokens) == (0, 0)
     p.assert_clean()
+
+
+def test_an_unlimited_snic_reports_no_node_read_queue(make_pair, tmp_path):
+    """`launch --nodes` gives every engine a node dir, with or without `--snic-mbps`. Without, the
+    SNIC link has no shared state: its read queue always read 0 and its counters were this process's
+    own, and the router took that 0 for the node's queue over the engines' reads in flight (a review,
+    2026-12-05). Such a report says -1 (no node view) and leaves the SNIC figures at 0."""
+    from pdserve.engine.pd_load import load_report
+    from pdserve.netem.traffic import NodeConfig, TrafficManager
+
+    p = make_pair()
+    with TrafficManager(NodeConfig("n0", str(tmp_path / "nodes"))) as unlimited:
+        report = load_report(p.pe_role, "n0", unlimited)
+    assert (report.node_read_queue_bytes, report.node_read_queue_tokens) == (-1, -1)
+    assert (report.snic_bytes_per_s, report.snic_bytes_served) == (0.0, 0)
+    limited = NodeConfig("n1", str(tmp_path / "nodes"), snic_bytes_per_s=1e6)
+    with TrafficManager(limited) as tm:
+        report = load_report(p.pe_role, "n1", tm)
+    assert report.node_read_queue_bytes == 0 and report.snic_bytes_per_s == 1e6

@@ -440,3 +440,18 @@ def test_a_report_taken_before_an_assignment_arrived_does_not_free_its_booking()
         return await asyncio.wait_for(task, 1.0)
 
     assert asyncio.run(second()).assignment.decode_engine == 0
+
+
+def test_a_nodes_read_queue_is_the_larger_of_its_link_and_its_engines_views():
+    """The link's view holds reads still crossing the storage NIC; reads past it but still reading
+    from disk are only in the engines' own counts. The router used the link's view alone (pd_load's
+    docstring promised the larger of the two), and with an unlimited SNIC that view was always 0
+    (a review, 2026-12-05)."""
+    pe = [Engine("http://p0", "prefill", healthy=True)]
+    de = [Engine("http://d0", "decode", healthy=True)]
+    pl = Placement("dualpath", pe, de)
+    pl.on_load(pe[0], report("n0", "prefill", read_queue_tokens=5000, node_read_queue_bytes=0))
+    pl.on_load(de[0], report("d0", "decode"))
+    assert pl.scheduler.read_queue_tokens[pl.node_ids["n0"]] == 5000
+    pl.on_load(pe[0], report("n0", "prefill", read_queue_tokens=5000, node_read_queue_bytes=8000 * BPT))
+    assert pl.scheduler.read_queue_tokens[pl.node_ids["n0"]] == 8000

@@ -18,12 +18,14 @@ Fields (paper §6, "seq_e, tok_e, read_q, free HBM"):
 * `planned_read_tokens` — DE read path requests waiting for pages: their reads start at admission,
   so without this a burst assigned to one decode would look like an idle node for a while.
 * `node_read_queue_bytes` — bytes of storage reads pending on the node's storage NIC, all engines of
-  the node together (from the shared link; -1 without node emulation). The router turns it into tokens
+  the node together (from the shared link; -1 without node emulation or with an unlimited SNIC, whose
+  link keeps no shared state, and the `snic_*` figures then stay 0). The router turns it into tokens
   with `kv_bytes_per_token` and keeps the larger of the two views.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
@@ -136,13 +138,14 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         planned_read_tokens=planned,
         time_s=time.time(),
     )
-    if traffic is not None:
-        snap = traffic.snapshot()
+    snic = traffic.snapshot()["snic"] if traffic is not None else None
+    # Node-wide figures only from an emulated SNIC with a rate: an unlimited one (a node dir with no
+    # --snic-mbps) has no shared state, so its read queue read 0 and its counters were this process's
+    # own, and the router took "0" for the node's queue over its engines' reads (a review, 2026-12-05).
+    if snic is not None and math.isfinite(snic["bytes_per_s"]):
         report.node_read_queue_bytes = int(traffic.read_queue_bytes())
         report.node_read_queue_tokens = report.node_read_queue_bytes // max(1, bytes_per_token)
-        snic = snap["snic"]
-        rate = snic["bytes_per_s"]
-        report.snic_bytes_per_s = 0.0 if rate == float("inf") else float(rate)
+        report.snic_bytes_per_s = float(snic["bytes_per_s"])
         report.snic_bytes_served = int(sum(snic["served_bytes_by_class"].values()))
         report.snic_read_bytes_served = int(snic["served_bytes_by_tag"]["read"])
     return report

@@ -422,6 +422,13 @@ def _pid_alive(pid: int) -> bool:
 def transmit_all(links: Iterable[SharedLink], nbytes: int, cls: TrafficClass, tag: int = TAG_OTHER) -> None:
     """A move crossing several links (e.g. SNIC then CNIC): a flow on each, wait for all (fluid: the
     slowest link's share bounds the move; no store-and-forward delay is modelled)."""
-    started = [(link, link.start(nbytes, cls, tag)) for link in links]
+    started: list[tuple[SharedLink, int]] = []
+    try:
+        for link in links:
+            started.append((link, link.start(nbytes, cls, tag)))
+    except BaseException:  # (LinkFullError on a later link: the earlier flows moved nothing for it)
+        for link, flow_id in started:
+            link.cancel(flow_id)
+        raise
     for link, flow_id in started:
         link.wait(flow_id)

@@ -271,10 +271,10 @@ class Placement:
             for e in self.prefills + self.decodes
             if e.healthy and e.url in self.reports and self.built_nodes.get(e.url) == built
         ]
-        if r["node_read_queue_bytes"] >= 0:
-            tokens = r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"])
-        else:
-            tokens = sum(x["read_queue_tokens"] for x in same_node)
+        tokens = sum(x["read_queue_tokens"] for x in same_node)
+        if r["node_read_queue_bytes"] >= 0:  # (the link's view; reads past the link but still reading
+            # from disk are in the engines' own: the larger of the two, as pd_load says)
+            tokens = max(tokens, r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"]))
         tokens += sum(x.get("planned_read_tokens", 0) for x in same_node)
         recent = self._recent_reads[node]
         while recent and recent[0][0] < r["time_s"] - RECENT_READ_KEEP_S:
