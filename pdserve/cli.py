@@ -1,6 +1,8 @@
 """`pdserve` command line: serve | router | launch | make-demo-model | demo | bench | simulate.
 
-Length (~670 lines): one argparse tree. Most of it is option declarations with their help (every
+(The parser's description is USAGE below; this docstring is for developers.)
+
+Length (~730 lines): one argparse tree. Most of it is option declarations with their help (every
 flag of `serve`, `router` and `launch` in one place, as vLLM's `--help` lists them) and the small
 `cmd_*` functions that turn parsed options into frozen configs; each subcommand's work lives in its
 own module (`launch.py`, `bench/`, `sim/cli.py`).
@@ -14,6 +16,7 @@ import os
 import socket
 import sys
 
+from pdserve import __version__
 from pdserve.argtypes import DEVICES, DTYPES, count, engine_url, number, output_file, port, positive
 from pdserve.server.auth import API_KEY_ENV
 from pdserve.server.reasoning import PARSERS as REASONING_PARSERS
@@ -314,6 +317,17 @@ def engine_config_from_args(a: argparse.Namespace):
     )
 
 
+def _pd_flags_given(a: argparse.Namespace) -> list[str]:
+    """The PD-only flags (`_pd_args`) set to anything but their defaults, as `--flag` names."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    _pd_args(defaults)
+    return [
+        action.option_strings[0]
+        for action in defaults._actions
+        if action.option_strings and getattr(a, action.dest, action.default) != action.default
+    ]
+
+
 def _pd_config(a: argparse.Namespace, secret: bytes):
     """The PD engine's config from its flags; ValueError for a combination that cannot work."""
     from pdserve.engine.pd_common import PDConfig
@@ -353,6 +367,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pdserve.server.api import build_app
 
     _configure_logging(a.log_level)
+    if a.role == "colocated" and (given := _pd_flags_given(a)):
+        # (a colocated engine started without them and said nothing: `--kv-store` asked for a store
+        # it never made; a review, 2026-12-05)
+        print(
+            f"error: {', '.join(given)}: only for --role prefill or decode (a colocated engine has no"
+            " PD transfer, KV store or NIC emulation)",
+            file=sys.stderr,
+        )
+        return 2
     sock = _listen_or_exit_code(a.host, a.port)
     if isinstance(sock, int):
         return sock
@@ -565,8 +588,16 @@ def _bench(a: argparse.Namespace) -> int:
     return 2
 
 
+USAGE = (
+    "Serve LLMs with prefill and decode on separate engines (PD disaggregation), loading the KV cache "
+    "of long agentic contexts from a persistent store through two read paths (DualPath); benchmark "
+    "them, and simulate such clusters at scale."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pdserve", description=__doc__)
+    parser = _Parser(prog="pdserve", description=USAGE)
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run an engine with an OpenAI-compatible HTTP API")
@@ -602,7 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=port, default=8000, help="HTTP port")
     r.add_argument("--health-interval-s", type=positive, default=1.0, help="engine health poll period")
     _api_key_arg(r)
-    _read_path_arg(r, "DualPath read path per request (a request body's read_path wins)")
+    _read_path_arg(
+        r,
+        "DualPath read path per request (a request body's read_path wins under --policy none; under a"
+        " placement policy the policy chooses, and a body's read_path is a 400)",
+    )
     _policy_args(r)
     _log_level_arg(r)
     r.set_defaults(fn=cmd_router)

@@ -224,6 +224,9 @@ def check_engine_flags(a, with_nodes: bool) -> None:
     the engines' own checks, run on the `pdserve serve` arguments they will get."""
     from pdserve.cli import _pd_config, build_parser, engine_config_from_args
 
+    if (getattr(a, "snic_mbps", None) or getattr(a, "cnic_mbps", None)) and not with_nodes:
+        # (the engines' own message named --node-dir, which `launch` does not have)
+        raise ValueError("--snic-mbps / --cnic-mbps emulate nodes' NICs: they need --nodes")
     nodes = ["--node-dir", "(made at launch)"] if with_nodes else []
     argv = ["serve", *engine_flags(a), "--role", "decode", *pd_flags(a), *nodes]
     try:

@@ -507,3 +507,24 @@ def test_a_stop_signal_that_python_swallows_while_launch_starts_stops_it_at_once
     rc, elapsed_s = p.stdout.split()
     assert rc == "143" and float(elapsed_s) < 2.0, (p.stdout, p.stderr)
     assert "Exception ignored" not in p.stderr, p.stderr
+
+
+def test_pd_only_flags_on_a_colocated_engine_and_nic_budgets_without_nodes_are_usage_errors(
+    capsys, demo_model_dir
+):
+    """A colocated `serve --kv-store DIR` started without a store and said nothing (a vLLM user asking
+    for KV offload got none); `launch --snic-mbps` without `--nodes` named `--node-dir`, a flag launch
+    does not have (a review, 2026-12-05). And `pdserve --version` exists, as vLLM's."""
+    from pdserve.cli import main
+
+    assert main(["serve", "--model", demo_model_dir, "--kv-store", "/tmp/x", "--snic-mbps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-store, --snic-mbps: only for --role prefill or decode" in err and len(err.splitlines()) == 1
+    assert (
+        main(["launch", "--model", demo_model_dir, "--prefill", "1", "--decode", "1", "--snic-mbps", "8"])
+        == 2
+    )
+    assert "they need --nodes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("pdserve ")

@@ -94,8 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sample-s",
         type=positive,
         default=5.0,
-        help="SNIC balance window; ~10 reads per node per window at the defaults (the paper's 50 GB/s "
-        "SNICs move a 32K-token context in ~26 ms, so its windows hold dozens of reads)",
+        help="SNIC balance window, 5 s unless given: ~10 reads per node per window with this bench's"
+        " other settings left as they are (the paper's 50 GB/s SNICs move a 32K-token context in ~26 ms,"
+        " so its windows hold dozens of reads)",
     )
     p.add_argument("--json", type=output_file, default=None, help="write every policy's figures here")
     p.add_argument("--plot", type=plot_file, default=None, help="write a plot here (format by suffix)")
