@@ -169,11 +169,11 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Request]] = {}
         self._aborting: set[str] = set()  # streamed ids `abort_now` ended (event-loop thread)
         # Ids whose caller stopped iterating, aborted but maybe not yet ended on the engine thread
-        # (event-loop thread; a count, as one id may end twice in a row). A retry under the id while
-        # the step already running still held the old request was handed the old request's outputs,
-        # and its own request ran on with nobody reading it (a review, 2026-12-05): the id stays
-        # active until the engine thread says the old one is gone (`_settle_ending`).
-        self._ending: dict[str, int] = {}
+        # (event-loop thread). A retry under the id while the step already running still held the
+        # old request was handed the old request's outputs, and its own request ran on with nobody
+        # reading it (a review, 2026-12-05): the id stays active (no new stream can take it) until
+        # the engine thread says the old one is gone (`_settle_ending`).
+        self._ending: set[str] = set()
         self.last_output_s = 0.0  # (monotonic) when a step last produced outputs (/health_generate)
         self._ending_engine: list[tuple[str, asyncio.AbstractEventLoop, float]] = []  # (engine thread)
         # Every `abort_now()` so far, numbered: (number, the id it named or None for everything), the
@@ -297,16 +297,8 @@ class AsyncEngine:
             self._streams.pop(req.request_id, None)
             self._aborting.discard(req.request_id)
             if not finished:
-                self._ending[req.request_id] = self._ending.get(req.request_id, 0) + 1
+                self._ending.add(req.request_id)
                 self._send(("abort", req.request_id, False, asyncio.get_running_loop()))
-
-    def _ended(self, rid: str) -> None:
-        """Event-loop thread: the engine thread holds nothing more of an id whose caller left."""
-        left = self._ending.get(rid, 0) - 1
-        if left > 0:
-            self._ending[rid] = left
-        else:
-            self._ending.pop(rid, None)
 
     async def pause(self, mode: str = "abort") -> int:
         """Event-loop thread (the pause routes of server/admin.py, for an RL trainer's weight update):
@@ -616,7 +608,7 @@ class AsyncEngine:
                 keep.append((rid, loop, until_s))
                 continue
             with contextlib.suppress(RuntimeError):  # (its loop closed: nobody is left to retry)
-                loop.call_soon_threadsafe(self._ended, rid)
+                loop.call_soon_threadsafe(self._ending.discard, rid)
         self._ending_engine = keep
 
     def _loop(self) -> None:
