@@ -54,6 +54,15 @@ DISPATCH_MARGIN_S = 0.05
 RECENT_READ_KEEP_S = 2.0
 
 
+def _after_report(ledger: deque, report_s: float) -> list[tuple]:
+    """The entries (wall time first) of a ledger of what this router assigned that a report taken at
+    `report_s` cannot show yet: those after `report_s - DISPATCH_MARGIN_S` (the engine had them by
+    then). Entries older than RECENT_READ_KEEP_S before the report are dropped for good."""
+    while ledger and ledger[0][0] < report_s - RECENT_READ_KEEP_S:
+        ledger.popleft()
+    return [entry for entry in ledger if entry[0] > report_s - DISPATCH_MARGIN_S]
+
+
 class PlacementError(Exception):
     """A request that can never be placed (bigger than every decode engine's pool): a 400."""
 
@@ -276,21 +285,12 @@ class Placement:
             # from disk are in the engines' own: the larger of the two, as pd_load says)
             tokens = max(tokens, r["node_read_queue_bytes"] // max(1, r["kv_bytes_per_token"]))
         tokens += sum(x.get("planned_read_tokens", 0) for x in same_node)
-        recent = self._recent_reads[node]
-        while recent and recent[0][0] < r["time_s"] - RECENT_READ_KEEP_S:
-            recent.popleft()
-        tokens += sum(n for t, n in recent if t > r["time_s"] - DISPATCH_MARGIN_S)
+        tokens += sum(n for _, n in _after_report(self._recent_reads[node], r["time_s"]))
         s.report_read_queue(node, int(tokens))
 
     def _booked_since(self, url: str, report_s: float) -> tuple[int, int, int]:
-        """(seqs, tokens, pages) booked on the engine that its report taken at `report_s` cannot show
-        yet: those assigned after `report_s - DISPATCH_MARGIN_S`."""
-        books = self._recent_books.get(url)
-        if not books:
-            return 0, 0, 0
-        while books and books[0][0] < report_s - RECENT_READ_KEEP_S:
-            books.popleft()
-        late = [b for b in books if b[0] > report_s - DISPATCH_MARGIN_S]
+        """(seqs, tokens, pages) booked on the engine that its report taken at `report_s` cannot show."""
+        late = _after_report(self._recent_books.get(url, deque()), report_s)
         return sum(b[1] for b in late), sum(b[2] for b in late), sum(b[3] for b in late)
 
     # ---- requests --------------------------------------------------------------------------------
