@@ -82,11 +82,8 @@ def meta_info(out: RequestOutput, weight_version: str | None = None) -> dict:
 
 
 class CumulativeChunks:
-    def __init__(
-        self, token_text: TokenText = None, input_start: int | None = None, weight_version: str | None = None
-    ) -> None:
+    def __init__(self, token_text: TokenText = None, input_start: int | None = None) -> None:
         self._token_text = token_text
-        self._weight_version = weight_version
         self._input_start = input_start  # (`input_logprobs` from this position; None: not asked for)
         self._inputs = ""  # their `"input_token_logprobs": ..., "input_top_logprobs": ...`, once known
         self._num_ids = 0
@@ -98,10 +95,8 @@ class CumulativeChunks:
         self._tops = ""  # "[[lp, id, text], ...], ..."
 
     def encode(self, out: RequestOutput, weight_version: str | None = None) -> str:
-        """json.dumps of {"output_ids", "text", "meta_info"} for `out` (server/api.py's `native`);
-        `weight_version` (the weights served now) replaces the one given at construction."""
-        if weight_version is not None:
-            self._weight_version = weight_version
+        """json.dumps of {"output_ids", "text", "meta_info"} for `out` (server/api.py's `native`), with
+        `weight_version`, the weights served as it is sent."""
         o = out.outputs[0]
         new_ids = o.token_ids[self._num_ids :]
         if new_ids:
@@ -116,7 +111,7 @@ class CumulativeChunks:
         else:  # (the engine's text only grows; kept for safety: a client reads the whole text anyway)
             self._text_json = json.dumps(text)[1:-1]
         self._text = text
-        meta = json.dumps(meta_info(out, self._weight_version))
+        meta = json.dumps(meta_info(out, weight_version))
         if o.logprobs is not None:
             new = o.logprobs[self._num_logprobs :]
             if new:
