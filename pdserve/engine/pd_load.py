@@ -111,12 +111,13 @@ def load_report(role, node: str, traffic=None) -> LoadReport:
         num_free = pool.num_free_pages
     else:  # decode
         rooms = list(role.prealloc) + list(role.transfer.values())
-        # Every request it holds, admitted or not, at its whole length (prompt + max_tokens - 1: the
-        # scheduler's len(r), what it books at assignment); current lengths, admitted ones only, made
-        # a decode's load fall at each report below what was booked (a review, 2026-12-05).
-        held = {id(r): r for r in list(engine.requests.values()) + [d.req for d in rooms]}
-        num_seqs = len(held)
-        num_tokens = sum(max(r.num_tokens, r.num_prompt_tokens + r.max_tokens - 1) for r in held.values())
+        # Every request it holds (the engine has each from `DecodeRole.add`, before its KV arrives) at
+        # its whole length, prompt + max_tokens - 1: the scheduler's len(r), what it books at
+        # assignment; current lengths made a decode's load fall at each report below what was booked
+        # (a review, 2026-12-05).
+        reqs = list(engine.requests.values())
+        num_seqs = len(reqs)
+        num_tokens = sum(max(r.num_tokens, r.num_prompt_tokens + r.max_tokens - 1) for r in reqs)
         waiting_pages = sum(-(-d.req.num_prompt_tokens // role.page_size) for d in list(role.prealloc))
         num_free = max(0, pool.num_free_pages - role._reserved_pages() - waiting_pages)
         planned = sum(
