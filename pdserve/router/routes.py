@@ -30,7 +30,7 @@ from pdserve.server import fanout
 from pdserve.server.auth import ApiKey
 from pdserve.server.content_type import JsonBodies
 from pdserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from pdserve.server.protocol import error_body, http_error, now_iso
+from pdserve.server.protocol import HEALTH_PROBE_PREFIX, error_body, http_error, now_iso
 
 
 def build_router_app(router: Router) -> FastAPI:
@@ -268,7 +268,7 @@ def build_router_app(router: Router) -> FastAPI:
         body = {
             "input_ids": [0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
-            "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            "rid": f"{HEALTH_PROBE_PREFIX}{uuid.uuid4().hex}",
         }
         answer = await router.dispatch("/generate", body, http)
         if answer.status_code == 200:

@@ -35,8 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.metrics import HEALTH_PROBE_PREFIX
-from pdserve.server.protocol import APIError, now_iso
+from pdserve.server.protocol import HEALTH_PROBE_PREFIX, APIError, now_iso
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # (SGLang's default health-check timeout)
 HEALTH_POLL_S = 0.05  # how often /health_generate looks for outputs of other requests

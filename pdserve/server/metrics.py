@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
-
-HEALTH_PROBE_PREFIX = "HEALTH_CHECK_"  # /health_generate's request ids (engine_status.py, the router's probe)
+from pdserve.server.protocol import HEALTH_PROBE_PREFIX
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # A whole request (agentic turns decode for minutes): vLLM's e2e buckets.

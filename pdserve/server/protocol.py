@@ -27,6 +27,10 @@ def request_id_of(answer_id: str) -> str:
     return "cmpl-" + answer_id.removeprefix("chatcmpl-") if answer_id.startswith("chatcmpl-") else answer_id
 
 
+# The request ids of health probes (`/health_generate`, the router's probe of a PD pair): not traffic,
+# so the metrics leave them out (SGLang sends its probe with log_metrics=False).
+HEALTH_PROBE_PREFIX = "HEALTH_CHECK_"
+
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id (a split request's children add "_<i>" to it)
 MAX_CACHE_SALT_CHARS = 1024  # a client's cache_salt (hashed once per request)
 MAX_ROUTER_ID_CHARS = 64  # a router's id (`pd.router_id`, AbortRequest.router_id): 32 hex chars
